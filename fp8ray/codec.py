@@ -1,0 +1,176 @@
+"""``Fp8Codec``: encode a bf16/fp16/fp32 tensor into a checked fp8 frame, and back.
+
+>>> codec = Fp8Codec(fp8="e4m3fn", scaling="token")
+>>> frame = codec.encode(torch.randn(8, 256, 64, dtype=torch.bfloat16))
+>>> tensor = decode(frame)          # every parameter is read from the frame
+
+The scale convention is the one of :mod:`fp8ray.formats`; the frame layout is in
+:mod:`fp8ray.frame` and docs/FORMAT.md. CPU tensors go through the numba kernels of
+:mod:`fp8ray.cpu`; tensors on other devices (CUDA) through the torch ops of
+:mod:`fp8ray.reference`, which the CPU kernels equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import cpu, frame, reference
+from .errors import NonFiniteError
+from .formats import DTYPE_NAMES, DTYPES, NONFINITE_POLICIES, SCALINGS, Fp8Format, get_format
+
+DEFAULT_BLOCK_SIZE = 128
+
+
+def _check_tensor(tensor) -> torch.Tensor:
+    if isinstance(tensor, np.ndarray):
+        if tensor.dtype not in (np.float16, np.float32):
+            raise TypeError(f"unsupported array dtype {tensor.dtype}; expected float16 or float32 (or a bfloat16 tensor)")
+        tensor = torch.from_numpy(np.ascontiguousarray(tensor))
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor or numpy array, got {type(tensor).__name__}")
+    if tensor.dtype not in DTYPES:
+        raise TypeError(f"unsupported dtype {tensor.dtype}; expected one of {sorted(DTYPE_NAMES.values())}")
+    if tensor.device.type == "meta":
+        raise ValueError("cannot encode a meta tensor: it has no data")
+    return tensor
+
+
+def _raise_nonfinite(x: torch.Tensor, count: int) -> None:
+    flat = x.reshape(-1)
+    first = int(torch.nonzero(~torch.isfinite(flat))[0, 0])
+    index = tuple(int(i) for i in np.unravel_index(first, tuple(x.shape))) if x.dim() else ()
+    value = float(flat[first])
+    raise NonFiniteError(
+        f"{count} non-finite value(s) in a {tuple(x.shape)} {DTYPE_NAMES[x.dtype]} tensor; "
+        f"the first is {value} at index {list(index)} (pass nonfinite='keep' to store them)"
+    )
+
+
+class Fp8Codec:
+    """Encode tensors to fp8 frames with one fixed configuration.
+
+    Args:
+        fp8: ``"e4m3fn"`` (default: more precision, range +-448) or ``"e5m2"``
+            (range +-57344, keeps inf). Torch dtypes and ``"float8_..."`` names work too.
+        scaling: ``"none"`` (plain clamped cast), ``"tensor"`` (one scale),
+            ``"channel"`` (one per index of the last dimension), ``"token"`` (one per
+            row of the last dimension: per token and head of a ``[.., tokens, head_dim]``
+            block) or ``"block"`` (one per ``block_size`` contiguous elements).
+        block_size: group length for ``scaling="block"``.
+        nonfinite: ``"error"`` (default) raises :class:`NonFiniteError` with the count and
+            the first index; ``"keep"`` stores NaN as NaN and +-inf as +-inf in e5m2.
+            e4m3fn has no infinities, so there +-inf is stored as NaN. Non-finite
+            values never enter a scale.
+    """
+
+    def __init__(
+        self,
+        fp8: str | torch.dtype = "e4m3fn",
+        scaling: str = "tensor",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        nonfinite: str = "error",
+    ):
+        self.fmt: Fp8Format = get_format(fp8)
+        if scaling not in SCALINGS:
+            raise ValueError(f"unknown scaling {scaling!r}; expected one of {sorted(SCALINGS)}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size < 2**32:
+            raise ValueError(f"block_size must be a positive integer below 2**32, got {block_size!r}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"unknown nonfinite policy {nonfinite!r}; expected one of {list(NONFINITE_POLICIES)}")
+        self.scaling = scaling
+        self.block_size = block_size
+        self.nonfinite = nonfinite
+
+    def __repr__(self) -> str:
+        block = f", block_size={self.block_size}" if self.scaling == "block" else ""
+        return f"Fp8Codec(fp8={self.fmt.name!r}, scaling={self.scaling!r}{block}, nonfinite={self.nonfinite!r})"
+
+    def _header(self, shape, dtype: torch.dtype) -> frame.FrameHeader:
+        return frame.FrameHeader(self.fmt, self.scaling, dtype, tuple(int(d) for d in shape), self.block_size)
+
+    def encoded_size(self, shape, dtype: torch.dtype) -> int:
+        """Exact size in bytes of the frame of a ``shape`` tensor of ``dtype``."""
+        if dtype not in DTYPES:
+            raise TypeError(f"unsupported dtype {dtype}; expected one of {sorted(DTYPE_NAMES.values())}")
+        return self._header(shape, dtype).frame_size
+
+    def encode(self, tensor) -> memoryview:
+        """Encode a tensor of any rank (0-d and empty included), contiguous or not.
+
+        Returns a read-write ``memoryview`` over one freshly allocated buffer holding the
+        whole frame (``bytes(frame)`` copies it; ``np.frombuffer(frame, np.uint8)`` does not).
+        """
+        x = _check_tensor(tensor)
+        header = self._header(x.shape, x.dtype)
+        buf = np.empty(header.frame_size, dtype=np.uint8)
+        frame.write_header(buf, header)
+        scales = buf[header.scales_offset : header.codes_offset].view(np.float32)
+        codes = frame.codes_of(buf, header)
+        if x.device.type == "cpu":
+            nonfinite = cpu.quantize(x.contiguous(), self.fmt, self.scaling, self.block_size, codes, scales)
+        else:
+            ref_codes, ref_scales, nonfinite = reference.quantize(
+                x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep"
+            )
+            codes[:] = ref_codes.cpu().numpy()
+            scales[:] = ref_scales.cpu().numpy()
+        if nonfinite and self.nonfinite == "error":
+            _raise_nonfinite(x, nonfinite)
+        frame.seal(buf)
+        return memoryview(buf)
+
+    def decode(self, data, *, out: torch.Tensor | None = None, device=None) -> torch.Tensor:
+        """Decode a frame; the same as :func:`fp8ray.decode` (frames describe themselves)."""
+        return decode(data, out=out, device=device)
+
+
+def decode(data, *, out: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """Decode any fp8ray frame to a tensor of its original dtype and shape.
+
+    Args:
+        data: the frame, any bytes-like object (bytes, memoryview, uint8 numpy array or
+            CPU tensor). Its checksum and lengths are verified first.
+        out: optional tensor of the frame's shape and dtype to decode into.
+        device: where to decode (default CPU, or ``out``'s device); on CUDA the codes
+            travel to the GPU and are decoded there.
+
+    Raises:
+        CorruptFrameError: the frame is truncated, malformed or fails its checksum.
+    """
+    buf = frame.as_byte_array(data)
+    header = frame.parse(buf)
+    scales = frame.scales_of(buf, header)
+    codes = frame.codes_of(buf, header)
+    if out is not None:
+        if tuple(out.shape) != header.shape or out.dtype != header.dtype:
+            raise ValueError(
+                f"out is a {tuple(out.shape)} {out.dtype} tensor, the frame holds {header.shape} {header.dtype}"
+            )
+        if device is not None and torch.device(device) != out.device:
+            raise ValueError(f"out is on {out.device} but device={device!r} was asked for")
+        target = out.device
+    else:
+        target = torch.device(device) if device is not None else torch.device("cpu")
+    if target.type == "cpu":
+        result = out if out is not None and out.is_contiguous() else torch.empty(header.shape, dtype=header.dtype)
+        cpu.dequantize(codes, scales, header.fmt, header.scaling, header.shape, header.block_size, result)
+    else:
+        result = reference.dequantize(
+            torch.from_numpy(codes.copy()).to(target),
+            torch.from_numpy(scales.copy()).to(target),
+            header.fmt,
+            header.scaling,
+            header.shape,
+            header.dtype,
+            header.block_size,
+        )
+    if out is not None and result is not out:
+        out.copy_(result)
+        return out
+    return result
+
+
+def encoded_size(shape, dtype: torch.dtype, fp8="e4m3fn", scaling="tensor", block_size=DEFAULT_BLOCK_SIZE) -> int:
+    """Exact frame size for a tensor of ``shape`` and ``dtype`` under these options."""
+    return Fp8Codec(fp8, scaling, block_size).encoded_size(shape, dtype)

@@ -1,0 +1,144 @@
+"""The CPU backend: splits a tensor into ranges and runs the numba kernels on a thread pool.
+
+The kernels release the GIL, so plain Python threads run them in parallel; this keeps
+the backend safe to call from many threads at once (numba's own parallel layer is not)
+and lets ``FP8RAY_NUM_THREADS`` bound the threads, as a Ray actor with one CPU wants.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from . import kernels
+from .formats import Fp8Format
+
+# Elements per task: big enough to amortise a thread hand-off (~10 us), small enough
+# to balance two to a few dozen cores.
+CHUNK_ELEMENTS = 1 << 20
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def num_threads() -> int:
+    """Threads the CPU backend uses: ``FP8RAY_NUM_THREADS``, else the CPUs this process may use."""
+    configured = os.environ.get("FP8RAY_NUM_THREADS")
+    if configured:
+        return max(1, int(configured))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _run(tasks: list) -> list:
+    """Run zero-argument callables, on the pool when there is more than one."""
+    global _pool
+    if len(tasks) <= 1 or num_threads() == 1:
+        return [task() for task in tasks]
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=num_threads(), thread_name_prefix="fp8ray-cpu")
+    return [f.result() for f in [_pool.submit(task) for task in tasks]]
+
+
+def _spans(count: int, per_task: int) -> list[tuple[int, int]]:
+    per_task = max(1, per_task)
+    return [(s, min(s + per_task, count)) for s in range(0, count, per_task)] or [(0, 0)]
+
+
+def as_flat_array(t: torch.Tensor) -> np.ndarray:
+    """A flat numpy view of a contiguous CPU bf16/fp16/fp32 tensor (bf16 as uint16 bits, fp16 as int16 bits)."""
+    flat = t.reshape(-1)
+    if t.dtype == torch.bfloat16:
+        return flat.view(torch.int16).numpy().view(np.uint16)
+    if t.dtype == torch.float16:
+        return flat.view(torch.int16).numpy()
+    return flat.numpy()
+
+
+@lru_cache(maxsize=None)
+def _params(fmt: Fp8Format) -> tuple:
+    return kernels.format_params(fmt)
+
+
+@lru_cache(maxsize=None)
+def _decode_params(fmt: Fp8Format) -> tuple:
+    return kernels.decode_params(fmt)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    scaling: str,
+    block_size: int,
+    codes: np.ndarray,
+    scales: np.ndarray,
+) -> int:
+    """Fill ``codes`` (uint8, numel) and ``scales`` (fp32) for contiguous CPU ``x``.
+
+    Returns the number of non-finite inputs (their codes are the format's NaN/inf codes).
+    """
+    src = as_flat_array(x)
+    n = src.size
+    p = _params(fmt)
+    shape = tuple(x.shape)
+    if scaling in ("none", "tensor"):
+        spans = _spans(n, CHUNK_ELEMENTS)
+        scale = np.float32(1.0)
+        if scaling == "tensor":
+            amax = max(_run([lambda s=s, e=e: kernels.amax_span(src, s, e) for s, e in spans]))
+            scale = np.float32(kernels.scale_from_amax(np.float32(amax), p[0]))
+            scales[0] = scale
+        return sum(_run([lambda s=s, e=e: kernels.quantize_uniform(src, codes, s, e, scale, p) for s, e in spans]))
+    if scaling == "channel":
+        columns = shape[-1] if shape else 1
+        rows = n // columns if columns else 0
+        spans = _spans(rows, CHUNK_ELEMENTS // max(columns, 1))
+        partial = _run([lambda s=s, e=e: _column_keys(src, columns, s, e) for s, e in spans])
+        keys = np.maximum.reduce(partial) if len(partial) > 1 else partial[0]
+        kernels.keys_to_scales(keys, p[0], scales)
+        return sum(
+            _run([lambda s=s, e=e: kernels.quantize_columns(src, codes, scales, columns, s, e, p) for s, e in spans])
+        )
+    # token and block: contiguous groups, amax and cast fused per group.
+    group = (shape[-1] if shape else 1) if scaling == "token" else block_size
+    groups = scales.size
+    spans = _spans(groups, CHUNK_ELEMENTS // max(group, 1))
+    return sum(_run([lambda s=s, e=e: kernels.quantize_groups(src, codes, scales, group, s, e, p) for s, e in spans]))
+
+
+def _column_keys(src: np.ndarray, columns: int, row_start: int, row_stop: int) -> np.ndarray:
+    keys = np.zeros(columns, dtype=np.int64)
+    kernels.amax_columns(src, columns, row_start, row_stop, keys)
+    return keys
+
+
+def dequantize(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    fmt: Fp8Format,
+    scaling: str,
+    shape: tuple[int, ...],
+    block_size: int,
+    out: torch.Tensor,
+) -> None:
+    """Decode ``codes`` with ``scales`` into the contiguous CPU tensor ``out``."""
+    dst = as_flat_array(out)
+    dp = _decode_params(fmt)
+    n = codes.size
+    if scaling in ("none", "tensor"):
+        scale = np.float32(1.0) if scaling == "none" else scales[0]
+        _run([lambda s=s, e=e: kernels.dequantize_uniform(codes, dp, scale, dst, s, e) for s, e in _spans(n, CHUNK_ELEMENTS)])
+    elif scaling == "channel":
+        columns = shape[-1] if shape else 1
+        rows = n // columns if columns else 0
+        spans = _spans(rows, CHUNK_ELEMENTS // max(columns, 1))
+        _run([lambda s=s, e=e: kernels.dequantize_columns(codes, dp, scales, columns, dst, s, e) for s, e in spans])
+    else:
+        group = (shape[-1] if shape else 1) if scaling == "token" else block_size
+        spans = _spans(scales.size, CHUNK_ELEMENTS // max(group, 1))
+        _run([lambda s=s, e=e: kernels.dequantize_groups(codes, dp, scales, group, dst, s, e) for s, e in spans])

@@ -1,0 +1,119 @@
+"""The fp8 formats, scaling modes and source dtypes fp8ray knows, and their wire codes.
+
+The scale convention, in one place for the whole project::
+
+    scale   = amax / finfo(fp8).max      (fp32; amax over the finite values of a group)
+    stored  = fp8(clamp(x / scale, -finfo.max, +finfo.max))   (round to nearest even)
+    decoded = fp32(stored) * scale, then rounded to the original dtype
+
+A group whose amax is 0 (all zeros, or empty) gets scale 1, so zeros decode to exact
+zeros. A scale below the smallest normal fp32 (2**-126) is raised to it, so the scale
+itself is exact and ``x / scale`` cannot overflow. Scaling ``none`` is scale 1 with no
+scale stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SMALLEST_NORMAL_SCALE = 2.0**-126
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """One fp8 format: its name, torch dtype, wire code and the constants the kernels need."""
+
+    name: str
+    code: int
+    dtype: torch.dtype
+    mantissa_bits: int
+    exponent_bias: int
+    max: float  # finfo.max, the clamp bound
+    unit_roundoff: float  # u = 2**-(mantissa_bits + 1)
+    min_subnormal_exp: int  # smallest subnormal is 2**min_subnormal_exp
+    nan_code: int  # canonical NaN written for NaN input under nonfinite="keep"
+    posinf_code: int  # code written for +inf under nonfinite="keep"
+    neginf_code: int  # code written for -inf under nonfinite="keep"
+
+
+E4M3FN = Fp8Format(
+    name="e4m3fn",
+    code=1,
+    dtype=torch.float8_e4m3fn,
+    mantissa_bits=3,
+    exponent_bias=7,
+    max=448.0,
+    unit_roundoff=2.0**-4,
+    min_subnormal_exp=-9,
+    nan_code=0x7F,
+    # e4m3fn has no infinities: under nonfinite="keep", +-inf is stored as NaN.
+    posinf_code=0x7F,
+    neginf_code=0x7F,
+)
+E5M2 = Fp8Format(
+    name="e5m2",
+    code=2,
+    dtype=torch.float8_e5m2,
+    mantissa_bits=2,
+    exponent_bias=15,
+    max=57344.0,
+    unit_roundoff=2.0**-3,
+    min_subnormal_exp=-16,
+    nan_code=0x7F,
+    posinf_code=0x7C,
+    neginf_code=0xFC,
+)
+
+FORMATS = {f.name: f for f in (E4M3FN, E5M2)}
+FORMATS_BY_CODE = {f.code: f for f in FORMATS.values()}
+FORMATS_BY_DTYPE = {f.dtype: f for f in FORMATS.values()}
+
+# Scaling modes and their wire codes.
+SCALINGS = {"none": 0, "tensor": 1, "channel": 2, "token": 3, "block": 4}
+SCALINGS_BY_CODE = {v: k for k, v in SCALINGS.items()}
+
+# Source dtypes and their wire codes.
+DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+DTYPES_BY_CODE = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+NONFINITE_POLICIES = ("error", "keep")
+
+
+def get_format(fp8: str | torch.dtype | Fp8Format) -> Fp8Format:
+    """Look up a format by name (``"e4m3fn"``, ``"float8_e4m3fn"``), torch dtype or itself."""
+    if isinstance(fp8, Fp8Format):
+        return fp8
+    if isinstance(fp8, torch.dtype):
+        if fp8 in FORMATS_BY_DTYPE:
+            return FORMATS_BY_DTYPE[fp8]
+        raise ValueError(f"unsupported fp8 dtype {fp8}; expected one of {sorted(str(f.dtype) for f in FORMATS.values())}")
+    if isinstance(fp8, str):
+        name = fp8.removeprefix("torch.").removeprefix("float8_")
+        if name in FORMATS:
+            return FORMATS[name]
+    raise ValueError(f"unknown fp8 format {fp8!r}; expected one of {sorted(FORMATS)}")
+
+
+def num_scales(scaling: str, shape: tuple[int, ...], block_size: int) -> int:
+    """How many fp32 scales a tensor of ``shape`` carries under ``scaling``.
+
+    ``channel`` has one per index of the last dimension, ``token`` one per row of the
+    last dimension (a 0-d tensor counts as one row of one element), ``block`` one per
+    ``block_size`` contiguous elements (the last block may be short).
+    """
+    numel = math.prod(shape)
+    if scaling == "none":
+        return 0
+    if scaling == "tensor":
+        return 1
+    if scaling == "channel":
+        return shape[-1] if shape else 1
+    if scaling == "token":
+        return math.prod(shape[:-1]) if shape else 1
+    if scaling == "block":
+        return -(-numel // block_size)
+    raise ValueError(f"unknown scaling {scaling!r}; expected one of {sorted(SCALINGS)}")

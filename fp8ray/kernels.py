@@ -1,0 +1,326 @@
+"""Numba CPU kernels: one pass over memory, no per-element branches, vectorised loops.
+
+Each kernel works on a range (of elements, groups or rows) so that the caller can split
+a tensor across threads; all are ``nogil``. Inputs and outputs are flat numpy arrays:
+``float32``; ``uint16`` holding bfloat16 bits; ``int16`` holding float16 bits. The
+conversions between those and fp32 are done on the bits, in int64 arithmetic (numba
+promotes mixed signed/unsigned integers to float, so unsigned types are avoided), and
+every selection is written so that LLVM turns it into a vector blend.
+
+The results must equal :mod:`fp8ray.reference` bit for bit; ``tests/test_kernels.py``
+checks that exhaustively where it can (every bf16 and fp16 value, every fp8 code) and
+on random data elsewhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+from .formats import SMALLEST_NORMAL_SCALE, Fp8Format
+
+_INF_BITS = 0x7F800000
+_ABS_MASK = 0x7FFFFFFF
+_SIGN_BIT = 0x80000000
+
+
+@intrinsic
+def _bits_to_f32(typingctx, bits):
+    """The float32 whose bit pattern is the low 32 bits of an int64."""
+    if bits != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.FloatType())
+
+    return types.float32(types.int64), codegen
+
+
+@intrinsic
+def _f32_to_bits(typingctx, value):
+    """The bit pattern of a float32, zero-extended to int64."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.zext(builder.bitcast(args[0], ir.IntType(32)), ir.IntType(64))
+
+    return types.int64(types.float32), codegen
+
+
+@njit(cache=True)
+def _f16_bits_to_f32(h):
+    """IEEE half (bits in an int64) to float32, exactly, without touching fp32 denormals."""
+    sign = (h & 0x8000) << 16
+    exp_mant = h & 0x7FFF
+    exponent = h & 0x7C00
+    normal = _bits_to_f32(((exp_mant << 13) + (112 << 23)) | sign)
+    special = _bits_to_f32((exp_mant << 13) | _INF_BITS | sign)
+    sub = np.float32(exp_mant) * np.float32(2.0**-24)
+    sub = -sub if sign else sub
+    return sub if exponent == 0 else (special if exponent == 0x7C00 else normal)
+
+
+@njit(cache=True)
+def _f32_to_f16_bits(f):
+    """float32 to IEEE half bits, round to nearest even (after Maratyszcza's FP16 library)."""
+    base = (abs(f) * np.float32(2.0**112)) * np.float32(2.0**-110)
+    w = _f32_to_bits(f)
+    shl1_w = (w + w) & 0xFFFFFFFF
+    sign = w & _SIGN_BIT
+    bias = shl1_w & 0xFF000000
+    bias = 0x71000000 if bias < 0x71000000 else bias
+    base = _bits_to_f32((bias >> 1) + 0x07800000) + base
+    bits = _f32_to_bits(base)
+    nonsign = ((bits >> 13) & 0x7C00) + (bits & 0x0FFF)
+    return (sign >> 16) | (0x7E00 if shl1_w > 0xFF000000 else nonsign)
+
+
+@njit(cache=True)
+def _f32_to_bf16_bits(f):
+    """float32 to bfloat16 bits, round to nearest even; NaN becomes 0x7FC0 (as c10 does)."""
+    b = _f32_to_bits(f)
+    rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return 0x7FC0 if (b & _ABS_MASK) > _INF_BITS else rounded
+
+
+def _load(x, i):
+    """Element ``i`` of a source array as float32 (typed by :func:`_load_impl`)."""
+
+
+@overload(_load)
+def _load_impl(x, i):
+    if x.dtype == types.float32:
+        return lambda x, i: x[i]
+    if x.dtype == types.uint16:  # bfloat16 bits
+        return lambda x, i: _bits_to_f32(np.int64(x[i]) << 16)
+    if x.dtype == types.int16:  # float16 bits
+        return lambda x, i: _f16_bits_to_f32(np.int64(x[i]) & 0xFFFF)
+    return None
+
+
+def _store(out, i, v):
+    """Write the float32 ``v`` into element ``i`` of an output array, rounding to its dtype."""
+
+
+@overload(_store)
+def _store_impl(out, i, v):
+    if out.dtype == types.float32:
+
+        def store_f32(out, i, v):
+            out[i] = v
+
+        return store_f32
+    if out.dtype == types.uint16:
+
+        def store_bf16(out, i, v):
+            out[i] = np.uint16(_f32_to_bf16_bits(v))
+
+        return store_bf16
+    if out.dtype == types.int16:
+
+        def store_f16(out, i, v):
+            out[i] = np.int16(_f32_to_f16_bits(v))
+
+        return store_f16
+    return None
+
+
+def format_params(fmt: Fp8Format) -> tuple:
+    """The constants of the fp32 -> fp8 rounding (c10's algorithm, generalised over formats)."""
+    shift = 23 - fmt.mantissa_bits
+    return (
+        np.float32(fmt.max),
+        shift,
+        ((fmt.exponent_bias - 127) << 23) + (1 << (shift - 1)) - 1,  # rebias + round-half-down
+        (127 - fmt.exponent_bias + 1) << 23,  # bits of the smallest normal
+        (127 - fmt.exponent_bias + shift + 1) << 23,  # magic that rounds subnormals in fp add
+        fmt.nan_code,
+        fmt.posinf_code,
+        fmt.neginf_code,
+    )
+
+
+@njit(cache=True)
+def _fp8_code(v, scale, p):
+    """The fp8 code of ``v / scale`` clamped to +-max, and 1 if ``v`` is not finite.
+
+    Non-finite inputs get the format's NaN/inf codes; the caller decides whether that
+    is allowed. Rounding is round-to-nearest-even, the same bits as torch's cast.
+    """
+    fmax, shift, norm_add, min_normal, denorm_bits, nan_code, posinf_code, neginf_code = p
+    q = v / scale
+    q = fmax if q > fmax else q
+    q = -fmax if q < -fmax else q
+    b = _f32_to_bits(q)
+    sign = b & _SIGN_BIT
+    a = b ^ sign
+    subnormal = _f32_to_bits(_bits_to_f32(a) + _bits_to_f32(denorm_bits)) - denorm_bits
+    normal = (a + norm_add + ((a >> shift) & 1)) >> shift
+    code = (subnormal if a < min_normal else normal) | (sign >> 24)
+    vb = _f32_to_bits(v)
+    key = vb & _ABS_MASK
+    nonfinite = key >= _INF_BITS
+    special = nan_code if key > _INF_BITS else (neginf_code if vb >> 31 else posinf_code)
+    return np.uint8(special if nonfinite else code), np.int64(nonfinite)
+
+
+@njit(cache=True)
+def _finite_key(v):
+    """|v|'s bits as an int, 0 for non-finite: ordered like |v|, so max() is exact."""
+    key = _f32_to_bits(v) & _ABS_MASK
+    return key if key < _INF_BITS else 0
+
+
+@njit(cache=True)
+def scale_from_amax(amax, fmax):
+    """``amax / fmax`` in fp32, at least 2**-126, and 1 for amax 0 (see fp8ray.formats)."""
+    scale = amax / fmax
+    scale = np.float32(SMALLEST_NORMAL_SCALE) if scale < np.float32(SMALLEST_NORMAL_SCALE) else scale
+    return np.float32(1.0) if amax == 0 else scale
+
+
+# Every loop below runs over ``range(view.size)`` of a slice taken inside the kernel: with
+# a loop index that is provably non-negative, numba drops its wraparound check and LLVM
+# vectorises the loop (an index from ``range(start, stop)`` runs about 6x slower).
+
+
+@njit(nogil=True, cache=True)
+def _span_key(x):
+    key = 0
+    for i in range(x.size):
+        key = max(key, _finite_key(_load(x, i)))
+    return key
+
+
+@njit(nogil=True, cache=True)
+def _quantize_span(x, codes, scale, p):
+    bad = 0
+    for i in range(x.size):
+        code, nonfinite = _fp8_code(_load(x, i), scale, p)
+        codes[i] = code
+        bad += nonfinite
+    return bad
+
+
+@njit(nogil=True, cache=True)
+def amax_span(x, start, stop):
+    """Largest finite |x[i]| for i in [start, stop), as float32 (0 if none)."""
+    return _bits_to_f32(np.int64(_span_key(x[start:stop])))
+
+
+@njit(nogil=True, cache=True)
+def amax_columns(x, columns, row_start, row_stop, keys):
+    """Fold rows [row_start, row_stop) of x viewed as [rows, columns] into per-column keys."""
+    for r in range(row_start, row_stop):
+        row = x[r * columns : (r + 1) * columns]
+        for c in range(row.size):
+            keys[c] = max(keys[c], _finite_key(_load(row, c)))
+
+
+@njit(nogil=True, cache=True)
+def keys_to_scales(keys, fmax, scales):
+    for c in range(keys.size):
+        scales[c] = scale_from_amax(_bits_to_f32(np.int64(keys[c])), fmax)
+
+
+@njit(nogil=True, cache=True)
+def quantize_uniform(x, codes, start, stop, scale, p):
+    """Codes of x[start:stop] under one scale; returns the count of non-finite inputs."""
+    return _quantize_span(x[start:stop], codes[start:stop], scale, p)
+
+
+@njit(nogil=True, cache=True)
+def quantize_groups(x, codes, scales, group, group_start, group_stop, p):
+    """Per-group amax, scale and codes for contiguous groups of ``group`` elements.
+
+    One read of each group from memory: the second pass over a group hits the cache.
+    """
+    n = x.size
+    fmax = p[0]
+    bad = 0
+    for g in range(group_start, group_stop):
+        start = g * group
+        stop = min(start + group, n)
+        xs = x[start:stop]
+        scale = scale_from_amax(_bits_to_f32(np.int64(_span_key(xs))), fmax)
+        scales[g] = scale
+        bad += _quantize_span(xs, codes[start:stop], scale, p)
+    return bad
+
+
+@njit(nogil=True, cache=True)
+def quantize_columns(x, codes, scales, columns, row_start, row_stop, p):
+    """Codes of rows [row_start, row_stop) of x viewed as [rows, columns], scale per column."""
+    bad = 0
+    for r in range(row_start, row_stop):
+        row = x[r * columns : (r + 1) * columns]
+        row_codes = codes[r * columns : (r + 1) * columns]
+        for c in range(row.size):
+            code, nonfinite = _fp8_code(_load(row, c), scales[c], p)
+            row_codes[c] = code
+            bad += nonfinite
+    return bad
+
+
+def decode_params(fmt: Fp8Format) -> tuple:
+    """The constants of the exact fp8 -> fp32 conversion done on the bits."""
+    shift = 23 - fmt.mantissa_bits
+    exponent_mask = (0x7F >> fmt.mantissa_bits) << fmt.mantissa_bits
+    # e4m3fn spends only the all-ones code on NaN; e5m2 the whole top exponent on inf/NaN.
+    special_mask = 0x7F if fmt.posinf_code == fmt.nan_code else exponent_mask
+    return (
+        shift,
+        (127 - fmt.exponent_bias) << 23,
+        exponent_mask,
+        special_mask,
+        (1 << fmt.mantissa_bits) - 1,
+        np.float32(2.0 ** (1 - fmt.exponent_bias - fmt.mantissa_bits)),
+    )
+
+
+@njit(cache=True)
+def _fp8_value(code, dp):
+    """fp32 value of an fp8 code: normals by rebiasing the bits, subnormals by an exact
+    int-to-float product (no fp32 denormals, which are slow), inf/NaN by their exponent."""
+    shift, rebias, exponent_mask, special_mask, mantissa_mask, subnormal_unit = dp
+    c = np.int64(code)
+    sign = (c & 0x80) << 24
+    mag = c & 0x7F
+    normal = _bits_to_f32(((mag << shift) + rebias) | sign)
+    special = _bits_to_f32((mag << shift) | _INF_BITS | sign)
+    sub = np.float32(mag & mantissa_mask) * subnormal_unit
+    sub = -sub if sign else sub
+    value = special if (mag & special_mask) == special_mask else normal
+    return sub if (mag & exponent_mask) == 0 else value
+
+
+@njit(nogil=True, cache=True)
+def _dequantize_span(codes, dp, scale, out):
+    for i in range(codes.size):
+        _store(out, i, _fp8_value(codes[i], dp) * scale)
+
+
+@njit(nogil=True, cache=True)
+def dequantize_uniform(codes, dp, scale, out, start, stop):
+    _dequantize_span(codes[start:stop], dp, scale, out[start:stop])
+
+
+@njit(nogil=True, cache=True)
+def dequantize_groups(codes, dp, scales, group, out, group_start, group_stop):
+    n = codes.size
+    for g in range(group_start, group_stop):
+        start = g * group
+        stop = min(start + group, n)
+        _dequantize_span(codes[start:stop], dp, scales[g], out[start:stop])
+
+
+@njit(nogil=True, cache=True)
+def dequantize_columns(codes, dp, scales, columns, out, row_start, row_stop):
+    for r in range(row_start, row_stop):
+        row = codes[r * columns : (r + 1) * columns]
+        row_out = out[r * columns : (r + 1) * columns]
+        for c in range(row.size):
+            _store(row_out, c, _fp8_value(row[c], dp) * scales[c])

@@ -1,0 +1,128 @@
+"""The CPU fast path equals the plain-torch reference bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _util import DTYPES, SCALINGS, assert_same_bits, kv_like
+
+from fp8ray import cpu, reference
+from fp8ray.formats import FORMATS, num_scales
+
+
+def fast_quantize(x, fmt, scaling, block_size=64):
+    codes = np.empty(x.numel(), dtype=np.uint8)
+    scales = np.empty(num_scales(scaling, tuple(x.shape), block_size), dtype=np.float32)
+    bad = cpu.quantize(x.contiguous(), fmt, scaling, block_size, codes, scales)
+    return torch.from_numpy(codes), torch.from_numpy(scales), bad
+
+
+def fast_dequantize(codes, scales, fmt, scaling, shape, dtype, block_size=64):
+    out = torch.empty(shape, dtype=dtype)
+    cpu.dequantize(codes.numpy(), scales.numpy(), fmt, scaling, tuple(shape), block_size, out)
+    return out
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_16_bit_input_rounds_like_torch(fmt_name, dtype):
+    """All 65536 bf16/fp16 bit patterns (NaN and inf included) through the clamped cast."""
+    fmt = FORMATS[fmt_name]
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    codes, _, bad = fast_quantize(x, fmt, "none")
+    ref_codes, _, ref_bad = reference.quantize(x, fmt, "none", 0, keep_nonfinite=True)
+    assert bad == ref_bad == int((~torch.isfinite(x)).sum())
+    assert torch.equal(codes, ref_codes)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_random_fp32_bit_patterns_round_like_torch(fmt_name):
+    """2**20 random fp32 bit patterns, plus every rounding tie near each fp8 value."""
+    fmt = FORMATS[fmt_name]
+    rng = np.random.default_rng(1)
+    random_bits = rng.integers(0, 2**32, size=2**20, dtype=np.uint64).astype(np.uint32)
+    values = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+    values = values[torch.isfinite(values)].unique()
+    mids = (values[1:] + values[:-1]) / 2  # exact in fp32: the ties
+    near = torch.cat([mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1), values])
+    x = torch.cat([torch.from_numpy(random_bits.view(np.float32)), near, near * 2.0**-30, near * 2.0**30])
+    codes, _, _ = fast_quantize(x, fmt, "none")
+    ref_codes, _, _ = reference.quantize(x, fmt, "none", 0, keep_nonfinite=True)
+    assert torch.equal(codes, ref_codes)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_code_decodes_like_torch_and_reencodes(fmt_name, dtype):
+    fmt = FORMATS[fmt_name]
+    codes = torch.arange(256, dtype=torch.uint8)
+    out = fast_dequantize(codes, torch.empty(0), fmt, "none", (256,), dtype)
+    expected = codes.view(fmt.dtype).to(dtype)
+    assert_same_bits(out, expected)
+    # Every finite fp8 value is exact in bf16, fp16 and fp32:
+    finite = torch.isfinite(expected)
+    assert torch.equal(out[finite].float(), codes.view(fmt.dtype).float()[finite])
+    back, _, _ = fast_quantize(out, fmt, "none")
+    nan = torch.isnan(out)
+    assert torch.equal(back[~nan], codes[~nan])
+    assert (back[nan] == fmt.nan_code).all()
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_decode_of_every_code_matches_reference(fmt_name, dtype):
+    """Every code times scales spanning fp32's range (the fp32 product, then the output rounding)."""
+    fmt = FORMATS[fmt_name]
+    rng = np.random.default_rng(2)
+    scales = torch.from_numpy(np.exp2(rng.uniform(-126, 100, size=64)).astype(np.float32))
+    scales[0] = 2.0**-126
+    codes = torch.arange(256, dtype=torch.uint8).repeat(64)
+    out = fast_dequantize(codes, scales, fmt, "token", (64, 256), dtype)
+    ref = reference.dequantize(codes, scales, fmt, "token", (64, 256), dtype, 0)
+    assert_same_bits(out, ref)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_modes_match_reference(scaling, fmt_name, dtype):
+    fmt = FORMATS[fmt_name]
+    x = kv_like((3, 37, 64), dtype, seed=hash((scaling, fmt_name, str(dtype))) % 1000)
+    x[1, 5] = 0  # a zero row: scale 1 under token scaling
+    x[..., 7] = 0  # a zero channel
+    codes, scales, _ = fast_quantize(x, fmt, scaling)
+    ref_codes, ref_scales, _ = reference.quantize(x, fmt, scaling, 64, keep_nonfinite=False)
+    assert torch.equal(codes, ref_codes)
+    assert_same_bits(scales, ref_scales)
+    out = fast_dequantize(codes, scales, fmt, scaling, x.shape, dtype)
+    assert_same_bits(out, reference.dequantize(ref_codes, ref_scales, fmt, scaling, tuple(x.shape), dtype, 64))
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_multithreaded_split_matches_reference(scaling, monkeypatch):
+    """Tensors larger than one task's chunk are split across threads; the bytes do not change."""
+    monkeypatch.setattr(cpu, "CHUNK_ELEMENTS", 4096)
+    monkeypatch.setenv("FP8RAY_NUM_THREADS", "3")
+    fmt = FORMATS["e4m3fn"]
+    x = kv_like((4, 100, 96), torch.bfloat16, seed=5)
+    codes, scales, _ = fast_quantize(x, fmt, scaling, block_size=100)
+    ref_codes, ref_scales, _ = reference.quantize(x, fmt, scaling, 100, keep_nonfinite=False)
+    assert torch.equal(codes, ref_codes)
+    assert_same_bits(scales, ref_scales)
+    out = fast_dequantize(codes, scales, fmt, scaling, x.shape, torch.bfloat16, block_size=100)
+    assert_same_bits(out, reference.dequantize(ref_codes, ref_scales, fmt, scaling, tuple(x.shape), torch.bfloat16, 100))
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_nonfinite_codes_match_reference_in_every_mode(fmt_name):
+    fmt = FORMATS[fmt_name]
+    x = kv_like((4, 8, 16), torch.float32, seed=3)
+    x[0, 0, 0], x[1, 2, 3], x[2, 3, 4], x[3, 7, 15] = float("nan"), float("inf"), float("-inf"), float("nan")
+    for scaling in SCALINGS:
+        codes, scales, bad = fast_quantize(x, fmt, scaling)
+        ref_codes, ref_scales, ref_bad = reference.quantize(x, fmt, scaling, 64, keep_nonfinite=True)
+        assert bad == ref_bad == 4
+        assert torch.equal(codes, ref_codes), scaling
+        assert_same_bits(scales, ref_scales)
+        assert torch.isfinite(scales).all()
