@@ -15,6 +15,7 @@ on random data elsewhere.
 from __future__ import annotations
 
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
@@ -50,6 +51,109 @@ def _f32_to_bits(typingctx, value):
     return types.int64(types.float32), codegen
 
 
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+
+
+def _i32(value: int) -> ir.Constant:
+    return ir.Constant(_I32, value & 0xFFFFFFFF)
+
+
+@intrinsic
+def _bf16_bits_to_f32(typingctx, bits):
+    """bfloat16 bits (uint16) to float32: the bits are fp32's top half, so this is exact."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.shl(builder.zext(args[0], _I32), _i32(16)), _F32)
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f32_to_bf16(typingctx, value):
+    """float32 to bfloat16 bits, round to nearest even; NaN becomes 0x7FC0 (as c10 does).
+
+    Written in 32-bit LLVM IR: numba would widen the integer arithmetic to int64, which
+    halves the vector lanes and costs shuffles between float and integer lanes.
+    """
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        b = builder.bitcast(args[0], _I32)
+        odd = builder.and_(builder.lshr(b, _i32(16)), _i32(1))
+        rounded = builder.lshr(builder.add(builder.add(b, _i32(0x7FFF)), odd), _i32(16))
+        is_nan = builder.icmp_unsigned(">", builder.and_(b, _i32(_ABS_MASK)), _i32(_INF_BITS))
+        return builder.trunc(builder.select(is_nan, _i32(0x7FC0), rounded), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _fp8_code_bits(typingctx, q, v, p):
+    """The fp8 code of the clamped quotient ``q`` (round to nearest even, c10's algorithm),
+    replaced by the NaN/inf code when the input ``v`` is not finite. 32-bit LLVM IR, for
+    the reason given in :func:`_f32_to_bf16`."""
+    if q != types.float32 or v != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        q, v, params = args
+        fields = [builder.extract_value(params, k) for k in range(1, 8)]
+        shift, norm_add, min_normal, denorm_bits, nan_code, posinf_code, neginf_code = (
+            builder.trunc(f, _I32) for f in fields
+        )
+        b = builder.bitcast(q, _I32)
+        sign = builder.and_(b, _i32(_SIGN_BIT))
+        a = builder.xor(b, sign)
+        magic = builder.bitcast(denorm_bits, _F32)
+        subnormal = builder.sub(builder.bitcast(builder.fadd(builder.bitcast(a, _F32), magic), _I32), denorm_bits)
+        odd = builder.and_(builder.lshr(a, shift), _i32(1))
+        normal = builder.lshr(builder.add(builder.add(a, norm_add), odd), shift)
+        code = builder.select(builder.icmp_unsigned("<", a, min_normal), subnormal, normal)
+        code = builder.or_(code, builder.lshr(sign, _i32(24)))
+        vb = builder.bitcast(v, _I32)
+        key = builder.and_(vb, _i32(_ABS_MASK))
+        inf = builder.select(builder.icmp_signed("<", vb, _i32(0)), neginf_code, posinf_code)
+        special = builder.select(builder.icmp_unsigned(">", key, _i32(_INF_BITS)), nan_code, inf)
+        nonfinite = builder.icmp_unsigned(">=", key, _i32(_INF_BITS))
+        return builder.select(nonfinite, special, code)
+
+    return types.int32(q, v, p), codegen
+
+
+@intrinsic
+def _fp8_to_f32(typingctx, code, dp):
+    """fp32 value of an fp8 code: normals by rebiasing the bits, subnormals by an exact
+    int-to-float product (no fp32 denormals, which are slow), inf/NaN by their exponent."""
+    if code != types.uint8:
+        return None
+
+    def codegen(context, builder, signature, args):
+        code, params = args
+        shift, rebias, exponent_mask, special_mask, mantissa_mask = (
+            builder.trunc(builder.extract_value(params, k), _I32) for k in range(5)
+        )
+        subnormal_unit = builder.extract_value(params, 5)
+        c = builder.zext(code, _I32)
+        sign = builder.shl(builder.and_(c, _i32(0x80)), _i32(24))
+        mag = builder.and_(c, _i32(0x7F))
+        shifted = builder.shl(mag, shift)
+        normal = builder.bitcast(builder.or_(builder.add(shifted, rebias), sign), _F32)
+        special = builder.bitcast(builder.or_(builder.or_(shifted, _i32(_INF_BITS)), sign), _F32)
+        sub_bits = builder.bitcast(
+            builder.fmul(builder.uitofp(builder.and_(mag, mantissa_mask), _F32), subnormal_unit), _I32
+        )
+        sub = builder.bitcast(builder.or_(sub_bits, sign), _F32)
+        is_special = builder.icmp_unsigned("==", builder.and_(mag, special_mask), special_mask)
+        is_sub = builder.icmp_unsigned("==", builder.and_(mag, exponent_mask), _i32(0))
+        return builder.select(is_sub, sub, builder.select(is_special, special, normal))
+
+    return types.float32(code, dp), codegen
+
+
 @njit(cache=True)
 def _f16_bits_to_f32(h):
     """IEEE half (bits in an int64) to float32, exactly, without touching fp32 denormals."""
@@ -78,14 +182,6 @@ def _f32_to_f16_bits(f):
     return (sign >> 16) | (0x7E00 if shl1_w > 0xFF000000 else nonsign)
 
 
-@njit(cache=True)
-def _f32_to_bf16_bits(f):
-    """float32 to bfloat16 bits, round to nearest even; NaN becomes 0x7FC0 (as c10 does)."""
-    b = _f32_to_bits(f)
-    rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    return 0x7FC0 if (b & _ABS_MASK) > _INF_BITS else rounded
-
-
 def _load(x, i):
     """Element ``i`` of a source array as float32 (typed by :func:`_load_impl`)."""
 
@@ -95,7 +191,7 @@ def _load_impl(x, i):
     if x.dtype == types.float32:
         return lambda x, i: x[i]
     if x.dtype == types.uint16:  # bfloat16 bits
-        return lambda x, i: _bits_to_f32(np.int64(x[i]) << 16)
+        return lambda x, i: _bf16_bits_to_f32(x[i])
     if x.dtype == types.int16:  # float16 bits
         return lambda x, i: _f16_bits_to_f32(np.int64(x[i]) & 0xFFFF)
     return None
@@ -116,7 +212,7 @@ def _store_impl(out, i, v):
     if out.dtype == types.uint16:
 
         def store_bf16(out, i, v):
-            out[i] = np.uint16(_f32_to_bf16_bits(v))
+            out[i] = _f32_to_bf16(v)
 
         return store_bf16
     if out.dtype == types.int16:
@@ -140,31 +236,34 @@ def format_params(fmt: Fp8Format) -> tuple:
         fmt.nan_code,
         fmt.posinf_code,
         fmt.neginf_code,
+        # The largest code a finite input can get: +-max after the clamp. Every code above
+        # it (sign aside) is a NaN/inf code, which only non-finite inputs get.
+        int(torch.tensor(fmt.max).to(fmt.dtype).view(torch.uint8)),
     )
 
 
 @njit(cache=True)
 def _fp8_code(v, scale, p):
-    """The fp8 code of ``v / scale`` clamped to +-max, and 1 if ``v`` is not finite.
+    """The fp8 code of ``v / scale`` clamped to +-max; the NaN/inf code if ``v`` is not finite.
 
-    Non-finite inputs get the format's NaN/inf codes; the caller decides whether that
-    is allowed. Rounding is round-to-nearest-even, the same bits as torch's cast.
+    Rounding is round-to-nearest-even, the same bits as torch's cast.
     """
-    fmax, shift, norm_add, min_normal, denorm_bits, nan_code, posinf_code, neginf_code = p
+    fmax = p[0]
     q = v / scale
     q = fmax if q > fmax else q
     q = -fmax if q < -fmax else q
-    b = _f32_to_bits(q)
-    sign = b & _SIGN_BIT
-    a = b ^ sign
-    subnormal = _f32_to_bits(_bits_to_f32(a) + _bits_to_f32(denorm_bits)) - denorm_bits
-    normal = (a + norm_add + ((a >> shift) & 1)) >> shift
-    code = (subnormal if a < min_normal else normal) | (sign >> 24)
-    vb = _f32_to_bits(v)
-    key = vb & _ABS_MASK
-    nonfinite = key >= _INF_BITS
-    special = nan_code if key > _INF_BITS else (neginf_code if vb >> 31 else posinf_code)
-    return np.uint8(special if nonfinite else code), np.int64(nonfinite)
+    return np.uint8(_fp8_code_bits(q, v, p))
+
+
+@njit(nogil=True, cache=True)
+def _count_nonfinite(codes, p):
+    """Non-finite inputs, counted from their codes afterwards: counting inside the cast
+    loop keeps LLVM from vectorising it, and this pass reads bytes still in cache."""
+    max_finite_code = p[8]
+    bad = 0
+    for i in range(codes.size):
+        bad += (codes[i] & 0x7F) > max_finite_code
+    return bad
 
 
 @njit(cache=True)
@@ -197,12 +296,9 @@ def _span_key(x):
 
 @njit(nogil=True, cache=True)
 def _quantize_span(x, codes, scale, p):
-    bad = 0
     for i in range(x.size):
-        code, nonfinite = _fp8_code(_load(x, i), scale, p)
-        codes[i] = code
-        bad += nonfinite
-    return bad
+        codes[i] = _fp8_code(_load(x, i), scale, p)
+    return _count_nonfinite(codes, p)
 
 
 @njit(nogil=True, cache=True)
@@ -259,9 +355,8 @@ def quantize_columns(x, codes, scales, columns, row_start, row_stop, p):
         row = x[r * columns : (r + 1) * columns]
         row_codes = codes[r * columns : (r + 1) * columns]
         for c in range(row.size):
-            code, nonfinite = _fp8_code(_load(row, c), scales[c], p)
-            row_codes[c] = code
-            bad += nonfinite
+            row_codes[c] = _fp8_code(_load(row, c), scales[c], p)
+        bad += _count_nonfinite(row_codes, p)
     return bad
 
 
@@ -281,26 +376,10 @@ def decode_params(fmt: Fp8Format) -> tuple:
     )
 
 
-@njit(cache=True)
-def _fp8_value(code, dp):
-    """fp32 value of an fp8 code: normals by rebiasing the bits, subnormals by an exact
-    int-to-float product (no fp32 denormals, which are slow), inf/NaN by their exponent."""
-    shift, rebias, exponent_mask, special_mask, mantissa_mask, subnormal_unit = dp
-    c = np.int64(code)
-    sign = (c & 0x80) << 24
-    mag = c & 0x7F
-    normal = _bits_to_f32(((mag << shift) + rebias) | sign)
-    special = _bits_to_f32((mag << shift) | _INF_BITS | sign)
-    sub = np.float32(mag & mantissa_mask) * subnormal_unit
-    sub = -sub if sign else sub
-    value = special if (mag & special_mask) == special_mask else normal
-    return sub if (mag & exponent_mask) == 0 else value
-
-
 @njit(nogil=True, cache=True)
 def _dequantize_span(codes, dp, scale, out):
     for i in range(codes.size):
-        _store(out, i, _fp8_value(codes[i], dp) * scale)
+        _store(out, i, _fp8_to_f32(codes[i], dp) * scale)
 
 
 @njit(nogil=True, cache=True)
@@ -323,4 +402,4 @@ def dequantize_columns(codes, dp, scales, columns, out, row_start, row_stop):
         row = codes[r * columns : (r + 1) * columns]
         row_out = out[r * columns : (r + 1) * columns]
         for c in range(row.size):
-            _store(row_out, c, _fp8_value(row[c], dp) * scales[c])
+            _store(row_out, c, _fp8_to_f32(row[c], dp) * scales[c])

@@ -1,0 +1,112 @@
+"""``fp8ray bench codec``: throughput of the fast path beside the torch reference and a
+memory copy, all measured in the same run. Figures are GB/s of bytes read plus written.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import cpu, reference
+from .codec import Fp8Codec, decode
+from .formats import SCALINGS
+from .sample import sample_kv_chunk
+
+
+@dataclass
+class Row:
+    scaling: str
+    direction: str
+    fast_gbps: float
+    reference_gbps: float
+    copy_gbps: float
+
+    @property
+    def vs_reference(self) -> float:
+        return self.fast_gbps / self.reference_gbps
+
+    @property
+    def vs_copy(self) -> float:
+        return self.fast_gbps / self.copy_gbps
+
+
+def _seconds(fn, repeat: int) -> float:
+    fn()  # warm up (JIT compile, page faults)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, repeat: int) -> float:
+    """Bytes read plus written per second by a preallocated ``dst.copy_(src)``."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _seconds(lambda: dst.copy_(src), repeat) / 1e9
+
+
+def bench_codec(
+    fp8: str = "e4m3fn",
+    dtype: torch.dtype = torch.bfloat16,
+    chunks: int = 4,
+    block_size: int = 128,
+    repeat: int = 5,
+    scalings=tuple(SCALINGS),
+) -> list[Row]:
+    """Measure encode and decode of ``chunks`` sample KV chunks ([2, 30, 256, 192] each)."""
+    x = torch.cat([sample_kv_chunk(seed=i, dtype=dtype) for i in range(chunks)], dim=1)
+    in_bytes = x.numel() * x.element_size()
+    rows = []
+    for scaling in scalings:
+        codec = Fp8Codec(fp8, scaling, block_size=block_size)
+        frame = codec.encode(x)
+        moved_encode = in_bytes + len(frame)
+        moved_decode = len(frame) + in_bytes
+        copy = copy_bandwidth(in_bytes, repeat)
+        t_fast_enc = _seconds(lambda: codec.encode(x), repeat)
+        t_ref_enc = _seconds(lambda: reference.quantize(x, codec.fmt, scaling, block_size, False), max(1, repeat // 2))
+        codes, scales, _ = reference.quantize(x, codec.fmt, scaling, block_size, False)
+        t_fast_dec = _seconds(lambda: decode(frame), repeat)
+        t_ref_dec = _seconds(
+            lambda: reference.dequantize(codes, scales, codec.fmt, scaling, tuple(x.shape), dtype, block_size),
+            max(1, repeat // 2),
+        )
+        rows.append(Row(scaling, "encode", moved_encode / t_fast_enc / 1e9, moved_encode / t_ref_enc / 1e9, copy))
+        rows.append(Row(scaling, "decode", moved_decode / t_fast_dec / 1e9, moved_decode / t_ref_dec / 1e9, copy))
+    return rows
+
+
+def format_table(rows: list[Row], title: str) -> str:
+    lines = [
+        title,
+        "",
+        "| scaling | direction | fast GB/s | torch reference GB/s | copy GB/s | fast / reference | fast / copy |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.scaling} | {r.direction} | {r.fast_gbps:.2f} | {r.reference_gbps:.3f} | {r.copy_gbps:.1f} "
+            f"| {r.vs_reference:.1f}x | {r.vs_copy:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def describe_machine() -> str:
+    import os
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{model}, {os.cpu_count()} CPUs, {cpu.num_threads()} codec threads, "
+        f"torch {torch.__version__}, Python {platform.python_version()}"
+    )
