@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -60,14 +59,8 @@ def as_flat_array(t: torch.Tensor) -> np.ndarray:
     return flat.numpy()
 
 
-@lru_cache(maxsize=None)
-def _params(fmt: Fp8Format) -> tuple:
-    return kernels.format_params(fmt)
-
-
-@lru_cache(maxsize=None)
-def _decode_params(fmt: Fp8Format) -> tuple:
-    return kernels.decode_params(fmt)
+_TABLE_SIZE = 256
+_ALL_CODES = np.arange(_TABLE_SIZE, dtype=np.uint8)
 
 
 def quantize(
@@ -84,37 +77,38 @@ def quantize(
     """
     src = as_flat_array(x)
     n = src.size
-    p = _params(fmt)
+    tag = kernels.FORMAT_TAGS[fmt.name]
+    fmax = np.float32(fmt.max)
     shape = tuple(x.shape)
     if scaling in ("none", "tensor"):
         spans = _spans(n, CHUNK_ELEMENTS)
         scale = np.float32(1.0)
         if scaling == "tensor":
             amax = max(_run([lambda s=s, e=e: kernels.amax_span(src, s, e) for s, e in spans]))
-            scale = np.float32(kernels.scale_from_amax(np.float32(amax), p[0]))
+            scale = np.float32(kernels.scale_from_amax(np.float32(amax), fmax))
             scales[0] = scale
-        return sum(_run([lambda s=s, e=e: kernels.quantize_uniform(src, codes, s, e, scale, p) for s, e in spans]))
+        return sum(_run([lambda s=s, e=e: kernels.quantize_uniform(src, codes, s, e, scale, tag) for s, e in spans]))
     if scaling == "channel":
         columns = shape[-1] if shape else 1
         rows = n // columns if columns else 0
         spans = _spans(rows, CHUNK_ELEMENTS // max(columns, 1))
-        partial = _run([lambda s=s, e=e: _column_keys(src, columns, s, e) for s, e in spans])
-        keys = np.maximum.reduce(partial) if len(partial) > 1 else partial[0]
-        kernels.keys_to_scales(keys, p[0], scales)
+        partial = _run([lambda s=s, e=e: _column_amax(src, columns, s, e) for s, e in spans])
+        amax = np.maximum.reduce(partial) if len(partial) > 1 else partial[0]
+        kernels.amax_to_scales(amax, fmax, scales)
         return sum(
-            _run([lambda s=s, e=e: kernels.quantize_columns(src, codes, scales, columns, s, e, p) for s, e in spans])
+            _run([lambda s=s, e=e: kernels.quantize_columns(src, codes, scales, columns, s, e, tag) for s, e in spans])
         )
     # token and block: contiguous groups, amax and cast fused per group.
     group = (shape[-1] if shape else 1) if scaling == "token" else block_size
     groups = scales.size
     spans = _spans(groups, CHUNK_ELEMENTS // max(group, 1))
-    return sum(_run([lambda s=s, e=e: kernels.quantize_groups(src, codes, scales, group, s, e, p) for s, e in spans]))
+    return sum(_run([lambda s=s, e=e: kernels.quantize_groups(src, codes, scales, group, s, e, tag) for s, e in spans]))
 
 
-def _column_keys(src: np.ndarray, columns: int, row_start: int, row_stop: int) -> np.ndarray:
-    keys = np.zeros(columns, dtype=np.int64)
-    kernels.amax_columns(src, columns, row_start, row_stop, keys)
-    return keys
+def _column_amax(src: np.ndarray, columns: int, row_start: int, row_stop: int) -> np.ndarray:
+    amax = np.zeros(columns, dtype=np.float32)
+    kernels.amax_columns(src, columns, row_start, row_stop, amax)
+    return amax
 
 
 def dequantize(
@@ -128,17 +122,20 @@ def dequantize(
 ) -> None:
     """Decode ``codes`` with ``scales`` into the contiguous CPU tensor ``out``."""
     dst = as_flat_array(out)
-    dp = _decode_params(fmt)
+    tag = kernels.FORMAT_TAGS[fmt.name]
     n = codes.size
     if scaling in ("none", "tensor"):
         scale = np.float32(1.0) if scaling == "none" else scales[0]
-        _run([lambda s=s, e=e: kernels.dequantize_uniform(codes, dp, scale, dst, s, e) for s, e in _spans(n, CHUNK_ELEMENTS)])
+        # One scale: decode the 256 codes once, then every element is a table lookup.
+        table = np.empty(_TABLE_SIZE, dtype=dst.dtype)
+        kernels.dequantize_uniform(_ALL_CODES, tag, scale, table, 0, _TABLE_SIZE)
+        _run([lambda s=s, e=e: kernels.lookup(codes, table, dst, s, e) for s, e in _spans(n, CHUNK_ELEMENTS)])
     elif scaling == "channel":
         columns = shape[-1] if shape else 1
         rows = n // columns if columns else 0
         spans = _spans(rows, CHUNK_ELEMENTS // max(columns, 1))
-        _run([lambda s=s, e=e: kernels.dequantize_columns(codes, dp, scales, columns, dst, s, e) for s, e in spans])
+        _run([lambda s=s, e=e: kernels.dequantize_columns(codes, tag, scales, columns, dst, s, e) for s, e in spans])
     else:
         group = (shape[-1] if shape else 1) if scaling == "token" else block_size
         spans = _spans(scales.size, CHUNK_ELEMENTS // max(group, 1))
-        _run([lambda s=s, e=e: kernels.dequantize_groups(codes, dp, scales, group, dst, s, e) for s, e in spans])
+        _run([lambda s=s, e=e: kernels.dequantize_groups(codes, tag, scales, group, dst, s, e) for s, e in spans])

@@ -20,7 +20,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from .formats import SMALLEST_NORMAL_SCALE, Fp8Format
+from .formats import E4M3FN, E5M2, SMALLEST_NORMAL_SCALE, Fp8Format
 
 _INF_BITS = 0x7F800000
 _ABS_MASK = 0x7FFFFFFF
@@ -255,7 +255,7 @@ def _fp8_code(v, scale, p):
     return np.uint8(_fp8_code_bits(q, v, p))
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _count_nonfinite(codes, p):
     """Non-finite inputs, counted from their codes afterwards: counting inside the cast
     loop keeps LLVM from vectorising it, and this pass reads bytes still in cache."""
@@ -281,12 +281,14 @@ def scale_from_amax(amax, fmax):
     return np.float32(1.0) if amax == 0 else scale
 
 
+# The span helpers are inlined by numba (inline="always") so that the format constants
+# reach their loops: LLVM does not inline a function that holds a loop.
 # Every loop below runs over ``range(view.size)`` of a slice taken inside the kernel: with
 # a loop index that is provably non-negative, numba drops its wraparound check and LLVM
 # vectorises the loop (an index from ``range(start, stop)`` runs about 6x slower).
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _span_key(x):
     key = 0
     for i in range(x.size):
@@ -294,7 +296,7 @@ def _span_key(x):
     return key
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _quantize_span(x, codes, scale, p):
     for i in range(x.size):
         codes[i] = _fp8_code(_load(x, i), scale, p)
@@ -308,32 +310,38 @@ def amax_span(x, start, stop):
 
 
 @njit(nogil=True, cache=True)
-def amax_columns(x, columns, row_start, row_stop, keys):
-    """Fold rows [row_start, row_stop) of x viewed as [rows, columns] into per-column keys."""
+def amax_columns(x, columns, row_start, row_stop, amax):
+    """Fold rows [row_start, row_stop) of x viewed as [rows, columns] into per-column
+    float32 maxima of the finite |x|. Element-wise across a row, so it vectorises as a
+    blend; NaN fails the comparison and inf the bound, so neither enters."""
+    inf = np.float32(np.inf)
     for r in range(row_start, row_stop):
         row = x[r * columns : (r + 1) * columns]
         for c in range(row.size):
-            keys[c] = max(keys[c], _finite_key(_load(row, c)))
+            a = abs(_load(row, c))
+            amax[c] = a if (a > amax[c]) & (a < inf) else amax[c]
 
 
 @njit(nogil=True, cache=True)
-def keys_to_scales(keys, fmax, scales):
-    for c in range(keys.size):
-        scales[c] = scale_from_amax(_bits_to_f32(np.int64(keys[c])), fmax)
+def amax_to_scales(amax, fmax, scales):
+    for c in range(amax.size):
+        scales[c] = scale_from_amax(amax[c], fmax)
 
 
 @njit(nogil=True, cache=True)
-def quantize_uniform(x, codes, start, stop, scale, p):
+def quantize_uniform(x, codes, start, stop, scale, tag):
     """Codes of x[start:stop] under one scale; returns the count of non-finite inputs."""
+    p = _encode_params(tag)
     return _quantize_span(x[start:stop], codes[start:stop], scale, p)
 
 
 @njit(nogil=True, cache=True)
-def quantize_groups(x, codes, scales, group, group_start, group_stop, p):
+def quantize_groups(x, codes, scales, group, group_start, group_stop, tag):
     """Per-group amax, scale and codes for contiguous groups of ``group`` elements.
 
     One read of each group from memory: the second pass over a group hits the cache.
     """
+    p = _encode_params(tag)
     n = x.size
     fmax = p[0]
     bad = 0
@@ -348,8 +356,9 @@ def quantize_groups(x, codes, scales, group, group_start, group_stop, p):
 
 
 @njit(nogil=True, cache=True)
-def quantize_columns(x, codes, scales, columns, row_start, row_stop, p):
+def quantize_columns(x, codes, scales, columns, row_start, row_stop, tag):
     """Codes of rows [row_start, row_stop) of x viewed as [rows, columns], scale per column."""
+    p = _encode_params(tag)
     bad = 0
     for r in range(row_start, row_stop):
         row = x[r * columns : (r + 1) * columns]
@@ -376,19 +385,61 @@ def decode_params(fmt: Fp8Format) -> tuple:
     )
 
 
-@njit(nogil=True, cache=True)
+# A format reaches the kernels as a *tag*: an empty array whose dtype names the format.
+# Numba compiles (and caches) one specialisation per argument type, so each format gets
+# its own machine code with its constants folded in as immediates; passed as runtime
+# values they cost register spills and variable shifts (encode runs ~1.6x slower).
+FORMAT_TAGS = {"e4m3fn": np.empty(0, np.uint8), "e5m2": np.empty(0, np.int8)}
+
+
+def _format_of_tag(tag) -> Fp8Format:
+    return {types.uint8: E4M3FN, types.int8: E5M2}[tag.dtype]
+
+
+def _encode_params(tag):
+    """The :func:`format_params` of the format ``tag`` names, as compile-time constants."""
+
+
+@overload(_encode_params)
+def _encode_params_impl(tag):
+    params = format_params(_format_of_tag(tag))
+    return lambda tag: params
+
+
+def _decode_params(tag):
+    """The :func:`decode_params` of the format ``tag`` names, as compile-time constants."""
+
+
+@overload(_decode_params)
+def _decode_params_impl(tag):
+    params = decode_params(_format_of_tag(tag))
+    return lambda tag: params
+
+
+@njit(inline="always")
 def _dequantize_span(codes, dp, scale, out):
     for i in range(codes.size):
         _store(out, i, _fp8_to_f32(codes[i], dp) * scale)
 
 
 @njit(nogil=True, cache=True)
-def dequantize_uniform(codes, dp, scale, out, start, stop):
-    _dequantize_span(codes[start:stop], dp, scale, out[start:stop])
+def dequantize_uniform(codes, tag, scale, out, start, stop):
+    _dequantize_span(codes[start:stop], _decode_params(tag), scale, out[start:stop])
 
 
 @njit(nogil=True, cache=True)
-def dequantize_groups(codes, dp, scales, group, out, group_start, group_stop):
+def lookup(codes, table, out, start, stop):
+    """out[i] = table[codes[i]]: decoding under one scale, with a 256-entry table of
+    output values made by :func:`dequantize_uniform` itself (so the same bits)."""
+    c = codes[start:stop]
+    o = out[start:stop]
+    for i in range(c.size):
+        o[i] = table[c[i]]
+
+
+@njit(nogil=True, cache=True)
+def dequantize_groups(codes, tag, scales, group, out, group_start, group_stop):
+    dp = _decode_params(tag)
     n = codes.size
     for g in range(group_start, group_stop):
         start = g * group
@@ -397,7 +448,8 @@ def dequantize_groups(codes, dp, scales, group, out, group_start, group_stop):
 
 
 @njit(nogil=True, cache=True)
-def dequantize_columns(codes, dp, scales, columns, out, row_start, row_stop):
+def dequantize_columns(codes, tag, scales, columns, out, row_start, row_stop):
+    dp = _decode_params(tag)
     for r in range(row_start, row_stop):
         row = codes[r * columns : (r + 1) * columns]
         row_out = out[r * columns : (r + 1) * columns]
