@@ -1,5 +1,13 @@
 """``fp8ray bench codec``: throughput of the fast path beside the torch reference and a
-memory copy, all measured in the same run. Figures are GB/s of bytes read plus written.
+memory copy, all measured in the same run. Figures are GB/s of bytes read plus written
+(input plus frame), medians of ``repeat`` runs after a warm-up.
+
+- encode: ``Fp8Codec.encode`` (allocates the frame, computes its CRC-32C) against
+  ``reference.quantize``;
+- decode: ``fp8ray.decode(frame, out=...)`` into a preallocated tensor (verifies the
+  CRC-32C), like the copy baseline's preallocated ``dst``, against ``reference.dequantize``;
+- decode, new tensor: ``fp8ray.decode(frame)``, which also pays for a fresh output
+  tensor: the kernel's first touch of new pages can cost as much as the decode itself.
 """
 
 from __future__ import annotations
@@ -71,13 +79,18 @@ def bench_codec(
         t_fast_enc = _seconds(lambda: codec.encode(x), repeat)
         t_ref_enc = _seconds(lambda: reference.quantize(x, codec.fmt, scaling, block_size, False), max(1, repeat // 2))
         codes, scales, _ = reference.quantize(x, codec.fmt, scaling, block_size, False)
-        t_fast_dec = _seconds(lambda: decode(frame), repeat)
+        out = torch.empty_like(x)
+        t_fast_dec = _seconds(lambda: decode(frame, out=out), repeat)
+        t_fast_dec_new = _seconds(lambda: decode(frame), repeat)
         t_ref_dec = _seconds(
             lambda: reference.dequantize(codes, scales, codec.fmt, scaling, tuple(x.shape), dtype, block_size),
             max(1, repeat // 2),
         )
         rows.append(Row(scaling, "encode", moved_encode / t_fast_enc / 1e9, moved_encode / t_ref_enc / 1e9, copy))
         rows.append(Row(scaling, "decode", moved_decode / t_fast_dec / 1e9, moved_decode / t_ref_dec / 1e9, copy))
+        rows.append(
+            Row(scaling, "decode, new tensor", moved_decode / t_fast_dec_new / 1e9, moved_decode / t_ref_dec / 1e9, copy)
+        )
     return rows
 
 

@@ -7,6 +7,11 @@ conversions between those and fp32 are done on the bits, in int64 arithmetic (nu
 promotes mixed signed/unsigned integers to float, so unsigned types are avoided), and
 every selection is written so that LLVM turns it into a vector blend.
 
+Every kernel is compiled with ``error_model="numpy"``: under numba's default ("python")
+each division checks for a zero divisor, and that per-element branch stops LLVM from
+vectorising any loop whose divisor varies (channel scaling ran 3x slower). Scales are
+never zero (see fp8ray.formats), so the check would never fire.
+
 The results must equal :mod:`fp8ray.reference` bit for bit; ``tests/test_kernels.py``
 checks that exhaustively where it can (every bf16 and fp16 value, every fp8 code) and
 on random data elsewhere.
@@ -14,8 +19,11 @@ on random data elsewhere.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
+from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
@@ -53,6 +61,22 @@ def _f32_to_bits(typingctx, value):
 
 _I32 = ir.IntType(32)
 _F32 = ir.FloatType()
+
+
+def _native_half_conversions() -> bool:
+    """Whether LLVM lowers fp32 <-> fp16 to one instruction here (x86 F16C, any aarch64).
+
+    Elsewhere it would call a compiler-rt helper the JIT may not have, so the bit-level
+    conversions below are used instead; both round to nearest even, so the bits agree.
+    """
+    triple = llvm_binding.get_process_triple()
+    if triple.startswith(("aarch64", "arm64")):
+        return True
+    features = os.environ.get("NUMBA_CPU_FEATURES") or llvm_binding.get_host_cpu_features().flatten()
+    return triple.startswith("x86_64") and "+f16c" in features.split(",")
+
+
+_NATIVE_HALF = _native_half_conversions()
 
 
 def _i32(value: int) -> ir.Constant:
@@ -154,32 +178,59 @@ def _fp8_to_f32(typingctx, code, dp):
     return types.float32(code, dp), codegen
 
 
-@njit(cache=True)
-def _f16_bits_to_f32(h):
-    """IEEE half (bits in an int64) to float32, exactly, without touching fp32 denormals."""
-    sign = (h & 0x8000) << 16
-    exp_mant = h & 0x7FFF
-    exponent = h & 0x7C00
-    normal = _bits_to_f32(((exp_mant << 13) + (112 << 23)) | sign)
-    special = _bits_to_f32((exp_mant << 13) | _INF_BITS | sign)
-    sub = np.float32(exp_mant) * np.float32(2.0**-24)
-    sub = -sub if sign else sub
-    return sub if exponent == 0 else (special if exponent == 0x7C00 else normal)
+@intrinsic
+def _f16_bits_to_f32(typingctx, bits):
+    """IEEE half (bits in an int16) to float32, exactly, without touching fp32 denormals:
+    normals by rebiasing the bits, subnormals by an exact int-to-float product."""
+    if bits != types.int16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        if _NATIVE_HALF:
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+        h = builder.zext(args[0], _I32)
+        sign = builder.shl(builder.and_(h, _i32(0x8000)), _i32(16))
+        exp_mant = builder.and_(h, _i32(0x7FFF))
+        exponent = builder.and_(h, _i32(0x7C00))
+        shifted = builder.shl(exp_mant, _i32(13))
+        normal = builder.or_(builder.add(shifted, _i32(112 << 23)), sign)
+        special = builder.or_(builder.or_(shifted, _i32(_INF_BITS)), sign)
+        sub = builder.fmul(builder.uitofp(exp_mant, _F32), ir.Constant(_F32, 2.0**-24))
+        sub = builder.or_(builder.bitcast(sub, _I32), sign)
+        is_special = builder.icmp_unsigned("==", exponent, _i32(0x7C00))
+        is_sub = builder.icmp_unsigned("==", exponent, _i32(0))
+        result = builder.select(is_sub, sub, builder.select(is_special, special, normal))
+        return builder.bitcast(result, _F32)
+
+    return types.float32(types.int16), codegen
 
 
-@njit(cache=True)
-def _f32_to_f16_bits(f):
-    """float32 to IEEE half bits, round to nearest even (after Maratyszcza's FP16 library)."""
-    base = (abs(f) * np.float32(2.0**112)) * np.float32(2.0**-110)
-    w = _f32_to_bits(f)
-    shl1_w = (w + w) & 0xFFFFFFFF
-    sign = w & _SIGN_BIT
-    bias = shl1_w & 0xFF000000
-    bias = 0x71000000 if bias < 0x71000000 else bias
-    base = _bits_to_f32((bias >> 1) + 0x07800000) + base
-    bits = _f32_to_bits(base)
-    nonsign = ((bits >> 13) & 0x7C00) + (bits & 0x0FFF)
-    return (sign >> 16) | (0x7E00 if shl1_w > 0xFF000000 else nonsign)
+@intrinsic
+def _f32_to_f16(typingctx, value):
+    """float32 to IEEE half bits, round to nearest even (after Maratyszcza's FP16
+    library: the rounding is done by two fp32 products and one fp32 sum)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        f = args[0]
+        if _NATIVE_HALF:
+            return builder.bitcast(builder.fptrunc(f, ir.HalfType()), ir.IntType(16))
+        w = builder.bitcast(f, _I32)
+        magnitude = builder.bitcast(builder.and_(w, _i32(_ABS_MASK)), _F32)
+        base = builder.fmul(builder.fmul(magnitude, ir.Constant(_F32, 2.0**112)), ir.Constant(_F32, 2.0**-110))
+        shl1_w = builder.add(w, w)
+        sign = builder.and_(w, _i32(_SIGN_BIT))
+        bias = builder.and_(shl1_w, _i32(0xFF000000))
+        bias = builder.select(builder.icmp_unsigned("<", bias, _i32(0x71000000)), _i32(0x71000000), bias)
+        offset = builder.bitcast(builder.add(builder.lshr(bias, _i32(1)), _i32(0x07800000)), _F32)
+        bits = builder.bitcast(builder.fadd(offset, base), _I32)
+        nonsign = builder.add(builder.and_(builder.lshr(bits, _i32(13)), _i32(0x7C00)), builder.and_(bits, _i32(0x0FFF)))
+        nan = builder.icmp_unsigned(">", shl1_w, _i32(0xFF000000))
+        result = builder.or_(builder.lshr(sign, _i32(16)), builder.select(nan, _i32(0x7E00), nonsign))
+        return builder.trunc(result, ir.IntType(16))
+
+    return types.int16(types.float32), codegen
 
 
 def _load(x, i):
@@ -193,7 +244,7 @@ def _load_impl(x, i):
     if x.dtype == types.uint16:  # bfloat16 bits
         return lambda x, i: _bf16_bits_to_f32(x[i])
     if x.dtype == types.int16:  # float16 bits
-        return lambda x, i: _f16_bits_to_f32(np.int64(x[i]) & 0xFFFF)
+        return lambda x, i: _f16_bits_to_f32(x[i])
     return None
 
 
@@ -218,7 +269,7 @@ def _store_impl(out, i, v):
     if out.dtype == types.int16:
 
         def store_f16(out, i, v):
-            out[i] = np.int16(_f32_to_f16_bits(v))
+            out[i] = _f32_to_f16(v)
 
         return store_f16
     return None
@@ -242,7 +293,7 @@ def format_params(fmt: Fp8Format) -> tuple:
     )
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _fp8_code(v, scale, p):
     """The fp8 code of ``v / scale`` clamped to +-max; the NaN/inf code if ``v`` is not finite.
 
@@ -255,7 +306,7 @@ def _fp8_code(v, scale, p):
     return np.uint8(_fp8_code_bits(q, v, p))
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _count_nonfinite(codes, p):
     """Non-finite inputs, counted from their codes afterwards: counting inside the cast
     loop keeps LLVM from vectorising it, and this pass reads bytes still in cache."""
@@ -266,14 +317,14 @@ def _count_nonfinite(codes, p):
     return bad
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _finite_key(v):
     """|v|'s bits as an int, 0 for non-finite: ordered like |v|, so max() is exact."""
     key = _f32_to_bits(v) & _ABS_MASK
     return key if key < _INF_BITS else 0
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def scale_from_amax(amax, fmax):
     """``amax / fmax`` in fp32, at least 2**-126, and 1 for amax 0 (see fp8ray.formats)."""
     scale = amax / fmax
@@ -288,7 +339,7 @@ def scale_from_amax(amax, fmax):
 # vectorises the loop (an index from ``range(start, stop)`` runs about 6x slower).
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _span_key(x):
     key = 0
     for i in range(x.size):
@@ -296,20 +347,20 @@ def _span_key(x):
     return key
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _quantize_span(x, codes, scale, p):
     for i in range(x.size):
         codes[i] = _fp8_code(_load(x, i), scale, p)
     return _count_nonfinite(codes, p)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def amax_span(x, start, stop):
     """Largest finite |x[i]| for i in [start, stop), as float32 (0 if none)."""
     return _bits_to_f32(np.int64(_span_key(x[start:stop])))
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def amax_columns(x, columns, row_start, row_stop, amax):
     """Fold rows [row_start, row_stop) of x viewed as [rows, columns] into per-column
     float32 maxima of the finite |x|. Element-wise across a row, so it vectorises as a
@@ -322,20 +373,20 @@ def amax_columns(x, columns, row_start, row_stop, amax):
             amax[c] = a if (a > amax[c]) & (a < inf) else amax[c]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def amax_to_scales(amax, fmax, scales):
     for c in range(amax.size):
         scales[c] = scale_from_amax(amax[c], fmax)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def quantize_uniform(x, codes, start, stop, scale, tag):
     """Codes of x[start:stop] under one scale; returns the count of non-finite inputs."""
     p = _encode_params(tag)
     return _quantize_span(x[start:stop], codes[start:stop], scale, p)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def quantize_groups(x, codes, scales, group, group_start, group_stop, tag):
     """Per-group amax, scale and codes for contiguous groups of ``group`` elements.
 
@@ -355,7 +406,7 @@ def quantize_groups(x, codes, scales, group, group_start, group_stop, tag):
     return bad
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def quantize_columns(x, codes, scales, columns, row_start, row_stop, tag):
     """Codes of rows [row_start, row_stop) of x viewed as [rows, columns], scale per column."""
     p = _encode_params(tag)
@@ -416,18 +467,18 @@ def _decode_params_impl(tag):
     return lambda tag: params
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _dequantize_span(codes, dp, scale, out):
     for i in range(codes.size):
         _store(out, i, _fp8_to_f32(codes[i], dp) * scale)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def dequantize_uniform(codes, tag, scale, out, start, stop):
     _dequantize_span(codes[start:stop], _decode_params(tag), scale, out[start:stop])
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def lookup(codes, table, out, start, stop):
     """out[i] = table[codes[i]]: decoding under one scale, with a 256-entry table of
     output values made by :func:`dequantize_uniform` itself (so the same bits)."""
@@ -437,7 +488,7 @@ def lookup(codes, table, out, start, stop):
         o[i] = table[c[i]]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def dequantize_groups(codes, tag, scales, group, out, group_start, group_stop):
     dp = _decode_params(tag)
     n = codes.size
@@ -447,7 +498,7 @@ def dequantize_groups(codes, tag, scales, group, out, group_start, group_stop):
         _dequantize_span(codes[start:stop], dp, scales[g], out[start:stop])
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def dequantize_columns(codes, tag, scales, columns, out, row_start, row_stop):
     dp = _decode_params(tag)
     for r in range(row_start, row_stop):

@@ -126,3 +126,41 @@ def test_nonfinite_codes_match_reference_in_every_mode(fmt_name):
         assert torch.equal(codes, ref_codes), scaling
         assert_same_bits(scales, ref_scales)
         assert torch.isfinite(scales).all()
+
+
+PORTABLE_HALF_CHECK = """
+import numpy as np, torch
+from fp8ray import cpu, kernels, reference
+from fp8ray.formats import E4M3FN
+assert not kernels._NATIVE_HALF
+x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+codes = np.empty(x.numel(), np.uint8)
+cpu.quantize(x, E4M3FN, "none", 0, codes, None)
+ref, _, _ = reference.quantize(x, E4M3FN, "none", 0, True)
+assert np.array_equal(codes, ref.numpy())
+scales = torch.exp2(torch.linspace(-30, 30, 64))
+c = torch.arange(256, dtype=torch.uint8).repeat(64)
+out = torch.empty(64, 256, dtype=torch.float16)
+cpu.dequantize(c.numpy(), scales.numpy(), E4M3FN, "token", (64, 256), 0, out)
+expected = reference.dequantize(c, scales, E4M3FN, "token", (64, 256), torch.float16, 0)
+nan = torch.isnan(expected)
+assert torch.equal(out[~nan], expected[~nan]) and torch.isnan(out[nan]).all()
+print("portable half ok")
+"""
+
+
+@pytest.mark.slow
+def test_portable_half_conversions_match_torch(tmp_path):
+    """The bit-level fp16 conversions, used where the CPU has no F16C: compiled for a
+    generic x86-64 target in a subprocess, then checked like the native ones."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the portable path is only forced on x86_64")
+    env = dict(os.environ, NUMBA_CPU_NAME="x86-64", NUMBA_CPU_FEATURES="+sse2", NUMBA_CACHE_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", PORTABLE_HALF_CHECK], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "portable half ok" in result.stdout
