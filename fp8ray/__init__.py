@@ -6,7 +6,30 @@ from .formats import E4M3FN, E5M2, Fp8Format
 
 __version__ = "0.1.0"
 
+# The engine imports Ray, which takes a second: load it on first use only.
+_ENGINE = {
+    "QuantPool": "fp8ray.pool",
+    "QuantWorker": "fp8ray.worker",
+    "BlockError": "fp8ray.worker",
+    "compress_archive": "fp8ray.operations",
+    "decompress_archive": "fp8ray.operations",
+    "verify_archive": "fp8ray.operations",
+    "inspect_archive": "fp8ray.operations",
+    "ArchiveExistsError": "fp8ray.operations",
+    "CorruptArchiveError": "fp8ray.archive",
+    "SourceError": "fp8ray.sources",
+}
+
+
+def __getattr__(name: str):
+    if name in _ENGINE:
+        import importlib
+
+        return getattr(importlib.import_module(_ENGINE[name]), name)
+    raise AttributeError(f"module 'fp8ray' has no attribute {name!r}")
+
 __all__ = [
+    *_ENGINE,
     "DEFAULT_BLOCK_SIZE",
     "E4M3FN",
     "E5M2",

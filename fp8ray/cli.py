@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-import torch
 
+from .errors import Fp8rayError
 from .formats import DTYPE_NAMES, FORMATS, SCALINGS
 
 
@@ -15,6 +16,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -32,11 +40,102 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--repeat", type=_positive_int, default=5)
     codec.add_argument("--scaling", choices=list(SCALINGS), action="append", help="repeatable; default all")
 
+    compress = commands.add_parser("compress", help="compress a safetensors file/directory or raw-block Parquet into an archive")
+    compress.add_argument("source")
+    compress.add_argument("destination")
+    compress.add_argument("--fp8", choices=sorted(FORMATS), default="e4m3fn")
+    compress.add_argument("--scaling", choices=list(SCALINGS), default="tensor")
+    compress.add_argument("--block-size", type=_positive_int, default=128)
+    compress.add_argument("--part-mb", type=_positive_float, default=64.0, help="input MiB per Parquet part (default 64)")
+    compress.add_argument("--resume", action="store_true", help="keep the parts an interrupted run finished")
+    compress.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    _engine_arguments(compress)
+
+    decompress = commands.add_parser("decompress", help="decode an archive into a .safetensors file")
+    decompress.add_argument("archive")
+    decompress.add_argument("output")
+    decompress.add_argument("--overwrite", action="store_true")
+    _engine_arguments(decompress)
+
+    verify = commands.add_parser("verify", help="check every part and frame; with --against, error metrics per key")
+    verify.add_argument("archive")
+    verify.add_argument("--against", metavar="SOURCE")
+    _engine_arguments(verify, gpus=False)
+
+    inspect = commands.add_parser("inspect", help="print an archive's manifest summary")
+    inspect.add_argument("archive")
+    inspect.add_argument("--json", action="store_true")
+
     demo = commands.add_parser("demo", help="compress a sample KV cache and report size, error and speed")
     demo.add_argument("--out", type=Path, default=Path("out/demo"))
     demo.add_argument("--chunks", type=_positive_int, default=8)
     demo.add_argument("--fp8", choices=sorted(FORMATS), default="e4m3fn")
     return parser
+
+
+def _engine_arguments(parser: argparse.ArgumentParser, gpus: bool = True) -> None:
+    parser.add_argument("--workers", type=_positive_int, default=2, help="QuantWorker actors (default 2)")
+    if gpus:
+        parser.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per worker; fractions share one")
+    parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (no progress bar)")
+
+
+def _progress(args, total: int):
+    """A tqdm bar on stderr for interactive runs; None under --json or without a TTY."""
+    if args.json or not sys.stderr.isatty():
+        return None, None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="block", file=sys.stderr)
+    return bar, bar.update
+
+
+def _run_engine_command(args) -> int:
+    from . import operations
+    from .archive import read_manifest
+    from .sources import list_blocks, resolve
+
+    if args.command == "compress":
+        bar, update = _progress(args, len(list_blocks(args.source)))
+        report = operations.compress_archive(
+            args.source, args.destination, fp8=args.fp8, scaling=args.scaling, block_size=args.block_size,
+            workers=args.workers, gpus_per_worker=args.gpus_per_worker, address=args.address,
+            resume=args.resume, overwrite=args.overwrite, part_bytes=int(args.part_mb * 2**20), progress=update,
+        )
+        summary = (
+            f"compressed {report.blocks} blocks into {report.parts} parts ({report.parts_reused} reused): "
+            f"{report.raw_bytes / 2**20:.1f} MiB -> {report.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x), "
+            f"{report.input_gbps:.2f} GB/s of input on {report.workers} workers ({', '.join(report.devices) or 'no new parts'})"
+        )
+    elif args.command == "decompress":
+        fs, path = resolve(args.archive)
+        bar, update = _progress(args, read_manifest(fs, path)["blocks"])
+        report = operations.decompress_archive(
+            args.archive, args.output, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+            address=args.address, overwrite=args.overwrite, progress=update,
+        )
+        summary = f"decompressed {report.blocks} blocks ({report.raw_bytes / 2**20:.1f} MiB) into {report.output}"
+    else:
+        fs, path = resolve(args.archive)
+        bar, update = _progress(args, read_manifest(fs, path)["blocks"])
+        report = operations.verify_archive(args.archive, against=args.against, workers=args.workers, address=args.address, progress=update)
+        summary = f"{report.blocks} blocks in {report.parts} parts: " + ("ok" if report.ok else f"{len(report.errors)} problem(s)")
+        if report.metrics:
+            worst = max(report.metrics.items(), key=lambda kv: kv[1]["rel_fro"])
+            summary += f"; worst relative error {worst[1]['rel_fro']:.3%} ({worst[0]!r})"
+    if bar is not None:
+        bar.close()
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        print(summary)
+    if args.command == "verify" and not report.ok:
+        for error in report.errors:
+            print(f"fp8ray: {error}", file=sys.stderr)
+        print(f"fp8ray: error: archive {args.archive} failed verification ({len(report.errors)} problem(s))", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,11 +150,27 @@ def main(argv: list[str] | None = None) -> int:
             )
             title = f"fp8ray bench codec: {args.fp8}, {args.dtype} input, {args.chunks} x [2, 30, 256, 192]\n{describe_machine()}"
             print(format_table(rows, title))
+        elif args.command in ("compress", "decompress", "verify"):
+            return _run_engine_command(args)
+        elif args.command == "inspect":
+            from .operations import inspect_archive
+
+            info = inspect_archive(args.archive)
+            if args.json:
+                print(json.dumps(info, indent=1))
+            else:
+                codec = info["codec"]
+                print(
+                    f"{args.archive}: {info['blocks']} blocks in {len(info['parts'])} parts, {codec['fp8']} / {codec['scaling']}"
+                    f"{' / block ' + str(codec['block_size']) if codec['scaling'] == 'block' else ''}; "
+                    f"{info['raw_bytes'] / 2**20:.1f} MiB -> {info['archive_bytes'] / 2**20:.1f} MiB ({info['ratio']:.2f}x); "
+                    f"fp8ray {info['fp8ray_version']}"
+                )
         elif args.command == "demo":
             from .demo import run_demo
 
             print(run_demo(args.out, args.chunks, args.fp8))
-    except (ValueError, TypeError, OSError) as exc:
+    except (ValueError, TypeError, OSError, Fp8rayError) as exc:
         print(f"fp8ray: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -1,0 +1,169 @@
+"""The compressed archive: a directory of Parquet parts and a manifest written last.
+
+Specified in docs/FORMAT.md. Each part is an ordinary Parquet file (one row per block:
+its frame in a ``large_binary`` column beside plain columns for key, dtype, shape,
+format, scaling and sizes), so ``pyarrow.parquet.read_table`` and
+``ray.data.read_parquet`` read it without fp8ray. ``_manifest.json`` (skipped by Parquet
+readers, like every name starting with ``_`` or ``.``) holds the codec options, counts,
+sizes and each part's CRC-32C; it is renamed into place last, so a directory without
+it is never a complete archive. A part is written under a temporary name and renamed,
+then described by a sidecar ``_part-NNNNN.json``, which ``--resume`` trusts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import asdict, dataclass
+
+import crc32c
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from .errors import Fp8rayError
+
+ARCHIVE_FORMAT = "fp8ray-archive"
+ARCHIVE_VERSION = 1
+MANIFEST_NAME = "_manifest.json"
+
+SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("dtype", pa.string()),
+        ("shape", pa.list_(pa.int64())),
+        ("fp8", pa.string()),
+        ("scaling", pa.string()),
+        ("block_size", pa.int32()),
+        ("raw_bytes", pa.int64()),
+        ("frame_bytes", pa.int64()),
+        ("frame", pa.large_binary()),
+    ]
+)
+METADATA_COLUMNS = [name for name in SCHEMA.names if name != "frame"]
+
+
+class CorruptArchiveError(Fp8rayError, ValueError):
+    """An archive is incomplete, or a part or frame in it is damaged."""
+
+
+@dataclass
+class PartInfo:
+    """What the manifest records of one part."""
+
+    name: str
+    blocks: int
+    raw_bytes: int
+    frame_bytes: int
+    file_bytes: int
+    crc32c: int
+    first_key: str | None
+    last_key: str | None
+
+
+def part_name(index: int) -> str:
+    return f"part-{index:05d}.parquet"
+
+
+def sidecar_name(index: int) -> str:
+    return f"_part-{index:05d}.json"
+
+
+def write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.tmp-{uuid.uuid4().hex}"
+    with fs.open_output_stream(tmp) as out:
+        out.write(data)
+    fs.move(tmp, path)
+
+
+def file_crc32c(fs: pafs.FileSystem, path: str) -> tuple[int, int]:
+    """CRC-32C and size of a whole file, read in 8 MiB pieces."""
+    crc, size = 0, 0
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(8 << 20):
+            crc = crc32c.crc32c(chunk, crc)
+            size += len(chunk)
+    return crc, size
+
+
+def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, list]) -> PartInfo:
+    """Write one part (deterministic bytes for the same rows), rename it into place,
+    then its sidecar; return its manifest entry."""
+    table = pa.table(rows, schema=SCHEMA)
+    path = f"{directory}/{part_name(index)}"
+    tmp = f"{directory}/.{part_name(index)}.tmp-{uuid.uuid4().hex}"
+    pq.write_table(
+        table,
+        tmp,
+        filesystem=fs,
+        compression={name: ("none" if name == "frame" else "zstd") for name in SCHEMA.names},
+        write_statistics=["key", "raw_bytes", "frame_bytes"],
+        row_group_size=64,
+    )
+    fs.move(tmp, path)
+    crc, size = file_crc32c(fs, path)
+    keys = rows["key"]
+    info = PartInfo(
+        name=part_name(index),
+        blocks=len(keys),
+        raw_bytes=sum(rows["raw_bytes"]),
+        frame_bytes=sum(rows["frame_bytes"]),
+        file_bytes=size,
+        crc32c=crc,
+        first_key=keys[0] if keys else None,
+        last_key=keys[-1] if keys else None,
+    )
+    write_atomic(fs, f"{directory}/{sidecar_name(index)}", json.dumps(asdict(info), sort_keys=True).encode())
+    return info
+
+
+def read_sidecar(fs: pafs.FileSystem, directory: str, index: int) -> PartInfo | None:
+    """The sidecar of a finished part, if it and the part are there and agree in size."""
+    path = f"{directory}/{sidecar_name(index)}"
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        info = PartInfo(**json.loads(f.read()))
+    part = fs.get_file_info(f"{directory}/{info.name}")
+    if part.type != pafs.FileType.File or part.size != info.file_bytes:
+        return None
+    return info
+
+
+def write_manifest(fs: pafs.FileSystem, directory: str, manifest: dict) -> None:
+    write_atomic(fs, f"{directory}/{MANIFEST_NAME}", (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+
+
+def read_manifest(fs: pafs.FileSystem, directory: str) -> dict:
+    path = f"{directory}/{MANIFEST_NAME}"
+    info = fs.get_file_info(directory)
+    if info.type == pafs.FileType.NotFound:
+        raise CorruptArchiveError(f"archive {directory} does not exist")
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        raise CorruptArchiveError(f"{directory} has no {MANIFEST_NAME}: not a complete fp8ray archive")
+    try:
+        with fs.open_input_stream(path) as f:
+            manifest = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise CorruptArchiveError(f"{path}: unreadable manifest: {exc}") from exc
+    if manifest.get("format") != ARCHIVE_FORMAT or manifest.get("version") != ARCHIVE_VERSION:
+        raise CorruptArchiveError(
+            f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
+            f"expected {ARCHIVE_FORMAT!r} version {ARCHIVE_VERSION}"
+        )
+    return manifest
+
+
+def read_part(fs: pafs.FileSystem, directory: str, info: dict, columns: list[str] | None = None) -> pa.Table:
+    """Read a part after checking its size and CRC-32C against the manifest."""
+    path = f"{directory}/{info['name']}"
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        raise CorruptArchiveError(f"part {info['name']} is missing from {directory}")
+    crc, size = file_crc32c(fs, path)
+    if size != info["file_bytes"] or crc != info["crc32c"]:
+        raise CorruptArchiveError(
+            f"part {info['name']}: {size} bytes with crc32c {crc:#010x}, "
+            f"the manifest records {info['file_bytes']} bytes with crc32c {info['crc32c']:#010x}"
+        )
+    return pq.read_table(path, filesystem=fs, columns=columns)
