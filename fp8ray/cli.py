@@ -66,10 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("archive")
     inspect.add_argument("--json", action="store_true")
 
-    demo = commands.add_parser("demo", help="compress a sample KV cache and report size, error and speed")
+    demo = commands.add_parser("demo", help="compress, verify and decompress a sample KV cache on a local Ray")
     demo.add_argument("--out", type=Path, default=Path("out/demo"))
     demo.add_argument("--chunks", type=_positive_int, default=8)
     demo.add_argument("--fp8", choices=sorted(FORMATS), default="e4m3fn")
+    demo.add_argument("--scaling", choices=list(SCALINGS), default="token")
+    demo.add_argument("--workers", type=_positive_int, default=2)
     return parser
 
 
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "demo":
             from .demo import run_demo
 
-            print(run_demo(args.out, args.chunks, args.fp8))
+            print(run_demo(args.out, args.chunks, args.fp8, args.scaling, args.workers))
     except (ValueError, TypeError, OSError, Fp8rayError) as exc:
         print(f"fp8ray: error: {exc}", file=sys.stderr)
         return 1

@@ -31,6 +31,17 @@ def codec_key(options: dict) -> tuple:
     return (options.get("fp8", "e4m3fn"), options.get("scaling", "tensor"), options.get("block_size", 128))
 
 
+def _load_kernels() -> None:
+    """Compile (or load from numba's cache) every CPU kernel once, at actor start, so
+    that a job's first shards do not pay for it (about 1 s for all of them)."""
+    from .formats import DTYPES, FORMATS, SCALINGS
+
+    for dtype in DTYPES:
+        for fmt in FORMATS:
+            for scaling in SCALINGS:
+                decode(Fp8Codec(fmt, scaling, 4).encode(torch.ones(2, 4, dtype=dtype)))
+
+
 class QuantWorker:
     """Encode and decode shards of KV blocks. Create it through :class:`fp8ray.QuantPool`
     (or ``ray.remote(QuantWorker)``); every method takes and returns plain data."""
@@ -40,6 +51,7 @@ class QuantWorker:
         gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
         self.device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
         self._codecs: dict[tuple, Fp8Codec] = {}
+        _load_kernels()
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
