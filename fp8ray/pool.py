@@ -165,8 +165,11 @@ class QuantPool:
                     yield done.pop(next_out)
                     next_out += 1
         finally:
-            for ref in pending:
-                ray.cancel(ref, force=False)
+            for ref in pending:  # the job failed or was abandoned: drop what is left
+                try:
+                    ray.cancel(ref, force=False)
+                except (ValueError, TypeError):
+                    pass
 
     def _replace_if_dead(self, w: int) -> None:
         try:

@@ -132,7 +132,7 @@ class QuantWorker:
         """Check a part and each of its frames; with ``against``, compare each block with
         its source. Reports problems instead of raising, so one run names them all."""
         fs, path = resolve(directory)
-        report: dict = {"part": part["name"], "blocks": 0, "errors": [], "metrics": {}}
+        report: dict = {"part": part["name"], "blocks": 0, "keys": [], "errors": [], "metrics": {}}
         try:
             archive.read_part(fs, path, part, columns=["key"])
             part_ok = True
@@ -145,6 +145,7 @@ class QuantWorker:
             report["errors"].append(f"part {part['name']} is unreadable: {exc}")
             return report
         columns = {name: table.column(name).to_pylist() for name in archive.METADATA_COLUMNS}
+        report["keys"] = columns["key"]
         block_errors = 0
         for row, f in enumerate(_frames(table)):
             key = columns["key"][row]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -176,13 +175,24 @@ LONG_PART = 200_000
 
 
 def _quant_worker_pids() -> list[int]:
+    """PIDs of the QuantWorkers of this test session's Ray: descendants of this process
+    (the embedded Ray's raylet is our child), never another Ray's on the machine."""
     import psutil
 
     return sorted(
-        p.info["pid"]
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if (p.info["cmdline"] or [""])[0].startswith("ray::QuantWorker")
+        p.pid
+        for p in psutil.Process(os.getpid()).children(recursive=True)
+        if (_cmdline(p) or [""])[0].startswith("ray::QuantWorker")
     )
+
+
+def _cmdline(p) -> list[str]:
+    import psutil
+
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
 
 
 def test_sigkill_of_a_worker_mid_job_gives_identical_output(long_source, tmp_path):
