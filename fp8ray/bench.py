@@ -127,3 +127,49 @@ def describe_machine() -> str:
         f"{model}, {os.cpu_count()} CPUs, {cpu.num_threads()} codec threads, "
         f"torch {torch.__version__}, Python {platform.python_version()}"
     )
+
+
+def bench_pipeline(chunks: int = 16, max_workers: int = 2, scaling: str = "token", repeat: int = 3) -> str:
+    """End-to-end ``compress`` on a local Ray (Ray and actor start excluded) for 1..N
+    workers, beside the single-process codec encoding the same blocks in the same run.
+    Figures are GB/s of input."""
+    import os
+    import tempfile
+
+    import ray
+    from safetensors.torch import save_file
+
+    from .operations import compress_archive
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    tensors = {f"chunk{i:04d}": sample_kv_chunk(seed=i) for i in range(chunks)}
+    raw = sum(t.numel() * t.element_size() for t in tensors.values())
+    codec = Fp8Codec("e4m3fn", scaling)
+    codec_gbps = raw / sum(_seconds(lambda t=t: codec.encode(t), repeat) for t in tensors.values()) / 1e9
+    lines = [
+        f"fp8ray bench pipeline: {chunks} x [2, 30, 256, 192] bfloat16 ({raw / 2**20:.0f} MiB), e4m3fn / {scaling}",
+        describe_machine(),
+        "",
+        f"single-process codec (Fp8Codec.encode, {cpu.num_threads()} threads, data in memory): {codec_gbps:.2f} GB/s",
+        "",
+        "| workers | compress GB/s of input | compress / codec alone |",
+        "|---:|---:|---:|",
+    ]
+    owns = not ray.is_initialized()
+    if owns:
+        ray.init(address="local", num_cpus=max(max_workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            source = f"{tmp}/kv.safetensors"
+            save_file(tensors, source)
+            for workers in range(1, max_workers + 1):
+                runs = [
+                    compress_archive(source, f"{tmp}/a{workers}", scaling=scaling, workers=workers, part_bytes=16 << 20, overwrite=True)
+                    for _ in range(repeat)
+                ]
+                best = statistics.median(r.input_gbps for r in runs)
+                lines.append(f"| {workers} | {best:.2f} | {best / codec_gbps:.0%} |")
+    finally:
+        if owns:
+            ray.shutdown()
+    return "\n".join(lines)

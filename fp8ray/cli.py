@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("archive")
     inspect.add_argument("--json", action="store_true")
 
+    pipeline = bench_kinds.add_parser("pipeline", help="end-to-end compress on a local Ray vs the codec alone")
+    pipeline.add_argument("--chunks", type=_positive_int, default=16)
+    pipeline.add_argument("--max-workers", type=_positive_int, default=2)
+    pipeline.add_argument("--scaling", choices=list(SCALINGS), default="token")
+    pipeline.add_argument("--repeat", type=_positive_int, default=3)
+
     demo = commands.add_parser("demo", help="compress, verify and decompress a sample KV cache on a local Ray")
     demo.add_argument("--out", type=Path, default=Path("out/demo"))
     demo.add_argument("--chunks", type=_positive_int, default=8)
@@ -143,7 +149,11 @@ def _run_engine_command(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "bench":
+        if args.command == "bench" and args.kind == "pipeline":
+            from .bench import bench_pipeline
+
+            print(bench_pipeline(args.chunks, args.max_workers, args.scaling, args.repeat))
+        elif args.command == "bench":
             from .bench import bench_codec, describe_machine, format_table
 
             dtype = {v: k for k, v in DTYPE_NAMES.items()}[args.dtype]

@@ -42,6 +42,7 @@ class CompressReport:
     workers: int
     workers_replaced: int
     devices: list[str]
+    nodes: int  # distinct Ray nodes that wrote parts in this run
 
     @property
     def ratio(self) -> float:
@@ -167,7 +168,7 @@ def compress_archive(
     else:
         archive.write_atomic(fs, plan_path, json.dumps(plan, sort_keys=True).encode())
 
-    infos: dict[int, dict] = {i: {**asdict(info), "device": None} for i, info in reused.items()}
+    infos: dict[int, dict] = {i: {**asdict(info), "device": None, "node_id": None} for i, info in reused.items()}
     if progress:
         progress(sum(info.blocks for info in reused.values()))
     todo = [i for i in range(len(parts)) if i not in reused]
@@ -181,7 +182,7 @@ def compress_archive(
         replaced = pool.replaced
     seconds = time.perf_counter() - start
 
-    part_entries = [{k: v for k, v in infos[i].items() if k != "device"} for i in range(len(parts))]
+    part_entries = [{k: v for k, v in infos[i].items() if k not in ("device", "node_id")} for i in range(len(parts))]
     manifest = {
         "format": archive.ARCHIVE_FORMAT,
         "version": archive.ARCHIVE_VERSION,
@@ -209,6 +210,7 @@ def compress_archive(
         workers=workers,
         workers_replaced=replaced,
         devices=sorted({str(i["device"]) for i in infos.values() if i["device"]}),
+        nodes=len({i["node_id"] for i in infos.values() if i["node_id"]}),
     )
 
 

@@ -113,7 +113,7 @@ class QuantWorker:
             rows["frame"].append(f.tobytes())
         fs, path = resolve(directory)
         info = archive.write_part(fs, path, index, rows)
-        return {**info.__dict__, "device": self.device}
+        return {**info.__dict__, "device": self.device, "node_id": ray.get_runtime_context().get_node_id()}
 
     def decompress_part(self, directory: str, part: dict) -> list[tuple[str, np.ndarray]]:
         """Decode every block of a part (checked against the manifest's CRC first)."""
