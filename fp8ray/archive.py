@@ -89,28 +89,34 @@ def file_crc32c(fs: pafs.FileSystem, path: str) -> tuple[int, int]:
 
 def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, list]) -> PartInfo:
     """Write one part (deterministic bytes for the same rows), rename it into place,
-    then its sidecar; return its manifest entry."""
+    then its sidecar; return its manifest entry.
+
+    The part is built in memory (it is bounded by ``--part-mb``) so that its CRC-32C is
+    taken on the way out rather than by reading the file back.
+    """
     table = pa.table(rows, schema=SCHEMA)
-    path = f"{directory}/{part_name(index)}"
-    tmp = f"{directory}/.{part_name(index)}.tmp-{uuid.uuid4().hex}"
+    sink = pa.BufferOutputStream()
     pq.write_table(
         table,
-        tmp,
-        filesystem=fs,
+        sink,
         compression={name: ("none" if name == "frame" else "zstd") for name in SCHEMA.names},
         write_statistics=["key", "raw_bytes", "frame_bytes"],
         row_group_size=64,
     )
+    data = sink.getvalue()
+    path = f"{directory}/{part_name(index)}"
+    tmp = f"{directory}/.{part_name(index)}.tmp-{uuid.uuid4().hex}"
+    with fs.open_output_stream(tmp) as out:
+        out.write(data)
     fs.move(tmp, path)
-    crc, size = file_crc32c(fs, path)
     keys = rows["key"]
     info = PartInfo(
         name=part_name(index),
         blocks=len(keys),
         raw_bytes=sum(rows["raw_bytes"]),
         frame_bytes=sum(rows["frame_bytes"]),
-        file_bytes=size,
-        crc32c=crc,
+        file_bytes=data.size,
+        crc32c=crc32c.crc32c(memoryview(data)),
         first_key=keys[0] if keys else None,
         last_key=keys[-1] if keys else None,
     )

@@ -110,10 +110,11 @@ class QuantWorker:
             f, meta = self._encode(codec, ref.key, ref.dtype, ref.shape, data)
             for name in archive.METADATA_COLUMNS:
                 rows[name].append(meta[name])
-            rows["frame"].append(f.tobytes())
+            rows["frame"].append(memoryview(f))  # Arrow copies it once, into the column
         fs, path = resolve(directory)
         info = archive.write_part(fs, path, index, rows)
-        return {**info.__dict__, "device": self.device, "node_id": ray.get_runtime_context().get_node_id()}
+        node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        return {**info.__dict__, "device": self.device, "node_id": node_id}
 
     def decompress_part(self, directory: str, part: dict) -> list[tuple[str, np.ndarray]]:
         """Decode every block of a part (checked against the manifest's CRC first)."""
