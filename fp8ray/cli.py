@@ -89,13 +89,14 @@ def _engine_arguments(parser: argparse.ArgumentParser, gpus: bool = True) -> Non
     parser.add_argument("--json", action="store_true", help="print the report as JSON (no progress bar)")
 
 
-def _progress(args, total: int):
-    """A tqdm bar on stderr for interactive runs; None under --json or without a TTY."""
+def _progress(args, total):
+    """A tqdm bar on stderr for interactive runs; None under --json or without a TTY.
+    ``total`` is a callable, so the blocks are counted only when a bar is shown."""
     if args.json or not sys.stderr.isatty():
         return None, None
     from tqdm import tqdm
 
-    bar = tqdm(total=total, unit="block", file=sys.stderr)
+    bar = tqdm(total=total(), unit="block", file=sys.stderr)
     return bar, bar.update
 
 
@@ -105,7 +106,7 @@ def _run_engine_command(args) -> int:
     from .sources import list_blocks, resolve
 
     if args.command == "compress":
-        bar, update = _progress(args, len(list_blocks(args.source)))
+        bar, update = _progress(args, lambda: len(list_blocks(args.source)))
         report = operations.compress_archive(
             args.source, args.destination, fp8=args.fp8, scaling=args.scaling, block_size=args.block_size,
             workers=args.workers, gpus_per_worker=args.gpus_per_worker, address=args.address,
@@ -117,16 +118,14 @@ def _run_engine_command(args) -> int:
             f"{report.input_gbps:.2f} GB/s of input on {report.workers} workers ({', '.join(report.devices) or 'no new parts'})"
         )
     elif args.command == "decompress":
-        fs, path = resolve(args.archive)
-        bar, update = _progress(args, read_manifest(fs, path)["blocks"])
+        bar, update = _progress(args, lambda: read_manifest(*resolve(args.archive))["blocks"])
         report = operations.decompress_archive(
             args.archive, args.output, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
             address=args.address, overwrite=args.overwrite, progress=update,
         )
         summary = f"decompressed {report.blocks} blocks ({report.raw_bytes / 2**20:.1f} MiB) into {report.output}"
     else:
-        fs, path = resolve(args.archive)
-        bar, update = _progress(args, read_manifest(fs, path)["blocks"])
+        bar, update = _progress(args, lambda: read_manifest(*resolve(args.archive))["blocks"])
         report = operations.verify_archive(args.archive, against=args.against, workers=args.workers, address=args.address, progress=update)
         summary = f"{report.blocks} blocks in {report.parts} parts: " + ("ok" if report.ok else f"{len(report.errors)} problem(s)")
         if report.metrics:
