@@ -161,8 +161,8 @@ def read_manifest(fs: pafs.FileSystem, directory: str) -> dict:
     return manifest
 
 
-def read_part(fs: pafs.FileSystem, directory: str, info: dict, columns: list[str] | None = None) -> pa.Table:
-    """Read a part after checking its size and CRC-32C against the manifest."""
+def check_part(fs: pafs.FileSystem, directory: str, info: dict) -> None:
+    """Check a part's presence, size and CRC-32C against its manifest entry."""
     path = f"{directory}/{info['name']}"
     if fs.get_file_info(path).type != pafs.FileType.File:
         raise CorruptArchiveError(f"part {info['name']} is missing from {directory}")
@@ -172,4 +172,9 @@ def read_part(fs: pafs.FileSystem, directory: str, info: dict, columns: list[str
             f"part {info['name']}: {size} bytes with crc32c {crc:#010x}, "
             f"the manifest records {info['file_bytes']} bytes with crc32c {info['crc32c']:#010x}"
         )
-    return pq.read_table(path, filesystem=fs, columns=columns)
+
+
+def read_part(fs: pafs.FileSystem, directory: str, info: dict, columns: list[str] | None = None) -> pa.Table:
+    """Read a part after :func:`check_part`."""
+    check_part(fs, directory, info)
+    return pq.read_table(f"{directory}/{info['name']}", filesystem=fs, columns=columns)

@@ -196,7 +196,7 @@ def compress_archive(
         "parts": part_entries,
     }
     archive.write_manifest(fs, path, manifest)
-    _clean_scratch(fs, path, len(parts))
+    _clean_scratch(fs, path)
     return CompressReport(
         source=source,
         archive=destination,
@@ -214,7 +214,7 @@ def compress_archive(
     )
 
 
-def _clean_scratch(fs: pafs.FileSystem, path: str, num_parts: int) -> None:
+def _clean_scratch(fs: pafs.FileSystem, path: str) -> None:
     """After the manifest: drop the plan, the sidecars and temporaries of killed writers."""
     for entry in fs.get_file_info(pafs.FileSelector(path)):
         name = entry.base_name

@@ -183,9 +183,7 @@ def read_blocks(refs: list[BlockRef]) -> list[np.ndarray]:
                         raise SourceError(f"{path}: key {r.key!r} truncated: read {len(data)} of {r.nbytes} bytes")
                     result[i] = np.frombuffer(data, dtype=np.uint8)
         else:
-            rows = [refs[i].offset for i in indices]
-            table = pq.read_table(fpath, filesystem=fs, columns=["data"]).take(rows)
-            for i, value in zip(indices, table.column("data").to_pylist()):
+            for i, value in zip(indices, _parquet_rows(fs, fpath, [refs[i].offset for i in indices])):
                 r = refs[i]
                 if len(value) != r.nbytes:
                     raise SourceError(
@@ -193,6 +191,22 @@ def read_blocks(refs: list[BlockRef]) -> list[np.ndarray]:
                     )
                 result[i] = np.frombuffer(value, dtype=np.uint8)
     return result  # type: ignore[return-value]
+
+
+def _parquet_rows(fs: pafs.FileSystem, path: str, rows: list[int]) -> list[bytes]:
+    """The ``data`` values of the given rows, reading only the row groups that hold them
+    (a shard must not read the whole file)."""
+    with fs.open_input_file(path) as f:
+        pf = pq.ParquetFile(f)
+        sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+        starts = np.cumsum([0, *sizes])
+        row_groups = np.searchsorted(starts, rows, side="right") - 1
+        groups = sorted(set(row_groups.tolist()))
+        table = pf.read_row_groups(groups, columns=["data"])
+    # Where each needed group begins in the table just read.
+    begins = dict(zip(groups, np.cumsum([0, *(sizes[g] for g in groups)])))
+    picks = [int(begins[g] + row - starts[g]) for row, g in zip(rows, row_groups.tolist())]
+    return table.column("data").take(picks).to_pylist()
 
 
 def bytes_to_tensor(data: np.ndarray, dtype: str, shape) -> torch.Tensor:

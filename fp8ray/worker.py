@@ -94,7 +94,7 @@ class QuantWorker:
         out = []
         for key, f in frames:
             try:
-                tensor = decode(f, device=self.device if self.device == "cuda" else None).cpu()
+                tensor = decode(f, device=self.device).cpu()
             except (ValueError, TypeError) as exc:
                 raise BlockError(f"block {key!r}: {exc}") from exc
             meta = {"key": key, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape), "device": self.device}
@@ -135,18 +135,21 @@ class QuantWorker:
         fs, path = resolve(directory)
         report: dict = {"part": part["name"], "blocks": 0, "keys": [], "errors": [], "metrics": {}}
         try:
-            archive.read_part(fs, path, part, columns=["key"])
-            part_ok = True
+            archive.check_part(fs, path, part)
+            part_error = None
         except archive.CorruptArchiveError as exc:
-            part_ok = False
             part_error = str(exc)
-        try:
+        try:  # read even a damaged part, to name the blocks the damage lies in
             table = archive.pq.read_table(f"{path}/{part['name']}", filesystem=fs)
         except (OSError, archive.pa.ArrowException) as exc:
             report["errors"].append(f"part {part['name']} is unreadable: {exc}")
             return report
         columns = {name: table.column(name).to_pylist() for name in archive.METADATA_COLUMNS}
         report["keys"] = columns["key"]
+        originals = {}
+        if against is not None:  # one read of the source for the whole part
+            present = [against[k] for k in columns["key"] if k in against]
+            originals = {r.key: (r, data) for r, data in zip(present, read_blocks(present))}
         block_errors = 0
         for row, f in enumerate(_frames(table)):
             key = columns["key"][row]
@@ -159,17 +162,17 @@ class QuantWorker:
                         f"columns say {columns['shape'][row]} {columns['dtype'][row]}, the frame says {list(header.shape)} {header.dtype}"
                     )
                 if against is not None:
-                    ref = against.get(key)
-                    if ref is None:
+                    if key not in originals:
                         raise ValueError("not in the source it is verified against")
-                    original = bytes_to_tensor(read_blocks([ref])[0], ref.dtype, ref.shape)
+                    ref, data = originals[key]
+                    original = bytes_to_tensor(data, ref.dtype, ref.shape)
                     report["metrics"][key] = error_metrics(original, decode(buf)).as_dict()
             except (ValueError, TypeError) as exc:
                 block_errors += 1
                 report["errors"].append(f"block {key!r} in {part['name']}: {exc}")
-        if not part_ok and not block_errors:
+        if part_error and not block_errors:
             report["errors"].append(f"{part_error}; every frame in it checks, so the damage lies outside them")
-        elif not part_ok and len(report["errors"]) == block_errors:
+        elif part_error:
             report["errors"].append(part_error)
         return report
 

@@ -104,8 +104,11 @@ def test_raw_block_parquet_source(tmp_path):
             "data": [a.tobytes() for a in arrays],
         }
     )
-    pq.write_table(table, tmp_path / "raw.parquet")
+    pq.write_table(table, tmp_path / "raw.parquet", row_group_size=2)  # shards read only their row groups
+    compress_archive(str(tmp_path / "raw.parquet"), str(tmp_path / "small-parts"), scaling="channel", part_bytes=1)
     compress_archive(str(tmp_path / "raw.parquet"), str(tmp_path / "arch"), scaling="channel")
+    assert len(list((tmp_path / "small-parts").glob("part-*.parquet"))) == 5  # one block per part
+    assert pq.read_table(tmp_path / "small-parts").column("frame") == pq.read_table(tmp_path / "arch").column("frame")
     decompress_archive(str(tmp_path / "arch"), str(tmp_path / "out.safetensors"))
     back = load_file(str(tmp_path / "out.safetensors"))
     codec = Fp8Codec("e4m3fn", "channel")
