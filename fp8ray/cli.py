@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -12,18 +13,25 @@ from .errors import Fp8rayError
 from .formats import DTYPE_NAMES, FORMATS, SCALINGS
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+
+# Commands that live beside the feature they drive. Each module has
+# ``add_commands(commands, bench_kinds)`` that adds its subparsers with
+# ``set_defaults(handler=run)``, where ``run(args) -> int``; it imports heavy packages
+# (transformers, Ray Serve) inside ``run`` so ``fp8ray --help`` stays fast.
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,9 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     codec = bench_kinds.add_parser("codec", help="codec throughput vs the torch reference and a memory copy")
     codec.add_argument("--fp8", choices=sorted(FORMATS), default="e4m3fn")
     codec.add_argument("--dtype", choices=sorted(DTYPE_NAMES.values()), default="bfloat16")
-    codec.add_argument("--chunks", type=_positive_int, default=4, help="sample chunks of [2, 30, 256, 192] (default 4)")
-    codec.add_argument("--block-size", type=_positive_int, default=128)
-    codec.add_argument("--repeat", type=_positive_int, default=5)
+    codec.add_argument("--chunks", type=positive_int, default=4, help="sample chunks of [2, 30, 256, 192] (default 4)")
+    codec.add_argument("--block-size", type=positive_int, default=128)
+    codec.add_argument("--repeat", type=positive_int, default=5)
     codec.add_argument("--scaling", choices=list(SCALINGS), action="append", help="repeatable; default all")
 
     compress = commands.add_parser("compress", help="compress a safetensors file/directory or raw-block Parquet into an archive")
@@ -45,44 +53,47 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("destination")
     compress.add_argument("--fp8", choices=sorted(FORMATS), default="e4m3fn")
     compress.add_argument("--scaling", choices=list(SCALINGS), default="tensor")
-    compress.add_argument("--block-size", type=_positive_int, default=128)
-    compress.add_argument("--part-mb", type=_positive_float, default=64.0, help="input MiB per Parquet part (default 64)")
+    compress.add_argument("--block-size", type=positive_int, default=128)
+    compress.add_argument("--part-mb", type=positive_float, default=64.0, help="input MiB per Parquet part (default 64)")
     compress.add_argument("--resume", action="store_true", help="keep the parts an interrupted run finished")
     compress.add_argument("--overwrite", action="store_true", help="replace an existing destination")
-    _engine_arguments(compress)
+    engine_arguments(compress)
 
     decompress = commands.add_parser("decompress", help="decode an archive into a .safetensors file")
     decompress.add_argument("archive")
     decompress.add_argument("output")
     decompress.add_argument("--overwrite", action="store_true")
-    _engine_arguments(decompress)
+    engine_arguments(decompress)
 
     verify = commands.add_parser("verify", help="check every part and frame; with --against, error metrics per key")
     verify.add_argument("archive")
     verify.add_argument("--against", metavar="SOURCE")
-    _engine_arguments(verify, gpus=False)
+    engine_arguments(verify, gpus=False)
 
     inspect = commands.add_parser("inspect", help="print an archive's manifest summary")
     inspect.add_argument("archive")
     inspect.add_argument("--json", action="store_true")
 
     pipeline = bench_kinds.add_parser("pipeline", help="end-to-end compress on a local Ray vs the codec alone")
-    pipeline.add_argument("--chunks", type=_positive_int, default=16)
-    pipeline.add_argument("--max-workers", type=_positive_int, default=2)
+    pipeline.add_argument("--chunks", type=positive_int, default=16)
+    pipeline.add_argument("--max-workers", type=positive_int, default=2)
     pipeline.add_argument("--scaling", choices=list(SCALINGS), default="token")
-    pipeline.add_argument("--repeat", type=_positive_int, default=3)
+    pipeline.add_argument("--repeat", type=positive_int, default=3)
 
     demo = commands.add_parser("demo", help="compress, verify and decompress a sample KV cache on a local Ray")
     demo.add_argument("--out", type=Path, default=Path("out/demo"))
-    demo.add_argument("--chunks", type=_positive_int, default=8)
+    demo.add_argument("--chunks", type=positive_int, default=8)
     demo.add_argument("--fp8", choices=sorted(FORMATS), default="e4m3fn")
     demo.add_argument("--scaling", choices=list(SCALINGS), default="token")
-    demo.add_argument("--workers", type=_positive_int, default=2)
+    demo.add_argument("--workers", type=positive_int, default=2)
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_commands(commands, bench_kinds)
     return parser
 
 
-def _engine_arguments(parser: argparse.ArgumentParser, gpus: bool = True) -> None:
-    parser.add_argument("--workers", type=_positive_int, default=2, help="QuantWorker actors (default 2)")
+def engine_arguments(parser: argparse.ArgumentParser, gpus: bool = True) -> None:
+    parser.add_argument("--workers", type=positive_int, default=2, help="QuantWorker actors (default 2)")
     if gpus:
         parser.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per worker; fractions share one")
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
@@ -148,6 +159,8 @@ def _run_engine_command(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "handler", None) is not None:
+            return args.handler(args)
         if args.command == "bench" and args.kind == "pipeline":
             from .bench import bench_pipeline
 
