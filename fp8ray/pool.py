@@ -29,7 +29,7 @@ class WorkerLostError(Fp8rayError, RuntimeError):
     """A shard's worker died more times than the pool retries."""
 
 
-def _connect(address: str | None, num_cpus: int | None) -> bool:
+def connect_ray(address: str | None, num_cpus: int | None) -> bool:
     """Connect to Ray, or start an embedded one. Returns whether this call started it."""
     if ray.is_initialized():
         return False
@@ -85,7 +85,7 @@ class QuantPool:
 
     def __enter__(self) -> QuantPool:
         embedded_cpus = max(int(self.num_workers * self.cpus_per_worker), os.cpu_count() or 1)
-        self._owns_ray = _connect(self.address, embedded_cpus)
+        self._owns_ray = connect_ray(self.address, embedded_cpus)
         self._actor_class = ray.remote(QuantWorker).options(
             num_cpus=self.cpus_per_worker,
             num_gpus=self.gpus_per_worker,

@@ -59,7 +59,7 @@ class ServiceOptions:
     workers: int = 2
     gpus_per_worker: float = 0.0
     cpus_per_worker: float = 1.0
-    replicas: int = 1
+    replicas: int = 0  # 0: Serve's default, or what a config file sets (autoscaling)
     max_body_mb: float = 256.0  # larger bodies are answered 413
 
     @classmethod
@@ -72,7 +72,7 @@ class ServiceOptions:
             options = cls(**{k: type(getattr(cls, k))(v) for k, v in args.items()})
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad fp8ray.serve option: {exc}") from exc
-        if options.workers < 1 or options.replicas < 1 or options.cpus_per_worker <= 0 or options.gpus_per_worker < 0 or options.max_body_mb <= 0:
+        if options.workers < 1 or options.replicas < 0 or options.cpus_per_worker <= 0 or options.gpus_per_worker < 0 or options.max_body_mb <= 0:
             raise ValueError(f"fp8ray.serve options out of range: {options}")
         return options
 
@@ -386,7 +386,10 @@ def build_app(args: dict | None = None) -> serve.Application:
         for i in range(options.workers)
     ]
     actors.append(DeploymentActorConfig(name=STATS_ACTOR, actor_class=ray.remote(ServiceStats), actor_options={"num_cpus": 0}))
-    return Fp8Service.options(num_replicas=options.replicas, deployment_actors=actors).bind(
+    deployment = Fp8Service.options(deployment_actors=actors)
+    if options.replicas:
+        deployment = deployment.options(num_replicas=options.replicas)
+    return deployment.bind(
         options.workers, int(options.max_body_mb * 2**20)
     )
 

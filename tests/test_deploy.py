@@ -46,3 +46,22 @@ def test_rayjob_example_submits_the_job_entrypoint():
     assert (REPO / script).is_file()
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]
     assert head["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_serve_config_is_valid_and_builds_the_app():
+    """serve_config.yaml passes Serve's own schema, and its import path and args build
+    the application with the deployment the config tunes."""
+    import importlib
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "serve_config.yaml").read_text()))
+    [app_config] = config.applications
+    module, name = app_config.import_path.split(":")
+    app = getattr(importlib.import_module(module), name)(app_config.args)
+    deployment = app._bound_deployment
+    assert [d.name for d in app_config.deployments] == [deployment.name] == ["Fp8Service"]
+    workers = [a for a in deployment._deployment_config.deployment_actors if a.name.startswith("quant-worker-")]
+    assert len(workers) == app_config.args["workers"]
+    assert config.http_options.host == "127.0.0.1"

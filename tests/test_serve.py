@@ -282,3 +282,34 @@ def serve_worker_info(ray) -> list[dict]:
 
     names = [a for a in list_named_actors(all_namespaces=True) if "quant-worker-" in a["name"]]
     return [ray.get(ray.get_actor(a["name"], namespace=a["namespace"]).info.remote()) for a in names]
+
+
+@pytest.mark.slow
+def test_fp8ray_serve_command_serves_until_sigterm(tmp_path):
+    """`fp8ray serve` starts its own Ray, answers on 127.0.0.1, and on SIGTERM shuts
+    down cleanly (exit 0, port closed)."""
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fp8ray.cli", "serve", "--port", str(port), "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while "listening on" not in (tmp_path / "serve.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        t = torch.randn(4, 64)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/encode", params=encode_params(t), content=tensor_to_bytes(t).tobytes(), timeout=60)
+        assert r.status_code == 200 and digest(r.content) == digest(Fp8Codec().encode(t))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # only the group this test started
+        log.close()
+    assert "shutting down" in (tmp_path / "serve.log").read_text()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)

@@ -1,0 +1,75 @@
+"""``fp8ray serve`` and ``fp8ray bench serve``: run the online service, and measure it."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from .cli import positive_float, positive_int
+
+APP_NAME = "fp8ray"
+
+
+def add_commands(commands, bench_kinds) -> None:
+    serve = commands.add_parser("serve", help="run the HTTP encode/decode service on Ray Serve until SIGINT/SIGTERM")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=positive_int, default=8000)
+    _service_arguments(serve)
+    serve.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
+    serve.set_defaults(handler=run_serve)
+
+    bench = bench_kinds.add_parser("serve", help="HTTP service throughput and latency vs direct QuantWorker calls")
+    bench.add_argument("--sizes", default="64K,1M,16M", help="block sizes, comma-separated, K/M suffixes (default 64K,1M,16M)")
+    bench.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight (default 8)")
+    bench.add_argument("--mib-per-size", type=positive_float, default=256.0, help="MiB sent per block size (default 256)")
+    _service_arguments(bench)
+    bench.set_defaults(handler=run_bench_serve)
+
+
+def _service_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=positive_int, default=2, help="QuantWorker actors (default 2)")
+    parser.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per worker; fractions share one")
+    parser.add_argument("--replicas", type=positive_int, default=1, help="Fp8Service replicas (default 1)")
+    parser.add_argument("--max-body-mb", type=positive_float, default=256.0, help="larger request bodies get 413 (default 256)")
+
+
+def service_args(args) -> dict:
+    return {"workers": args.workers, "gpus_per_worker": args.gpus_per_worker, "replicas": args.replicas, "max_body_mb": args.max_body_mb}
+
+
+def run_serve(args) -> int:
+    import ray
+    from ray import serve
+
+    from .pool import connect_ray
+    from .serve import build_app
+
+    owns_ray = connect_ray(args.address, None)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(service_args(args)), name=APP_NAME, route_prefix="/")
+        # After Ray's start, which installs its own SIGTERM handler (that ends the process).
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"fp8ray serve: listening on http://{args.host}:{args.port} with {args.workers} QuantWorkers; SIGINT or SIGTERM stops it", flush=True)
+        stop.wait()
+        print("fp8ray serve: shutting down", flush=True)
+    finally:
+        if owns_ray:
+            serve.shutdown()
+            ray.shutdown()
+        else:  # a shared cluster: remove only this application
+            serve.delete(APP_NAME)
+    return 0
+
+
+def run_bench_serve(args) -> int:
+    from .serve_bench import bench_serve, parse_size
+
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    print(bench_serve(sizes, args.concurrency, int(args.mib_per_size * 2**20), service_args(args)))
+    return 0
+
