@@ -1,0 +1,332 @@
+"""Fidelity of an archive against its original: error per key, per layer and K/V, in aggregate.
+
+``fp8ray fidelity ORIGINAL ARCHIVE [--json] [--plot out.png]`` decodes every frame of
+ARCHIVE (an fp8ray archive directory) and compares it with the same key of ORIGINAL (a
+safetensors file or directory, or raw-block Parquet: whatever :mod:`fp8ray.sources` reads).
+
+Two layouts of KV caches are split into K/V and layers:
+
+- **per-key tensors** whose key matches a pattern with named groups ``layer`` (digits)
+  and ``kv`` (``k``/``key`` or ``v``/``value``, any case); the default matches
+  ``layer07.k``, ``model.layer_7-v``, ``layer7/value``...: :data:`DEFAULT_KEY_PATTERN`;
+- **LMCache chunk blocks**: any other tensor of shape ``[2, L, T, H]``; index 0 of the
+  first dimension is K, 1 is V, the second dimension the layer.
+
+Every other key counts in the per-key table and the overall aggregate only.
+
+The metrics of a group G of elements (one key, one layer's K, all V, everything), with
+``x`` the original and ``y`` the decoded value, accumulated in float64::
+
+    rel_fro = sqrt( sum_G (y - x)^2 / sum_G x^2 )
+    max_abs = max_G |y - x|
+    snr_db  = 10 log10( sum_G x^2 / sum_G (y - x)^2 )
+    cosine  = sum_G x y / sqrt( sum_G x^2 * sum_G y^2 )
+
+An aggregate is computed from the sums over all of its elements, never as a mean of the
+members' ratios: a group's ``rel_fro`` is the square root of the sum of squared errors
+over the sum of squared norms, so a large tensor weighs as much as its elements do.
+Edge cases: no error gives ``rel_fro`` 0 and ``snr_db`` +inf; an all-zero original with
+an error gives ``rel_fro`` +inf and ``snr_db`` -inf; ``cosine`` is 1 when both are zero
+and 0 when exactly one is. ``--json`` writes +-inf as the strings ``"inf"``/``"-inf"``
+so that strict JSON parsers accept it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import Fp8rayError
+
+DEFAULT_KEY_PATTERN = r"(?:^|[^a-z0-9])layers?[._-]?(?P<layer>\d+)[._/-](?P<kv>k|v|key|value)$"
+KINDS = ("k", "v")
+
+
+class FidelityError(Fp8rayError, ValueError):
+    """ORIGINAL and ARCHIVE do not hold the same keys, shapes or dtypes."""
+
+
+@dataclass
+class ErrorSums:
+    """Running sums over a group of elements, from which its metrics follow exactly."""
+
+    elements: int = 0
+    err2: float = 0.0  # sum (y - x)^2
+    ref2: float = 0.0  # sum x^2
+    dec2: float = 0.0  # sum y^2
+    dot: float = 0.0  # sum x y
+    max_abs: float = 0.0
+
+    def add(self, other: ErrorSums) -> None:
+        self.elements += other.elements
+        self.err2 += other.err2
+        self.ref2 += other.ref2
+        self.dec2 += other.dec2
+        self.dot += other.dot
+        self.max_abs = max(self.max_abs, other.max_abs)
+
+    def metrics(self) -> dict:
+        if self.err2 == 0:
+            rel, snr = 0.0, math.inf
+        elif self.ref2 == 0:
+            rel, snr = math.inf, -math.inf
+        else:
+            rel, snr = math.sqrt(self.err2 / self.ref2), 10 * math.log10(self.ref2 / self.err2)
+        if self.ref2 == 0 and self.dec2 == 0:
+            cosine = 1.0
+        elif self.ref2 == 0 or self.dec2 == 0:
+            cosine = 0.0
+        else:
+            cosine = self.dot / math.sqrt(self.ref2 * self.dec2)
+        return {"rel_fro": rel, "max_abs": self.max_abs, "snr_db": snr, "cosine": cosine, "elements": self.elements}
+
+
+def _row_sums(x: torch.Tensor, y: torch.Tensor) -> list[ErrorSums]:
+    """ErrorSums of each row of two ``[rows, n]`` float64 tensors."""
+    diff = y - x
+    err2, ref2, dec2, dot = (diff * diff).sum(1), (x * x).sum(1), (y * y).sum(1), (x * y).sum(1)
+    max_abs = diff.abs().amax(1) if x.shape[1] else torch.zeros(x.shape[0], dtype=torch.float64)
+    return [
+        ErrorSums(int(x.shape[1]), float(err2[i]), float(ref2[i]), float(dec2[i]), float(dot[i]), float(max_abs[i]))
+        for i in range(x.shape[0])
+    ]
+
+
+def classify(key: str, shape: tuple[int, ...], pattern: re.Pattern) -> tuple[str, str | None, int | None]:
+    """``("kv", "k"|"v", layer)`` for a per-key tensor, ``("block", None, None)`` for a
+    ``[2, L, T, H]`` chunk block, ``("other", None, None)`` for anything else."""
+    match = pattern.search(key)
+    if match:
+        kind = match.group("kv").lower()[0]
+        return "kv", kind, int(match.group("layer"))
+    if len(shape) == 4 and shape[0] == 2:
+        return "block", None, None
+    return "other", None, None
+
+
+@dataclass
+class FidelityReport:
+    original: str
+    archive: str
+    codec: dict
+    key_pattern: str
+    keys: dict[str, dict] = field(default_factory=dict)  # key -> metrics, kind, layer, shape, dtype
+    layers: dict[str, dict[int, dict]] = field(default_factory=lambda: {"k": {}, "v": {}})
+    kv: dict[str, dict] = field(default_factory=dict)  # "k"/"v" -> metrics over all layers
+    total: dict = field(default_factory=dict)
+    unsplit: list[str] = field(default_factory=list)  # keys in the total only
+
+    def as_dict(self) -> dict:
+        return _json_safe(
+            {
+                "original": self.original,
+                "archive": self.archive,
+                "codec": self.codec,
+                "key_pattern": self.key_pattern,
+                "total": self.total,
+                "kv": self.kv,
+                "layers": {kind: {str(layer): m for layer, m in sorted(by.items())} for kind, by in self.layers.items()},
+                "unsplit": self.unsplit,
+                "keys": self.keys,
+            }
+        )
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _archive_index(fs, path: str, manifest: dict) -> list[tuple[dict, list[str]]]:
+    """Each part with its keys (the small key column only)."""
+    from .archive import pq
+
+    out = []
+    for part in manifest["parts"]:
+        table = pq.read_table(f"{path}/{part['name']}", filesystem=fs, columns=["key"])
+        out.append((part, table.column("key").to_pylist()))
+    return out
+
+
+def _missing_message(only_archive: list[str], only_original: list[str], archive: str, original: str) -> str:
+    def names(keys: list[str]) -> str:
+        shown = ", ".join(repr(k) for k in keys[:5])
+        return shown + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+    problems = []
+    if only_archive:
+        problems.append(f"{len(only_archive)} key(s) of archive {archive} are missing from {original}: {names(only_archive)}")
+    if only_original:
+        problems.append(f"{len(only_original)} key(s) of {original} are missing from archive {archive}: {names(only_original)}")
+    return "; ".join(problems)
+
+
+def fidelity_report(original: str, archive_uri: str, key_pattern: str = DEFAULT_KEY_PATTERN) -> FidelityReport:
+    """Decode every frame of ``archive_uri`` and measure it against ``original``.
+
+    Runs in this process, one archive part at a time (its frames and the matching
+    original blocks in memory). Raises :class:`FidelityError` naming the keys when the
+    two do not hold the same keys, or a key's shape or dtype differs.
+    """
+    from . import archive
+    from .codec import decode
+    from .sources import bytes_to_tensor, list_blocks, read_blocks, resolve
+
+    try:
+        pattern = re.compile(key_pattern, re.IGNORECASE)
+    except re.error as exc:
+        raise ValueError(f"key pattern {key_pattern!r} is not a valid regular expression: {exc}") from exc
+    if not {"layer", "kv"} <= set(pattern.groupindex):
+        raise ValueError(f"key pattern {key_pattern!r} needs the named groups (?P<layer>...) and (?P<kv>...)")
+
+    fs, path = resolve(archive_uri)
+    manifest = archive.read_manifest(fs, path)
+    refs = {r.key: r for r in list_blocks(original)}
+    index = _archive_index(fs, path, manifest)
+    archive_keys = [k for _, keys in index for k in keys]
+    only_archive = [k for k in archive_keys if k not in refs]
+    archived = set(archive_keys)
+    only_original = [k for k in refs if k not in archived]
+    if only_archive or only_original:
+        raise FidelityError(_missing_message(only_archive, only_original, archive_uri, original))
+
+    report = FidelityReport(original, archive_uri, manifest["codec"], key_pattern)
+    total = ErrorSums()
+    per_kind = {kind: ErrorSums() for kind in KINDS}
+    per_layer: dict[str, dict[int, ErrorSums]] = {kind: {} for kind in KINDS}
+    for part, _ in index:
+        table = archive.read_part(fs, path, part, columns=["key", "frame"])
+        keys = table.column("key").to_pylist()
+        part_refs = [refs[k] for k in keys]
+        for ref, data, frame in zip(part_refs, read_blocks(part_refs), table.column("frame").to_pylist()):
+            x = bytes_to_tensor(data, ref.dtype, ref.shape)
+            try:
+                y = decode(frame)
+            except (ValueError, TypeError) as exc:
+                raise FidelityError(f"key {ref.key!r} in {part['name']}: {exc}") from exc
+            if tuple(y.shape) != tuple(x.shape) or y.dtype != x.dtype:
+                raise FidelityError(
+                    f"key {ref.key!r}: the archive holds {list(y.shape)} {str(y.dtype).removeprefix('torch.')}, "
+                    f"{original} {list(x.shape)} {ref.dtype}"
+                )
+            what, kind, layer = classify(ref.key, tuple(x.shape), pattern)
+            x64, y64 = x.double(), y.double()
+            if what == "block":
+                # Rows: (K, layer 0), ..., (K, layer L-1), (V, layer 0), ...
+                n_layers = x.shape[1]
+                rows = _row_sums(x64.reshape(2 * n_layers, -1), y64.reshape(2 * n_layers, -1))
+                key_sums = ErrorSums()
+                for i, sums in enumerate(rows):
+                    kind_i, layer_i = KINDS[i // n_layers], i % n_layers
+                    per_layer[kind_i].setdefault(layer_i, ErrorSums()).add(sums)
+                    per_kind[kind_i].add(sums)
+                    key_sums.add(sums)
+            else:
+                (key_sums,) = _row_sums(x64.reshape(1, -1), y64.reshape(1, -1))
+                if what == "kv":
+                    per_layer[kind].setdefault(layer, ErrorSums()).add(key_sums)
+                    per_kind[kind].add(key_sums)
+                else:
+                    report.unsplit.append(ref.key)
+            total.add(key_sums)
+            report.keys[ref.key] = {
+                **key_sums.metrics(),
+                "layout": what,
+                "kv": kind,
+                "layer": layer,
+                "shape": list(ref.shape),
+                "dtype": ref.dtype,
+            }
+    report.total = total.metrics()
+    report.kv = {kind: per_kind[kind].metrics() for kind in KINDS if per_layer[kind]}
+    report.layers = {kind: {layer: s.metrics() for layer, s in sorted(per_layer[kind].items())} for kind in KINDS}
+    return report
+
+
+def plot_layers(report: FidelityReport, output: str) -> None:
+    """A PNG of rel_fro per layer for K and V, log y (matplotlib's Agg backend)."""
+    if not report.layers["k"] and not report.layers["v"]:
+        raise FidelityError(
+            "nothing to plot: no key matches the layer pattern and no tensor is a [2, layers, tokens, hidden] block"
+        )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    try:
+        for kind, label, marker in (("k", "K", "o"), ("v", "V", "s")):
+            layers = report.layers[kind]
+            if layers:
+                xs = sorted(layers)
+                # Zero error cannot be drawn on a log axis: matplotlib masks it.
+                ax.plot(xs, [layers[i]["rel_fro"] for i in xs], marker=marker, label=label)
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("relative Frobenius error")
+        codec = report.codec
+        ax.set_title(f"fp8ray fidelity: {codec.get('fp8')} / {codec.get('scaling')}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(output, format="png")
+    finally:
+        plt.close(fig)
+
+
+def format_report(report: FidelityReport) -> str:
+    def row(name: str, m: dict) -> str:
+        return f"{name:<10} {m['rel_fro']:>10.3e} {m['max_abs']:>10.3e} {m['snr_db']:>8.2f} {m['cosine']:>12.9f}"
+
+    lines = [f"{report.archive} against {report.original} ({len(report.keys)} keys)"]
+    lines.append(f"{'group':<10} {'rel_fro':>10} {'max_abs':>10} {'snr_db':>8} {'cosine':>12}")
+    for kind in KINDS:
+        for layer, m in report.layers[kind].items():
+            lines.append(row(f"{kind.upper()} {layer}", m))
+    for kind, m in report.kv.items():
+        lines.append(row(f"{kind.upper()} all", m))
+    lines.append(row("total", report.total))
+    if report.unsplit:
+        lines.append(f"{len(report.unsplit)} key(s) in the total only (no layer/K/V split): {report.unsplit[:3]}")
+    if report.keys:
+        worst = max(report.keys.items(), key=lambda kv: kv[1]["rel_fro"])
+        lines.append(f"worst key: {worst[0]!r} rel_fro {worst[1]['rel_fro']:.3e}")
+    return "\n".join(lines)
+
+
+def run_fidelity(args) -> int:
+    report = fidelity_report(args.original, args.archive, key_pattern=args.key_pattern)
+    if args.plot:
+        plot_layers(report, args.plot)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1, allow_nan=False))
+    else:
+        print(format_report(report))
+        if args.plot:
+            print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def add_commands(commands, bench_kinds) -> None:
+    parser = commands.add_parser("fidelity", help="error per key, per layer and K/V of an archive against its original")
+    parser.add_argument("original", help="safetensors file or directory (or raw-block Parquet)")
+    parser.add_argument("archive", help="fp8ray archive directory")
+    parser.add_argument(
+        "--key-pattern",
+        default=DEFAULT_KEY_PATTERN,
+        help="regex with named groups layer and kv (k|v|key|value) for per-key tensors; searched, case-insensitive",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="write relative error per layer for K and V to this PNG")
+    parser.set_defaults(handler=run_fidelity)
