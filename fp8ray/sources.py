@@ -17,6 +17,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import warnings
 
@@ -42,8 +43,8 @@ class SourceError(Fp8rayError, ValueError):
 
 @dataclass(frozen=True)
 class BlockRef:
-    """Where one block's raw bytes lie. ``offset`` is a byte offset into a safetensors
-    file, or a row index into a Parquet file."""
+    """Where one block's raw bytes lie. ``path`` is the file's local path or URI;
+    ``offset`` is a byte offset into a safetensors file, or a row index into a Parquet file."""
 
     key: str
     dtype: str  # "bfloat16" | "float16" | "float32"
@@ -64,6 +65,27 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(uri)
 
 
+def uri_for(uri: str, path: str) -> str:
+    """The URI of ``path`` on the filesystem ``uri`` names, keeping its scheme, credentials
+    and options (``?endpoint_override=...``), so a worker's ``resolve`` finds the same file."""
+    if "://" not in uri:
+        return path
+    parts = urlsplit(uri)
+    if parts.scheme in ("s3", "gs", "gcs"):  # pyarrow's path is "bucket/key"
+        userinfo, _, _ = parts.netloc.rpartition("@")
+        bucket, _, key = path.partition("/")
+        return urlunsplit((parts.scheme, f"{userinfo}@{bucket}" if userinfo else bucket, "/" + key, parts.query, ""))
+    return urlunsplit((parts.scheme, parts.netloc, "/" + path.lstrip("/"), parts.query, ""))
+
+
+def redact(uri: str) -> str:
+    """``uri`` without credentials (``s3://key:secret@bucket`` -> ``s3://***@bucket``), for messages."""
+    parts = urlsplit(uri) if "://" in uri else None
+    if parts is None or "@" not in parts.netloc:
+        return uri
+    return urlunsplit((parts.scheme, "***@" + parts.netloc.rpartition("@")[2], parts.path, parts.query, ""))
+
+
 def _info(fs: pafs.FileSystem, path: str) -> pafs.FileInfo:
     return fs.get_file_info(path)
 
@@ -73,7 +95,7 @@ def list_blocks(uri: str) -> list[BlockRef]:
     fs, path = resolve(uri)
     info = _info(fs, path)
     if info.type == pafs.FileType.NotFound:
-        raise SourceError(f"source {uri} does not exist")
+        raise SourceError(f"source {redact(uri)} does not exist")
     if info.type == pafs.FileType.Directory:
         files = sorted(
             f.path
@@ -83,20 +105,22 @@ def list_blocks(uri: str) -> list[BlockRef]:
         st = [f for f in files if f.endswith(".safetensors")]
         pq_files = [f for f in files if f.endswith(".parquet")]
         if st and pq_files:
-            raise SourceError(f"source {uri} mixes .safetensors and .parquet files")
+            raise SourceError(f"source {redact(uri)} mixes .safetensors and .parquet files")
         if not st and not pq_files:
-            raise SourceError(f"source {uri} holds no .safetensors or .parquet files")
-        refs = [r for f in st for r in _safetensors_blocks(fs, f)] or [r for f in pq_files for r in _parquet_blocks(fs, f)]
+            raise SourceError(f"source {redact(uri)} holds no .safetensors or .parquet files")
+        refs = [r for f in st for r in _safetensors_blocks(fs, f, uri_for(uri, f))] or [
+            r for f in pq_files for r in _parquet_blocks(fs, f, uri_for(uri, f))
+        ]
     elif path.endswith(".safetensors"):
-        refs = _safetensors_blocks(fs, path)
+        refs = _safetensors_blocks(fs, path, uri_for(uri, path))
     elif path.endswith(".parquet"):
-        refs = _parquet_blocks(fs, path)
+        refs = _parquet_blocks(fs, path, uri_for(uri, path))
     else:
-        raise SourceError(f"source {uri}: unknown format (expected .safetensors, .parquet or a directory of them)")
+        raise SourceError(f"source {redact(uri)}: unknown format (expected .safetensors, .parquet or a directory of them)")
     seen: dict[str, str] = {}
     for r in refs:
         if r.key in seen:
-            raise SourceError(f"key {r.key!r} appears twice: in {seen[r.key]} and in {r.path}")
+            raise SourceError(f"key {r.key!r} appears twice: in {redact(seen[r.key])} and in {redact(r.path)}")
         seen[r.key] = r.path
     return refs
 
@@ -121,7 +145,7 @@ def read_safetensors_header(fs: pafs.FileSystem, path: str) -> tuple[dict, int, 
     return header, 8 + header_len, size
 
 
-def _safetensors_blocks(fs: pafs.FileSystem, path: str) -> list[BlockRef]:
+def _safetensors_blocks(fs: pafs.FileSystem, path: str, uri: str) -> list[BlockRef]:
     header, data_start, size = read_safetensors_header(fs, path)
     refs = []
     for key, entry in header.items():
@@ -140,7 +164,7 @@ def _safetensors_blocks(fs: pafs.FileSystem, path: str) -> list[BlockRef]:
                 f"{path}: key {key!r} claims bytes [{begin}, {end}) for shape {list(shape)} {dtype_name} "
                 f"({expected} bytes) in a file of {size} bytes"
             )
-        refs.append(BlockRef(key, TORCH_NAMES[dtype], shape, "safetensors", path, data_start + begin))
+        refs.append(BlockRef(key, TORCH_NAMES[dtype], shape, "safetensors", uri, data_start + begin))
     refs.sort(key=lambda r: r.offset)  # file order
     return refs
 
@@ -148,7 +172,7 @@ def _safetensors_blocks(fs: pafs.FileSystem, path: str) -> list[BlockRef]:
 _RAW_COLUMNS = ("key", "dtype", "shape", "data")
 
 
-def _parquet_blocks(fs: pafs.FileSystem, path: str) -> list[BlockRef]:
+def _parquet_blocks(fs: pafs.FileSystem, path: str, uri: str) -> list[BlockRef]:
     try:
         table = pq.read_table(path, filesystem=fs, columns=["key", "dtype", "shape"])
         names = pq.read_schema(path, filesystem=fs).names
@@ -161,7 +185,7 @@ def _parquet_blocks(fs: pafs.FileSystem, path: str) -> list[BlockRef]:
     for row, (key, dtype, shape) in enumerate(zip(*(table.column(c).to_pylist() for c in ("key", "dtype", "shape")))):
         if dtype not in TORCH_DTYPES:
             raise SourceError(f"{path}: key {key!r} has dtype {dtype!r}; expected one of {sorted(TORCH_DTYPES)}")
-        refs.append(BlockRef(str(key), dtype, tuple(int(d) for d in shape), "parquet", path, row))
+        refs.append(BlockRef(str(key), dtype, tuple(int(d) for d in shape), "parquet", uri, row))
     return refs
 
 
