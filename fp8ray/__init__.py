@@ -6,7 +6,8 @@ from .formats import E4M3FN, E5M2, Fp8Format
 
 __version__ = "0.1.0"
 
-# The engine imports Ray, which takes a second: load it on first use only.
+# The engine imports Ray (and the model tools transformers), which take seconds: load
+# them on first use only.
 _ENGINE = {
     "QuantPool": "fp8ray.pool",
     "QuantWorker": "fp8ray.worker",
@@ -18,6 +19,10 @@ _ENGINE = {
     "ArchiveExistsError": "fp8ray.operations",
     "CorruptArchiveError": "fp8ray.archive",
     "SourceError": "fp8ray.sources",
+    "fidelity_report": "fp8ray.fidelity",
+    "compress_store": "fp8ray.lmcache_store",
+    "decompress_store": "fp8ray.lmcache_store",
+    "evaluate_modes": "fp8ray.evalmodel",
 }
 
 

@@ -1,8 +1,9 @@
-"""The demo: the main job end to end on an embedded local Ray, with a short report.
+"""The demo: the main job end to end on real data, on an embedded local Ray.
 
-Builds a sample KV cache (chunks of LMCache's layout ``[2, layers, 256, kv_heads *
-head_dim]``) as a safetensors file, compresses it with two QuantWorkers, verifies the
-archive against the source, decompresses it, and reports sizes, error and throughput.
+Captures the KV cache of the shipped model (SmolLM2-135M-Instruct, offline) over the
+shipped text, or reuses the capture from an earlier run; compresses it with two
+QuantWorkers; verifies the archive against the source; measures its fidelity per K/V
+and layer; decompresses it; and reports sizes, error and throughput.
 """
 
 from __future__ import annotations
@@ -12,19 +13,31 @@ import shutil
 from pathlib import Path
 
 from .operations import compress_archive, decompress_archive, verify_archive
-from .sample import sample_kv_chunk
 
 
-def run_demo(out_dir: Path, chunks: int = 8, fp8: str = "e4m3fn", scaling: str = "token", workers: int = 2) -> str:
-    from safetensors.torch import save_file
+def run_demo(out_dir: Path, tokens: int | None = None, fp8: str = "e4m3fn", scaling: str = "token", workers: int = 2, **codec_options) -> str:
+    from .capture import capture
+    from .evalmodel import DEFAULT_TEXT
+    from .fidelity import fidelity_report
+    from .sources import list_blocks
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    source = out_dir / "kv_cache.safetensors"
-    save_file({f"chunk{i:04d}": sample_kv_chunk(seed=i) for i in range(chunks)}, str(source))
-    archive, restored = out_dir / "kv_cache.fp8", out_dir / "restored.safetensors"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    source = out_dir / (f"kv_smollm2_{tokens}.safetensors" if tokens else "kv_smollm2.safetensors")
+    if source.exists():
+        captured = f"reusing the captured KV cache {source} (delete it to capture again)"
+    else:
+        report = capture(source, DEFAULT_TEXT, tokens=tokens)
+        captured = (
+            f"captured {report.model}'s KV cache over {report.tokens} tokens of {DEFAULT_TEXT.name}: "
+            f"{report.layers} layers x K/V of [{report.kv_heads}, {report.tokens}, {report.head_dim}] {report.dtype} -> {source}"
+        )
+    archive, restored = out_dir / "kv_smollm2.fp8", out_dir / "restored.safetensors"
+    for old in (archive, restored):
+        if old.is_dir():
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
 
     import ray
 
@@ -32,7 +45,7 @@ def run_demo(out_dir: Path, chunks: int = 8, fp8: str = "e4m3fn", scaling: str =
     if owns_ray:  # one Ray for the three steps
         ray.init(address="local", num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     try:
-        compressed = compress_archive(str(source), str(archive), fp8=fp8, scaling=scaling, workers=workers, part_bytes=16 << 20)
+        compressed = compress_archive(str(source), str(archive), fp8=fp8, scaling=scaling, workers=workers, **codec_options)
         verified = verify_archive(str(archive), against=str(source), workers=workers)
         decompressed = decompress_archive(str(archive), str(restored), workers=workers)
     finally:
@@ -40,17 +53,25 @@ def run_demo(out_dir: Path, chunks: int = 8, fp8: str = "e4m3fn", scaling: str =
             ray.shutdown()
     if not verified.ok:
         raise RuntimeError("verification failed: " + "; ".join(verified.errors))
-    rel = [m["rel_fro"] for m in verified.metrics.values()]
-    snr = [m["snr_db"] for m in verified.metrics.values()]
+    fidelity = fidelity_report(str(source), str(archive))
+    k, v = fidelity.kv["k"], fidelity.kv["v"]
+    options = "".join(f", {name}={value}" for name, value in codec_options.items())
     return "\n".join(
         [
-            f"sample KV cache: {chunks} chunks of [2, 30, 256, 192] bfloat16 -> {source}",
-            f"compress ({fp8}, {scaling} scaling, {workers} QuantWorkers on {', '.join(compressed.devices)}): "
-            f"{compressed.raw_bytes / 2**20:.1f} MiB -> {compressed.archive_bytes / 2**20:.1f} MiB "
-            f"({compressed.ratio:.2f}x) in {compressed.parts} Parquet parts, {compressed.input_gbps:.2f} GB/s of input",
-            f"verify against the source: {verified.blocks} blocks ok; relative Frobenius error "
-            f"{min(rel):.2%} to {max(rel):.2%}, SNR {min(snr):.1f} to {max(snr):.1f} dB",
+            captured,
+            f"compress ({fp8}, {scaling} scaling{options}, {workers} QuantWorkers on {', '.join(compressed.devices)}): "
+            f"{len(list_blocks(str(source)))} blocks, {compressed.raw_bytes / 2**20:.2f} MiB -> {compressed.archive_bytes / 2**20:.2f} MiB "
+            f"({compressed.ratio:.2f}x) in {compressed.parts} Parquet part(s), {compressed.input_gbps:.2f} GB/s of input",
+            f"verify against the source: {verified.blocks} blocks, every checksum ok",
+            f"fidelity: keys   relative error {k['rel_fro']:.3%}, SNR {k['snr_db']:.1f} dB, cosine {k['cosine']:.6f}",
+            f"          values relative error {v['rel_fro']:.3%}, SNR {v['snr_db']:.1f} dB, cosine {v['cosine']:.6f}",
+            f"          worst layer: K {_worst(fidelity.layers['k'])}, V {_worst(fidelity.layers['v'])}",
             f"decompress: {decompressed.blocks} blocks -> {restored} in {decompressed.seconds:.1f} s",
-            f"archive: {archive} (Parquet parts + _manifest.json; `fp8ray inspect {archive}`)",
+            f"archive: {archive} (Parquet parts + _manifest.json; `fp8ray inspect {archive}`, `fp8ray fidelity {source} {archive} --plot errors.png`)",
         ]
     )
+
+
+def _worst(by_layer: dict[int, dict]) -> str:
+    layer, metrics = max(by_layer.items(), key=lambda item: item[1]["rel_fro"])
+    return f"layer {layer} at {metrics['rel_fro']:.3%}"
