@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 from .errors import Fp8rayError
-from .formats import DTYPE_NAMES, FORMATS, SCALINGS
+from .formats import DTYPE_NAMES, FORMATS, SCALE_CHOICES, SCALE_DTYPES, SCALINGS
 
 
 def positive_int(text: str) -> int:
@@ -31,7 +31,7 @@ def positive_float(text: str) -> float:
 # ``add_commands(commands, bench_kinds)`` that adds its subparsers with
 # ``set_defaults(handler=run)``, where ``run(args) -> int``; it imports heavy packages
 # (transformers, Ray Serve) inside ``run`` so ``fp8ray --help`` stays fast.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("fp8ray.serve_cli", "fp8ray.fidelity", "fp8ray.lmcache_store", "fp8ray.capture", "fp8ray.evalmodel")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--chunks", type=positive_int, default=4, help="sample chunks of [2, 30, 256, 192] (default 4)")
     codec.add_argument("--block-size", type=positive_int, default=128)
     codec.add_argument("--repeat", type=positive_int, default=5)
-    codec.add_argument("--scaling", choices=list(SCALINGS), action="append", help="repeatable; default all")
+    codec.add_argument("--scaling", choices=list(SCALINGS), action="append", help="repeatable; default all, and block 32 bfloat16 mse")
+    codec.add_argument("--scale-dtype", choices=list(SCALE_DTYPES), default="float32")
+    codec.add_argument("--scale-choice", choices=list(SCALE_CHOICES), default="amax", help="mse: token and block scaling only")
 
     compress = commands.add_parser("compress", help="compress a safetensors file/directory or raw-block Parquet into an archive")
     compress.add_argument("source")
@@ -54,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--fp8", choices=sorted(FORMATS), default="e4m3fn")
     compress.add_argument("--scaling", choices=list(SCALINGS), default="tensor")
     compress.add_argument("--block-size", type=positive_int, default=128)
+    compress.add_argument("--scale-dtype", choices=list(SCALE_DTYPES), default="float32", help="bfloat16: 2-byte scales")
+    compress.add_argument("--scale-choice", choices=list(SCALE_CHOICES), default="amax", help="mse: least-error scales (token, block)")
     compress.add_argument("--part-mb", type=positive_float, default=64.0, help="input MiB per Parquet part (default 64)")
     compress.add_argument("--resume", action="store_true", help="keep the parts an interrupted run finished")
     compress.add_argument("--overwrite", action="store_true", help="replace an existing destination")
@@ -80,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline.add_argument("--scaling", choices=list(SCALINGS), default="token")
     pipeline.add_argument("--repeat", type=positive_int, default=3)
 
-    demo = commands.add_parser("demo", help="compress, verify and decompress a sample KV cache on a local Ray")
+    demo = commands.add_parser("demo", help="capture a real KV cache, compress, verify, measure and decompress it on a local Ray")
     demo.add_argument("--out", type=Path, default=Path("out/demo"))
-    demo.add_argument("--chunks", type=positive_int, default=8)
+    demo.add_argument("--tokens", type=positive_int, help="tokens of the shipped text to capture (default: all, about 880)")
     demo.add_argument("--fp8", choices=sorted(FORMATS), default="e4m3fn")
     demo.add_argument("--scaling", choices=list(SCALINGS), default="token")
     demo.add_argument("--workers", type=positive_int, default=2)
@@ -120,6 +124,7 @@ def _run_engine_command(args) -> int:
         bar, update = _progress(args, lambda: len(list_blocks(args.source)))
         report = operations.compress_archive(
             args.source, args.destination, fp8=args.fp8, scaling=args.scaling, block_size=args.block_size,
+            scale_dtype=args.scale_dtype, scale_choice=args.scale_choice,
             workers=args.workers, gpus_per_worker=args.gpus_per_worker, address=args.address,
             resume=args.resume, overwrite=args.overwrite, part_bytes=int(args.part_mb * 2**20), progress=update,
         )
@@ -166,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
 
             print(bench_pipeline(args.chunks, args.max_workers, args.scaling, args.repeat))
         elif args.command == "bench":
-            from .bench import bench_codec, describe_machine, format_table
+            from .bench import KV_MODE, bench_codec, describe_machine, format_table
 
             dtype = {v: k for k, v in DTYPE_NAMES.items()}[args.dtype]
             rows = bench_codec(
-                args.fp8, dtype, args.chunks, args.block_size, args.repeat, tuple(args.scaling or SCALINGS)
+                args.fp8, dtype, args.chunks, args.block_size, args.repeat, tuple(args.scaling or SCALINGS),
+                args.scale_dtype, args.scale_choice, extra_modes=() if args.scaling else (KV_MODE,),
             )
             title = f"fp8ray bench codec: {args.fp8}, {args.dtype} input, {args.chunks} x [2, 30, 256, 192]\n{describe_machine()}"
             print(format_table(rows, title))
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "demo":
             from .demo import run_demo
 
-            print(run_demo(args.out, args.chunks, args.fp8, args.scaling, args.workers))
+            print(run_demo(args.out, args.tokens, args.fp8, args.scaling, args.workers))
     except (ValueError, TypeError, OSError, Fp8rayError) as exc:
         print(f"fp8ray: error: {exc}", file=sys.stderr)
         return 1

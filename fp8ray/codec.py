@@ -17,7 +17,17 @@ import torch
 
 from . import cpu, frame, reference
 from .errors import NonFiniteError
-from .formats import DTYPE_NAMES, DTYPES, NONFINITE_POLICIES, SCALINGS, Fp8Format, get_format
+from .formats import (
+    DTYPE_NAMES,
+    DTYPES,
+    NONFINITE_POLICIES,
+    SCALE_CHOICES,
+    SCALE_DTYPES,
+    SCALINGS,
+    SEARCHED_SCALINGS,
+    Fp8Format,
+    get_format,
+)
 
 DEFAULT_BLOCK_SIZE = 128
 
@@ -58,6 +68,13 @@ class Fp8Codec:
             row of the last dimension: per token and head of a ``[.., tokens, head_dim]``
             block) or ``"block"`` (one per ``block_size`` contiguous elements).
         block_size: group length for ``scaling="block"``.
+        scale_dtype: how each scale is stored: ``"float32"`` (default, 4 bytes) or
+            ``"bfloat16"`` (2 bytes, truncated toward zero; the frame records it).
+            Ignored under scaling ``none``, which stores no scales.
+        scale_choice: ``"amax"`` (default: ``scale = amax / finfo.max``) or ``"mse"``
+            (token and block scaling: of the scales that map the amax onto each fp8
+            value in (max/2, max], the one with the least squared error; about 10x the
+            encoding time, decoding unchanged). See :mod:`fp8ray.formats`.
         nonfinite: ``"error"`` (default) raises :class:`NonFiniteError` with the count and
             the first index; ``"keep"`` stores NaN as NaN and +-inf as +-inf in e5m2.
             e4m3fn has no infinities, so there +-inf is stored as NaN. Non-finite
@@ -70,6 +87,8 @@ class Fp8Codec:
         scaling: str = "tensor",
         block_size: int = DEFAULT_BLOCK_SIZE,
         nonfinite: str = "error",
+        scale_dtype: str = "float32",
+        scale_choice: str = "amax",
     ):
         self.fmt: Fp8Format = get_format(fp8)
         if scaling not in SCALINGS:
@@ -78,16 +97,32 @@ class Fp8Codec:
             raise ValueError(f"block_size must be a positive integer below 2**32, got {block_size!r}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"unknown nonfinite policy {nonfinite!r}; expected one of {list(NONFINITE_POLICIES)}")
+        if scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"unknown scale_dtype {scale_dtype!r}; expected one of {list(SCALE_DTYPES)}")
+        if scale_choice not in SCALE_CHOICES:
+            raise ValueError(f"unknown scale_choice {scale_choice!r}; expected one of {list(SCALE_CHOICES)}")
+        if scale_choice != "amax" and scaling not in SEARCHED_SCALINGS:
+            raise ValueError(
+                f"scale_choice {scale_choice!r} needs scaling {' or '.join(map(repr, SEARCHED_SCALINGS))}, not {scaling!r}"
+            )
         self.scaling = scaling
         self.block_size = block_size
         self.nonfinite = nonfinite
+        self.scale_dtype = scale_dtype
+        self.scale_choice = scale_choice
 
     def __repr__(self) -> str:
         block = f", block_size={self.block_size}" if self.scaling == "block" else ""
-        return f"Fp8Codec(fp8={self.fmt.name!r}, scaling={self.scaling!r}{block}, nonfinite={self.nonfinite!r})"
+        scale_dtype = f", scale_dtype={self.scale_dtype!r}" if self.scale_dtype != "float32" else ""
+        scale_choice = f", scale_choice={self.scale_choice!r}" if self.scale_choice != "amax" else ""
+        return (
+            f"Fp8Codec(fp8={self.fmt.name!r}, scaling={self.scaling!r}{block}{scale_dtype}{scale_choice}, "
+            f"nonfinite={self.nonfinite!r})"
+        )
 
     def _header(self, shape, dtype: torch.dtype) -> frame.FrameHeader:
-        return frame.FrameHeader(self.fmt, self.scaling, dtype, tuple(int(d) for d in shape), self.block_size)
+        scale_dtype = frame.stored_scale_dtype(self.scaling, self.scale_dtype)
+        return frame.FrameHeader(self.fmt, self.scaling, dtype, tuple(int(d) for d in shape), self.block_size, scale_dtype)
 
     def encoded_size(self, shape, dtype: torch.dtype) -> int:
         """Exact size in bytes of the frame of a ``shape`` tensor of ``dtype``."""
@@ -105,16 +140,22 @@ class Fp8Codec:
         header = self._header(x.shape, x.dtype)
         buf = np.empty(header.frame_size, dtype=np.uint8)
         frame.write_header(buf, header)
-        scales = buf[header.scales_offset : header.codes_offset].view(np.float32)
+        stored = buf[header.scales_offset : header.codes_offset]
+        # The kernels write fp32 scales: into the frame itself for float32 scales, else
+        # into a small array whose values (already bfloat16 ones) are then narrowed.
+        scales = stored.view(np.float32) if header.scale_dtype == "float32" else np.empty(header.num_scales, np.float32)
         codes = frame.codes_of(buf, header)
+        options = (self.scale_dtype, self.scale_choice)
         if x.device.type == "cpu":
-            nonfinite = cpu.quantize(x.contiguous(), self.fmt, self.scaling, self.block_size, codes, scales)
+            nonfinite = cpu.quantize(x.contiguous(), self.fmt, self.scaling, self.block_size, codes, scales, *options)
         else:
             ref_codes, ref_scales, nonfinite = reference.quantize(
-                x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep"
+                x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep", *options
             )
             codes[:] = ref_codes.cpu().numpy()
             scales[:] = ref_scales.cpu().numpy()
+        if header.scale_dtype == "bfloat16":
+            stored.view("<u2")[:] = scales.view(np.uint32) >> 16  # exact: the low 16 bits are zero
         if nonfinite and self.nonfinite == "error":
             _raise_nonfinite(x, nonfinite)
         frame.seal(buf)
@@ -171,6 +212,8 @@ def decode(data, *, out: torch.Tensor | None = None, device=None) -> torch.Tenso
     return result
 
 
-def encoded_size(shape, dtype: torch.dtype, fp8="e4m3fn", scaling="tensor", block_size=DEFAULT_BLOCK_SIZE) -> int:
+def encoded_size(
+    shape, dtype: torch.dtype, fp8="e4m3fn", scaling="tensor", block_size=DEFAULT_BLOCK_SIZE, scale_dtype="float32"
+) -> int:
     """Exact frame size for a tensor of ``shape`` and ``dtype`` under these options."""
-    return Fp8Codec(fp8, scaling, block_size).encoded_size(shape, dtype)
+    return Fp8Codec(fp8, scaling, block_size, scale_dtype=scale_dtype).encoded_size(shape, dtype)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import kernels
-from .formats import Fp8Format
+from .formats import SCALE_MASKS, Fp8Format, scale_candidates
 
 # Elements per task: big enough to amortise a thread hand-off (~10 us), small enough
 # to balance two to a few dozen cores.
@@ -70,8 +70,11 @@ def quantize(
     block_size: int,
     codes: np.ndarray,
     scales: np.ndarray,
+    scale_dtype: str = "float32",
+    scale_choice: str = "amax",
 ) -> int:
-    """Fill ``codes`` (uint8, numel) and ``scales`` (fp32) for contiguous CPU ``x``.
+    """Fill ``codes`` (uint8, numel) and ``scales`` (fp32, values of ``scale_dtype``) for
+    contiguous CPU ``x``; ``scale_choice`` applies to token and block scaling.
 
     Returns the number of non-finite inputs (their codes are the format's NaN/inf codes).
     """
@@ -79,13 +82,14 @@ def quantize(
     n = src.size
     tag = kernels.FORMAT_TAGS[fmt.name]
     fmax = np.float32(fmt.max)
+    mask = np.int64(SCALE_MASKS[scale_dtype])
     shape = tuple(x.shape)
     if scaling in ("none", "tensor"):
         spans = _spans(n, CHUNK_ELEMENTS)
         scale = np.float32(1.0)
         if scaling == "tensor":
             amax = max(_run([lambda s=s, e=e: kernels.amax_span(src, s, e) for s, e in spans]))
-            scale = np.float32(kernels.scale_from_amax(np.float32(amax), fmax))
+            scale = np.float32(kernels.scale_from_amax(np.float32(amax), fmax, mask))
             scales[0] = scale
         return sum(_run([lambda s=s, e=e: kernels.quantize_uniform(src, codes, s, e, scale, tag) for s, e in spans]))
     if scaling == "channel":
@@ -94,15 +98,24 @@ def quantize(
         spans = _spans(rows, CHUNK_ELEMENTS // max(columns, 1))
         partial = _run([lambda s=s, e=e: _column_amax(src, columns, s, e) for s, e in spans])
         amax = np.maximum.reduce(partial) if len(partial) > 1 else partial[0]
-        kernels.amax_to_scales(amax, fmax, scales)
+        kernels.amax_to_scales(amax, fmax, mask, scales)
         return sum(
             _run([lambda s=s, e=e: kernels.quantize_columns(src, codes, scales, columns, s, e, tag) for s, e in spans])
         )
-    # token and block: contiguous groups, amax and cast fused per group.
+    # token and block: contiguous groups, amax (and scale search) and cast fused per group.
     group = (shape[-1] if shape else 1) if scaling == "token" else block_size
     groups = scales.size
     spans = _spans(groups, CHUNK_ELEMENTS // max(group, 1))
-    return sum(_run([lambda s=s, e=e: kernels.quantize_groups(src, codes, scales, group, s, e, tag) for s, e in spans]))
+    candidates = scale_candidates(fmt, scale_choice)
+    if len(candidates) == 1:
+        tasks = [lambda s=s, e=e: kernels.quantize_groups(src, codes, scales, group, s, e, tag, mask) for s, e in spans]
+    else:
+        divisors = kernels.pad_candidates(candidates)
+        tasks = [
+            lambda s=s, e=e: kernels.quantize_groups_search(src, codes, scales, group, s, e, tag, mask, divisors)
+            for s, e in spans
+        ]
+    return sum(_run(tasks))
 
 
 def _column_amax(src: np.ndarray, columns: int, row_start: int, row_stop: int) -> np.ndarray:

@@ -10,6 +10,20 @@ A group whose amax is 0 (all zeros, or empty) gets scale 1, so zeros decode to e
 zeros. A scale below the smallest normal fp32 (2**-126) is raised to it, so the scale
 itself is exact and ``x / scale`` cannot overflow. Scaling ``none`` is scale 1 with no
 scale stored.
+
+Two options refine the scale, both applied in fp32 after the rules above:
+
+- ``scale_dtype="bfloat16"`` stores each scale in 2 bytes: the fp32 scale is truncated
+  (rounded toward zero) to bfloat16, so ``amax / scale`` may exceed finfo.max by less
+  than 2**-7 relative and is clamped, and no decoded value ever exceeds the group's amax
+  (rounding up could: 65504 in float16 would decode to inf). Encoding divides by the
+  stored scale, so decoding is exact to the encoder's intent.
+- ``scale_choice="mse"`` (token and block scaling) tries the scales ``amax / c`` for every
+  finite fp8 value ``c`` in (finfo.max / 2, finfo.max] (largest first; each maps the amax
+  onto a grid point, and together they cover one binade of alignments) and keeps the first
+  with the least squared error ``sum_i (fp32(fp8_i * scale) - x_i)**2``, summed in fp64
+  left to right over the group's finite elements. ``"amax"`` (the default) is
+  ``c = finfo.max`` alone.
 """
 
 from __future__ import annotations
@@ -81,6 +95,32 @@ DTYPES_BY_CODE = {v: k for k, v in DTYPES.items()}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 NONFINITE_POLICIES = ("error", "keep")
+
+# Scale dtypes: wire code, bytes per scale, and the mask that truncates an fp32 scale's bits to it.
+SCALE_DTYPES = {"float32": 0, "bfloat16": 1}
+SCALE_DTYPES_BY_CODE = {v: k for k, v in SCALE_DTYPES.items()}
+SCALE_BYTES = {"float32": 4, "bfloat16": 2}
+SCALE_MASKS = {"float32": 0xFFFFFFFF, "bfloat16": 0xFFFF0000}
+
+# How the encoder picks a group's scale (see the module docstring); not recorded in the
+# frame, which needs only the scales themselves to decode.
+SCALE_CHOICES = ("amax", "mse")
+SEARCHED_SCALINGS = ("token", "block")
+
+
+def scale_candidates(fmt: Fp8Format, scale_choice: str) -> tuple[float, ...]:
+    """The divisors ``c`` of ``scale = amax / c`` the encoder tries, in the order tried.
+
+    ``amax``: finfo.max alone. ``mse``: every finite fp8 value in (max/2, max], largest
+    first (e4m3fn: 448, 416, ..., 256, 240; e5m2: 57344, 49152, 40960, 32768).
+    """
+    if scale_choice == "amax":
+        return (fmt.max,)
+    if scale_choice == "mse":
+        values = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+        top = values[torch.isfinite(values) & (values > fmt.max / 2) & (values <= fmt.max)]
+        return tuple(sorted((float(v) for v in top), reverse=True))
+    raise ValueError(f"unknown scale_choice {scale_choice!r}; expected one of {list(SCALE_CHOICES)}")
 
 
 def get_format(fp8: str | torch.dtype | Fp8Format) -> Fp8Format:

@@ -8,12 +8,17 @@ Specified byte by byte in docs/FORMAT.md; in short (all integers little-endian):
     6   1        scaling code           (0 none, 1 tensor, 2 channel, 3 token, 4 block)
     7   1        original dtype code    (1 float32, 2 float16, 3 bfloat16)
     8   1        ndim (0..64)
-    9   3        reserved, zero
+    9   1        scale dtype code       (0 float32, 1 bfloat16; 0 under scaling none)
+    10  2        reserved, zero
     12  4        block_size (uint32; 0 unless scaling is block)
     16  8*ndim   shape (uint64 each)
-    H   4*S      scales (float32 each; S follows from scaling and shape)
-    H+4S N       fp8 codes, row-major (N = product of shape)
+    H   B*S      scales (B = 4 bytes float32 or 2 bytes bfloat16 each; S follows from
+                 scaling and shape)
+    H+BS N       fp8 codes, row-major (N = product of shape)
     end-4 4      CRC-32C of every byte before it
+
+Byte 9 was reserved (zero) before scale dtypes existed, so every older frame reads as
+float32 scales, unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from .formats import (
     FORMATS_BY_CODE,
     SCALINGS,
     SCALINGS_BY_CODE,
+    SCALE_BYTES,
+    SCALE_DTYPES,
+    SCALE_DTYPES_BY_CODE,
     Fp8Format,
     num_scales,
 )
@@ -40,7 +48,7 @@ from .formats import (
 MAGIC = b"FP8R"
 VERSION = 1
 MAX_NDIM = 64
-FIXED_HEADER = struct.Struct("<4sBBBBB3sI")  # magic .. block_size: 16 bytes
+FIXED_HEADER = struct.Struct("<4sBBBBBB2sI")  # magic .. block_size: 16 bytes
 CHECKSUM_BYTES = 4
 
 
@@ -53,6 +61,7 @@ class FrameHeader:
     dtype: torch.dtype
     shape: tuple[int, ...]
     block_size: int
+    scale_dtype: str = "float32"  # as stored: always "float32" under scaling none
 
     @property
     def numel(self) -> int:
@@ -68,16 +77,23 @@ class FrameHeader:
 
     @property
     def codes_offset(self) -> int:
-        return self.scales_offset + 4 * self.num_scales
+        return self.scales_offset + SCALE_BYTES[self.scale_dtype] * self.num_scales
 
     @property
     def frame_size(self) -> int:
         return self.codes_offset + self.numel + CHECKSUM_BYTES
 
 
-def frame_size(fmt: Fp8Format, scaling: str, dtype: torch.dtype, shape: tuple[int, ...], block_size: int) -> int:
+def frame_size(
+    fmt: Fp8Format, scaling: str, dtype: torch.dtype, shape: tuple[int, ...], block_size: int, scale_dtype: str = "float32"
+) -> int:
     """Exact size in bytes of the frame of a tensor with this shape and these options."""
-    return FrameHeader(fmt, scaling, dtype, tuple(shape), block_size).frame_size
+    return FrameHeader(fmt, scaling, dtype, tuple(shape), block_size, stored_scale_dtype(scaling, scale_dtype)).frame_size
+
+
+def stored_scale_dtype(scaling: str, scale_dtype: str) -> str:
+    """The scale dtype a frame records: float32 (code 0) when there are no scales."""
+    return "float32" if scaling == "none" else scale_dtype
 
 
 def write_header(buf: np.ndarray, header: FrameHeader) -> None:
@@ -90,7 +106,8 @@ def write_header(buf: np.ndarray, header: FrameHeader) -> None:
         SCALINGS[header.scaling],
         DTYPES[header.dtype],
         len(header.shape),
-        b"\0\0\0",
+        SCALE_DTYPES[header.scale_dtype],
+        b"\0\0",
         block_size,
     )
     shape = struct.pack(f"<{len(header.shape)}Q", *header.shape)
@@ -132,7 +149,7 @@ def parse(buf: np.ndarray) -> FrameHeader:
     minimum = FIXED_HEADER.size + CHECKSUM_BYTES
     if size < minimum:
         raise CorruptFrameError(f"frame truncated: {size} bytes, a frame has at least {minimum}")
-    magic, version, fmt_code, scaling_code, dtype_code, ndim, reserved, block_size = FIXED_HEADER.unpack(
+    magic, version, fmt_code, scaling_code, dtype_code, ndim, scale_dtype_code, reserved, block_size = FIXED_HEADER.unpack(
         buf[: FIXED_HEADER.size].tobytes()
     )
     if magic != MAGIC:
@@ -147,16 +164,21 @@ def parse(buf: np.ndarray) -> FrameHeader:
         raise CorruptFrameError(f"unknown dtype code {dtype_code} in frame header")
     if ndim > MAX_NDIM:
         raise CorruptFrameError(f"ndim {ndim} in frame header exceeds {MAX_NDIM}")
-    if reserved != b"\0\0\0":
+    if scale_dtype_code not in SCALE_DTYPES_BY_CODE:
+        raise CorruptFrameError(f"unknown scale dtype code {scale_dtype_code} in frame header")
+    if reserved != b"\0\0":
         raise CorruptFrameError(f"reserved header bytes are {reserved.hex()}, expected zero")
     scaling = SCALINGS_BY_CODE[scaling_code]
     if (scaling == "block") != (block_size > 0):
         raise CorruptFrameError(f"block_size {block_size} is invalid for scaling {scaling!r}")
+    scale_dtype = SCALE_DTYPES_BY_CODE[scale_dtype_code]
+    if scaling == "none" and scale_dtype != "float32":
+        raise CorruptFrameError(f"scale dtype {scale_dtype!r} is invalid for scaling 'none', which stores no scales")
     shape_end = FIXED_HEADER.size + 8 * ndim
     if size < shape_end + CHECKSUM_BYTES:
         raise CorruptFrameError(f"frame truncated: {size} bytes, its {ndim}-d shape needs {shape_end + CHECKSUM_BYTES}")
     shape = struct.unpack(f"<{ndim}Q", buf[FIXED_HEADER.size : shape_end].tobytes())
-    header = FrameHeader(FORMATS_BY_CODE[fmt_code], scaling, DTYPES_BY_CODE[dtype_code], shape, block_size)
+    header = FrameHeader(FORMATS_BY_CODE[fmt_code], scaling, DTYPES_BY_CODE[dtype_code], shape, block_size, scale_dtype)
     expected = header.frame_size  # Python ints: a corrupt shape cannot overflow here
     if expected != size:
         kind = "truncated" if size < expected else "has trailing bytes"
@@ -169,9 +191,13 @@ def parse(buf: np.ndarray) -> FrameHeader:
 
 
 def scales_of(buf: np.ndarray, header: FrameHeader) -> np.ndarray:
-    """The frame's fp32 scales (a view), checked to be finite and positive."""
+    """The frame's scales as fp32, checked to be finite and positive: a view of float32
+    scales, a new array for bfloat16 ones (widened exactly: bf16 bits are fp32's top half)."""
     raw = buf[header.scales_offset : header.codes_offset]
-    scales = raw.view(np.float32) if raw.ctypes.data % 4 == 0 else raw.copy().view(np.float32)
+    if header.scale_dtype == "bfloat16":
+        scales = (raw.copy().view("<u2").astype(np.uint32) << 16).view(np.float32)
+    else:
+        scales = raw.view(np.float32) if raw.ctypes.data % 4 == 0 else raw.copy().view(np.float32)
     if scales.size and not (np.isfinite(scales).all() and (scales > 0).all()):
         bad = int(np.flatnonzero(~(np.isfinite(scales) & (scales > 0)))[0])
         raise CorruptFrameError(f"scale {bad} of the frame is {float(scales[bad])}, expected a finite positive number")

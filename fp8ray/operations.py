@@ -129,6 +129,8 @@ def compress_archive(
     fp8: str = "e4m3fn",
     scaling: str = "tensor",
     block_size: int = DEFAULT_BLOCK_SIZE,
+    scale_dtype: str = "float32",
+    scale_choice: str = "amax",
     workers: int = 2,
     gpus_per_worker: float = 0,
     address: str | None = None,
@@ -144,8 +146,13 @@ def compress_archive(
     driver moves only metadata and writes the manifest last. With ``resume``, parts a
     previous run finished (same source, options and plan) are kept as they are.
     """
-    Fp8Codec(fp8, scaling, block_size)  # validate the options before any work
+    Fp8Codec(fp8, scaling, block_size, scale_dtype=scale_dtype, scale_choice=scale_choice)  # validate before any work
     options = {"fp8": fp8, "scaling": scaling, "block_size": block_size}
+    # Recorded only when not the default, so plans and manifests of default runs stay as before.
+    if scale_dtype != "float32":
+        options["scale_dtype"] = scale_dtype
+    if scale_choice != "amax":
+        options["scale_choice"] = scale_choice
     refs = list_blocks(source)
     parts = plan_parts(refs, part_bytes)
     fs, path = resolve(destination)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .formats import SMALLEST_NORMAL_SCALE, Fp8Format
+from .formats import SCALE_MASKS, SMALLEST_NORMAL_SCALE, Fp8Format, scale_candidates
 
 
 def _grouped(x: torch.Tensor, scaling: str, shape: tuple[int, ...], block_size: int) -> torch.Tensor:
@@ -39,20 +39,83 @@ def _finite_amax(groups: torch.Tensor, dim: int) -> torch.Tensor:
     return mags.amax(dim=dim)
 
 
-def amax_to_scale(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """``scale = amax / finfo.max`` in fp32; 1 for a zero group, at least 2**-126 otherwise."""
-    scale = (amax.float() / fmt.max).clamp_min(SMALLEST_NORMAL_SCALE)
-    return torch.where(amax == 0, torch.ones_like(scale), scale)
+def amax_to_scale(
+    amax: torch.Tensor, fmt: Fp8Format, divisor: float | None = None, scale_dtype: str = "float32"
+) -> torch.Tensor:
+    """``scale = amax / divisor`` in fp32 (divisor finfo.max unless given); 1 for a zero
+    group, at least 2**-126 otherwise; then truncated to ``scale_dtype``."""
+    # A 0-d tensor, not a Python number: CUDA divides by a CPU scalar as a product with
+    # its reciprocal, which can differ from the division in the last bit.
+    divisor = torch.tensor(fmt.max if divisor is None else divisor, dtype=torch.float32, device=amax.device)
+    scale = (amax.float() / divisor).clamp_min(SMALLEST_NORMAL_SCALE)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    mask = SCALE_MASKS[scale_dtype]
+    if mask != 0xFFFFFFFF:  # round toward zero to the stored dtype (positive numbers: drop the low bits)
+        scale = (scale.view(torch.int32) & (mask - 2**32)).view(torch.float32)
+    return scale
+
+
+def _qdq(groups: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """fp32(fp8(clamp(x / scale)) * scale), per row of ``groups``: what a decoder computes before its output rounding."""
+    return (groups / scales[:, None]).clamp(-fmt.max, fmt.max).to(fmt.dtype).float() * scales[:, None]
+
+
+def _sum_left_to_right(terms: torch.Tensor) -> torch.Tensor:
+    """Row sums added strictly in column order, so any implementation can reproduce them
+    bit for bit (torch's CPU cumsum is a sequential loop; elsewhere, one add per column)."""
+    if terms.shape[1] == 0:
+        return torch.zeros(terms.shape[0], dtype=terms.dtype, device=terms.device)
+    if terms.device.type == "cpu":
+        return terms.cumsum(dim=1)[:, -1]
+    total = terms[:, 0].clone()
+    for j in range(1, terms.shape[1]):
+        total = total + terms[:, j]
+    return total
+
+
+def choose_scales(groups: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format, scale_dtype: str, scale_choice: str) -> torch.Tensor:
+    """One scale per row of ``groups`` (fp32, padded with zeros), as :mod:`fp8ray.formats` specifies.
+
+    Under ``"mse"``: for each candidate divisor ``c`` in turn, the squared error
+    ``sum_i (qdq(x_i) - x_i)**2`` over the finite ``x_i``, each term and the sum in fp64,
+    added left to right; a later candidate replaces the best only if strictly smaller.
+    """
+    candidates = scale_candidates(fmt, scale_choice)
+    best = amax_to_scale(amax, fmt, candidates[0], scale_dtype)
+    if len(candidates) == 1:
+        return best
+    x = groups.double()
+    finite = torch.isfinite(groups)
+
+    def error(scales):
+        diff = _qdq(groups, scales, fmt).double() - x
+        return _sum_left_to_right(torch.where(finite, diff * diff, torch.zeros((), dtype=x.dtype, device=x.device)))
+
+    best_error = error(best)
+    for c in candidates[1:]:
+        scales = amax_to_scale(amax, fmt, c, scale_dtype)
+        err = error(scales)
+        better = err < best_error
+        best = torch.where(better, scales, best)
+        best_error = torch.where(better, err, best_error)
+    return best
 
 
 def quantize(
-    x: torch.Tensor, fmt: Fp8Format, scaling: str, block_size: int, keep_nonfinite: bool
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    scaling: str,
+    block_size: int,
+    keep_nonfinite: bool,
+    scale_dtype: str = "float32",
+    scale_choice: str = "amax",
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Quantize ``x`` (bf16, fp16 or fp32, any shape).
 
     Returns ``(codes, scales, nonfinite)``: the flat uint8 codes in row-major order,
-    the flat fp32 scales, and the number of non-finite inputs. Non-finite inputs get
-    the format's NaN/inf codes when ``keep_nonfinite``; otherwise the caller raises.
+    the flat fp32 scales (values of ``scale_dtype``), and the number of non-finite
+    inputs. Non-finite inputs get the format's NaN/inf codes when ``keep_nonfinite``;
+    otherwise the caller raises. ``scale_choice="mse"`` applies to token and block scaling.
     """
     shape = tuple(x.shape)
     flat = x.contiguous().reshape(-1).float()
@@ -61,10 +124,11 @@ def quantize(
         scales = torch.empty(0, dtype=torch.float32, device=x.device)
         scaled = groups
     elif scaling == "channel":
-        scales = amax_to_scale(_finite_amax(groups, dim=0), fmt)
+        scales = amax_to_scale(_finite_amax(groups, dim=0), fmt, scale_dtype=scale_dtype)
         scaled = groups / scales
     else:
-        scales = amax_to_scale(_finite_amax(groups, dim=1), fmt)
+        choice = scale_choice if scaling in ("token", "block") else "amax"
+        scales = choose_scales(groups, _finite_amax(groups, dim=1), fmt, scale_dtype, choice)
         scaled = groups / scales[:, None]
     codes = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8).reshape(-1)[: flat.numel()]
     nonfinite_mask = ~torch.isfinite(flat)

@@ -28,7 +28,13 @@ class BlockError(Fp8rayError, ValueError):
 
 
 def codec_key(options: dict) -> tuple:
-    return (options.get("fp8", "e4m3fn"), options.get("scaling", "tensor"), options.get("block_size", 128))
+    return (
+        options.get("fp8", "e4m3fn"),
+        options.get("scaling", "tensor"),
+        options.get("block_size", 128),
+        options.get("scale_dtype", "float32"),
+        options.get("scale_choice", "amax"),
+    )
 
 
 def _load_kernels() -> None:
@@ -60,7 +66,8 @@ class QuantWorker:
     def _codec(self, options: dict) -> Fp8Codec:
         key = codec_key(options)
         if key not in self._codecs:  # one codec (serializer) per configuration seen
-            self._codecs[key] = Fp8Codec(*key)
+            fp8, scaling, block_size, scale_dtype, scale_choice = key
+            self._codecs[key] = Fp8Codec(fp8, scaling, block_size, scale_dtype=scale_dtype, scale_choice=scale_choice)
         return self._codecs[key]
 
     def _encode(self, codec: Fp8Codec, key: str, dtype: str, shape, data: np.ndarray) -> tuple[np.ndarray, dict]:

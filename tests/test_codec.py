@@ -9,7 +9,18 @@ from _util import DTYPES, SCALINGS, assert_same_bits, element_scales, error_boun
 
 import fp8ray
 from fp8ray import Fp8Codec, NonFiniteError, frame, reference
-from fp8ray.formats import FORMATS
+from fp8ray.formats import FORMATS, SCALE_CHOICES, SCALE_DTYPES, SEARCHED_SCALINGS
+
+# Every (scaling, scale_dtype, scale_choice) a codec accepts; OPTION_MODES leaves out the
+# plain float32 / amax ones.
+ALL_MODES = [
+    (scaling, scale_dtype, choice)
+    for scaling in SCALINGS
+    for scale_dtype in SCALE_DTYPES
+    for choice in SCALE_CHOICES
+    if (choice == "amax" or scaling in SEARCHED_SCALINGS) and (scaling != "none" or scale_dtype == "float32")
+]
+OPTION_MODES = [m for m in ALL_MODES if m[1:] != ("float32", "amax")]
 
 
 def frame_scales(f) -> torch.Tensor:
@@ -38,21 +49,78 @@ def test_round_trip_within_derived_bound(scaling, fmt_name, dtype):
     assert (err <= bound).all(), f"element {worst}: |err| {err[worst]:.3e} > bound {bound[worst]:.3e}"
 
 
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_frame_equals_reference_bytes(scaling):
+@pytest.mark.parametrize("scaling, scale_dtype, choice", OPTION_MODES)
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_options_round_trip_within_derived_bound(scaling, scale_dtype, choice, fmt_name, dtype):
+    """The per-element bound of docs/ACCURACY.md holds with s the stored scale, however chosen."""
+    x = kv_like((2, 4, 33, 64), dtype, seed=8)
+    codec = Fp8Codec(fmt_name, scaling, block_size=96, scale_dtype=scale_dtype, scale_choice=choice)
+    f = codec.encode(x)
+    assert len(f) == codec.encoded_size(x.shape, dtype)
+    y = fp8ray.decode(f)
+    assert y.dtype == dtype and y.shape == x.shape and torch.isfinite(y).all()
+    scale = element_scales(frame_scales(f), scaling, tuple(x.shape), 96)
+    err = (y.double() - x.double()).abs().reshape(-1)
+    bound = error_bound(x, y, scale, fmt_name)
+    worst = int(torch.argmax(err - bound))
+    assert (err <= bound).all(), f"element {worst}: |err| {err[worst]:.3e} > bound {bound[worst]:.3e}"
+
+
+def group_squared_errors(x: torch.Tensor, y: torch.Tensor, group: int) -> torch.Tensor:
+    """Per group: sum of (y - x)**2, each term and the sum in fp64, left to right."""
+    diff = (y.double() - x.double()).reshape(-1, group)
+    return (diff * diff).cumsum(dim=1)[:, -1]
+
+
+@pytest.mark.parametrize("scaling", SEARCHED_SCALINGS)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_scale_search_is_never_worse_than_amax_in_any_group(scaling, scale_dtype, fmt_name):
+    """The amax scale is the search's first candidate and is replaced only by a strictly
+    smaller squared error, so no group can lose; for fp32 input the decoded values are
+    the fp32 products the search measured. Most groups gain: the search has 4 (e5m2) or
+    8 (e4m3fn) alignments of the grid to choose from."""
+    x = kv_like((6, 50, 64), torch.float32, seed=13)
+    amax = fp8ray.decode(Fp8Codec(fmt_name, scaling, 32, scale_dtype=scale_dtype).encode(x))
+    mse = fp8ray.decode(Fp8Codec(fmt_name, scaling, 32, scale_dtype=scale_dtype, scale_choice="mse").encode(x))
+    group = 64 if scaling == "token" else 32
+    before, after = group_squared_errors(x, amax, group), group_squared_errors(x, mse, group)
+    assert (after <= before).all()
+    assert (after < before).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("scale_choice", SCALE_CHOICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bfloat16_scales_never_decode_above_the_group_amax(scale_choice, dtype):
+    """A truncated scale s <= amax / c makes every decoded |value| <= c * s <= amax
+    (docs/ACCURACY.md), so even the dtype's largest finite value decodes finite."""
+    x = kv_like((8, 64), dtype, seed=3).float().clamp(-100, 100)
+    x[:, 5] = torch.finfo(dtype).max * torch.tensor([1, -1] * 4)
+    x[2] *= 2.0**-30
+    x = x.to(dtype)
+    codec = Fp8Codec("e4m3fn", "token", scale_dtype="bfloat16", scale_choice=scale_choice)
+    y = fp8ray.decode(codec.encode(x))
+    assert torch.isfinite(y).all()
+    assert (y.double().abs().amax(dim=1) <= x.double().abs().amax(dim=1)).all()
+
+
+@pytest.mark.parametrize("scaling, scale_dtype, choice", ALL_MODES)
+def test_frame_equals_reference_bytes(scaling, scale_dtype, choice):
     x = kv_like((5, 16, 64), torch.bfloat16, seed=11)
-    codec = Fp8Codec("e4m3fn", scaling, block_size=50)
+    codec = Fp8Codec("e4m3fn", scaling, block_size=50, scale_dtype=scale_dtype, scale_choice=choice)
     buf = frame.as_byte_array(codec.encode(x))
     header = frame.parse(buf)
-    codes, scales, _ = reference.quantize(x, codec.fmt, scaling, 50, keep_nonfinite=False)
+    assert header.scale_dtype == scale_dtype
+    codes, scales, _ = reference.quantize(x, codec.fmt, scaling, 50, False, scale_dtype, choice)
     assert np.array_equal(frame.codes_of(buf, header), codes.numpy())
     assert np.array_equal(frame.scales_of(buf, header).view(np.int32), scales.numpy().view(np.int32))
 
 
-@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("scaling, scale_dtype, choice", ALL_MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_zeros_empty_and_0d(scaling, dtype):
-    codec = Fp8Codec("e4m3fn", scaling, block_size=8)
+def test_zeros_empty_and_0d(scaling, scale_dtype, choice, dtype):
+    codec = Fp8Codec("e4m3fn", scaling, block_size=8, scale_dtype=scale_dtype, scale_choice=choice)
     zeros = torch.zeros(3, 5, dtype=dtype)
     zeros[1, 2] = -0.0
     out = fp8ray.decode(codec.encode(zeros))
@@ -67,7 +135,14 @@ def test_zeros_empty_and_0d(scaling, dtype):
     scalar = torch.tensor(-3.25, dtype=dtype)
     out = fp8ray.decode(codec.encode(scalar))
     assert out.shape == () and out.dtype == dtype
-    assert float(out) == -3.25  # 3.25 = 1.101b * 2: exact in e4m3fn, and scale 3.25/448 inverts exactly
+    if (scale_dtype, choice) == ("bfloat16", "amax"):
+        # The scale 3.25/448 truncated to bfloat16 is smaller, so 3.25/scale clamps to 448.
+        truncated = float((torch.tensor(3.25 / 448).view(torch.int32) & -(2**16)).view(torch.float32))
+        assert float(out) == float(torch.tensor(-448 * truncated).to(dtype)) and float(out) != -3.25
+    else:
+        # 3.25 = 1.101b * 2: exact in e4m3fn, and the scale 3.25/448 inverts exactly; with
+        # bfloat16 scales the search finds 3.25/416 = 2**-7, exact as well.
+        assert float(out) == -3.25
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
@@ -80,19 +155,20 @@ def test_non_contiguous_input_equals_contiguous_copy(scaling):
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_overflow_is_clamped_never_nan_or_inf(fmt_name, scaling):
+@pytest.mark.parametrize("scaling, scale_dtype, choice", ALL_MODES)
+def test_overflow_is_clamped_never_nan_or_inf(fmt_name, scaling, scale_dtype, choice):
     fmt = FORMATS[fmt_name]
+    codec = Fp8Codec(fmt_name, scaling, scale_dtype=scale_dtype, scale_choice=choice)
     x = torch.tensor([[1e30, -1e30, 3.0e38, 1.0, -fmt.max * 4, 0.5]], dtype=torch.float32)
-    y = fp8ray.decode(Fp8Codec(fmt_name, scaling).encode(x))
+    y = fp8ray.decode(codec.encode(x))
     assert torch.isfinite(y).all()
     assert ((torch.sign(y) == torch.sign(x)) | (y == 0)).all()  # small values may underflow next to 3e38
     if scaling == "none":
         assert y[0, 0] == fmt.max and y[0, 1] == -fmt.max and y[0, 4] == -fmt.max
     bf = torch.tensor([3.0e38, -3.0e38, 65504.0], dtype=torch.bfloat16)
-    assert torch.isfinite(fp8ray.decode(Fp8Codec(fmt_name, scaling).encode(bf))).all()
+    assert torch.isfinite(fp8ray.decode(codec.encode(bf))).all()
     half = torch.tensor([65504.0, -65504.0, 1.0], dtype=torch.float16)
-    assert torch.isfinite(fp8ray.decode(Fp8Codec(fmt_name, scaling).encode(half))).all()
+    assert torch.isfinite(fp8ray.decode(codec.encode(half))).all()
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
@@ -126,8 +202,9 @@ def test_idempotent_without_scaling(fmt_name, dtype):
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "channel", "token", "block"])
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_idempotent_with_power_of_two_scales(scaling, dtype):
+def test_idempotent_with_power_of_two_scales(scaling, scale_dtype, dtype):
     """Scaled modes re-encode exactly when each scale is a power of two: then fp8*scale is
     exact in fp32 and the output dtype, and the decoded amax gives back the same scale.
     For other scales fp8*scale rounds (in fp32, then to bf16/fp16), the new amax differs
@@ -139,18 +216,18 @@ def test_idempotent_with_power_of_two_scales(scaling, dtype):
     x[:, 0] = fmt.max / 64  # every row, column and block reaches the amax
     x[0, :] = fmt.max / 64
     x = x.to(dtype)
-    codec = Fp8Codec("e4m3fn", scaling, block_size=64)
+    codec = Fp8Codec("e4m3fn", scaling, block_size=64, scale_dtype=scale_dtype)  # 2**-6 is a bfloat16 too
     f = codec.encode(x)
     assert (frame_scales(f) == 2.0**-6).all()
     assert bytes(codec.encode(fp8ray.decode(f))) == bytes(f)
 
 
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_second_round_trip_stays_within_bound(scaling):
+@pytest.mark.parametrize("scaling, scale_dtype, choice", ALL_MODES)
+def test_second_round_trip_stays_within_bound(scaling, scale_dtype, choice):
     x = kv_like((4, 16, 64), torch.bfloat16, seed=6)
     if scaling == "none":
         x = x.float().clamp(-448, 448).to(torch.bfloat16)
-    codec = Fp8Codec("e4m3fn", scaling, block_size=64)
+    codec = Fp8Codec("e4m3fn", scaling, block_size=64, scale_dtype=scale_dtype, scale_choice=choice)
     once = fp8ray.decode(codec.encode(x))
     f2 = codec.encode(once)
     twice = fp8ray.decode(f2)
@@ -199,6 +276,11 @@ def test_numpy_input():
         ({"scaling": "block", "block_size": 0}, ValueError, "block_size must be a positive integer"),
         ({"block_size": 2.5}, ValueError, "block_size must be a positive integer"),
         ({"nonfinite": "ignore"}, ValueError, "unknown nonfinite policy 'ignore'"),
+        ({"scale_dtype": "float16"}, ValueError, "unknown scale_dtype 'float16'"),
+        ({"scale_choice": "best"}, ValueError, "unknown scale_choice 'best'"),
+        ({"scale_choice": "mse"}, ValueError, "scale_choice 'mse' needs scaling 'token' or 'block', not 'tensor'"),
+        ({"scaling": "channel", "scale_choice": "mse"}, ValueError, "not 'channel'"),
+        ({"scaling": "none", "scale_choice": "mse"}, ValueError, "not 'none'"),
     ],
 )
 def test_bad_options_are_named(kwargs, error, pattern):
@@ -225,14 +307,28 @@ def test_accepted_format_spellings():
     assert Fp8Codec(torch.float8_e5m2).fmt.name == "e5m2"
     assert Fp8Codec("float8_e4m3fn").fmt.name == "e4m3fn"
     assert fp8ray.encoded_size((2, 3), torch.bfloat16, scaling="token") == 16 + 16 + 4 * 2 + 6 + 4
+    assert fp8ray.encoded_size((2, 3), torch.bfloat16, scaling="token", scale_dtype="bfloat16") == 16 + 16 + 2 * 2 + 6 + 4
+    assert fp8ray.encoded_size((2, 3), torch.bfloat16, scaling="none", scale_dtype="bfloat16") == 16 + 16 + 6 + 4
+
+
+def test_default_options_write_the_frames_they_always_wrote():
+    """Byte 9 (reserved before scale dtypes) stays 0 and the bytes do not depend on whether
+    the new options are spelled out: existing callers and readers see no change."""
+    x = kv_like((3, 64), torch.bfloat16, seed=2)
+    for scaling in SCALINGS:
+        f = bytes(Fp8Codec("e4m3fn", scaling, 32).encode(x))
+        assert f[9:12] == b"\0\0\0"
+        assert f == bytes(Fp8Codec("e4m3fn", scaling, 32, "error", scale_dtype="float32", scale_choice="amax").encode(x))
+    assert repr(Fp8Codec()) == "Fp8Codec(fp8='e4m3fn', scaling='tensor', nonfinite='error')"
+    assert "scale_dtype='bfloat16', scale_choice='mse'" in repr(Fp8Codec(scaling="token", scale_dtype="bfloat16", scale_choice="mse"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("scaling, scale_dtype, choice", ALL_MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_path_equals_cpu_bytes(scaling, dtype):
+def test_cuda_path_equals_cpu_bytes(scaling, scale_dtype, choice, dtype):
     x = kv_like((4, 33, 64), dtype, seed=12)
-    codec = Fp8Codec("e4m3fn", scaling, block_size=64)
+    codec = Fp8Codec("e4m3fn", scaling, block_size=64, scale_dtype=scale_dtype, scale_choice=choice)
     f_cpu, f_gpu = codec.encode(x), codec.encode(x.cuda())
     assert bytes(f_cpu) == bytes(f_gpu)
     assert_same_bits(fp8ray.decode(f_gpu, device="cuda").cpu(), fp8ray.decode(f_cpu))

@@ -82,6 +82,23 @@ def test_compress_verify_decompress_round_trip(kv_source, tmp_path):
         assert torch.equal(back[key], fp8ray.decode(codec.encode(t)))
 
 
+def test_scale_options_round_trip_through_an_archive(kv_source, tmp_path):
+    """bfloat16 scales and the scale search reach the workers, the frames and the manifest."""
+    src, tensors = kv_source
+    arch = tmp_path / "arch"
+    options = {"scaling": "block", "block_size": 32, "scale_dtype": "bfloat16", "scale_choice": "mse"}
+    compress_archive(str(src), str(arch), part_bytes=PART, **options)
+    assert read_manifest(*resolve(str(arch)))["codec"] == {"fp8": "e4m3fn", **options}
+    codec = Fp8Codec("e4m3fn", **options)
+    table = pq.read_table(arch)
+    for key, f in zip(table.column("key").to_pylist(), table.column("frame").to_pylist()):
+        assert f == bytes(codec.encode(tensors[key]))
+    decompress_archive(str(arch), str(tmp_path / "out.safetensors"))
+    back = load_file(str(tmp_path / "out.safetensors"))
+    for key, t in tensors.items():
+        assert torch.equal(back[key], fp8ray.decode(codec.encode(t)))
+
+
 def test_parts_are_identical_whatever_the_number_of_workers(kv_source, tmp_path):
     src, _ = kv_source
     compress_archive(str(src), str(tmp_path / "one"), workers=1, part_bytes=PART)

@@ -8,13 +8,25 @@ import torch
 from _util import DTYPES, SCALINGS, assert_same_bits, kv_like
 
 from fp8ray import cpu, reference
-from fp8ray.formats import FORMATS, num_scales
+from fp8ray.formats import FORMATS, SCALE_CHOICES, SCALE_DTYPES, SEARCHED_SCALINGS, num_scales
+
+# (scaling, scale_dtype, scale_choice) beyond the plain float32 / amax modes: every
+# combination a codec accepts.
+OPTION_MODES = [
+    (scaling, scale_dtype, choice)
+    for scaling in SCALINGS
+    if scaling != "none"
+    for scale_dtype in SCALE_DTYPES
+    for choice in SCALE_CHOICES
+    if (scale_dtype, choice) != ("float32", "amax") and (choice == "amax" or scaling in SEARCHED_SCALINGS)
+]
+ALL_MODES = [(scaling, "float32", "amax") for scaling in SCALINGS] + OPTION_MODES
 
 
-def fast_quantize(x, fmt, scaling, block_size=64):
+def fast_quantize(x, fmt, scaling, block_size=64, scale_dtype="float32", scale_choice="amax"):
     codes = np.empty(x.numel(), dtype=np.uint8)
     scales = np.empty(num_scales(scaling, tuple(x.shape), block_size), dtype=np.float32)
-    bad = cpu.quantize(x.contiguous(), fmt, scaling, block_size, codes, scales)
+    bad = cpu.quantize(x.contiguous(), fmt, scaling, block_size, codes, scales, scale_dtype, scale_choice)
     return torch.from_numpy(codes), torch.from_numpy(scales), bad
 
 
@@ -99,15 +111,72 @@ def test_scaled_modes_match_reference(scaling, fmt_name, dtype):
     assert_same_bits(out, reference.dequantize(ref_codes, ref_scales, fmt, scaling, tuple(x.shape), dtype, 64))
 
 
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_multithreaded_split_matches_reference(scaling, monkeypatch):
+@pytest.mark.parametrize("scaling, scale_dtype, choice", OPTION_MODES)
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_options_match_reference(scaling, scale_dtype, choice, fmt_name, dtype):
+    """bfloat16 scales and the least-squares scale search, bit for bit. Rows of 150 and
+    blocks of 130 (the last one short) span several of the search's 64-element chunks."""
+    fmt = FORMATS[fmt_name]
+    x = kv_like((3, 9, 150), dtype, seed=hash((scaling, scale_dtype, choice, fmt_name, str(dtype))) % 1000)
+    x[1, 5] = 0  # a zero row: scale 1 under token scaling, whatever the options
+    x[..., 7] = 0  # a zero channel
+    x[2, 3, :40] = x[2, 3, 0]  # a run of equal values: candidates may tie
+    codes, scales, _ = fast_quantize(x, fmt, scaling, 130, scale_dtype, choice)
+    ref_codes, ref_scales, _ = reference.quantize(x, fmt, scaling, 130, False, scale_dtype, choice)
+    assert torch.equal(codes, ref_codes)
+    assert_same_bits(scales, ref_scales)
+    if scale_dtype == "bfloat16":
+        assert (scales.view(torch.int32) & 0xFFFF == 0).all()
+    out = fast_dequantize(codes, scales, fmt, scaling, x.shape, dtype, 130)
+    assert_same_bits(out, reference.dequantize(ref_codes, ref_scales, fmt, scaling, tuple(x.shape), dtype, 130))
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_scale_search_ties_keep_the_first_candidate(fmt_name, scale_dtype):
+    """Exact ties: a row holding only finfo.max has zero error under the first candidate
+    (scale 1, exact) and under every candidate that is finfo.max over a power of two
+    (e4m3fn: 448/256 = 1.75), so the first must be kept; constant rows and one-hot rows
+    of other values tie or nearly tie too, and must choose as the reference does."""
+    fmt = FORMATS[fmt_name]
+    x = torch.zeros(6, 40)
+    x[0, 3] = fmt.max
+    x[1, :] = fmt.max
+    x[2, :] = 1.0
+    x[3, 5] = -3.0
+    x[4, ::2] = 2.0**-20
+    x[5, :20], x[5, 20:] = 5.0, -5.0
+    codes, scales, _ = fast_quantize(x, fmt, "token", 0, scale_dtype, "mse")
+    ref_codes, ref_scales, _ = reference.quantize(x, fmt, "token", 0, False, scale_dtype, "mse")
+    assert torch.equal(codes, ref_codes)
+    assert_same_bits(scales, ref_scales)
+    assert scales[0] == scales[1] == 1.0
+
+
+def test_reference_error_sums_add_left_to_right():
+    """The search's sums are defined in element order (the kernels add them so); the
+    reference's CPU shortcut, torch's cumsum, must give those very bits. Terms of widely
+    spread magnitudes make any other association round differently."""
+    rng = np.random.default_rng(4)
+    terms = torch.from_numpy(np.exp2(rng.uniform(-60, 60, size=(64, 300))) * rng.random((64, 300)))
+    expected = terms[:, 0].clone()
+    for j in range(1, terms.shape[1]):
+        expected = expected + terms[:, j]
+    assert torch.equal(reference._sum_left_to_right(terms).view(torch.int64), expected.view(torch.int64))
+    pairwise = terms.sum(dim=1)  # torch's own reduction associates differently: the check can fail
+    assert not torch.equal(pairwise, expected)
+
+
+@pytest.mark.parametrize("scaling, scale_dtype, choice", ALL_MODES)
+def test_multithreaded_split_matches_reference(scaling, scale_dtype, choice, monkeypatch):
     """Tensors larger than one task's chunk are split across threads; the bytes do not change."""
     monkeypatch.setattr(cpu, "CHUNK_ELEMENTS", 4096)
     monkeypatch.setenv("FP8RAY_NUM_THREADS", "3")
     fmt = FORMATS["e4m3fn"]
     x = kv_like((4, 100, 96), torch.bfloat16, seed=5)
-    codes, scales, _ = fast_quantize(x, fmt, scaling, block_size=100)
-    ref_codes, ref_scales, _ = reference.quantize(x, fmt, scaling, 100, keep_nonfinite=False)
+    codes, scales, _ = fast_quantize(x, fmt, scaling, 100, scale_dtype, choice)
+    ref_codes, ref_scales, _ = reference.quantize(x, fmt, scaling, 100, False, scale_dtype, choice)
     assert torch.equal(codes, ref_codes)
     assert_same_bits(scales, ref_scales)
     out = fast_dequantize(codes, scales, fmt, scaling, x.shape, torch.bfloat16, block_size=100)
@@ -119,11 +188,11 @@ def test_nonfinite_codes_match_reference_in_every_mode(fmt_name):
     fmt = FORMATS[fmt_name]
     x = kv_like((4, 8, 16), torch.float32, seed=3)
     x[0, 0, 0], x[1, 2, 3], x[2, 3, 4], x[3, 7, 15] = float("nan"), float("inf"), float("-inf"), float("nan")
-    for scaling in SCALINGS:
-        codes, scales, bad = fast_quantize(x, fmt, scaling)
-        ref_codes, ref_scales, ref_bad = reference.quantize(x, fmt, scaling, 64, keep_nonfinite=True)
+    for scaling, scale_dtype, choice in ALL_MODES:
+        codes, scales, bad = fast_quantize(x, fmt, scaling, 64, scale_dtype, choice)
+        ref_codes, ref_scales, ref_bad = reference.quantize(x, fmt, scaling, 64, True, scale_dtype, choice)
         assert bad == ref_bad == 4
-        assert torch.equal(codes, ref_codes), scaling
+        assert torch.equal(codes, ref_codes), (scaling, scale_dtype, choice)
         assert_same_bits(scales, ref_scales)
         assert torch.isfinite(scales).all()
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import fp8ray
 from fp8ray import Fp8Codec, frame, reference
-from fp8ray.formats import FORMATS
+from fp8ray.formats import FORMATS, SCALE_CHOICES, SCALE_DTYPES, SEARCHED_SCALINGS
 
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=4).map(tuple)
 
@@ -21,6 +21,8 @@ def cases(draw):
     dtype = draw(st.sampled_from(DTYPES))
     fmt_name = draw(st.sampled_from(sorted(FORMATS)))
     scaling = draw(st.sampled_from(SCALINGS))
+    scale_dtype = draw(st.sampled_from(list(SCALE_DTYPES)))
+    choice = draw(st.sampled_from(SCALE_CHOICES)) if scaling in SEARCHED_SCALINGS else "amax"
     block_size = draw(st.integers(1, 40))
     exponent_lo = draw(st.integers(-24, 10))
     seed = draw(st.integers(0, 2**31))
@@ -32,19 +34,19 @@ def cases(draw):
     x = torch.from_numpy(values.clip(-finite_max, finite_max).astype(np.float32)).reshape(shape).to(dtype)
     if scaling == "none":
         x = x.float().clamp(-FORMATS[fmt_name].max, FORMATS[fmt_name].max).to(dtype)
-    return x, fmt_name, scaling, block_size
+    return x, fmt_name, scaling, block_size, scale_dtype, choice
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(cases())
 def test_encode_matches_reference_and_bound(case):
-    x, fmt_name, scaling, block_size = case
-    codec = Fp8Codec(fmt_name, scaling, block_size=block_size)
+    x, fmt_name, scaling, block_size, scale_dtype, choice = case
+    codec = Fp8Codec(fmt_name, scaling, block_size=block_size, scale_dtype=scale_dtype, scale_choice=choice)
     f = codec.encode(x)
     assert len(f) == codec.encoded_size(x.shape, x.dtype)
     buf = frame.as_byte_array(f)
     header = frame.parse(buf)
-    codes, scales, _ = reference.quantize(x, codec.fmt, scaling, block_size, keep_nonfinite=False)
+    codes, scales, _ = reference.quantize(x, codec.fmt, scaling, block_size, False, scale_dtype, choice)
     assert np.array_equal(frame.codes_of(buf, header), codes.numpy())
     assert np.array_equal(frame.scales_of(buf, header).view(np.int32), scales.numpy().view(np.int32))
     y = fp8ray.decode(f)
