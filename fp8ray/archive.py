@@ -18,6 +18,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 import crc32c
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -87,12 +88,23 @@ def file_crc32c(fs: pafs.FileSystem, path: str) -> tuple[int, int]:
     return crc, size
 
 
+def frame_column(frames: np.ndarray, sizes: list[int]) -> pa.LargeBinaryArray:
+    """A ``large_binary`` column over frames laid end to end in one uint8 buffer, without
+    copying them (the offsets are the running sums of ``sizes``)."""
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    if offsets[-1] != frames.size:
+        raise ValueError(f"frame sizes add up to {offsets[-1]} bytes, the buffer holds {frames.size}")
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(sizes), [None, pa.py_buffer(offsets), pa.py_buffer(frames)])
+
+
 def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, list]) -> PartInfo:
     """Write one part (deterministic bytes for the same rows), rename it into place,
     then its sidecar; return its manifest entry.
 
     The part is built in memory (it is bounded by ``--part-mb``) so that its CRC-32C is
-    taken on the way out rather than by reading the file back.
+    taken on the way out rather than by reading the file back. ``rows["frame"]`` may be a
+    list of byte buffers or a ready :func:`frame_column`.
     """
     table = pa.table(rows, schema=SCHEMA)
     sink = pa.BufferOutputStream()
@@ -101,6 +113,8 @@ def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, 
         sink,
         compression={name: ("none" if name == "frame" else "zstd") for name in SCHEMA.names},
         write_statistics=["key", "raw_bytes", "frame_bytes"],
+        # Frames are unique: a dictionary would only hash them all before giving up.
+        use_dictionary=METADATA_COLUMNS,
         row_group_size=64,
     )
     data = sink.getvalue()

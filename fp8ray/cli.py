@@ -53,11 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     compress = commands.add_parser("compress", help="compress a safetensors file/directory or raw-block Parquet into an archive")
     compress.add_argument("source")
     compress.add_argument("destination")
-    compress.add_argument("--fp8", choices=sorted(FORMATS), default="e4m3fn")
-    compress.add_argument("--scaling", choices=list(SCALINGS), default="tensor")
-    compress.add_argument("--block-size", type=positive_int, default=128)
-    compress.add_argument("--scale-dtype", choices=list(SCALE_DTYPES), default="float32", help="bfloat16: 2-byte scales")
-    compress.add_argument("--scale-choice", choices=list(SCALE_CHOICES), default="amax", help="mse: least-error scales (token, block)")
+    # No codec option given: the KV default mode (fp8ray.formats.KV_DEFAULTS); any given:
+    # the others as Fp8Codec defaults them (e4m3fn, tensor, 128, float32, amax).
+    kv = "with no codec option: e4m3fn, block 32, bfloat16 scales, mse"
+    compress.add_argument("--fp8", choices=sorted(FORMATS), help="default e4m3fn")
+    compress.add_argument("--scaling", choices=list(SCALINGS), help=f"default tensor ({kv})")
+    compress.add_argument("--block-size", type=positive_int, help="elements per block scale (default 128)")
+    compress.add_argument("--scale-dtype", choices=list(SCALE_DTYPES), help="default float32")
+    compress.add_argument("--scale-choice", choices=list(SCALE_CHOICES), help="default amax; mse: least-error scales (token, block)")
     compress.add_argument("--part-mb", type=positive_float, default=64.0, help="input MiB per Parquet part (default 64)")
     compress.add_argument("--resume", action="store_true", help="keep the parts an interrupted run finished")
     compress.add_argument("--overwrite", action="store_true", help="replace an existing destination")
@@ -87,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="capture a real KV cache, compress, verify, measure and decompress it on a local Ray")
     demo.add_argument("--out", type=Path, default=Path("out/demo"))
     demo.add_argument("--tokens", type=positive_int, help="tokens of the shipped text to capture (default: all, about 880)")
-    demo.add_argument("--fp8", choices=sorted(FORMATS), default="e4m3fn")
-    demo.add_argument("--scaling", choices=list(SCALINGS), default="token")
+    demo.add_argument("--fp8", choices=sorted(FORMATS), help="default e4m3fn")
+    demo.add_argument("--scaling", choices=list(SCALINGS), help="default: the KV mode, block 32 with bfloat16 scales by mse")
     demo.add_argument("--workers", type=positive_int, default=2)
 
     for name in COMMAND_MODULES:
@@ -192,14 +195,15 @@ def main(argv: list[str] | None = None) -> int:
                 codec = info["codec"]
                 print(
                     f"{args.archive}: {info['blocks']} blocks in {len(info['parts'])} parts, {codec['fp8']} / {codec['scaling']}"
-                    f"{' / block ' + str(codec['block_size']) if codec['scaling'] == 'block' else ''}; "
+                    f"{' / block ' + str(codec['block_size']) if codec['scaling'] == 'block' else ''}"
+                    f" / {codec.get('scale_dtype', 'float32')} scales by {codec.get('scale_choice', 'amax')}; "
                     f"{info['raw_bytes'] / 2**20:.1f} MiB -> {info['archive_bytes'] / 2**20:.1f} MiB ({info['ratio']:.2f}x); "
                     f"fp8ray {info['fp8ray_version']}"
                 )
         elif args.command == "demo":
             from .demo import run_demo
 
-            print(run_demo(args.out, args.tokens, args.fp8, args.scaling, args.workers))
+            print(run_demo(args.out, args.tokens, args.workers, fp8=args.fp8, scaling=args.scaling))
     except (ValueError, TypeError, OSError, Fp8rayError) as exc:
         print(f"fp8ray: error: {exc}", file=sys.stderr)
         return 1

@@ -130,15 +130,22 @@ class Fp8Codec:
             raise TypeError(f"unsupported dtype {dtype}; expected one of {sorted(DTYPE_NAMES.values())}")
         return self._header(shape, dtype).frame_size
 
-    def encode(self, tensor) -> memoryview:
+    def encode(self, tensor, out: np.ndarray | None = None) -> memoryview:
         """Encode a tensor of any rank (0-d and empty included), contiguous or not.
 
         Returns a read-write ``memoryview`` over one freshly allocated buffer holding the
-        whole frame (``bytes(frame)`` copies it; ``np.frombuffer(frame, np.uint8)`` does not).
+        whole frame (``bytes(frame)`` copies it; ``np.frombuffer(frame, np.uint8)`` does not),
+        or over ``out``, a writable 1-D uint8 array of exactly :meth:`encoded_size` bytes
+        (to lay many frames end to end in one buffer).
         """
         x = _check_tensor(tensor)
         header = self._header(x.shape, x.dtype)
-        buf = np.empty(header.frame_size, dtype=np.uint8)
+        if out is None:
+            buf = np.empty(header.frame_size, dtype=np.uint8)
+        elif not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1 and out.size == header.frame_size and out.flags.writeable and out.flags.c_contiguous):
+            raise ValueError(f"out must be a writable contiguous 1-D uint8 array of {header.frame_size} bytes")
+        else:
+            buf = out
         frame.write_header(buf, header)
         stored = buf[header.scales_offset : header.codes_offset]
         # The kernels write fp32 scales: into the frame itself for float32 scales, else

@@ -12,10 +12,13 @@ import os
 import shutil
 from pathlib import Path
 
+from .formats import resolve_options
 from .operations import compress_archive, decompress_archive, verify_archive
 
 
-def run_demo(out_dir: Path, tokens: int | None = None, fp8: str = "e4m3fn", scaling: str = "token", workers: int = 2, **codec_options) -> str:
+def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, **codec_options) -> str:
+    """``codec_options`` as :func:`fp8ray.compress_archive` takes them; None or left out
+    means the KV defaults."""
     from .capture import capture
     from .evalmodel import DEFAULT_TEXT
     from .fidelity import fidelity_report
@@ -45,7 +48,7 @@ def run_demo(out_dir: Path, tokens: int | None = None, fp8: str = "e4m3fn", scal
     if owns_ray:  # one Ray for the three steps
         ray.init(address="local", num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     try:
-        compressed = compress_archive(str(source), str(archive), fp8=fp8, scaling=scaling, workers=workers, **codec_options)
+        compressed = compress_archive(str(source), str(archive), workers=workers, **codec_options)
         verified = verify_archive(str(archive), against=str(source), workers=workers)
         decompressed = decompress_archive(str(archive), str(restored), workers=workers)
     finally:
@@ -55,11 +58,13 @@ def run_demo(out_dir: Path, tokens: int | None = None, fp8: str = "e4m3fn", scal
         raise RuntimeError("verification failed: " + "; ".join(verified.errors))
     fidelity = fidelity_report(str(source), str(archive))
     k, v = fidelity.kv["k"], fidelity.kv["v"]
-    options = "".join(f", {name}={value}" for name, value in codec_options.items())
+    options = resolve_options(**codec_options)
+    mode = f"{options['fp8']}, {options['scaling']} scaling" + (f" of {options['block_size']}" if options["scaling"] == "block" else "")
+    mode += f", {options['scale_dtype']} scales by {options['scale_choice']}"
     return "\n".join(
         [
             captured,
-            f"compress ({fp8}, {scaling} scaling{options}, {workers} QuantWorkers on {', '.join(compressed.devices)}): "
+            f"compress ({mode}, {workers} QuantWorkers on {', '.join(compressed.devices)}): "
             f"{len(list_blocks(str(source)))} blocks, {compressed.raw_bytes / 2**20:.2f} MiB -> {compressed.archive_bytes / 2**20:.2f} MiB "
             f"({compressed.ratio:.2f}x) in {compressed.parts} Parquet part(s), {compressed.input_gbps:.2f} GB/s of input",
             f"verify against the source: {verified.blocks} blocks, every checksum ok",

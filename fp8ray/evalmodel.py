@@ -236,14 +236,14 @@ def plot(results: list[ModeResult], path: str | os.PathLike, title: str) -> None
     import matplotlib.pyplot as plt
 
     shown = [r for r in results if r.kl_nats > 0]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(shown) + 2), 4.5))
-    ax.bar([r.mode for r in shown], [r.kl_nats for r in shown], color="tab:blue")
-    ax.set_yscale("log")
-    ax.set_ylabel("KL(reference || mode), nats per token")
+    # Horizontal bars: mode names such as e4m3fn:block:block_size=32:scale_choice=mse fit.
+    fig, ax = plt.subplots(figsize=(9.0, 1.2 + 0.35 * len(shown)))
+    ax.barh([r.mode for r in shown], [r.kl_nats for r in shown], color="tab:blue")
+    ax.invert_yaxis()  # the first mode on top, as in the table
+    ax.set_xscale("log")
+    ax.set_xlabel("KL(reference || mode), nats per token")
     ax.set_title(title, fontsize=9)
-    ax.tick_params(axis="x", rotation=60)
-    for label in ax.get_xticklabels():
-        label.set_horizontalalignment("right")
+    ax.tick_params(axis="y", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 import pyarrow.fs as pafs
 
 from . import __version__, archive
-from .codec import DEFAULT_BLOCK_SIZE, Fp8Codec
+from .codec import Fp8Codec
+from .formats import resolve_options
 from .errors import Fp8rayError
 from .pool import QuantPool
 from .sources import BlockRef, SafetensorsWriter, SourceError, list_blocks, resolve
@@ -126,11 +127,11 @@ def compress_archive(
     source: str,
     destination: str,
     *,
-    fp8: str = "e4m3fn",
-    scaling: str = "tensor",
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    scale_dtype: str = "float32",
-    scale_choice: str = "amax",
+    fp8: str | None = None,
+    scaling: str | None = None,
+    block_size: int | None = None,
+    scale_dtype: str | None = None,
+    scale_choice: str | None = None,
     workers: int = 2,
     gpus_per_worker: float = 0,
     address: str | None = None,
@@ -145,14 +146,12 @@ def compress_archive(
     Each worker reads its part's blocks from the source and writes the part itself; the
     driver moves only metadata and writes the manifest last. With ``resume``, parts a
     previous run finished (same source, options and plan) are kept as they are.
+
+    Codec options left ``None`` follow :data:`fp8ray.formats.KV_DEFAULTS` (see
+    :func:`fp8ray.formats.resolve_options`); all five are recorded in the manifest.
     """
-    Fp8Codec(fp8, scaling, block_size, scale_dtype=scale_dtype, scale_choice=scale_choice)  # validate before any work
-    options = {"fp8": fp8, "scaling": scaling, "block_size": block_size}
-    # Recorded only when not the default, so plans and manifests of default runs stay as before.
-    if scale_dtype != "float32":
-        options["scale_dtype"] = scale_dtype
-    if scale_choice != "amax":
-        options["scale_choice"] = scale_choice
+    options = resolve_options(fp8, scaling, block_size, scale_dtype, scale_choice)
+    Fp8Codec(**options)  # validate before any work
     refs = list_blocks(source)
     parts = plan_parts(refs, part_bytes)
     fs, path = resolve(destination)

@@ -115,8 +115,8 @@ def _problem_response(exc: Problem) -> JSONResponse:
 
 
 def parse_codec_options(params: dict[str, str], ignore: tuple[str, ...] = ()) -> dict:
-    """Codec options from query parameters, each checked; an unknown or bad one raises
-    :class:`Problem` 400 naming it."""
+    """Codec options from query parameters, each checked, then checked together; an
+    unknown or bad one raises :class:`Problem` 400 naming it."""
     options: dict = {}
     for name, text in params.items():
         if name in ignore:
@@ -125,10 +125,16 @@ def parse_codec_options(params: dict[str, str], ignore: tuple[str, ...] = ()) ->
             raise Problem(400, f"unknown option {name!r}; expected one of {sorted((*CODEC_OPTIONS, *ignore))}", field=name)
         value = int(text) if text.isdigit() else text
         try:
-            Fp8Codec(**{name: value})  # the codec's own checks, one option at a time
+            # The codec's own checks, one option at a time; scale_choice is checked on
+            # token scaling here, as it may need one that comes in another parameter.
+            Fp8Codec(**{name: value, **({"scaling": "token"} if name == "scale_choice" else {})})
         except (TypeError, ValueError) as exc:
             raise Problem(400, f"{name}: {exc}", field=name) from None
         options[name] = value
+    try:
+        Fp8Codec(**options)  # together: scale_choice=mse needs token or block scaling
+    except (TypeError, ValueError) as exc:
+        raise Problem(400, str(exc), field="scale_choice" if "scale_choice" in options else next(iter(options))) from None
     return options
 
 

@@ -19,8 +19,9 @@ import torch
 from . import archive, frame
 from .codec import Fp8Codec, decode
 from .errors import Fp8rayError
+from .formats import resolve_options
 from .metrics import error_metrics
-from .sources import BlockRef, bytes_to_tensor, read_blocks, resolve, tensor_to_bytes
+from .sources import TORCH_DTYPES, BlockRef, bytes_to_tensor, read_blocks, resolve, tensor_to_bytes
 
 
 class BlockError(Fp8rayError, ValueError):
@@ -28,13 +29,13 @@ class BlockError(Fp8rayError, ValueError):
 
 
 def codec_key(options: dict) -> tuple:
-    return (
-        options.get("fp8", "e4m3fn"),
-        options.get("scaling", "tensor"),
-        options.get("block_size", 128),
-        options.get("scale_dtype", "float32"),
-        options.get("scale_choice", "amax"),
-    )
+    """The full codec configuration of ``options``; what they leave out follows
+    :data:`fp8ray.formats.KV_DEFAULTS`."""
+    unknown = set(options) - {"fp8", "scaling", "block_size", "scale_dtype", "scale_choice"}
+    if unknown:
+        raise ValueError(f"unknown codec option(s) {sorted(unknown)}")
+    o = resolve_options(**options)
+    return (o["fp8"], o["scaling"], o["block_size"], o["scale_dtype"], o["scale_choice"])
 
 
 def _load_kernels() -> None:
@@ -46,6 +47,8 @@ def _load_kernels() -> None:
         for fmt in FORMATS:
             for scaling in SCALINGS:
                 decode(Fp8Codec(fmt, scaling, 4).encode(torch.ones(2, 4, dtype=dtype)))
+            for scaling in ("token", "block"):  # the scale search, with bfloat16 scales
+                decode(Fp8Codec(fmt, scaling, 4, scale_dtype="bfloat16", scale_choice="mse").encode(torch.ones(2, 4, dtype=dtype)))
 
 
 class QuantWorker:
@@ -70,12 +73,12 @@ class QuantWorker:
             self._codecs[key] = Fp8Codec(fp8, scaling, block_size, scale_dtype=scale_dtype, scale_choice=scale_choice)
         return self._codecs[key]
 
-    def _encode(self, codec: Fp8Codec, key: str, dtype: str, shape, data: np.ndarray) -> tuple[np.ndarray, dict]:
+    def _encode(self, codec: Fp8Codec, key: str, dtype: str, shape, data: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
         try:
             tensor = bytes_to_tensor(data, dtype, shape)
             if self.device == "cuda":
                 tensor = tensor.cuda()
-            f = np.frombuffer(codec.encode(tensor), dtype=np.uint8)
+            f = np.frombuffer(codec.encode(tensor, out=out), dtype=np.uint8)
         except (ValueError, TypeError) as exc:
             raise BlockError(f"block {key!r}: {exc}") from exc
         meta = {
@@ -112,12 +115,18 @@ class QuantWorker:
         """Read ``refs`` from their source, encode them, write part ``index`` of the archive
         in ``directory`` (local path or URI); return the part's manifest entry."""
         codec = self._codec(options)
-        rows: dict[str, list] = {name: [] for name in archive.SCHEMA.names}
-        for ref, data in zip(refs, read_blocks(refs)):
-            f, meta = self._encode(codec, ref.key, ref.dtype, ref.shape, data)
+        rows: dict[str, list] = {name: [] for name in archive.METADATA_COLUMNS}
+        # The frames are encoded end to end into one buffer that becomes the Arrow column
+        # as it is: no copy between the codec and the Parquet writer.
+        sizes = [codec.encoded_size(ref.shape, TORCH_DTYPES[ref.dtype]) for ref in refs]
+        frames = np.empty(sum(sizes), dtype=np.uint8)
+        start = 0
+        for ref, data, size in zip(refs, read_blocks(refs), sizes):
+            _, meta = self._encode(codec, ref.key, ref.dtype, ref.shape, data, out=frames[start : start + size])
+            start += size
             for name in archive.METADATA_COLUMNS:
                 rows[name].append(meta[name])
-            rows["frame"].append(memoryview(f))  # Arrow copies it once, into the column
+        rows["frame"] = archive.frame_column(frames, sizes)
         fs, path = resolve(directory)
         info = archive.write_part(fs, path, index, rows)
         node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

@@ -332,3 +332,20 @@ def test_cuda_path_equals_cpu_bytes(scaling, scale_dtype, choice, dtype):
     f_cpu, f_gpu = codec.encode(x), codec.encode(x.cuda())
     assert bytes(f_cpu) == bytes(f_gpu)
     assert_same_bits(fp8ray.decode(f_gpu, device="cuda").cpu(), fp8ray.decode(f_cpu))
+
+
+def test_encode_into_slices_of_one_buffer_equals_separate_frames():
+    """``encode(out=...)`` lays frames end to end (as archive parts do) with the same
+    bytes as separate encodes; a buffer of the wrong size or kind is refused."""
+    codec = Fp8Codec("e4m3fn", "block", 32, scale_dtype="bfloat16", scale_choice="mse")
+    tensors = [kv_like((2, 3, 5, 64), torch.bfloat16, seed=i) for i in range(3)] + [torch.randn(7, 9)]
+    sizes = [codec.encoded_size(t.shape, t.dtype) for t in tensors]
+    buf = np.full(sum(sizes), 0xAA, dtype=np.uint8)
+    start = 0
+    for t, size in zip(tensors, sizes):
+        codec.encode(t, out=buf[start : start + size])
+        start += size
+    assert bytes(buf) == b"".join(bytes(codec.encode(t)) for t in tensors)
+    for bad in (np.empty(sizes[0] + 1, np.uint8), np.empty(sizes[0], np.int8), np.empty((1, sizes[0]), np.uint8)):
+        with pytest.raises(ValueError, match=f"{sizes[0]} bytes"):
+            codec.encode(tensors[0], out=bad)

@@ -21,6 +21,7 @@ import torch
 
 from fp8ray import Fp8Codec, decode
 from fp8ray.bodies import build_safetensors, parse_safetensors
+from fp8ray.formats import resolve_options
 from fp8ray.sample import sample_kv_chunk
 from fp8ray.sources import tensor_to_bytes
 
@@ -54,17 +55,29 @@ def service(ray_session):
     serve.shutdown()
 
 
+def service_codec(**given) -> Fp8Codec:
+    """The codec the service uses for these request options (strings, as in a query):
+    the KV default mode when none is given, else Fp8Codec's defaults for the rest."""
+    return Fp8Codec(**resolve_options(**{k: int(v) if str(v).isdigit() else v for k, v in given.items()}))
+
+
 def encode_params(t: torch.Tensor, **options) -> dict:
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": ",".join(map(str, t.shape)), **options}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("options", [{}, {"fp8": "e5m2", "scaling": "token"}, {"scaling": "block", "block_size": "64"}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"fp8": "e5m2", "scaling": "token"},
+        {"scaling": "block", "block_size": "32", "scale_dtype": "bfloat16", "scale_choice": "mse"},
+    ],
+)
 def test_http_round_trip_equals_the_codec(service, dtype, options):
     client, _ = service
     t = sample_kv_chunk(layers=2, tokens=32, seed=3, dtype=dtype)
-    codec = Fp8Codec(**{k: int(v) if v.isdigit() else v for k, v in options.items()})
-    expected = codec.encode(t)
+    expected = service_codec(**options).encode(t)
     r = client.post("/v1/encode", params=encode_params(t, **options), content=tensor_to_bytes(t).tobytes())
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "application/octet-stream"
@@ -84,7 +97,7 @@ def test_safetensors_bodies_carry_many_blocks(service):
     assert r.status_code == 200, r.text
     frames, metadata = parse_safetensors(r.content, ("U8",))
     assert metadata == {"fp8ray": "frames"} and [k for k, *_ in frames] == list(blocks)
-    codec = Fp8Codec(scaling="token")
+    codec = service_codec(scaling="token")
     for key, dtype, shape, data in frames:
         assert dtype == "uint8" and digest(data) == digest(codec.encode(blocks[key])), key
     back = client.post("/v1/decode", content=r.content, headers={"Content-Type": "application/x-safetensors"})
@@ -102,10 +115,12 @@ def test_python_handle_returns_what_the_codec_returns(service):
     t = sample_kv_chunk(layers=1, tokens=16, seed=5)
     frame = handle.encode.remote(t, fp8="e4m3fn", scaling="channel").result()
     assert isinstance(frame, bytes) and digest(frame) == digest(Fp8Codec(scaling="channel").encode(t))
+    default = handle.encode.remote(t).result()  # no option: the KV default mode
+    assert digest(default) == digest(Fp8Codec("e4m3fn", "block", 32, scale_dtype="bfloat16", scale_choice="mse").encode(t))
     back = handle.decode.remote(frame).result()
     assert torch.equal(back, decode(frame))
     as_array = handle.encode.remote(t.float().numpy()).result()
-    assert digest(as_array) == digest(Fp8Codec().encode(t.float()))
+    assert digest(as_array) == digest(service_codec().encode(t.float()))
     with pytest.raises(Exception, match="unknown scaling"):
         handle.encode.remote(t, scaling="sideways").result()
 
@@ -127,6 +142,8 @@ def error_of(r: httpx.Response) -> dict:
         ({"dtype": "bfloat16", "shape": "4", "scaling": "sideways"}, 8, "scaling"),
         ({"dtype": "bfloat16", "shape": "4", "fp8": "e3m4"}, 8, "fp8"),
         ({"dtype": "bfloat16", "shape": "4", "block_size": "0"}, 8, "block_size"),
+        ({"dtype": "bfloat16", "shape": "4", "scale_dtype": "float8"}, 8, "scale_dtype"),
+        ({"dtype": "bfloat16", "shape": "4", "scale_choice": "mse"}, 8, "scale_choice"),  # needs token or block
     ],
 )
 def test_bad_encode_requests_answer_400_naming_the_field(service, params, body_len, field):
@@ -236,7 +253,7 @@ async def _load(url: str, clients: int, requests: int, blocks: list[tuple[dict, 
 
 
 def one_mib_blocks(n: int) -> list[tuple[dict, bytes, str]]:
-    codec = Fp8Codec(scaling="token")
+    codec = service_codec(scaling="token")
     out = []
     for seed in range(n):
         t = torch.randn(8, 256, 256, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)  # 1 MiB
@@ -303,7 +320,7 @@ def test_fp8ray_serve_command_serves_until_sigterm(tmp_path):
             time.sleep(0.5)
         t = torch.randn(4, 64)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/encode", params=encode_params(t), content=tensor_to_bytes(t).tobytes(), timeout=60)
-        assert r.status_code == 200 and digest(r.content) == digest(Fp8Codec().encode(t))
+        assert r.status_code == 200 and digest(r.content) == digest(service_codec().encode(t))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
     finally:
