@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("out/demo"))
     demo.add_argument("--tokens", type=positive_int, help="tokens of the shipped text to capture (default: all, about 880)")
     demo.add_argument("--fp8", choices=sorted(FORMATS), help="default e4m3fn")
-    demo.add_argument("--scaling", choices=list(SCALINGS), help="default: the KV mode, block 32 with bfloat16 scales by mse")
+    demo.add_argument("--scaling", choices=list(SCALINGS), help="default tensor (with no codec option: e4m3fn, block 32, bfloat16 scales, mse)")
     demo.add_argument("--workers", type=positive_int, default=2)
 
     for name in COMMAND_MODULES:
@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             print(run_demo(args.out, args.tokens, args.workers, fp8=args.fp8, scaling=args.scaling))
+    except ImportError as exc:  # an optional extra that is not installed
+        print(f"fp8ray: error: {exc}; install fp8ray with its extras: pip install 'fp8ray[models,serve]'", file=sys.stderr)
+        return 1
     except (ValueError, TypeError, OSError, Fp8rayError) as exc:
         print(f"fp8ray: error: {exc}", file=sys.stderr)
         return 1

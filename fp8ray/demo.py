@@ -12,6 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
+from .errors import Fp8rayError
 from .formats import resolve_options
 from .operations import compress_archive, decompress_archive, verify_archive
 
@@ -55,7 +56,7 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, **codec
         if owns_ray:
             ray.shutdown()
     if not verified.ok:
-        raise RuntimeError("verification failed: " + "; ".join(verified.errors))
+        raise Fp8rayError("verification failed: " + "; ".join(verified.errors))
     fidelity = fidelity_report(str(source), str(archive))
     k, v = fidelity.kv["k"], fidelity.kv["v"]
     options = resolve_options(**codec_options)

@@ -102,7 +102,9 @@ def classify(key: str, shape: tuple[int, ...], pattern: re.Pattern) -> tuple[str
     ``[2, L, T, H]`` chunk block, ``("other", None, None)`` for anything else."""
     match = pattern.search(key)
     if match:
-        kind = match.group("kv").lower()[0]
+        kind = match.group("kv").lower()[:1]
+        if kind not in KINDS:
+            raise FidelityError(f"key {key!r}: the pattern's kv group matched {match.group('kv')!r}; it must start with k or v")
         return "kv", kind, int(match.group("layer"))
     if len(shape) == 4 and shape[0] == 2:
         return "block", None, None

@@ -327,8 +327,12 @@ def convert_store(
         if os.path.lexists(dst):  # --overwrite: swap the old one out only now
             trash = f"{scratch}.old"
             os.rename(dst, trash)
-            os.rename(scratch, dst)
-            shutil.rmtree(trash)
+            try:
+                os.rename(scratch, dst)
+            except BaseException:
+                os.rename(trash, dst)  # put the old store back
+                raise
+            shutil.rmtree(trash, ignore_errors=True)  # the new store is in place either way
         else:
             os.rename(scratch, dst)
     except BaseException:

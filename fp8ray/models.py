@@ -114,7 +114,8 @@ def _load(folder: str, gguf_file: str | None, dtype: torch.dtype) -> LoadedModel
 
     if gguf_file is None:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        # safetensors weights only: a pytorch_model.bin would be unpickled (torch.load).
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, use_safetensors=True)
         name = Path(folder).name
     else:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint

@@ -17,7 +17,7 @@ from .codec import Fp8Codec
 from .formats import resolve_options
 from .errors import Fp8rayError
 from .pool import QuantPool
-from .sources import BlockRef, SafetensorsWriter, SourceError, list_blocks, resolve
+from .sources import BlockRef, SafetensorsWriter, SourceError, list_blocks, redact, resolve
 
 DEFAULT_PART_BYTES = 64 << 20
 PLAN_NAME = "_plan.json"
@@ -117,7 +117,7 @@ def _prepare_destination(fs: pafs.FileSystem, path: str, uri: str, resume: bool,
 
 def _plan_record(source: str, options: dict, parts: list[list[BlockRef]]) -> dict:
     return {
-        "source": source,
+        "source": redact(source),
         "codec": options,
         "parts": [[r.key for r in part] for part in parts],
     }
@@ -164,7 +164,7 @@ def compress_archive(
             previous = json.loads(f.read())
         if previous != plan:
             raise ArchiveExistsError(
-                f"cannot resume {destination}: it was started from another source, options or plan "
+                f"cannot resume {redact(destination)}: it was started from another source, options or plan "
                 f"({previous.get('source')}, {previous.get('codec')})"
             )
         for i in range(len(parts)):
@@ -194,7 +194,7 @@ def compress_archive(
         "version": archive.ARCHIVE_VERSION,
         "fp8ray_version": __version__,
         "codec": options,
-        "source": source,
+        "source": redact(source),  # never the credentials a URI may carry
         "blocks": len(refs),
         "raw_bytes": sum(p["raw_bytes"] for p in part_entries),
         "frame_bytes": sum(p["frame_bytes"] for p in part_entries),
@@ -204,8 +204,8 @@ def compress_archive(
     archive.write_manifest(fs, path, manifest)
     _clean_scratch(fs, path)
     return CompressReport(
-        source=source,
-        archive=destination,
+        source=redact(source),
+        archive=redact(destination),
         blocks=len(refs),
         parts=len(parts),
         parts_reused=len(reused),

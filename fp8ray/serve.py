@@ -39,7 +39,7 @@ from ray.util import metrics
 
 from .bodies import BodyError, build_safetensors, parse_safetensors
 from .codec import Fp8Codec
-from .sources import TORCH_DTYPES, TORCH_NAMES, tensor_to_bytes
+from .sources import TORCH_DTYPES, TORCH_NAMES, bytes_to_tensor, tensor_to_bytes
 from .worker import BlockError, QuantWorker
 
 OCTET_STREAM = "application/octet-stream"
@@ -161,6 +161,8 @@ def parse_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple
 
 def _split(items: list, parts: int) -> list[list]:
     """``items`` in ``parts`` contiguous groups of near-equal count (order kept)."""
+    if not items:
+        raise Problem(400, "the safetensors body holds no tensors", field="body")
     parts = max(1, min(parts, len(items)))
     size = -(-len(items) // parts)
     return [items[i : i + size] for i in range(0, len(items), size)]
@@ -355,7 +357,10 @@ class Fp8Service:
         return JSONResponse({"status": "ok", "workers_alive": alive, "workers": self.num_workers})
 
     async def _stats_body(self, request: Request, body: bytes) -> Response:
-        counts = await serve.get_deployment_actor(STATS_ACTOR).snapshot.remote()
+        try:
+            counts = await serve.get_deployment_actor(STATS_ACTOR).snapshot.remote()
+        except (ValueError, RayActorError, ActorUnavailableError):  # being recreated
+            raise Problem(503, "the stats actor is restarting") from None
         return JSONResponse({**counts, "workers": self.num_workers, "workers_alive": await self._alive_workers()})
 
     # --- Python handle API -------------------------------------------------------------
@@ -374,7 +379,7 @@ class Fp8Service:
     async def decode(self, frame) -> torch.Tensor:
         """Decode a frame (bytes, memoryview or uint8 array); returns the tensor."""
         [(raw, meta)] = await self._call("decode_batch", [("frame", np.frombuffer(frame, dtype=np.uint8))])
-        return torch.frombuffer(bytearray(raw), dtype=TORCH_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+        return bytes_to_tensor(raw, meta["dtype"], meta["shape"]).clone()  # owns its memory
 
 
 def build_app(args: dict | None = None) -> serve.Application:

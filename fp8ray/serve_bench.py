@@ -112,7 +112,7 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
         codec = Fp8Codec(**options)
         lines = [
             f"fp8ray bench serve: POST /v1/encode of bf16 blocks (scaling token), {concurrency} in flight, "
-            f"{len(workers)} QuantWorkers, 1 replica; direct = QuantWorker.encode_batch from the driver",
+            f"{len(workers)} QuantWorkers, {service_options.get('replicas') or 1} replica(s); direct = QuantWorker.encode_batch from the driver",
             describe_machine(),
             f"{'block':>8} {'requests':>8} | {'direct MB/s':>11} {'p50 ms':>7} {'p99 ms':>7} | {'serve MB/s':>10} {'p50 ms':>7} {'p99 ms':>7} | {'serve/direct':>12}",
         ]

@@ -30,13 +30,24 @@ def add_commands(commands, bench_kinds) -> None:
 
 def _service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive_int, default=2, help="QuantWorker actors (default 2)")
-    parser.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per worker; fractions share one")
+    parser.add_argument("--gpus-per-worker", type=_non_negative_float, default=0.0, help="GPUs per worker; fractions share one")
+    parser.add_argument("--cpus-per-worker", type=positive_float, default=1.0, help="CPUs (and codec threads) per worker (default 1)")
     parser.add_argument("--replicas", type=positive_int, default=1, help="Fp8Service replicas (default 1)")
     parser.add_argument("--max-body-mb", type=positive_float, default=256.0, help="larger request bodies get 413 (default 256)")
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def service_args(args) -> dict:
-    return {"workers": args.workers, "gpus_per_worker": args.gpus_per_worker, "replicas": args.replicas, "max_body_mb": args.max_body_mb}
+    return {
+        "workers": args.workers, "gpus_per_worker": args.gpus_per_worker, "cpus_per_worker": args.cpus_per_worker,
+        "replicas": args.replicas, "max_body_mb": args.max_body_mb,
+    }
 
 
 def run_serve(args) -> int:
@@ -46,22 +57,31 @@ def run_serve(args) -> int:
     from .pool import connect_ray
     from .serve import build_app
 
+    options = service_args(args)
+    from .serve import ServiceOptions
+
+    ServiceOptions.from_args(options)  # bad options fail before Ray starts
     owns_ray = connect_ray(args.address, None)
+    deployed = False
     try:
+        if APP_NAME in serve.status().applications:
+            raise ValueError(f"a Serve application named {APP_NAME!r} already runs on this cluster; not replacing it")
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(service_args(args)), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(options), name=APP_NAME, route_prefix="/")
+        deployed = True
         # After Ray's start, which installs its own SIGTERM handler (that ends the process).
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        print(f"fp8ray serve: listening on http://{args.host}:{args.port} with {args.workers} QuantWorkers; SIGINT or SIGTERM stops it", flush=True)
+        where = f"http://{args.host}:{args.port}" if owns_ray else "the cluster's Serve HTTP address (its first start set it)"
+        print(f"fp8ray serve: listening on {where} with {args.workers} QuantWorkers; SIGINT or SIGTERM stops it", flush=True)
         stop.wait()
         print("fp8ray serve: shutting down", flush=True)
     finally:
         if owns_ray:
             serve.shutdown()
             ray.shutdown()
-        else:  # a shared cluster: remove only this application
+        elif deployed:  # a shared cluster: remove only what this run deployed
             serve.delete(APP_NAME)
     return 0
 

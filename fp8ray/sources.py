@@ -204,14 +204,14 @@ def read_blocks(refs: list[BlockRef]) -> list[np.ndarray]:
                     r = refs[i]
                     data = f.read_at(r.nbytes, r.offset)
                     if len(data) != r.nbytes:
-                        raise SourceError(f"{path}: key {r.key!r} truncated: read {len(data)} of {r.nbytes} bytes")
+                        raise SourceError(f"{redact(path)}: key {r.key!r} truncated: read {len(data)} of {r.nbytes} bytes")
                     result[i] = np.frombuffer(data, dtype=np.uint8)
         else:
             for i, value in zip(indices, _parquet_rows(fs, fpath, [refs[i].offset for i in indices])):
                 r = refs[i]
                 if len(value) != r.nbytes:
                     raise SourceError(
-                        f"{path}: key {r.key!r} has {len(value)} data bytes, its shape {list(r.shape)} {r.dtype} needs {r.nbytes}"
+                        f"{redact(path)}: key {r.key!r} has {len(value)} data bytes, its shape {list(r.shape)} {r.dtype} needs {r.nbytes}"
                     )
                 result[i] = np.frombuffer(value, dtype=np.uint8)
     return result  # type: ignore[return-value]

@@ -52,6 +52,11 @@ def test_compress_verify_decompress_on_s3(s3, kv_source, tmp_path):
         with afs.open_input_file(f"{apath}/{part.name}") as f:
             assert hashlib.sha256(f.read()).hexdigest() == hashlib.sha256(part.read_bytes()).hexdigest(), part.name
 
+    with afs.open_input_stream(f"{apath}/_manifest.json") as f:
+        manifest = f.read().decode()
+    assert "testing:testing" not in manifest and "***@kvcache" in manifest  # no credentials stored
+    assert "testing:testing" not in report.source
+
     checked = verify_archive(s3("arch"), against=s3("src/kv.safetensors"))
     assert checked.ok and checked.blocks == len(tensors) and set(checked.metrics) == set(tensors)
 

@@ -119,6 +119,9 @@ def test_python_handle_returns_what_the_codec_returns(service):
     assert digest(default) == digest(Fp8Codec("e4m3fn", "block", 32, scale_dtype="bfloat16", scale_choice="mse").encode(t))
     back = handle.decode.remote(frame).result()
     assert torch.equal(back, decode(frame))
+    empty = torch.empty(3, 0, 8, dtype=torch.float16)
+    back_empty = handle.decode.remote(handle.encode.remote(empty).result()).result()
+    assert back_empty.dtype == torch.float16 and back_empty.shape == (3, 0, 8)
     as_array = handle.encode.remote(t.float().numpy()).result()
     assert digest(as_array) == digest(service_codec().encode(t.float()))
     with pytest.raises(Exception, match="unknown scaling"):
@@ -177,6 +180,9 @@ def test_non_finite_input_and_bad_safetensors_are_refused(service):
     assert r.status_code == 400 and error_of(r)["field"] == "a"
     r = client.post("/v1/encode", params={"dtype": "float32"}, content=frames, headers=st)
     assert r.status_code == 400 and error_of(r)["field"] == "dtype"
+    for route in ("/v1/encode", "/v1/decode"):  # a safetensors body with no tensors
+        r = client.post(route, content=build_safetensors([]), headers=st)
+        assert r.status_code == 400 and "no tensors" in error_of(r)["error"]
 
 
 def test_body_over_the_limit_answers_413_before_it_is_read(service):
