@@ -24,7 +24,7 @@ import torch
 
 from . import cpu, reference
 from .codec import Fp8Codec, decode
-from .formats import SCALINGS
+from .formats import SCALINGS, resolve_options
 from .sample import sample_kv_chunk
 
 
@@ -165,10 +165,10 @@ def describe_machine() -> str:
     )
 
 
-def bench_pipeline(chunks: int = 16, max_workers: int = 2, scaling: str = "token", repeat: int = 3) -> str:
+def bench_pipeline(chunks: int = 16, max_workers: int = 2, scaling: str | None = None, repeat: int = 3) -> str:
     """End-to-end ``compress`` on a local Ray (Ray and actor start excluded) for 1..N
     workers, beside the single-process codec encoding the same blocks in the same run.
-    Figures are GB/s of input."""
+    Figures are GB/s of input. ``scaling`` None means the KV default mode."""
     import os
     import tempfile
 
@@ -180,10 +180,11 @@ def bench_pipeline(chunks: int = 16, max_workers: int = 2, scaling: str = "token
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     tensors = {f"chunk{i:04d}": sample_kv_chunk(seed=i) for i in range(chunks)}
     raw = sum(t.numel() * t.element_size() for t in tensors.values())
-    codec = Fp8Codec("e4m3fn", scaling)
+    options = resolve_options(scaling=scaling)
+    codec = Fp8Codec(**options)
     codec_gbps = raw / sum(_seconds(lambda t=t: codec.encode(t), repeat) for t in tensors.values()) / 1e9
     lines = [
-        f"fp8ray bench pipeline: {chunks} x [2, 30, 256, 192] bfloat16 ({raw / 2**20:.0f} MiB), e4m3fn / {scaling}",
+        f"fp8ray bench pipeline: {chunks} x [2, 30, 256, 192] bfloat16 ({raw / 2**20:.0f} MiB), codec {options}",
         describe_machine(),
         "",
         f"single-process codec (Fp8Codec.encode, {cpu.num_threads()} threads, data in memory): {codec_gbps:.2f} GB/s",
@@ -200,7 +201,7 @@ def bench_pipeline(chunks: int = 16, max_workers: int = 2, scaling: str = "token
             save_file(tensors, source)
             for workers in range(1, max_workers + 1):
                 runs = [
-                    compress_archive(source, f"{tmp}/a{workers}", scaling=scaling, workers=workers, part_bytes=16 << 20, overwrite=True)
+                    compress_archive(source, f"{tmp}/a{workers}", **options, workers=workers, part_bytes=16 << 20, overwrite=True)
                     for _ in range(repeat)
                 ]
                 best = statistics.median(r.input_gbps for r in runs)

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline = bench_kinds.add_parser("pipeline", help="end-to-end compress on a local Ray vs the codec alone")
     pipeline.add_argument("--chunks", type=positive_int, default=16)
     pipeline.add_argument("--max-workers", type=positive_int, default=2)
-    pipeline.add_argument("--scaling", choices=list(SCALINGS), default="token")
+    pipeline.add_argument("--scaling", choices=list(SCALINGS), help="default: the KV default mode (block 32, bfloat16 scales, mse)")
     pipeline.add_argument("--repeat", type=positive_int, default=3)
 
     demo = commands.add_parser("demo", help="capture a real KV cache, compress, verify, measure and decompress it on a local Ray")
