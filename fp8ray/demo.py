@@ -49,7 +49,8 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, **codec
     if owns_ray:  # one Ray for the three steps
         ray.init(address="local", num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     try:
-        compressed = compress_archive(str(source), str(archive), workers=workers, **codec_options)
+        # Parts of 4 MiB, so that a small capture still spreads over every worker.
+        compressed = compress_archive(str(source), str(archive), workers=workers, part_bytes=4 << 20, **codec_options)
         verified = verify_archive(str(archive), against=str(source), workers=workers)
         decompressed = decompress_archive(str(archive), str(restored), workers=workers)
     finally:
