@@ -172,6 +172,8 @@ def _is_safetensors(request: Request) -> bool:
     return request.headers.get("content-type", "").split(";")[0].strip().lower() == SAFETENSORS
 
 
+# Everything Fp8Service uses is defined above it: Serve serializes the class when it is
+# decorated, with the module globals that exist by then.
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="fp8ray", description="fp8 encode/decode of LLM KV-cache blocks")
 
@@ -360,6 +362,7 @@ class Fp8Service:
         try:
             counts = await serve.get_deployment_actor(STATS_ACTOR).snapshot.remote()
         except (ValueError, RayActorError, ActorUnavailableError):  # being recreated
+            self._stats = None  # and this replica's handle to it with it
             raise Problem(503, "the stats actor is restarting") from None
         return JSONResponse({**counts, "workers": self.num_workers, "workers_alive": await self._alive_workers()})
 

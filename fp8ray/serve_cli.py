@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 
 from .cli import positive_float, positive_int

@@ -7,7 +7,6 @@ import hashlib
 import socket
 
 import pytest
-import torch
 
 from fp8ray.operations import compress_archive, decompress_archive, verify_archive
 from fp8ray.sources import SourceError, list_blocks, resolve
