@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import pyarrow.fs as pafs
+import ray
 
 from . import __version__, archive
 from .codec import Fp8Codec
@@ -287,10 +288,12 @@ def verify_archive(
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path)
     refs = {r.key: r for r in list_blocks(against)} if against else None
-    report = VerifyReport(archive_uri, 0, len(manifest["parts"]))
+    report = VerifyReport(redact(archive_uri), 0, len(manifest["parts"]))
     seen: set[str] = set()
     with QuantPool(num_workers=workers, address=address) as pool:
-        tasks = ((archive_uri, part, refs) for part in manifest["parts"])
+        # The source's block map goes to the object store once, not with every part.
+        shared_refs = ray.put(refs)
+        tasks = ((archive_uri, part, shared_refs) for part in manifest["parts"])
         for part_report in pool.map("verify_part", tasks):
             report.blocks += part_report["blocks"]
             report.errors += part_report["errors"]
