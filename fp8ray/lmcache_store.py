@@ -33,13 +33,15 @@ import numpy as np
 import torch
 
 from .errors import Fp8rayError
+from .formats import FORMATS
+from .sources import TORCH_DTYPES
 
 SEP = "@"
 SLASH_REPLACEMENT = "-SEP-"
 EXTENSION = ".data"
 SALT_FORBIDDEN = frozenset("@/\\\x00")
 SALT_MAX_LEN = 128
-LAYOUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+LAYOUT_DTYPES = TORCH_DTYPES  # the dtypes a layout may name: fp8ray's source dtypes
 SHARD_BYTES = 64 << 20  # input bytes per worker call
 
 
@@ -410,7 +412,7 @@ def add_commands(commands, bench_kinds) -> None:
         parser.add_argument("source", help="the store's directory (LMCache's base_path)")
         parser.add_argument("destination", help="a new directory; renamed into place when every file is converted")
         parser.add_argument("--layout", required=True, help="dtype and shape of one chunk, e.g. bfloat16:2,30,256,192")
-        parser.add_argument("--fp8", choices=("e4m3fn", "e5m2"), default="e4m3fn")
+        parser.add_argument("--fp8", choices=sorted(FORMATS), default="e4m3fn")
         parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
         engine_arguments(parser)
         parser.set_defaults(handler=run_store_command)
