@@ -68,3 +68,22 @@ def test_bad_option_is_rejected_by_the_parser(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["compress", "a", "b", "--scaling", "row"])
     assert exc.value.code == 2 and "invalid choice: 'row'" in capsys.readouterr().err
+
+
+def test_a_missing_optional_extra_is_a_one_line_error(tmp_path):
+    """Without the models extra (transformers made unimportable here), `fp8ray capture`
+    says what to install, in one line, instead of a traceback."""
+    import subprocess
+    import sys
+
+    text = tmp_path / "t.txt"
+    text.write_text("a few words of text")
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "from fp8ray.cli import main\n"
+        f"sys.exit(main(['capture', '--out', {str(tmp_path / 'kv.safetensors')!r}, '--text', {str(text)!r}]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fp8ray: error: ") and "fp8ray[models,serve]" in lines[0], result.stderr

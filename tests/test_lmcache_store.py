@@ -222,3 +222,26 @@ def test_cli_json_overwrite_and_errors(store, tmp_path, capsys):
     assert main(["lmcache-compress", str(src), str(tmp_path / "x"), "--layout", "bfloat16:2,2"]) == 0
     out, err = capsys.readouterr()  # every chunk has another size: all reported, none converted
     assert "compressed 0 chunk files" in out and err.count("fp8ray: skipped") == len(tensors) + len(skipped)
+
+
+def test_overwrite_keeps_the_old_store_if_the_swap_fails(store, tmp_path, monkeypatch):
+    """--overwrite moves the old destination aside, then the new one in; if that second
+    rename fails, the old destination is put back and no scratch is left."""
+    import fp8ray.lmcache_store as lmcache_store
+
+    src, _, _ = store
+    dst = tmp_path / "previous"
+    dst.mkdir()
+    (dst / "keep").write_bytes(b"x")
+    real_rename = os.rename
+
+    def failing_rename(a, b):
+        if str(b) == str(dst) and not str(a).endswith(".old"):  # the new store moving into place
+            raise OSError("simulated failure of the swap")
+        return real_rename(a, b)
+
+    monkeypatch.setattr(lmcache_store.os, "rename", failing_rename)
+    with pytest.raises(OSError, match="simulated"):
+        compress_store(str(src), str(dst), LAYOUT, overwrite=True)
+    assert os.listdir(dst) == ["keep"] and (dst / "keep").read_bytes() == b"x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["previous", "store"]  # no scratch left
