@@ -71,7 +71,8 @@ def sidecar_name(index: int) -> str:
     return f"_part-{index:05d}.json"
 
 
-def write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+def write_atomic(fs: pafs.FileSystem, path: str, data) -> None:
+    """Write ``data`` (bytes or an Arrow buffer) under a temporary name beside ``path``, then rename."""
     tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.tmp-{uuid.uuid4().hex}"
     with fs.open_output_stream(tmp) as out:
         out.write(data)
@@ -118,11 +119,7 @@ def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, 
         row_group_size=64,
     )
     data = sink.getvalue()
-    path = f"{directory}/{part_name(index)}"
-    tmp = f"{directory}/.{part_name(index)}.tmp-{uuid.uuid4().hex}"
-    with fs.open_output_stream(tmp) as out:
-        out.write(data)
-    fs.move(tmp, path)
+    write_atomic(fs, f"{directory}/{part_name(index)}", data)
     keys = rows["key"]
     info = PartInfo(
         name=part_name(index),

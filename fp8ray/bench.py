@@ -176,8 +176,8 @@ def bench_pipeline(chunks: int = 16, max_workers: int = 2, scaling: str | None =
     from safetensors.torch import save_file
 
     from .operations import compress_archive
+    from .pool import connect_ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     tensors = {f"chunk{i:04d}": sample_kv_chunk(seed=i) for i in range(chunks)}
     raw = sum(t.numel() * t.element_size() for t in tensors.values())
     options = resolve_options(scaling=scaling)
@@ -192,9 +192,7 @@ def bench_pipeline(chunks: int = 16, max_workers: int = 2, scaling: str | None =
         "| workers | compress GB/s of input | compress / codec alone |",
         "|---:|---:|---:|",
     ]
-    owns = not ray.is_initialized()
-    if owns:
-        ray.init(address="local", num_cpus=max(max_workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    owns = connect_ray("local", max(max_workers, os.cpu_count() or 1))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             source = f"{tmp}/kv.safetensors"

@@ -9,12 +9,20 @@ and every entry is checked against the body before a byte of it is used.
 from __future__ import annotations
 
 import json
-import math
 import struct
 
 import numpy as np
 
-from .sources import MAX_HEADER, SAFETENSORS_DTYPES, SAFETENSORS_NAMES, TORCH_DTYPES, TORCH_NAMES
+from .sources import (
+    MAX_HEADER,
+    SAFETENSORS_DTYPES,
+    SAFETENSORS_NAMES,
+    TORCH_DTYPES,
+    TORCH_NAMES,
+    SafetensorsEntryError,
+    safetensors_entries,
+    safetensors_prefix,
+)
 
 # Frames travel in safetensors bodies as 1-D U8 tensors.
 FRAME_DTYPE = "U8"
@@ -47,39 +55,25 @@ def parse_safetensors(body: bytes | memoryview, allowed: tuple[str, ...]) -> tup
         raise BodyError("safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     data = np.frombuffer(view, dtype=np.uint8, offset=8 + header_len)
-    entries = []
-    for key, entry in header.items():
-        try:
-            dtype_name, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-            begin, end = int(begin), int(end)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BodyError(f"tensor {key!r}: malformed safetensors header entry", field=key) from exc
-        if dtype_name not in allowed:
-            raise BodyError(f"tensor {key!r} has dtype {dtype_name}; expected one of {list(allowed)}", field=key)
-        itemsize = 1 if dtype_name == FRAME_DTYPE else SAFETENSORS_DTYPES[dtype_name].itemsize
-        expected = math.prod(shape) * itemsize
-        if any(d < 0 for d in shape) or begin < 0 or end - begin != expected or end > len(data):
-            raise BodyError(
-                f"tensor {key!r} claims bytes [{begin}, {end}) for shape {list(shape)} {dtype_name} "
-                f"({expected} bytes) in a data section of {len(data)} bytes",
-                field=key,
-            )
-        dtype = "uint8" if dtype_name == FRAME_DTYPE else TORCH_NAMES[SAFETENSORS_DTYPES[dtype_name]]
-        entries.append((begin, key, dtype, shape, data[begin:end]))
-    entries.sort(key=lambda e: e[0])
-    return [e[1:] for e in entries], metadata
+    try:
+        entries = safetensors_entries(header, len(data), allowed)
+    except SafetensorsEntryError as exc:
+        raise BodyError(str(exc), field=exc.key) from exc
+    return [(key, _dtype(name), shape, data[begin:end]) for key, name, shape, begin, end in entries], metadata
+
+
+def _dtype(safetensors_name: str) -> str:
+    """fp8ray's name of a safetensors dtype: a torch dtype's name, or "uint8" for a frame."""
+    return "uint8" if safetensors_name == FRAME_DTYPE else TORCH_NAMES[SAFETENSORS_DTYPES[safetensors_name]]
 
 
 def build_safetensors(entries: list[tuple[str, str, tuple[int, ...], np.ndarray | bytes]], metadata: dict[str, str] | None = None) -> bytes:
     """A safetensors body of ``(key, dtype, shape, bytes)`` entries, in order; ``dtype`` is
     an fp8ray dtype name or ``"uint8"`` (a frame)."""
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for key, dtype, shape, data in entries:
-        nbytes = len(memoryview(data).cast("B"))
-        name = FRAME_DTYPE if dtype == "uint8" else SAFETENSORS_NAMES[TORCH_DTYPES[dtype]]
-        header[key] = {"dtype": name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data 8-byte aligned, as safetensors writes it
-    return b"".join([struct.pack("<Q", len(raw)), raw, *(memoryview(d).cast("B") for _, _, _, d in entries)])
+    views = [memoryview(data).cast("B") for _, _, _, data in entries]
+    prefix = safetensors_prefix(
+        [(key, FRAME_DTYPE if dtype == "uint8" else SAFETENSORS_NAMES[TORCH_DTYPES[dtype]], shape, len(view))
+         for (key, dtype, shape, _), view in zip(entries, views)],
+        metadata,
+    )
+    return b"".join([prefix, *views])

@@ -23,9 +23,7 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, **codec
     from .capture import capture
     from .evalmodel import DEFAULT_TEXT
     from .fidelity import fidelity_report
-    from .sources import list_blocks
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     out_dir.mkdir(parents=True, exist_ok=True)
     source = out_dir / (f"kv_smollm2_{tokens}.safetensors" if tokens else "kv_smollm2.safetensors")
     if source.exists():
@@ -45,9 +43,9 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, **codec
 
     import ray
 
-    owns_ray = not ray.is_initialized()
-    if owns_ray:  # one Ray for the three steps
-        ray.init(address="local", num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    from .pool import connect_ray
+
+    owns_ray = connect_ray("local", max(workers, os.cpu_count() or 1))  # one Ray for the three steps
     try:
         # Parts of 4 MiB, so that a small capture still spreads over every worker.
         compressed = compress_archive(str(source), str(archive), workers=workers, part_bytes=4 << 20, **codec_options)
@@ -67,7 +65,7 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, **codec
         [
             captured,
             f"compress ({mode}, {workers} QuantWorkers on {', '.join(compressed.devices)}): "
-            f"{len(list_blocks(str(source)))} blocks, {compressed.raw_bytes / 2**20:.2f} MiB -> {compressed.archive_bytes / 2**20:.2f} MiB "
+            f"{compressed.blocks} blocks, {compressed.raw_bytes / 2**20:.2f} MiB -> {compressed.archive_bytes / 2**20:.2f} MiB "
             f"({compressed.ratio:.2f}x) in {compressed.parts} Parquet part(s), {compressed.input_gbps:.2f} GB/s of input",
             f"verify against the source: {verified.blocks} blocks, every checksum ok",
             f"fidelity: keys   relative error {k['rel_fro']:.3%}, SNR {k['snr_db']:.1f} dB, cosine {k['cosine']:.6f}",

@@ -35,6 +35,9 @@ SAFETENSORS_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 TORCH_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 TORCH_DTYPES = {v: k for k, v in TORCH_NAMES.items()}
 MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
+# Bytes per element of the safetensors dtypes fp8ray reads: its source dtypes, and U8
+# for frames carried in safetensors bodies.
+SAFETENSORS_ITEMSIZES = {**{name: dtype.itemsize for name, dtype in SAFETENSORS_DTYPES.items()}, "U8": 1}
 
 
 class SourceError(Fp8rayError, ValueError):
@@ -145,28 +148,65 @@ def read_safetensors_header(fs: pafs.FileSystem, path: str) -> tuple[dict, int, 
     return header, 8 + header_len, size
 
 
-def _safetensors_blocks(fs: pafs.FileSystem, path: str, uri: str) -> list[BlockRef]:
-    header, data_start, size = read_safetensors_header(fs, path)
-    refs = []
+class SafetensorsEntryError(ValueError):
+    """A tensor's entry in a safetensors header is malformed; ``key`` names the tensor."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
+
+
+def safetensors_entries(header: dict, data_size: int, allowed: tuple[str, ...]) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    """``(key, dtype name, shape, begin, end)`` of each tensor of a parsed safetensors
+    header (``__metadata__`` left out), in byte order, each checked: a dtype in
+    ``allowed`` (names of :data:`SAFETENSORS_ITEMSIZES`), a non-negative shape, and a byte
+    range of exactly its size inside the ``data_size`` bytes after the header."""
+    entries = []
     for key, entry in header.items():
         if key == "__metadata__":
             continue
         try:
             dtype_name, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            begin, end = int(begin), int(end)
         except (KeyError, TypeError, ValueError) as exc:
-            raise SourceError(f"{path}: malformed header entry for key {key!r}") from exc
-        if dtype_name not in SAFETENSORS_DTYPES:
-            raise SourceError(f"{path}: key {key!r} has dtype {dtype_name}; fp8ray compresses BF16, F16 and F32")
-        dtype = SAFETENSORS_DTYPES[dtype_name]
-        expected = math.prod(shape) * dtype.itemsize
-        if end - begin != expected or begin < 0 or data_start + end > size or any(d < 0 for d in shape):
-            raise SourceError(
-                f"{path}: key {key!r} claims bytes [{begin}, {end}) for shape {list(shape)} {dtype_name} "
-                f"({expected} bytes) in a file of {size} bytes"
+            raise SafetensorsEntryError(f"key {key!r}: malformed safetensors header entry", key) from exc
+        if dtype_name not in allowed:
+            raise SafetensorsEntryError(f"key {key!r} has dtype {dtype_name}; expected one of {list(allowed)}", key)
+        expected = math.prod(shape) * SAFETENSORS_ITEMSIZES[dtype_name]
+        if any(d < 0 for d in shape) or begin < 0 or end - begin != expected or end > data_size:
+            raise SafetensorsEntryError(
+                f"key {key!r} claims bytes [{begin}, {end}) for shape {list(shape)} {dtype_name} "
+                f"({expected} bytes) in a data section of {data_size} bytes",
+                key,
             )
-        refs.append(BlockRef(key, TORCH_NAMES[dtype], shape, "safetensors", uri, data_start + begin))
-    refs.sort(key=lambda r: r.offset)  # file order
-    return refs
+        entries.append((key, dtype_name, shape, begin, end))
+    entries.sort(key=lambda e: e[3])
+    return entries
+
+
+def safetensors_prefix(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length and the JSON header of a safetensors file or body whose tensors,
+    ``(key, dtype name, shape, bytes)``, follow it end to end in this order."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key, dtype_name, shape, nbytes in entries:
+        header[key] = {"dtype": dtype_name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _safetensors_blocks(fs: pafs.FileSystem, path: str, uri: str) -> list[BlockRef]:
+    header, data_start, size = read_safetensors_header(fs, path)
+    try:
+        entries = safetensors_entries(header, size - data_start, tuple(SAFETENSORS_DTYPES))
+    except SafetensorsEntryError as exc:
+        raise SourceError(f"{path}: {exc}") from exc
+    return [
+        BlockRef(key, TORCH_NAMES[SAFETENSORS_DTYPES[name]], shape, "safetensors", uri, data_start + begin)
+        for key, name, shape, begin, _ in entries  # file order
+    ]
 
 
 _RAW_COLUMNS = ("key", "dtype", "shape", "data")
@@ -254,19 +294,13 @@ class SafetensorsWriter:
     def __init__(self, uri: str, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None):
         self.fs, self.path = resolve(uri)
         self.entries = entries
-        header: dict = {"__metadata__": metadata} if metadata else {}
-        offset = 0
-        self.sizes = []
-        for key, dtype, shape in entries:
-            nbytes = math.prod(shape) * TORCH_DTYPES[dtype].itemsize
-            header[key] = {"dtype": SAFETENSORS_NAMES[TORCH_DTYPES[dtype]], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self.sizes.append(nbytes)
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # data 8-byte aligned, as safetensors writes it
+        self.sizes = [math.prod(shape) * TORCH_DTYPES[dtype].itemsize for _, dtype, shape in entries]
+        prefix = safetensors_prefix(
+            [(key, SAFETENSORS_NAMES[TORCH_DTYPES[dtype]], shape, n) for (key, dtype, shape), n in zip(entries, self.sizes)], metadata
+        )
         self.tmp = f"{self.path}.tmp-{os.getpid()}"
         self.stream = self.fs.open_output_stream(self.tmp)
-        self.stream.write(struct.pack("<Q", len(raw)) + raw)
+        self.stream.write(prefix)
         self.written = 0
 
     def write(self, data) -> None:

@@ -19,7 +19,7 @@ import torch
 from . import archive, frame
 from .codec import Fp8Codec, decode
 from .errors import Fp8rayError
-from .formats import resolve_options
+from .formats import CODEC_DEFAULTS, resolve_options
 from .metrics import error_metrics
 from .sources import TORCH_DTYPES, BlockRef, bytes_to_tensor, read_blocks, resolve, tensor_to_bytes
 
@@ -31,7 +31,7 @@ class BlockError(Fp8rayError, ValueError):
 def codec_key(options: dict) -> tuple:
     """The full codec configuration of ``options``; what they leave out follows
     :data:`fp8ray.formats.KV_DEFAULTS`."""
-    unknown = set(options) - {"fp8", "scaling", "block_size", "scale_dtype", "scale_choice"}
+    unknown = set(options) - set(CODEC_DEFAULTS)
     if unknown:
         raise ValueError(f"unknown codec option(s) {sorted(unknown)}")
     o = resolve_options(**options)
