@@ -1,48 +1,72 @@
-"""fp8ray: compress LLM KV caches to fp8, scaled, self-describing and checked."""
+"""fp8ray: compress LLM KV caches to fp8, scaled, self-describing and checked.
 
-from .codec import DEFAULT_BLOCK_SIZE, Fp8Codec, decode, encoded_size
-from .errors import CorruptFrameError, Fp8rayError, NonFiniteError
-from .formats import E4M3FN, E5M2, Fp8Format
+The layers, each importing only those above it in this list (an import-linter contract
+in pyproject.toml enforces it):
+
+- ``fp8ray.errors``: every exception class.
+- ``fp8ray.codec``: pure transforms (formats, options, frame, kernels, ``Fp8Codec``).
+- ``fp8ray.io``: sources and sinks (paths, safetensors, blocks, archives, LMCache stores).
+- ``fp8ray.engine`` (Ray), ``fp8ray.eval`` (models, fidelity) and ``fp8ray.data`` (Ray
+  Data callables), side by side.
+- ``fp8ray.serve``, ``fp8ray.bench``, ``fp8ray.cli``: entry points.
+"""
+
+from .codec import DEFAULT_BLOCK_SIZE, E4M3FN, E5M2, CodecOptions, Fp8Codec, Fp8Format, decode, encoded_size
+from .errors import (
+    ArchiveExistsError,
+    BadInputError,
+    BlockError,
+    CorruptArchiveError,
+    CorruptFrameError,
+    Fp8rayError,
+    NonFiniteError,
+    SourceError,
+    WorkerLostError,
+)
 
 __version__ = "0.1.0"
 
-# The engine imports Ray (and the model tools transformers), which take seconds: load
+# The engine imports Ray (and the eval layer transformers), which take seconds: load
 # them on first use only.
-_ENGINE = {
-    "QuantPool": "fp8ray.pool",
-    "QuantWorker": "fp8ray.worker",
-    "BlockError": "fp8ray.worker",
-    "compress_archive": "fp8ray.operations",
-    "decompress_archive": "fp8ray.operations",
-    "verify_archive": "fp8ray.operations",
-    "inspect_archive": "fp8ray.operations",
-    "ArchiveExistsError": "fp8ray.operations",
-    "CorruptArchiveError": "fp8ray.archive",
-    "SourceError": "fp8ray.sources",
-    "fidelity_report": "fp8ray.fidelity",
-    "compress_store": "fp8ray.lmcache_store",
-    "decompress_store": "fp8ray.lmcache_store",
-    "evaluate_modes": "fp8ray.evalmodel",
+_LAZY = {
+    "QuantPool": "fp8ray.engine.pool",
+    "QuantWorker": "fp8ray.engine.worker",
+    "compress_archive": "fp8ray.engine.archives",
+    "decompress_archive": "fp8ray.engine.archives",
+    "verify_archive": "fp8ray.engine.archives",
+    "inspect_archive": "fp8ray.engine.archives",
+    "compress_store": "fp8ray.engine.stores",
+    "decompress_store": "fp8ray.engine.stores",
+    "fidelity_report": "fp8ray.eval.fidelity",
+    "evaluate_modes": "fp8ray.eval.eval_model",
 }
 
 
 def __getattr__(name: str):
-    if name in _ENGINE:
+    if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_ENGINE[name]), name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'fp8ray' has no attribute {name!r}")
 
+
 __all__ = [
-    *_ENGINE,
+    *_LAZY,
     "DEFAULT_BLOCK_SIZE",
     "E4M3FN",
     "E5M2",
+    "ArchiveExistsError",
+    "BadInputError",
+    "BlockError",
+    "CodecOptions",
+    "CorruptArchiveError",
     "CorruptFrameError",
     "Fp8Codec",
     "Fp8Format",
     "Fp8rayError",
     "NonFiniteError",
+    "SourceError",
+    "WorkerLostError",
     "__version__",
     "decode",
     "encoded_size",

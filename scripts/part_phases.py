@@ -20,20 +20,22 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import numpy as np  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from fp8ray import Fp8Codec, archive  # noqa: E402
-from fp8ray.formats import resolve_options  # noqa: E402
-from fp8ray.sample import sample_kv_chunk  # noqa: E402
-from fp8ray.sources import TORCH_DTYPES, bytes_to_tensor, list_blocks, read_blocks, resolve  # noqa: E402
-from fp8ray.worker import QuantWorker  # noqa: E402
+from fp8ray import CodecOptions, Fp8Codec  # noqa: E402
+from fp8ray.codec.formats import DTYPES_BY_NAME  # noqa: E402
+from fp8ray.engine.worker import QuantWorker  # noqa: E402
+from fp8ray.eval.sample import sample_kv_chunk  # noqa: E402
+from fp8ray.io import archive  # noqa: E402
+from fp8ray.io.blocks import bytes_to_tensor, list_blocks, read_blocks  # noqa: E402
+from fp8ray.io.paths import resolve  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--chunks", type=int, default=16)
-    parser.add_argument("--scaling", default="token", help="codec scaling (default token); 'kv' for the KV default mode")
+    parser.add_argument("--scaling", default="token", help="plain scaling (float32 scales by amax; default token), or 'kv' for the default mode")
     args = parser.parse_args()
-    options = resolve_options() if args.scaling == "kv" else resolve_options(scaling=args.scaling)
-    codec = Fp8Codec(**options)
+    options = CodecOptions() if args.scaling == "kv" else CodecOptions(scaling=args.scaling, scale_dtype="float32", scale_choice="amax")
+    codec = Fp8Codec(options=options)
     tmp = tempfile.mkdtemp()
     save_file({f"c{i:03d}": sample_kv_chunk(seed=i) for i in range(args.chunks)}, f"{tmp}/kv.safetensors")
     refs = list_blocks(f"{tmp}/kv.safetensors")
@@ -46,20 +48,18 @@ def main() -> None:
             t0 = time.perf_counter()
             [data] = read_blocks([ref])
             t1 = time.perf_counter()
-            size = codec.encoded_size(ref.shape, TORCH_DTYPES[ref.dtype])
+            size = codec.encoded_size(ref.shape, DTYPES_BY_NAME[ref.dtype])
             frames = np.empty(size, np.uint8)
             codec.encode(bytes_to_tensor(data, ref.dtype, ref.shape), out=frames)
             t2 = time.perf_counter()
-            meta = [ref.key, ref.dtype, list(ref.shape), options["fp8"], options["scaling"], 0, ref.nbytes, size]
-            rows = {name: [value] for name, value in zip(archive.METADATA_COLUMNS, meta)}
-            rows["frame"] = archive.frame_column(frames, [size])
+            rows = archive.part_rows([ref], options, [size], archive.frame_column(frames, [size]))
             t3 = time.perf_counter()
             archive.write_part(fs, out, i, rows)
             t4 = time.perf_counter()
             for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 phases[name] += dt
     mb = refs[0].nbytes / 1e6
-    print(f"codec {options}; parts of one {mb:.1f} MB block, mean of {len(refs)}:")
+    print(f"codec {options.label()}; parts of one {mb:.1f} MB block, mean of {len(refs)}:")
     print("  " + ", ".join(f"{name} {total / len(refs) * 1e3:.2f} ms" for name, total in phases.items()))
 
     total = sum(r.nbytes for r in refs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fp8ray.formats import FORMATS
+from fp8ray.codec.formats import FORMATS
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALINGS = ("none", "tensor", "channel", "token", "block")

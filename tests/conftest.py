@@ -34,7 +34,7 @@ def kv_source(tmp_path_factory):
     safetensors package itself."""
     from safetensors.torch import save_file
 
-    from fp8ray.sample import sample_kv_chunk
+    from fp8ray.eval.sample import sample_kv_chunk
 
     dtypes = {0: "bfloat16", 1: "float16", 2: "float32"}
     import torch

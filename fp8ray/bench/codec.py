@@ -1,0 +1,124 @@
+"""``fp8ray bench codec``: throughput of the fast path beside the torch reference and a
+memory copy, all measured in the same run. Figures are GB/s of bytes read plus written
+(input plus frame), medians of ``repeat`` runs after a warm-up.
+
+- encode: ``Fp8Codec.encode`` (allocates the frame, computes its CRC-32C) against
+  ``reference.quantize``;
+- decode: ``fp8ray.decode(frame, out=...)`` into a preallocated tensor (verifies the
+  CRC-32C), like the copy baseline's preallocated ``dst``, against ``reference.dequantize``;
+- decode, new tensor: ``fp8ray.decode(frame)``, which also pays for a fresh output
+  tensor: the kernel's first touch of new pages can cost as much as the decode itself.
+
+A default run covers every scaling with the default mode's other options (bfloat16
+scales, chosen by least squared error where the scaling allows it); ``--scale-choice
+amax`` and ``--scale-dtype float32`` measure the plain modes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..codec import CodecOptions, Fp8Codec, cpu, decode, reference
+from ..eval.sample import sample_kv_chunk
+
+
+@dataclass
+class Row:
+    mode: str  # the mode's label
+    direction: str
+    fast_gbps: float
+    reference_gbps: float
+    copy_gbps: float
+
+    @property
+    def vs_reference(self) -> float:
+        return self.fast_gbps / self.reference_gbps
+
+    @property
+    def vs_copy(self) -> float:
+        return self.fast_gbps / self.copy_gbps
+
+
+def _seconds(fn, repeat: int) -> float:
+    fn()  # warm up (JIT compile, page faults)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, repeat: int) -> float:
+    """Bytes read plus written per second by a preallocated ``dst.copy_(src)``."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _seconds(lambda: dst.copy_(src), repeat) / 1e9
+
+
+def bench_codec(modes: list[CodecOptions], dtype: torch.dtype = torch.bfloat16, chunks: int = 4, repeat: int = 5) -> list[Row]:
+    """Measure encode and decode of ``chunks`` sample KV chunks ([2, 30, 256, 192] each)
+    under each of ``modes``."""
+    x = torch.cat([sample_kv_chunk(seed=i, dtype=dtype) for i in range(chunks)], dim=1)
+    in_bytes = x.numel() * x.element_size()
+    # Bring the allocator to a long-running process's steady state: until a block this
+    # large has been freed once, glibc maps each new one fresh from the kernel, and the
+    # first "new tensor" rows would time page faults rather than the codec.
+    torch.empty(4 * in_bytes, dtype=torch.uint8)
+    rows = []
+    for mode in dict.fromkeys(modes):  # each once, in order
+        codec = Fp8Codec(options=mode)
+        frame = codec.encode(x)
+        moved = in_bytes + len(frame)  # read plus written, either way
+        copy = copy_bandwidth(in_bytes, repeat)
+        args = (codec.fmt, mode.scaling, mode.block_size)
+        t_fast_enc = _seconds(lambda: codec.encode(x), repeat)
+        t_ref_enc = _seconds(lambda: reference.quantize(x, *args, False, mode.scale_dtype, mode.scale_choice), max(1, repeat // 2))
+        codes, scales, _ = reference.quantize(x, *args, False, mode.scale_dtype, mode.scale_choice)
+        out = torch.empty_like(x)
+        t_fast_dec = _seconds(lambda: decode(frame, out=out), repeat)
+        t_fast_dec_new = _seconds(lambda: decode(frame), repeat)
+        t_ref_dec = _seconds(
+            lambda: reference.dequantize(codes, scales, codec.fmt, mode.scaling, tuple(x.shape), dtype, mode.block_size),
+            max(1, repeat // 2),
+        )
+        label = mode.label()
+        rows.append(Row(label, "encode", moved / t_fast_enc / 1e9, moved / t_ref_enc / 1e9, copy))
+        rows.append(Row(label, "decode", moved / t_fast_dec / 1e9, moved / t_ref_dec / 1e9, copy))
+        rows.append(Row(label, "decode, new tensor", moved / t_fast_dec_new / 1e9, moved / t_ref_dec / 1e9, copy))
+    return rows
+
+
+def format_table(rows: list[Row], title: str) -> str:
+    lines = [
+        title,
+        "",
+        "| mode | direction | fast GB/s | torch reference GB/s | copy GB/s | fast / reference | fast / copy |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.mode} | {r.direction} | {r.fast_gbps:.2f} | {r.reference_gbps:.3f} | {r.copy_gbps:.1f} "
+            f"| {r.vs_reference:.1f}x | {r.vs_copy:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def describe_machine() -> str:
+    import os
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{model}, {os.cpu_count()} CPUs, {cpu.num_threads()} codec threads, "
+        f"torch {torch.__version__}, Python {platform.python_version()}"
+    )

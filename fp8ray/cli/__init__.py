@@ -1,0 +1,44 @@
+"""The ``fp8ray`` command line. Thin: each command's module parses its arguments, calls
+the library and prints; this module dispatches and turns every error into one line.
+
+Command modules: :mod:`~fp8ray.cli.archives` (compress, decompress, verify, inspect),
+:mod:`~fp8ray.cli.stores` (lmcache-compress, lmcache-decompress), :mod:`~fp8ray.cli.eval`
+(capture, fidelity, eval-model), :mod:`~fp8ray.cli.serve`, :mod:`~fp8ray.cli.bench`,
+:mod:`~fp8ray.cli.demo`. Each has ``add_commands(commands)``, which adds its subparsers
+with ``set_defaults(handler=run)``; heavy packages (Ray, transformers) are imported
+inside the handlers so that ``fp8ray --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__
+from ..errors import Fp8rayError
+from . import archives, bench, demo, eval, serve, stores
+
+COMMAND_MODULES = (archives, stores, eval, serve, bench, demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fp8ray", description="Compress LLM KV caches to fp8.")
+    parser.add_argument("--version", action="version", version=f"fp8ray {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for module in COMMAND_MODULES:
+        module.add_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ImportError as exc:  # an optional extra that is not installed
+        print(f"fp8ray: error: {exc}; install fp8ray with its extras: pip install 'fp8ray[models,serve]'", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, OSError, Fp8rayError) as exc:
+        print(f"fp8ray: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

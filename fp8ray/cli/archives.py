@@ -1,0 +1,117 @@
+"""``fp8ray compress``, ``decompress``, ``verify`` and ``inspect``: archives on the Ray engine."""
+
+from __future__ import annotations
+
+import json
+
+from .common import codec_arguments, codec_options, engine_arguments, json_argument, positive_float, progress, warn
+
+
+def add_commands(commands) -> None:
+    compress = commands.add_parser("compress", help="compress a safetensors file/directory or raw-block Parquet into an archive")
+    compress.add_argument("source", help="a .safetensors file, a directory of them, or raw-block Parquet; local or s3://")
+    compress.add_argument("destination", help="the archive directory to create (local or s3://)")
+    codec_arguments(compress)
+    compress.add_argument("--part-mb", type=positive_float, default=64.0, help="input MiB per Parquet part (default 64)")
+    compress.add_argument("--resume", action="store_true", help="keep the parts an interrupted run finished")
+    compress.add_argument(
+        "--overwrite", action="store_true", help="replace an existing destination (never one that overlaps the source)"
+    )
+    engine_arguments(compress)
+    compress.set_defaults(handler=run_compress)
+
+    decompress = commands.add_parser("decompress", help="decode an archive into a .safetensors file")
+    decompress.add_argument("archive", help="an fp8ray archive directory")
+    decompress.add_argument("output", help="the .safetensors file to write")
+    decompress.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    engine_arguments(decompress)
+    decompress.set_defaults(handler=run_decompress)
+
+    verify = commands.add_parser("verify", help="check every part and frame; with --against, error metrics per key")
+    verify.add_argument("archive", help="an fp8ray archive directory")
+    verify.add_argument("--against", metavar="SOURCE", help="the source it was compressed from: compare every block with it")
+    engine_arguments(verify, gpus=False)
+    verify.set_defaults(handler=run_verify)
+
+    inspect = commands.add_parser("inspect", help="print an archive's manifest summary")
+    inspect.add_argument("archive", help="an fp8ray archive directory")
+    json_argument(inspect)
+    inspect.set_defaults(handler=run_inspect)
+
+
+def _finish(args, bar, report, summary: str) -> None:
+    if bar is not None:
+        bar.close()
+    print(json.dumps(report.as_dict(), indent=1) if args.json else summary)
+
+
+def run_compress(args) -> int:
+    from ..engine.archives import compress_archive
+    from ..io.blocks import list_blocks
+
+    options = codec_options(args)  # bad options fail before Ray starts
+    bar, update = progress(args, lambda: len(list_blocks(args.source)))
+    report = compress_archive(
+        args.source, args.destination, options=options,
+        workers=args.workers, gpus_per_worker=args.gpus_per_worker, address=args.address,
+        resume=args.resume, overwrite=args.overwrite, part_bytes=int(args.part_mb * 2**20), progress=update,
+    )
+    _finish(args, bar, report, (
+        f"compressed {report.blocks} blocks into {report.parts} parts ({report.parts_reused} reused): "
+        f"{report.raw_bytes / 2**20:.1f} MiB -> {report.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x), "
+        f"{report.input_gbps:.2f} GB/s of input on {report.workers} workers ({', '.join(report.devices) or 'no new parts'})"
+    ))
+    return 0
+
+
+def _manifest_blocks(uri: str) -> int:
+    from ..io.archive import read_manifest
+    from ..io.paths import resolve
+
+    return read_manifest(*resolve(uri))["blocks"]
+
+
+def run_decompress(args) -> int:
+    from ..engine.archives import decompress_archive
+
+    bar, update = progress(args, lambda: _manifest_blocks(args.archive))
+    report = decompress_archive(
+        args.archive, args.output, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+        address=args.address, overwrite=args.overwrite, progress=update,
+    )
+    _finish(args, bar, report, f"decompressed {report.blocks} blocks ({report.raw_bytes / 2**20:.1f} MiB) into {report.output}")
+    return 0
+
+
+def run_verify(args) -> int:
+    from ..engine.archives import verify_archive
+
+    bar, update = progress(args, lambda: _manifest_blocks(args.archive))
+    report = verify_archive(args.archive, against=args.against, workers=args.workers, address=args.address, progress=update)
+    summary = f"{report.blocks} blocks in {report.parts} parts: " + ("ok" if report.ok else f"{len(report.errors)} problem(s)")
+    if report.metrics:
+        worst = max(report.metrics.items(), key=lambda kv: kv[1]["rel_fro"])
+        summary += f"; worst relative error {worst[1]['rel_fro']:.3%} ({worst[0]!r})"
+    _finish(args, bar, report, summary)
+    if not report.ok:
+        for error in report.errors:
+            warn(error)
+        warn(f"error: archive {args.archive} failed verification ({len(report.errors)} problem(s))")
+        return 1
+    return 0
+
+
+def run_inspect(args) -> int:
+    from ..engine.archives import inspect_archive
+    from ..io.archive import manifest_codec
+
+    info = inspect_archive(args.archive)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(
+        f"{args.archive}: {info['blocks']} blocks in {len(info['parts'])} parts, {manifest_codec(info).label()}; "
+        f"{info['raw_bytes'] / 2**20:.1f} MiB -> {info['archive_bytes'] / 2**20:.1f} MiB ({info['ratio']:.2f}x); "
+        f"fp8ray {info['fp8ray_version']}"
+    )
+    return 0

@@ -1,0 +1,76 @@
+"""``fp8ray bench codec|pipeline|serve``: each figure beside a baseline from the same run."""
+
+from __future__ import annotations
+
+from .common import codec_arguments, codec_options, given_codec_options, positive_float, positive_int
+from .serve import service_arguments, service_args
+
+
+def add_commands(commands) -> None:
+    from ..codec.formats import DTYPES_BY_NAME, SCALINGS
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+
+    codec = kinds.add_parser("codec", help="codec throughput vs the torch reference and a memory copy")
+    codec_arguments(codec, ("fp8", "block_size", "scale_dtype", "scale_choice"))
+    codec.add_argument(
+        "--scaling", choices=list(SCALINGS), action="append",
+        help="repeatable (default: every scaling); the other codec options apply to each",
+    )
+    codec.add_argument("--dtype", choices=sorted(DTYPES_BY_NAME), default="bfloat16", help="input dtype (default bfloat16)")
+    codec.add_argument("--chunks", type=positive_int, default=4, help="sample chunks of [2, 30, 256, 192] (default 4)")
+    codec.add_argument("--repeat", type=positive_int, default=5, help="timed runs per figure; the median is shown (default 5)")
+    codec.set_defaults(handler=run_bench_codec)
+
+    pipeline = kinds.add_parser("pipeline", help="end-to-end compress on a local Ray vs the codec alone")
+    pipeline.add_argument("--chunks", type=positive_int, default=16, help="sample chunks of [2, 30, 256, 192] (default 16)")
+    pipeline.add_argument("--max-workers", type=positive_int, default=2, help="measure 1 to N workers (default 2)")
+    codec_arguments(pipeline)
+    pipeline.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is shown (default 3)")
+    pipeline.set_defaults(handler=run_bench_pipeline)
+
+    serve = kinds.add_parser("serve", help="HTTP service throughput and latency vs direct QuantWorker calls")
+    serve.add_argument("--sizes", default="64K,1M,16M", help="block sizes, comma-separated, K/M suffixes (default 64K,1M,16M)")
+    serve.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight (default 8)")
+    serve.add_argument("--mib-per-size", type=positive_float, default=256.0, help="MiB sent per block size (default 256)")
+    service_arguments(serve)
+    serve.set_defaults(handler=run_bench_serve)
+
+
+def run_bench_codec(args) -> int:
+    import torch
+
+    from ..bench.codec import bench_codec, describe_machine, format_table
+    from ..codec import CodecOptions
+    from ..codec.formats import SCALINGS
+    from ..errors import InvalidOptionError
+
+    given = given_codec_options(args)
+    modes = []
+    for scaling in args.scaling or SCALINGS:
+        try:
+            modes.append(CodecOptions.parse({**given, "scaling": scaling}))
+        except InvalidOptionError:
+            if args.scaling:  # asked for: say why it cannot be measured
+                raise
+            # else a scaling the given options do not apply to (mse needs token or block)
+    rows = bench_codec(modes, getattr(torch, args.dtype), args.chunks, args.repeat)
+    title = f"fp8ray bench codec: {args.dtype} input, {args.chunks} x [2, 30, 256, 192]\n{describe_machine()}"
+    print(format_table(rows, title))
+    return 0
+
+
+def run_bench_pipeline(args) -> int:
+    from ..bench.pipeline import bench_pipeline
+
+    print(bench_pipeline(args.chunks, args.max_workers, codec_options(args), args.repeat))
+    return 0
+
+
+def run_bench_serve(args) -> int:
+    from ..bench.serve import bench_serve, parse_size
+
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    print(bench_serve(sizes, args.concurrency, int(args.mib_per_size * 2**20), service_args(args)))
+    return 0

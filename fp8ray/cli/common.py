@@ -1,0 +1,109 @@
+"""What every command shares: argument types, the codec and engine options, the
+progress bar, and printing."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..codec.options import CHOICES, DEFAULT_OPTIONS, CodecOptions
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+_CODEC_HELP = {
+    "fp8": "fp8 format",
+    "scaling": "one scale per tensor, channel (last dim index), token (last dim row) or block",
+    "block_size": "elements per scale under block scaling",
+    "scale_dtype": "how each scale is stored",
+    "scale_choice": "amax, or mse: the least-squared-error scale of 8 (token and block scaling)",
+    "nonfinite": "error refuses NaN/inf input; keep stores it",
+}
+
+
+def codec_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] = CodecOptions.names()) -> None:
+    """``--fp8``, ``--scaling``, ... for the codec options ``names``. Each left out keeps
+    the default mode's value; each given overrides only itself."""
+    group = parser.add_argument_group(
+        "codec options", f"default mode: {DEFAULT_OPTIONS.label()}; an option given overrides only itself"
+    )
+    for name in names:
+        flag = "--" + name.replace("_", "-")
+        default = getattr(DEFAULT_OPTIONS, name)
+        if name == "scale_choice":
+            shown = "mse for token and block scaling, else amax"
+        else:
+            shown = str(default)
+        if name == "block_size":
+            group.add_argument(flag, type=positive_int, metavar="N", help=f"{_CODEC_HELP[name]} (default {shown})")
+        else:
+            group.add_argument(flag, choices=CHOICES[name], help=f"{_CODEC_HELP[name]} (default {shown})")
+
+
+def given_codec_options(args: argparse.Namespace) -> dict:
+    """The codec options given on the command line, by name."""
+    return {name: getattr(args, name) for name in CodecOptions.names() if getattr(args, name, None) is not None}
+
+
+def codec_options(args: argparse.Namespace) -> CodecOptions:
+    """The codec options the command line gave, over the default mode."""
+    return CodecOptions.parse(given_codec_options(args))
+
+
+def engine_arguments(parser: argparse.ArgumentParser, gpus: bool = True) -> None:
+    group = parser.add_argument_group("engine options")
+    group.add_argument("--workers", type=positive_int, default=2, help="QuantWorker actors (default 2)")
+    if gpus:
+        group.add_argument(
+            "--gpus-per-worker", type=non_negative_float, default=0.0, help="GPUs per worker; fractions share one (default 0)"
+        )
+    group.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
+    json_argument(group)
+
+
+def json_argument(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (no progress bar)")
+
+
+def progress(args, total):
+    """``(bar, update)``: a tqdm bar on stderr for interactive runs, ``(None, None)``
+    under --json or without a TTY. ``total`` is a callable, so the blocks are counted
+    only when a bar is shown."""
+    if getattr(args, "json", False) or not sys.stderr.isatty():
+        return None, None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total(), unit="block", file=sys.stderr)
+    return bar, bar.update
+
+
+def warn(message: str) -> None:
+    print(f"fp8ray: {message}", file=sys.stderr)

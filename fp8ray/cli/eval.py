@@ -1,0 +1,106 @@
+"""``fp8ray capture``, ``fidelity`` and ``eval-model``: real KV caches and what fp8 does to them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .common import json_argument, positive_int, warn
+
+SHIPPED_TEXT = "fp8ray/eval/texts/lighthouse.txt"
+
+
+def add_commands(commands) -> None:
+    from ..codec.formats import DTYPES_BY_NAME
+    from ..eval.fidelity import DEFAULT_KEY_PATTERN
+
+    capture = commands.add_parser("capture", help="run a causal LM over a text and save its KV cache as safetensors blocks")
+    capture.add_argument("--out", required=True, help="the .safetensors file to write")
+    capture.add_argument("--text", required=True, help="a UTF-8 text file")
+    capture.add_argument("--tokens", type=positive_int, help="capture the text's first N tokens (default: all)")
+    capture.add_argument("--model", help="a .gguf file or Hugging Face model directory (default: the shipped SmolLM2-135M-Instruct)")
+    capture.add_argument("--dtype", choices=sorted(DTYPES_BY_NAME), default="bfloat16", help="dtype of the saved blocks (default bfloat16)")
+    capture.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    json_argument(capture)
+    capture.set_defaults(handler=run_capture)
+
+    fidelity = commands.add_parser("fidelity", help="error per key, per layer and K/V of an archive against its original")
+    fidelity.add_argument("original", help="safetensors file or directory (or raw-block Parquet)")
+    fidelity.add_argument("archive", help="fp8ray archive directory")
+    fidelity.add_argument(
+        "--key-pattern",
+        default=DEFAULT_KEY_PATTERN,
+        help="regex with named groups layer and kv (k|v|key|value) for per-key tensors; searched, case-insensitive",
+    )
+    json_argument(fidelity)
+    fidelity.add_argument("--plot", metavar="PNG", help="write relative error per layer for K and V to this PNG")
+    fidelity.set_defaults(handler=run_fidelity)
+
+    evaluate = commands.add_parser("eval-model", help="the model's output change (KL, top-1, perplexity) per fp8 mode of its KV cache")
+    evaluate.add_argument("--text", help=f"a UTF-8 text file (default: the shipped {SHIPPED_TEXT})")
+    evaluate.add_argument("--prefix", type=positive_int, default=256, help="tokens whose cache is round-tripped (default 256)")
+    evaluate.add_argument("--continuation", type=positive_int, default=128, help="tokens fed after it, teacher-forced (default 128)")
+    evaluate.add_argument(
+        "--modes", action="append", metavar="MODES",
+        help="comma-separated FP8:SCALING[:key=value...] (the default mode's other options apply) or bfloat16/float16; "
+        "repeatable (default: bfloat16 and every format x scaling); the reference row is always first",
+    )
+    evaluate.add_argument("--model", help="a .gguf file or Hugging Face model directory (default: the shipped SmolLM2-135M-Instruct)")
+    output = evaluate.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print the rows as JSON")
+    output.add_argument("--markdown", action="store_true", help="print a Markdown table (default: an aligned text table)")
+    evaluate.add_argument("--plot", metavar="PNG", help="also save a bar chart of KL per mode")
+    evaluate.set_defaults(handler=run_eval_model)
+
+
+def run_capture(args) -> int:
+    from ..eval.capture import capture
+
+    report = capture(args.out, args.text, args.tokens, args.model, args.dtype, args.overwrite)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        print(
+            f"captured {report.tokens} tokens of {report.model}: {2 * report.layers} blocks of "
+            f"[{report.kv_heads}, {report.tokens}, {report.head_dim}] {report.dtype} "
+            f"({report.bytes / 2**20:.2f} MiB) in {report.path}"
+        )
+    return 0
+
+
+def run_fidelity(args) -> int:
+    from ..eval.fidelity import fidelity_report, format_report, plot_layers
+
+    report = fidelity_report(args.original, args.archive, key_pattern=args.key_pattern)
+    if args.plot:
+        plot_layers(report, args.plot)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1, allow_nan=False))
+    else:
+        print(format_report(report))
+        if args.plot:
+            warn(f"plot written to {args.plot}")
+    return 0
+
+
+def run_eval_model(args) -> int:
+    from ..eval.eval_model import DEFAULT_MODES, DEFAULT_TEXT, evaluate_text, format_markdown, format_text, plot
+
+    text = args.text or str(DEFAULT_TEXT)
+    modes = [m for group in args.modes for m in group.split(",") if m.strip()] if args.modes else list(DEFAULT_MODES)
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise ValueError(f"--plot: directory {Path(args.plot).parent} does not exist")
+    loaded, results = evaluate_text(text, args.prefix, args.continuation, modes, args.model)
+    title = (
+        f"fp8ray eval-model: {loaded.name} ({str(loaded.dtype).removeprefix('torch.')}), {Path(text).name}, "
+        f"prefix {args.prefix} + continuation {args.continuation} tokens"
+    )
+    if args.plot:
+        plot(results, args.plot, title)
+    if args.json:
+        print(json.dumps({"model": loaded.name, "text": text, "prefix": args.prefix,
+                          "continuation": args.continuation, "results": [r.as_dict() for r in results]}, indent=1))
+    else:
+        print(title + "\n")
+        print(format_markdown(results) if args.markdown else format_text(results))
+    return 0

@@ -1,0 +1,68 @@
+"""``fp8ray serve``: run the online service until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+from .common import non_negative_float, positive_float, positive_int
+
+APP_NAME = "fp8ray"
+
+
+def add_commands(commands) -> None:
+    serve = commands.add_parser("serve", help="run the HTTP encode/decode service on Ray Serve until SIGINT/SIGTERM")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=positive_int, default=8000, help="port to listen on (default 8000)")
+    service_arguments(serve)
+    serve.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
+    serve.set_defaults(handler=run_serve)
+
+
+def service_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=positive_int, default=2, help="QuantWorker actors (default 2)")
+    parser.add_argument("--gpus-per-worker", type=non_negative_float, default=0.0, help="GPUs per worker; fractions share one (default 0)")
+    parser.add_argument("--cpus-per-worker", type=positive_float, default=1.0, help="CPUs (and codec threads) per worker (default 1)")
+    parser.add_argument("--replicas", type=positive_int, default=1, help="Fp8Service replicas (default 1)")
+    parser.add_argument("--max-body-mb", type=positive_float, default=256.0, help="larger request bodies get 413 (default 256)")
+
+
+def service_args(args) -> dict:
+    return {
+        "workers": args.workers, "gpus_per_worker": args.gpus_per_worker, "cpus_per_worker": args.cpus_per_worker,
+        "replicas": args.replicas, "max_body_mb": args.max_body_mb,
+    }
+
+
+def run_serve(args) -> int:
+    from ray import serve
+
+    from ..engine.runtime import connect_ray, disconnect_ray
+    from ..serve import ServiceOptions, build_app
+
+    options = service_args(args)
+    ServiceOptions.from_args(options)  # bad options fail before Ray starts
+    owns_ray = connect_ray(args.address, None)
+    deployed = False
+    try:
+        if APP_NAME in serve.status().applications:
+            raise ValueError(f"a Serve application named {APP_NAME!r} already runs on this cluster; not replacing it")
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(options), name=APP_NAME, route_prefix="/")
+        deployed = True
+        # After Ray's start, which installs its own SIGTERM handler (that ends the process).
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        where = f"http://{args.host}:{args.port}" if owns_ray else "the cluster's Serve HTTP address (its first start set it)"
+        print(f"fp8ray serve: listening on {where} with {args.workers} QuantWorkers; SIGINT or SIGTERM stops it", flush=True)
+        stop.wait()
+        print("fp8ray serve: shutting down", flush=True)
+    finally:
+        if owns_ray:
+            serve.shutdown()
+            disconnect_ray()
+        elif deployed:  # a shared cluster: remove only what this run deployed
+            serve.delete(APP_NAME)
+    return 0

@@ -1,0 +1,161 @@
+"""The fp8 formats, scaling modes, source dtypes and scale options fp8ray knows, their
+names and wire codes (the one table of each).
+
+The scale convention, in one place for the whole project::
+
+    scale   = amax / finfo(fp8).max      (fp32; amax over the finite values of a group)
+    stored  = fp8(clamp(x / scale, -finfo.max, +finfo.max))   (round to nearest even)
+    decoded = fp32(stored) * scale, then rounded to the original dtype
+
+A group whose amax is 0 (all zeros, or empty) gets scale 1, so zeros decode to exact
+zeros. A scale below the smallest normal fp32 (2**-126) is raised to it, so the scale
+itself is exact and ``x / scale`` cannot overflow. Scaling ``none`` is scale 1 with no
+scale stored.
+
+Two options refine the scale, both applied in fp32 after the rules above:
+
+- ``scale_dtype="bfloat16"`` stores each scale in 2 bytes: the fp32 scale is truncated
+  (rounded toward zero) to bfloat16, so ``amax / scale`` may exceed finfo.max by less
+  than 2**-7 relative and is clamped, and no decoded value ever exceeds the group's amax
+  (rounding up could: 65504 in float16 would decode to inf). Encoding divides by the
+  stored scale, so decoding is exact to the encoder's intent.
+- ``scale_choice="mse"`` (token and block scaling) tries the scales ``amax / c`` for every
+  finite fp8 value ``c`` in (finfo.max / 2, finfo.max] (largest first; each maps the amax
+  onto a grid point, and together they cover one binade of alignments) and keeps the first
+  with the least squared error ``sum_i (fp32(fp8_i * scale) - x_i)**2``, summed in fp64
+  left to right over the group's finite elements. ``"amax"`` (the default) is
+  ``c = finfo.max`` alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SMALLEST_NORMAL_SCALE = 2.0**-126
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """One fp8 format: its name, torch dtype, wire code and the constants the kernels need."""
+
+    name: str
+    code: int
+    dtype: torch.dtype
+    mantissa_bits: int
+    exponent_bias: int
+    max: float  # finfo.max, the clamp bound
+    unit_roundoff: float  # u = 2**-(mantissa_bits + 1)
+    min_subnormal_exp: int  # smallest subnormal is 2**min_subnormal_exp
+    nan_code: int  # canonical NaN written for NaN input under nonfinite="keep"
+    posinf_code: int  # code written for +inf under nonfinite="keep"
+    neginf_code: int  # code written for -inf under nonfinite="keep"
+
+
+E4M3FN = Fp8Format(
+    name="e4m3fn",
+    code=1,
+    dtype=torch.float8_e4m3fn,
+    mantissa_bits=3,
+    exponent_bias=7,
+    max=448.0,
+    unit_roundoff=2.0**-4,
+    min_subnormal_exp=-9,
+    nan_code=0x7F,
+    # e4m3fn has no infinities: under nonfinite="keep", +-inf is stored as NaN.
+    posinf_code=0x7F,
+    neginf_code=0x7F,
+)
+E5M2 = Fp8Format(
+    name="e5m2",
+    code=2,
+    dtype=torch.float8_e5m2,
+    mantissa_bits=2,
+    exponent_bias=15,
+    max=57344.0,
+    unit_roundoff=2.0**-3,
+    min_subnormal_exp=-16,
+    nan_code=0x7F,
+    posinf_code=0x7C,
+    neginf_code=0xFC,
+)
+
+FORMATS = {f.name: f for f in (E4M3FN, E5M2)}
+FORMATS_BY_CODE = {f.code: f for f in FORMATS.values()}
+FORMATS_BY_DTYPE = {f.dtype: f for f in FORMATS.values()}
+
+# Scaling modes and their wire codes.
+SCALINGS = {"none": 0, "tensor": 1, "channel": 2, "token": 3, "block": 4}
+SCALINGS_BY_CODE = {v: k for k, v in SCALINGS.items()}
+
+# Source dtypes and their wire codes.
+DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+DTYPES_BY_CODE = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+NONFINITE_POLICIES = ("error", "keep")
+
+# Scale dtypes: wire code, bytes per scale, and the mask that truncates an fp32 scale's bits to it.
+SCALE_DTYPES = {"float32": 0, "bfloat16": 1}
+SCALE_DTYPES_BY_CODE = {v: k for k, v in SCALE_DTYPES.items()}
+SCALE_BYTES = {"float32": 4, "bfloat16": 2}
+SCALE_MASKS = {"float32": 0xFFFFFFFF, "bfloat16": 0xFFFF0000}
+
+# How the encoder picks a group's scale (see the module docstring); not recorded in the
+# frame, which needs only the scales themselves to decode.
+SCALE_CHOICES = ("amax", "mse")
+SEARCHED_SCALINGS = ("token", "block")
+
+
+def scale_candidates(fmt: Fp8Format, scale_choice: str) -> tuple[float, ...]:
+    """The divisors ``c`` of ``scale = amax / c`` the encoder tries, in the order tried.
+
+    ``amax``: finfo.max alone. ``mse``: every finite fp8 value in (max/2, max], largest
+    first (e4m3fn: 448, 416, ..., 256, 240; e5m2: 57344, 49152, 40960, 32768).
+    """
+    if scale_choice == "amax":
+        return (fmt.max,)
+    if scale_choice == "mse":
+        values = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+        top = values[torch.isfinite(values) & (values > fmt.max / 2) & (values <= fmt.max)]
+        return tuple(sorted((float(v) for v in top), reverse=True))
+    raise ValueError(f"unknown scale_choice {scale_choice!r}; expected one of {list(SCALE_CHOICES)}")
+
+
+def get_format(fp8: str | torch.dtype | Fp8Format) -> Fp8Format:
+    """Look up a format by name (``"e4m3fn"``, ``"float8_e4m3fn"``), torch dtype or itself."""
+    if isinstance(fp8, Fp8Format):
+        return fp8
+    if isinstance(fp8, torch.dtype):
+        if fp8 in FORMATS_BY_DTYPE:
+            return FORMATS_BY_DTYPE[fp8]
+        raise ValueError(f"unsupported fp8 dtype {fp8}; expected one of {sorted(str(f.dtype) for f in FORMATS.values())}")
+    if isinstance(fp8, str):
+        name = fp8.removeprefix("torch.").removeprefix("float8_")
+        if name in FORMATS:
+            return FORMATS[name]
+    raise ValueError(f"unknown fp8 format {fp8!r}; expected one of {sorted(FORMATS)}")
+
+
+def num_scales(scaling: str, shape: tuple[int, ...], block_size: int) -> int:
+    """How many fp32 scales a tensor of ``shape`` carries under ``scaling``.
+
+    ``channel`` has one per index of the last dimension, ``token`` one per row of the
+    last dimension (a 0-d tensor counts as one row of one element), ``block`` one per
+    ``block_size`` contiguous elements (the last block may be short).
+    """
+    numel = math.prod(shape)
+    if scaling == "none":
+        return 0
+    if scaling == "tensor":
+        return 1
+    if scaling == "channel":
+        return shape[-1] if shape else 1
+    if scaling == "token":
+        return math.prod(shape[:-1]) if shape else 1
+    if scaling == "block":
+        return -(-numel // block_size)
+    raise ValueError(f"unknown scaling {scaling!r}; expected one of {sorted(SCALINGS)}")

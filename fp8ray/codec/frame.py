@@ -1,0 +1,228 @@
+"""The frame: fp8ray's self-describing, checksummed byte layout for one encoded tensor.
+
+Specified byte by byte in docs/FORMAT.md; in short (all integers little-endian)::
+
+    0   4        magic b"FP8R"
+    4   1        version (1)
+    5   1        fp8 format code        (1 e4m3fn, 2 e5m2)
+    6   1        scaling code           (0 none, 1 tensor, 2 channel, 3 token, 4 block)
+    7   1        original dtype code    (1 float32, 2 float16, 3 bfloat16)
+    8   1        ndim (0..64)
+    9   1        scale dtype code       (0 float32, 1 bfloat16; 0 under scaling none)
+    10  2        reserved, zero
+    12  4        block_size (uint32; 0 unless scaling is block)
+    16  8*ndim   shape (uint64 each)
+    H   B*S      scales (B = 4 bytes float32 or 2 bytes bfloat16 each; S follows from
+                 scaling and shape)
+    H+BS N       fp8 codes, row-major (N = product of shape)
+    end-4 4      CRC-32C of every byte before it
+
+Byte 9 was reserved (zero) before scale dtypes existed, so every older frame reads as
+float32 scales, unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import crc32c
+import numpy as np
+import torch
+
+from ..errors import CorruptFrameError
+from .formats import (
+    DTYPES,
+    DTYPES_BY_CODE,
+    FORMATS_BY_CODE,
+    SCALINGS,
+    SCALINGS_BY_CODE,
+    SCALE_BYTES,
+    SCALE_DTYPES,
+    SCALE_DTYPES_BY_CODE,
+    Fp8Format,
+    num_scales,
+)
+
+MAGIC = b"FP8R"
+VERSION = 1
+# The limits of what a frame can hold, for the encoder and the decoder alike: the rank
+# fits in one byte but is capped at 64 (torch's own limit is 64 too); each dimension is a
+# uint64, and the element count must index a numpy array (int64).
+MAX_NDIM = 64
+MAX_DIM = 2**64 - 1
+MAX_NUMEL = 2**63 - 1
+FIXED_HEADER = struct.Struct("<4sBBBBBB2sI")  # magic .. block_size: 16 bytes
+CHECKSUM_BYTES = 4
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """The parsed header of a frame, and where its parts lie."""
+
+    fmt: Fp8Format
+    scaling: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    block_size: int
+    scale_dtype: str = "float32"  # as stored: always "float32" under scaling none
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def num_scales(self) -> int:
+        return num_scales(self.scaling, self.shape, self.block_size)
+
+    @property
+    def scales_offset(self) -> int:
+        return FIXED_HEADER.size + 8 * len(self.shape)
+
+    @property
+    def codes_offset(self) -> int:
+        return self.scales_offset + SCALE_BYTES[self.scale_dtype] * self.num_scales
+
+    @property
+    def frame_size(self) -> int:
+        return self.codes_offset + self.numel + CHECKSUM_BYTES
+
+
+def frame_size(
+    fmt: Fp8Format, scaling: str, dtype: torch.dtype, shape: tuple[int, ...], block_size: int, scale_dtype: str = "float32"
+) -> int:
+    """Exact size in bytes of the frame of a tensor with this shape and these options."""
+    return FrameHeader(fmt, scaling, dtype, tuple(shape), block_size, stored_scale_dtype(scaling, scale_dtype)).frame_size
+
+
+def stored_scale_dtype(scaling: str, scale_dtype: str) -> str:
+    """The scale dtype a frame records: float32 (code 0) when there are no scales."""
+    return "float32" if scaling == "none" else scale_dtype
+
+
+def check_shape(shape: tuple[int, ...]) -> None:
+    """Refuse, with a ``ValueError`` naming the limit, a shape no frame can hold."""
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"a tensor of {len(shape)} dimensions exceeds the frame's limit of {MAX_NDIM}")
+    for i, d in enumerate(shape):
+        if not 0 <= d <= MAX_DIM:
+            raise ValueError(f"dimension {i} of shape {list(shape)} is {d}; a frame holds 0 to {MAX_DIM}")
+    if math.prod(shape) > MAX_NUMEL:
+        raise ValueError(f"shape {list(shape)} has {math.prod(shape)} elements, more than the frame's limit of {MAX_NUMEL}")
+
+
+def write_header(buf: np.ndarray, header: FrameHeader) -> None:
+    """Write the fixed header and shape into the start of ``buf`` (uint8)."""
+    block_size = header.block_size if header.scaling == "block" else 0
+    fixed = FIXED_HEADER.pack(
+        MAGIC,
+        VERSION,
+        header.fmt.code,
+        SCALINGS[header.scaling],
+        DTYPES[header.dtype],
+        len(header.shape),
+        SCALE_DTYPES[header.scale_dtype],
+        b"\0\0",
+        block_size,
+    )
+    shape = struct.pack(f"<{len(header.shape)}Q", *header.shape)
+    buf[: header.scales_offset] = np.frombuffer(fixed + shape, dtype=np.uint8)
+
+
+def seal(buf: np.ndarray) -> None:
+    """Write the CRC-32C of everything before the last 4 bytes into them."""
+    body = buf[:-CHECKSUM_BYTES]
+    buf[-CHECKSUM_BYTES:] = np.frombuffer(struct.pack("<I", crc32c.crc32c(body)), dtype=np.uint8)
+
+
+def as_byte_array(frame) -> np.ndarray:
+    """A flat uint8 numpy view of any bytes-like frame (bytes, bytearray, memoryview,
+    numpy uint8 array, CPU uint8 torch tensor), without copying."""
+    if isinstance(frame, torch.Tensor):
+        if frame.dtype != torch.uint8 or frame.device.type != "cpu":
+            raise TypeError(f"a frame tensor must be a CPU uint8 tensor, got {frame.dtype} on {frame.device}")
+        return frame.contiguous().reshape(-1).numpy()
+    if isinstance(frame, np.ndarray):
+        if frame.dtype != np.uint8:
+            raise TypeError(f"a frame array must have dtype uint8, got {frame.dtype}")
+        return np.ascontiguousarray(frame).reshape(-1)
+    try:
+        view = memoryview(frame)
+    except TypeError:
+        raise TypeError(f"a frame must be bytes-like, got {type(frame).__name__}") from None
+    return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=np.uint8)
+
+
+def parse(buf: np.ndarray) -> FrameHeader:
+    """Validate a whole frame (structure, lengths, checksum) and return its header.
+
+    Raises :class:`CorruptFrameError` naming the field and the numbers on any problem.
+    Nothing is allocated from header values before they are checked against the
+    frame's real length.
+    """
+    size = buf.size
+    minimum = FIXED_HEADER.size + CHECKSUM_BYTES
+    if size < minimum:
+        raise CorruptFrameError(f"frame truncated: {size} bytes, a frame has at least {minimum}")
+    magic, version, fmt_code, scaling_code, dtype_code, ndim, scale_dtype_code, reserved, block_size = FIXED_HEADER.unpack(
+        buf[: FIXED_HEADER.size].tobytes()
+    )
+    if magic != MAGIC:
+        raise CorruptFrameError(f"bad magic {magic!r}, expected {MAGIC!r}: not an fp8ray frame")
+    if version != VERSION:
+        raise CorruptFrameError(f"unsupported frame version {version}; this fp8ray reads version {VERSION}")
+    if fmt_code not in FORMATS_BY_CODE:
+        raise CorruptFrameError(f"unknown fp8 format code {fmt_code} in frame header")
+    if scaling_code not in SCALINGS_BY_CODE:
+        raise CorruptFrameError(f"unknown scaling code {scaling_code} in frame header")
+    if dtype_code not in DTYPES_BY_CODE:
+        raise CorruptFrameError(f"unknown dtype code {dtype_code} in frame header")
+    if ndim > MAX_NDIM:
+        raise CorruptFrameError(f"ndim {ndim} in frame header exceeds {MAX_NDIM}")
+    if scale_dtype_code not in SCALE_DTYPES_BY_CODE:
+        raise CorruptFrameError(f"unknown scale dtype code {scale_dtype_code} in frame header")
+    if reserved != b"\0\0":
+        raise CorruptFrameError(f"reserved header bytes are {reserved.hex()}, expected zero")
+    scaling = SCALINGS_BY_CODE[scaling_code]
+    if (scaling == "block") != (block_size > 0):
+        raise CorruptFrameError(f"block_size {block_size} is invalid for scaling {scaling!r}")
+    scale_dtype = SCALE_DTYPES_BY_CODE[scale_dtype_code]
+    if scaling == "none" and scale_dtype != "float32":
+        raise CorruptFrameError(f"scale dtype {scale_dtype!r} is invalid for scaling 'none', which stores no scales")
+    shape_end = FIXED_HEADER.size + 8 * ndim
+    if size < shape_end + CHECKSUM_BYTES:
+        raise CorruptFrameError(f"frame truncated: {size} bytes, its {ndim}-d shape needs {shape_end + CHECKSUM_BYTES}")
+    shape = struct.unpack(f"<{ndim}Q", buf[FIXED_HEADER.size : shape_end].tobytes())
+    header = FrameHeader(FORMATS_BY_CODE[fmt_code], scaling, DTYPES_BY_CODE[dtype_code], shape, block_size, scale_dtype)
+    expected = header.frame_size  # Python ints: a corrupt shape cannot overflow here
+    if expected != size:
+        kind = "truncated" if size < expected else "has trailing bytes"
+        raise CorruptFrameError(f"frame {kind}: {size} bytes, but its header (shape {list(shape)}) implies {expected}")
+    try:  # the encoder's limits; a frame whose size matches its shape is within them
+        check_shape(shape)
+    except ValueError as exc:
+        raise CorruptFrameError(f"frame header: {exc}") from None
+    stored = struct.unpack("<I", buf[-CHECKSUM_BYTES:].tobytes())[0]
+    actual = crc32c.crc32c(buf[:-CHECKSUM_BYTES])
+    if stored != actual:
+        raise CorruptFrameError(f"frame checksum mismatch: stored crc32c {stored:#010x}, computed {actual:#010x}")
+    return header
+
+
+def scales_of(buf: np.ndarray, header: FrameHeader) -> np.ndarray:
+    """The frame's scales as fp32, checked to be finite and positive: a view of float32
+    scales, a new array for bfloat16 ones (widened exactly: bf16 bits are fp32's top half)."""
+    raw = buf[header.scales_offset : header.codes_offset]
+    if header.scale_dtype == "bfloat16":
+        scales = (raw.copy().view("<u2").astype(np.uint32) << 16).view(np.float32)
+    else:
+        scales = raw.view(np.float32) if raw.ctypes.data % 4 == 0 else raw.copy().view(np.float32)
+    if scales.size and not (np.isfinite(scales).all() and (scales > 0).all()):
+        bad = int(np.flatnonzero(~(np.isfinite(scales) & (scales > 0)))[0])
+        raise CorruptFrameError(f"scale {bad} of the frame is {float(scales[bad])}, expected a finite positive number")
+    return scales
+
+
+def codes_of(buf: np.ndarray, header: FrameHeader) -> np.ndarray:
+    return buf[header.codes_offset : header.codes_offset + header.numel]

@@ -1,0 +1,359 @@
+"""Bit-level conversions, written as LLVM IR or numba scalars: bfloat16, float16 and fp8
+to and from fp32, the fp8 rounding, and each format's constants as compile-time values.
+
+Every kernel in this package is built from these; none has a per-element branch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+from ..formats import E4M3FN, E5M2, SMALLEST_NORMAL_SCALE, Fp8Format
+
+_INF_BITS = 0x7F800000
+_ABS_MASK = 0x7FFFFFFF
+_SIGN_BIT = 0x80000000
+
+
+@intrinsic
+def _bits_to_f32(typingctx, bits):
+    """The float32 whose bit pattern is the low 32 bits of an int64."""
+    if bits != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.FloatType())
+
+    return types.float32(types.int64), codegen
+
+
+@intrinsic
+def _f32_to_bits(typingctx, value):
+    """The bit pattern of a float32, zero-extended to int64."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.zext(builder.bitcast(args[0], ir.IntType(32)), ir.IntType(64))
+
+    return types.int64(types.float32), codegen
+
+
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+
+
+def _native_half_conversions() -> bool:
+    """Whether LLVM lowers fp32 <-> fp16 to one instruction here (x86 F16C, any aarch64).
+
+    Elsewhere it would call a compiler-rt helper the JIT may not have, so the bit-level
+    conversions below are used instead; both round to nearest even, so the bits agree.
+    """
+    triple = llvm_binding.get_process_triple()
+    if triple.startswith(("aarch64", "arm64")):
+        return True
+    features = os.environ.get("NUMBA_CPU_FEATURES") or llvm_binding.get_host_cpu_features().flatten()
+    return triple.startswith("x86_64") and "+f16c" in features.split(",")
+
+
+_NATIVE_HALF = _native_half_conversions()
+
+
+def _i32(value: int) -> ir.Constant:
+    return ir.Constant(_I32, value & 0xFFFFFFFF)
+
+
+@intrinsic
+def _bf16_bits_to_f32(typingctx, bits):
+    """bfloat16 bits (uint16) to float32: the bits are fp32's top half, so this is exact."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.shl(builder.zext(args[0], _I32), _i32(16)), _F32)
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f32_to_bf16(typingctx, value):
+    """float32 to bfloat16 bits, round to nearest even; NaN becomes 0x7FC0 (as c10 does).
+
+    Written in 32-bit LLVM IR: numba would widen the integer arithmetic to int64, which
+    halves the vector lanes and costs shuffles between float and integer lanes.
+    """
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        b = builder.bitcast(args[0], _I32)
+        odd = builder.and_(builder.lshr(b, _i32(16)), _i32(1))
+        rounded = builder.lshr(builder.add(builder.add(b, _i32(0x7FFF)), odd), _i32(16))
+        is_nan = builder.icmp_unsigned(">", builder.and_(b, _i32(_ABS_MASK)), _i32(_INF_BITS))
+        return builder.trunc(builder.select(is_nan, _i32(0x7FC0), rounded), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _fp8_code_bits(typingctx, q, v, p):
+    """The fp8 code of the clamped quotient ``q`` (round to nearest even, c10's algorithm),
+    replaced by the NaN/inf code when the input ``v`` is not finite. 32-bit LLVM IR, for
+    the reason given in :func:`_f32_to_bf16`."""
+    if q != types.float32 or v != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        q, v, params = args
+        fields = [builder.extract_value(params, k) for k in range(1, 8)]
+        shift, norm_add, min_normal, denorm_bits, nan_code, posinf_code, neginf_code = (
+            builder.trunc(f, _I32) for f in fields
+        )
+        b = builder.bitcast(q, _I32)
+        sign = builder.and_(b, _i32(_SIGN_BIT))
+        a = builder.xor(b, sign)
+        magic = builder.bitcast(denorm_bits, _F32)
+        subnormal = builder.sub(builder.bitcast(builder.fadd(builder.bitcast(a, _F32), magic), _I32), denorm_bits)
+        odd = builder.and_(builder.lshr(a, shift), _i32(1))
+        normal = builder.lshr(builder.add(builder.add(a, norm_add), odd), shift)
+        code = builder.select(builder.icmp_unsigned("<", a, min_normal), subnormal, normal)
+        code = builder.or_(code, builder.lshr(sign, _i32(24)))
+        vb = builder.bitcast(v, _I32)
+        key = builder.and_(vb, _i32(_ABS_MASK))
+        inf = builder.select(builder.icmp_signed("<", vb, _i32(0)), neginf_code, posinf_code)
+        special = builder.select(builder.icmp_unsigned(">", key, _i32(_INF_BITS)), nan_code, inf)
+        nonfinite = builder.icmp_unsigned(">=", key, _i32(_INF_BITS))
+        return builder.select(nonfinite, special, code)
+
+    return types.int32(q, v, p), codegen
+
+
+@intrinsic
+def _fp8_to_f32(typingctx, code, dp):
+    """fp32 value of an fp8 code: normals by rebiasing the bits, subnormals by an exact
+    int-to-float product (no fp32 denormals, which are slow), inf/NaN by their exponent."""
+    if code != types.uint8:
+        return None
+
+    def codegen(context, builder, signature, args):
+        code, params = args
+        shift, rebias, exponent_mask, special_mask, mantissa_mask = (
+            builder.trunc(builder.extract_value(params, k), _I32) for k in range(5)
+        )
+        subnormal_unit = builder.extract_value(params, 5)
+        c = builder.zext(code, _I32)
+        sign = builder.shl(builder.and_(c, _i32(0x80)), _i32(24))
+        mag = builder.and_(c, _i32(0x7F))
+        shifted = builder.shl(mag, shift)
+        normal = builder.bitcast(builder.or_(builder.add(shifted, rebias), sign), _F32)
+        special = builder.bitcast(builder.or_(builder.or_(shifted, _i32(_INF_BITS)), sign), _F32)
+        sub_bits = builder.bitcast(
+            builder.fmul(builder.uitofp(builder.and_(mag, mantissa_mask), _F32), subnormal_unit), _I32
+        )
+        sub = builder.bitcast(builder.or_(sub_bits, sign), _F32)
+        is_special = builder.icmp_unsigned("==", builder.and_(mag, special_mask), special_mask)
+        is_sub = builder.icmp_unsigned("==", builder.and_(mag, exponent_mask), _i32(0))
+        return builder.select(is_sub, sub, builder.select(is_special, special, normal))
+
+    return types.float32(code, dp), codegen
+
+
+@intrinsic
+def _f16_bits_to_f32(typingctx, bits):
+    """IEEE half (bits in an int16) to float32, exactly, without touching fp32 denormals:
+    normals by rebiasing the bits, subnormals by an exact int-to-float product."""
+    if bits != types.int16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        if _NATIVE_HALF:
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+        h = builder.zext(args[0], _I32)
+        sign = builder.shl(builder.and_(h, _i32(0x8000)), _i32(16))
+        exp_mant = builder.and_(h, _i32(0x7FFF))
+        exponent = builder.and_(h, _i32(0x7C00))
+        shifted = builder.shl(exp_mant, _i32(13))
+        normal = builder.or_(builder.add(shifted, _i32(112 << 23)), sign)
+        special = builder.or_(builder.or_(shifted, _i32(_INF_BITS)), sign)
+        sub = builder.fmul(builder.uitofp(exp_mant, _F32), ir.Constant(_F32, 2.0**-24))
+        sub = builder.or_(builder.bitcast(sub, _I32), sign)
+        is_special = builder.icmp_unsigned("==", exponent, _i32(0x7C00))
+        is_sub = builder.icmp_unsigned("==", exponent, _i32(0))
+        result = builder.select(is_sub, sub, builder.select(is_special, special, normal))
+        return builder.bitcast(result, _F32)
+
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _f32_to_f16(typingctx, value):
+    """float32 to IEEE half bits, round to nearest even (after Maratyszcza's FP16
+    library: the rounding is done by two fp32 products and one fp32 sum)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        f = args[0]
+        if _NATIVE_HALF:
+            return builder.bitcast(builder.fptrunc(f, ir.HalfType()), ir.IntType(16))
+        w = builder.bitcast(f, _I32)
+        magnitude = builder.bitcast(builder.and_(w, _i32(_ABS_MASK)), _F32)
+        base = builder.fmul(builder.fmul(magnitude, ir.Constant(_F32, 2.0**112)), ir.Constant(_F32, 2.0**-110))
+        shl1_w = builder.add(w, w)
+        sign = builder.and_(w, _i32(_SIGN_BIT))
+        bias = builder.and_(shl1_w, _i32(0xFF000000))
+        bias = builder.select(builder.icmp_unsigned("<", bias, _i32(0x71000000)), _i32(0x71000000), bias)
+        offset = builder.bitcast(builder.add(builder.lshr(bias, _i32(1)), _i32(0x07800000)), _F32)
+        bits = builder.bitcast(builder.fadd(offset, base), _I32)
+        nonsign = builder.add(builder.and_(builder.lshr(bits, _i32(13)), _i32(0x7C00)), builder.and_(bits, _i32(0x0FFF)))
+        nan = builder.icmp_unsigned(">", shl1_w, _i32(0xFF000000))
+        result = builder.or_(builder.lshr(sign, _i32(16)), builder.select(nan, _i32(0x7E00), nonsign))
+        return builder.trunc(result, ir.IntType(16))
+
+    return types.int16(types.float32), codegen
+
+
+def _load(x, i):
+    """Element ``i`` of a source array as float32 (typed by :func:`_load_impl`)."""
+
+
+@overload(_load)
+def _load_impl(x, i):
+    if x.dtype == types.float32:
+        return lambda x, i: x[i]
+    if x.dtype == types.uint16:  # bfloat16 bits
+        return lambda x, i: _bf16_bits_to_f32(x[i])
+    if x.dtype == types.int16:  # float16 bits
+        return lambda x, i: _f16_bits_to_f32(x[i])
+    return None
+
+
+def _store(out, i, v):
+    """Write the float32 ``v`` into element ``i`` of an output array, rounding to its dtype."""
+
+
+@overload(_store)
+def _store_impl(out, i, v):
+    if out.dtype == types.float32:
+
+        def store_f32(out, i, v):
+            out[i] = v
+
+        return store_f32
+    if out.dtype == types.uint16:
+
+        def store_bf16(out, i, v):
+            out[i] = _f32_to_bf16(v)
+
+        return store_bf16
+    if out.dtype == types.int16:
+
+        def store_f16(out, i, v):
+            out[i] = _f32_to_f16(v)
+
+        return store_f16
+    return None
+
+
+def format_params(fmt: Fp8Format) -> tuple:
+    """The constants of the fp32 -> fp8 rounding (c10's algorithm, generalised over formats)."""
+    shift = 23 - fmt.mantissa_bits
+    return (
+        np.float32(fmt.max),
+        shift,
+        ((fmt.exponent_bias - 127) << 23) + (1 << (shift - 1)) - 1,  # rebias + round-half-down
+        (127 - fmt.exponent_bias + 1) << 23,  # bits of the smallest normal
+        (127 - fmt.exponent_bias + shift + 1) << 23,  # magic that rounds subnormals in fp add
+        fmt.nan_code,
+        fmt.posinf_code,
+        fmt.neginf_code,
+        # The largest code a finite input can get: +-max after the clamp. Every code above
+        # it (sign aside) is a NaN/inf code, which only non-finite inputs get.
+        int(torch.tensor(fmt.max).to(fmt.dtype).view(torch.uint8)),
+    )
+
+
+@njit(cache=True, error_model="numpy")
+def _fp8_code(v, scale, p):
+    """The fp8 code of ``v / scale`` clamped to +-max; the NaN/inf code if ``v`` is not finite.
+
+    Rounding is round-to-nearest-even, the same bits as torch's cast.
+    """
+    fmax = p[0]
+    q = v / scale
+    q = fmax if q > fmax else q
+    q = -fmax if q < -fmax else q
+    return np.uint8(_fp8_code_bits(q, v, p))
+
+
+
+
+@njit(cache=True, error_model="numpy")
+def _finite_key(v):
+    """|v|'s bits as an int, 0 for non-finite: ordered like |v|, so max() is exact."""
+    key = _f32_to_bits(v) & _ABS_MASK
+    return key if key < _INF_BITS else 0
+
+
+@njit(cache=True, error_model="numpy")
+def scale_from_amax(amax, divisor, mask):
+    """``amax / divisor`` in fp32, at least 2**-126, and 1 for amax 0, then truncated to
+    the scale dtype by keeping the bits in ``mask`` (see fp8ray.formats)."""
+    scale = amax / divisor
+    scale = np.float32(SMALLEST_NORMAL_SCALE) if scale < np.float32(SMALLEST_NORMAL_SCALE) else scale
+    scale = np.float32(1.0) if amax == 0 else scale
+    return _bits_to_f32(_f32_to_bits(scale) & mask)
+
+
+def decode_params(fmt: Fp8Format) -> tuple:
+    """The constants of the exact fp8 -> fp32 conversion done on the bits."""
+    shift = 23 - fmt.mantissa_bits
+    exponent_mask = (0x7F >> fmt.mantissa_bits) << fmt.mantissa_bits
+    # e4m3fn spends only the all-ones code on NaN; e5m2 the whole top exponent on inf/NaN.
+    special_mask = 0x7F if fmt.posinf_code == fmt.nan_code else exponent_mask
+    return (
+        shift,
+        (127 - fmt.exponent_bias) << 23,
+        exponent_mask,
+        special_mask,
+        (1 << fmt.mantissa_bits) - 1,
+        np.float32(2.0 ** (1 - fmt.exponent_bias - fmt.mantissa_bits)),
+    )
+
+
+# A format reaches the kernels as a *tag*: an empty array whose dtype names the format.
+# Numba compiles (and caches) one specialisation per argument type, so each format gets
+# its own machine code with its constants folded in as immediates; passed as runtime
+# values they cost register spills and variable shifts (encode runs ~1.6x slower).
+FORMAT_TAGS = {"e4m3fn": np.empty(0, np.uint8), "e5m2": np.empty(0, np.int8)}
+
+
+def _format_of_tag(tag) -> Fp8Format:
+    return {types.uint8: E4M3FN, types.int8: E5M2}[tag.dtype]
+
+
+def _encode_params(tag):
+    """The :func:`format_params` of the format ``tag`` names, as compile-time constants."""
+
+
+@overload(_encode_params)
+def _encode_params_impl(tag):
+    params = format_params(_format_of_tag(tag))
+    return lambda tag: params
+
+
+def _decode_params(tag):
+    """The :func:`decode_params` of the format ``tag`` names, as compile-time constants."""
+
+
+@overload(_decode_params)
+def _decode_params_impl(tag):
+    params = decode_params(_format_of_tag(tag))
+    return lambda tag: params

@@ -1,0 +1,98 @@
+"""Error metrics between original tensors and their fp8 round trips: the one
+implementation that verify, fidelity and eval-model use.
+
+Metrics of a group G of elements (a tensor, a layer's K, a whole cache), with ``x`` the
+original and ``y`` the decoded value, from sums accumulated in float64::
+
+    rel_fro = sqrt( sum_G (y - x)^2 / sum_G x^2 )
+    max_abs = max_G |y - x|
+    snr_db  = 10 log10( sum_G x^2 / sum_G (y - x)^2 )
+    cosine  = sum_G x y / sqrt( sum_G x^2 * sum_G y^2 )
+
+A group's metrics come from the sums over all its elements, never from a mean of its
+members' ratios, so a large tensor weighs as much as its elements do. Edge cases: no
+error gives ``rel_fro`` 0 and ``snr_db`` +inf; an all-zero original with an error gives
+``rel_fro`` +inf and ``snr_db`` -inf; ``cosine`` is 1 when both are zero and 0 when
+exactly one is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ErrorSums:
+    """Running sums over a group of elements, from which its metrics follow exactly."""
+
+    elements: int = 0
+    err2: float = 0.0  # sum (y - x)^2
+    ref2: float = 0.0  # sum x^2
+    dec2: float = 0.0  # sum y^2
+    dot: float = 0.0  # sum x y
+    max_abs: float = 0.0
+
+    def add(self, other: ErrorSums) -> None:
+        self.elements += other.elements
+        self.err2 += other.err2
+        self.ref2 += other.ref2
+        self.dec2 += other.dec2
+        self.dot += other.dot
+        self.max_abs = max(self.max_abs, other.max_abs)
+
+    @property
+    def rel_fro(self) -> float:
+        return relative_error(self.err2, self.ref2)
+
+    def metrics(self) -> dict:
+        """``rel_fro``, ``max_abs``, ``snr_db``, ``cosine`` and ``elements``."""
+        if self.err2 == 0:
+            snr = math.inf
+        elif self.ref2 == 0:
+            snr = -math.inf
+        else:
+            snr = 10 * math.log10(self.ref2 / self.err2)
+        if self.ref2 == 0 and self.dec2 == 0:
+            cosine = 1.0
+        elif self.ref2 == 0 or self.dec2 == 0:
+            cosine = 0.0
+        else:
+            cosine = self.dot / math.sqrt(self.ref2 * self.dec2)
+        return {"rel_fro": self.rel_fro, "max_abs": self.max_abs, "snr_db": snr, "cosine": cosine, "elements": self.elements}
+
+
+def relative_error(err2: float, ref2: float) -> float:
+    """``sqrt(err2 / ref2)``: 0 when there is no error, +inf for an error on zeros."""
+    if err2 == 0:
+        return 0.0
+    return math.sqrt(err2 / ref2) if ref2 else math.inf
+
+
+def row_sums(original: torch.Tensor, decoded: torch.Tensor) -> list[ErrorSums]:
+    """:class:`ErrorSums` of each row of two ``[rows, n]`` tensors (any float dtype)."""
+    if original.shape != decoded.shape:
+        raise ValueError(f"shapes differ: original {tuple(original.shape)}, decoded {tuple(decoded.shape)}")
+    x, y = original.double(), decoded.double()
+    diff = y - x
+    err2, ref2, dec2, dot = (diff * diff).sum(1), (x * x).sum(1), (y * y).sum(1), (x * y).sum(1)
+    max_abs = diff.abs().amax(1) if x.shape[1] else torch.zeros(x.shape[0], dtype=torch.float64)
+    return [
+        ErrorSums(int(x.shape[1]), float(err2[i]), float(ref2[i]), float(dec2[i]), float(dot[i]), float(max_abs[i]))
+        for i in range(x.shape[0])
+    ]
+
+
+def error_sums(original: torch.Tensor, decoded: torch.Tensor) -> ErrorSums:
+    """:class:`ErrorSums` of a whole tensor against its round trip (same shape)."""
+    if original.shape != decoded.shape:
+        raise ValueError(f"shapes differ: original {tuple(original.shape)}, decoded {tuple(decoded.shape)}")
+    (sums,) = row_sums(original.reshape(1, -1), decoded.reshape(1, -1))
+    return sums
+
+
+def error_metrics(original: torch.Tensor, decoded: torch.Tensor) -> dict:
+    """The metrics (see the module docstring) of a tensor against its round trip."""
+    return error_sums(original, decoded).metrics()

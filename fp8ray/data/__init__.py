@@ -1,0 +1,1 @@
+"""Ray Data callables (see issue 11)."""

@@ -1,0 +1,196 @@
+"""``QuantPool``: the driver side. Starts ``QuantWorker`` actors and schedules shards on them.
+
+>>> import torch
+>>> tensors = [torch.randn(2, 16, 64, dtype=torch.bfloat16) for _ in range(3)]
+>>> with QuantPool(num_workers=2) as pool:                  # joins Ray, or starts a local one
+...     frames = pool.encode_many(tensors, scaling="token")  # in input order
+...     restored = pool.decode_many(frames)
+>>> [tuple(t.shape) for t in restored]
+[(2, 16, 64), (2, 16, 64), (2, 16, 64)]
+
+Scheduling keeps a bounded window of shards in flight (``ray.wait``), gathers results
+in input order, replaces a worker that dies and resubmits its shards, and fails fast,
+with the block's key, when a shard fails on its data.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import RayActorError, RayTaskError
+
+from ..codec import CodecOptions
+from ..errors import PoolStartError, WorkerLostError
+from ..io.blocks import bytes_to_tensor, dtype_name, tensor_to_bytes
+from .runtime import connect_ray, disconnect_ray
+from .worker import QuantWorker, WorkerInfo
+
+
+class QuantPool:
+    """A pool of ``QuantWorker`` actors, used as a context manager.
+
+    Args:
+        num_workers: actors to start (spread across nodes).
+        gpus_per_worker: GPUs each actor asks Ray for; fractions share a GPU.
+        cpus_per_worker: CPUs each actor asks for, and the codec threads it runs.
+        address: a cluster to join; ``None`` means ``RAY_ADDRESS`` if set, else an
+            embedded local Ray (``"local"``).
+        window: shards in flight at most (default two per worker); bounds the driver's memory.
+        max_attempts: times a shard is tried when its worker dies.
+        start_timeout: seconds to wait for the actors to start before failing (a
+            cluster without the CPUs or GPUs asked for would otherwise wait forever).
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        gpus_per_worker: float = 0,
+        cpus_per_worker: float = 1,
+        address: str | None = None,
+        window: int | None = None,
+        max_attempts: int = 3,
+        start_timeout: float = 120.0,
+    ):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+        if gpus_per_worker < 0 or cpus_per_worker <= 0:
+            raise ValueError(f"gpus_per_worker must be >= 0 and cpus_per_worker > 0, got {gpus_per_worker}, {cpus_per_worker}")
+        self.num_workers = num_workers
+        self.gpus_per_worker = gpus_per_worker
+        self.cpus_per_worker = cpus_per_worker
+        self.address = address
+        self.window = window or 2 * num_workers
+        self.max_attempts = max_attempts
+        self.start_timeout = start_timeout
+        self.workers: list = []
+        self.replaced = 0
+        self._owns_ray = False
+
+    def __enter__(self) -> QuantPool:
+        embedded_cpus = max(int(self.num_workers * self.cpus_per_worker), os.cpu_count() or 1)
+        self._owns_ray = connect_ray(self.address, embedded_cpus)
+        self._actor_class = ray.remote(QuantWorker).options(
+            num_cpus=self.cpus_per_worker,
+            num_gpus=self.gpus_per_worker,
+            scheduling_strategy="SPREAD",
+        )
+        self.workers = [self._new_worker() for _ in range(self.num_workers)]
+        ready, _ = ray.wait([w.info.remote() for w in self.workers], num_returns=self.num_workers, timeout=self.start_timeout)
+        if len(ready) < self.num_workers:
+            self.__exit__(None, None, None)
+            raise PoolStartError(
+                f"only {len(ready)} of {self.num_workers} QuantWorkers started within {self.start_timeout:.0f} s: "
+                f"the cluster lacks {self.cpus_per_worker} CPU(s) and {self.gpus_per_worker} GPU(s) per worker "
+                f"(it has {ray.cluster_resources()})"
+            )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        if self._owns_ray:
+            disconnect_ray()
+
+    def _new_worker(self):
+        return self._actor_class.remote(max(1, int(self.cpus_per_worker)))
+
+    def worker_info(self) -> list[WorkerInfo]:
+        return ray.get([w.info.remote() for w in self.workers])
+
+    def map(self, method: str, items: Iterable[tuple], on_result: Callable[[Any], None] | None = None) -> Iterator[Any]:
+        """Call ``QuantWorker.<method>(*item)`` for each item; yield results in input order.
+
+        At most ``window`` items are in flight or waiting to be yielded, and each worker
+        holds at most ``ceil(window / workers)`` of them. A worker that dies is
+        replaced and its items resubmitted; an item failing on its data raises at once.
+        """
+        items = iter(items)
+        per_worker = -(-self.window // self.num_workers)
+        load = [0] * self.num_workers
+        pending: dict[ray.ObjectRef, tuple[int, int, int, tuple]] = {}  # ref -> (index, worker, attempt, item)
+        done: dict[int, Any] = {}
+        submitted = next_out = 0
+        exhausted = False
+
+        def submit(index: int, item: tuple, attempt: int) -> None:
+            w = min(range(self.num_workers), key=load.__getitem__)
+            load[w] += 1
+            pending[getattr(self.workers[w], method).remote(*item)] = (index, w, attempt, item)
+
+        try:
+            while True:
+                while not exhausted and len(pending) + len(done) < self.window and min(load) < per_worker:
+                    item = next(items, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    submit(submitted, item, 1)
+                    submitted += 1
+                if not pending:
+                    break
+                [ref], _ = ray.wait(list(pending), num_returns=1)
+                index, w, attempt, item = pending.pop(ref)
+                load[w] -= 1
+                try:
+                    done[index] = ray.get(ref)
+                except RayActorError as exc:
+                    if attempt >= self.max_attempts:
+                        raise WorkerLostError(f"item {index} lost its worker {attempt} times; last: {exc}") from exc
+                    self._replace_if_dead(w)
+                    submit(index, item, attempt + 1)
+                    continue
+                except RayTaskError as exc:
+                    raise _cause(exc) from None
+                if on_result is not None:
+                    on_result(done[index])
+                while next_out in done:
+                    yield done.pop(next_out)
+                    next_out += 1
+        finally:
+            for ref in pending:  # the job failed or was abandoned: drop what is left
+                try:
+                    ray.cancel(ref, force=False)
+                except (ValueError, TypeError):
+                    pass
+
+    def _replace_if_dead(self, w: int) -> None:
+        try:
+            ray.get(self.workers[w].info.remote(), timeout=30)
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            ray.kill(self.workers[w])
+            self.workers[w] = self._new_worker()
+            self.replaced += 1
+
+    def encode_many(
+        self, tensors: list[torch.Tensor], batch_size: int = 8, options: CodecOptions | None = None, **codec_options
+    ) -> list[np.ndarray]:
+        """Encode tensors on the workers, through the object store; frames in input order.
+        Codec options as :class:`~fp8ray.codec.CodecOptions` (``options``, then keywords
+        overriding it; the default mode if none)."""
+        options = CodecOptions.parse(codec_options, base=options)
+        blocks = [(str(i), dtype_name(t), tuple(t.shape), tensor_to_bytes(t.cpu())) for i, t in enumerate(tensors)]
+        batches = ((blocks[i : i + batch_size], options) for i in range(0, len(blocks), batch_size))
+        return [f for batch in self.map("encode_batch", batches) for f, _ in batch]
+
+    def decode_many(self, frames: list, batch_size: int = 8) -> list[torch.Tensor]:
+        """Decode frames on the workers; tensors in input order."""
+        pairs = [(str(i), np.frombuffer(f, dtype=np.uint8)) for i, f in enumerate(frames)]
+        batches = ((pairs[i : i + batch_size],) for i in range(0, len(pairs), batch_size))
+        return [
+            bytes_to_tensor(raw, meta.dtype, meta.shape).clone()
+            for batch in self.map("decode_batch", batches)
+            for raw, meta in batch
+        ]
+
+
+def _cause(exc: RayTaskError) -> BaseException:
+    """The exception a worker raised, as its own class (fp8ray's, with its message),
+    rather than Ray's wrapper with the remote traceback in its text."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, Exception) else exc.as_instanceof_cause()

@@ -1,0 +1,266 @@
+"""``QuantWorker``: the Ray actor that holds codecs and runs every job on shards of blocks.
+
+Blocks travel as numpy uint8 arrays (zero-copy out of the object store); frames come
+back the same way. For archives and stores on shared storage a worker reads its input
+shard and writes its output itself, so only metadata passes through the driver. Every
+method takes plain data and returns a small dataclass (or a list of them).
+
+Its processes are titled ``ray::QuantWorker``. It uses the GPU when Ray gave it one and
+torch sees CUDA, else the CPU kernels, and says which in its results. A block that
+fails raises fp8ray's own exception class, its message starting with the block's key.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import ray
+import torch
+
+from ..codec import CodecOptions, Fp8Codec, decode, frame
+from ..codec.formats import DTYPE_NAMES, DTYPES, DTYPES_BY_NAME, FORMATS, SCALINGS
+from ..codec.lmcache import Fp8QuantizationDeserializer, Fp8QuantizationSerializer
+from ..codec.metrics import error_metrics
+from ..errors import BlockError, Fp8rayError
+from ..io import archive
+from ..io.blocks import BlockRef, bytes_to_tensor, read_blocks, tensor_to_bytes
+from ..io.lmcache_store import Layout
+from ..io.paths import resolve
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    pid: int
+    node_id: str | None
+    device: str  # "cpu" | "cuda"
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """What a worker reports of one encoded or decoded block."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    raw_bytes: int
+    frame_bytes: int
+
+
+@dataclass(frozen=True)
+class PartResult:
+    """A part a worker wrote: its manifest entry, and where it was made."""
+
+    info: archive.PartInfo
+    device: str
+    node_id: str | None
+
+
+@dataclass
+class VerifyResult:
+    """One part's verification: problems are reported here, not raised, so that one run
+    names them all."""
+
+    part: str
+    blocks: int = 0
+    keys: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    metrics: dict[str, dict] = field(default_factory=dict)  # key -> error metrics, with --against
+
+
+@dataclass(frozen=True)
+class ConvertedFile:
+    """One LMCache chunk file converted: its name and sizes."""
+
+    name: str
+    bytes_in: int
+    bytes_out: int
+
+
+def _load_kernels() -> None:
+    """Compile (or load from numba's cache) every CPU kernel once, at actor start, so
+    that a job's first shards do not pay for it (about 1 s for all of them)."""
+    for dtype in DTYPES:
+        for fmt in FORMATS:
+            for scaling in SCALINGS:
+                options = CodecOptions(fp8=fmt, scaling=scaling, block_size=4, scale_dtype="float32")
+                decode(Fp8Codec(options=options).encode(torch.ones(2, 4, dtype=dtype)))
+            for scaling in ("token", "block"):  # the scale search, with bfloat16 scales
+                options = CodecOptions(fp8=fmt, scaling=scaling, block_size=4, scale_dtype="bfloat16", scale_choice="mse")
+                decode(Fp8Codec(options=options).encode(torch.ones(2, 4, dtype=dtype)))
+
+
+def _block_failure(key: str, exc: Exception, where: str = "") -> Exception:
+    """The error to raise for a block: fp8ray's own class kept (with the key in front),
+    any other ``ValueError``/``TypeError`` of the codec as a :class:`BlockError`."""
+    message = f"block {key!r}{where}: {exc}"
+    if isinstance(exc, Fp8rayError):
+        try:
+            return type(exc)(message)
+        except TypeError:  # a class with a richer constructor
+            pass
+    return BlockError(message, field=key)
+
+
+class QuantWorker:
+    """Encode and decode shards of KV blocks. Create it through :class:`fp8ray.QuantPool`
+    (or ``ray.remote(QuantWorker)``); every method takes and returns plain data."""
+
+    def __init__(self, threads: int = 1):
+        os.environ["FP8RAY_NUM_THREADS"] = str(max(1, int(threads)))
+        gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+        self.device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
+        self._codecs: dict[CodecOptions, Fp8Codec] = {}
+        _load_kernels()
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(os.getpid(), _node_id(), self.device)
+
+    def _codec(self, options: CodecOptions) -> Fp8Codec:
+        if not isinstance(options, CodecOptions):
+            raise TypeError(f"options must be CodecOptions, got {type(options).__name__}")
+        if options not in self._codecs:  # one codec (serializer) per configuration seen
+            self._codecs[options] = Fp8Codec(options=options)
+        return self._codecs[options]
+
+    def _encode(self, codec: Fp8Codec, key: str, dtype: str, shape, data: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, BlockMeta]:
+        try:
+            if dtype not in DTYPES_BY_NAME:
+                raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
+            tensor = bytes_to_tensor(data, dtype, shape)
+            if self.device == "cuda":
+                tensor = tensor.cuda()
+            f = np.frombuffer(codec.encode(tensor, out=out), dtype=np.uint8)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise _block_failure(key, exc) from exc
+        return f, BlockMeta(key, dtype, tuple(shape), self.device, int(data.size), int(f.size))
+
+    def encode_batch(self, blocks: list[tuple], options: CodecOptions) -> list[tuple[np.ndarray, BlockMeta]]:
+        """``blocks``: ``(key, dtype, shape, uint8 array)`` tuples. Returns ``(frame, metadata)`` per block."""
+        codec = self._codec(options)
+        return [self._encode(codec, *block) for block in blocks]
+
+    def decode_batch(self, frames: list[tuple[str, np.ndarray]]) -> list[tuple[np.ndarray, BlockMeta]]:
+        """``frames``: ``(key, frame)`` pairs. Returns ``(raw little-endian bytes, metadata)`` per block."""
+        out = []
+        for key, f in frames:
+            try:
+                tensor = decode(f, device=self.device).cpu()
+            except (ValueError, TypeError) as exc:
+                raise _block_failure(key, exc) from exc
+            raw = tensor_to_bytes(tensor)
+            out.append((raw, BlockMeta(key, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), self.device, raw.size, len(f))))
+        return out
+
+    def compress_part(self, refs: list[BlockRef], options: CodecOptions, directory: str, index: int) -> PartResult:
+        """Read ``refs`` from their source, encode them, write part ``index`` of the archive
+        in ``directory`` (local path or URI); return the part's manifest entry."""
+        codec = self._codec(options)
+        # The frames are encoded end to end into one buffer that becomes the Arrow column
+        # as it is: no copy between the codec and the Parquet writer.
+        sizes = [codec.encoded_size(ref.shape, DTYPES_BY_NAME[ref.dtype]) for ref in refs]
+        frames = np.empty(sum(sizes), dtype=np.uint8)
+        start = 0
+        for ref, data, size in zip(refs, read_blocks(refs), sizes):
+            self._encode(codec, ref.key, ref.dtype, ref.shape, data, out=frames[start : start + size])
+            start += size
+        rows = archive.part_rows(refs, options, sizes, archive.frame_column(frames, sizes))
+        fs, path = resolve(directory)
+        return PartResult(archive.write_part(fs, path, index, rows), self.device, _node_id())
+
+    def decompress_part(self, directory: str, part: dict) -> list[tuple[str, np.ndarray]]:
+        """Decode every block of a part (checked against the manifest's CRC first)."""
+        fs, path = resolve(directory)
+        table = archive.read_part(fs, path, part, columns=["key", "frame"])
+        out = []
+        for key, f in zip(table.column("key").to_pylist(), archive.iter_frames(table)):
+            try:
+                tensor = decode(f)
+            except (ValueError, TypeError) as exc:
+                raise _block_failure(key, exc, f" in {part['name']}") from exc
+            out.append((key, tensor_to_bytes(tensor)))
+        return out
+
+    def verify_part(self, directory: str, part: dict, against: dict[str, BlockRef] | None = None) -> VerifyResult:
+        """Check a part and each of its frames; with ``against``, compare each block with
+        its source. Reports problems instead of raising, so one run names them all."""
+        fs, path = resolve(directory)
+        result = VerifyResult(part["name"])
+        try:
+            archive.check_part(fs, path, part)
+            part_error = None
+        except archive.CorruptArchiveError as exc:
+            part_error = str(exc)
+        try:  # read even a damaged part, to name the blocks the damage lies in
+            table = archive.read_part(fs, path, part, check=False)
+        except archive.CorruptArchiveError as exc:
+            result.errors.append(str(exc))
+            return result
+        columns = {name: table.column(name).to_pylist() for name in archive.METADATA_COLUMNS}
+        result.keys = columns["key"]
+        originals = {}
+        if against is not None:  # one read of the source for the whole part
+            present = [against[k] for k in columns["key"] if k in against]
+            originals = {r.key: (r, data) for r, data in zip(present, read_blocks(present))}
+        block_errors = 0
+        for row, f in enumerate(archive.iter_frames(table)):
+            key = columns["key"][row]
+            result.blocks += 1
+            try:
+                buf = frame.as_byte_array(f)
+                header = frame.parse(buf)
+                if list(header.shape) != columns["shape"][row] or DTYPE_NAMES[header.dtype] != columns["dtype"][row]:
+                    raise ValueError(
+                        f"columns say {columns['shape'][row]} {columns['dtype'][row]}, the frame says {list(header.shape)} {header.dtype}"
+                    )
+                if against is not None:
+                    if key not in originals:
+                        raise ValueError("not in the source it is verified against")
+                    ref, data = originals[key]
+                    result.metrics[key] = error_metrics(bytes_to_tensor(data, ref.dtype, ref.shape), decode(buf))
+            except (ValueError, TypeError) as exc:
+                block_errors += 1
+                result.errors.append(f"block {key!r} in {part['name']}: {exc}")
+        if part_error and not block_errors:
+            result.errors.append(f"{part_error}; every frame in it checks, so the damage lies outside them")
+        elif part_error:
+            result.errors.append(part_error)
+        return result
+
+    def convert_store_files(self, mode: str, source: str, scratch: str, names: list[str], layout: Layout, fp8: str) -> list[ConvertedFile]:
+        """Convert LMCache chunk files from ``source`` into ``scratch`` (see
+        :mod:`fp8ray.engine.stores`): ``"compress"`` from the layout's dtype to LMCache's
+        plain fp8 bytes, ``"decompress"`` back. A file that fails raises, naming it."""
+        dtype = DTYPES_BY_NAME[layout.dtype]
+        serializer = Fp8QuantizationSerializer(fp8) if mode == "compress" else None
+        deserializer = Fp8QuantizationDeserializer(fp8) if mode == "decompress" else None
+        expected = layout.raw_bytes if mode == "compress" else layout.numel
+        done = []
+        for name in names:
+            try:
+                data = bytearray(expected)
+                with open(os.path.join(source, name), "rb") as f:
+                    size = f.readinto(data) + len(f.read(1))
+                if size != expected:  # changed since the scan
+                    raise ValueError(f"{'fewer' if size < expected else 'more'} bytes than the layout's {expected}")
+                raw = torch.frombuffer(data, dtype=torch.uint8)
+                if serializer is not None:
+                    dst = torch.empty(layout.numel, dtype=torch.uint8)
+                    serializer.serialize(SimpleNamespace(tensor=raw.view(dtype).reshape(layout.shape)), SimpleNamespace(tensor=dst))
+                else:
+                    dst = torch.empty(layout.shape, dtype=dtype)
+                    deserializer.deserialize(SimpleNamespace(tensor=raw), SimpleNamespace(tensor=dst))
+                payload = dst.reshape(-1).view(torch.uint8).numpy()
+                with open(os.path.join(scratch, name), "wb") as f:
+                    f.write(memoryview(payload))
+            except (ValueError, TypeError, OSError) as exc:
+                raise _block_failure(name, exc, f" ({mode} of {os.path.join(source, name)})") from exc
+            done.append(ConvertedFile(name, len(data), int(payload.size)))
+        return done
+
+
+def _node_id() -> str | None:
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

@@ -1,0 +1,296 @@
+"""The compressed archive: a directory of Parquet parts and a manifest written last.
+
+Specified in docs/FORMAT.md. Each part is an ordinary Parquet file (one row per block:
+its frame in a ``large_binary`` column beside plain columns for key, dtype, shape,
+format, scaling and sizes), so ``pyarrow.parquet.read_table`` and
+``ray.data.read_parquet`` read it without fp8ray. ``_manifest.json`` (skipped by Parquet
+readers, like every name starting with ``_`` or ``.``) holds the codec options, counts,
+sizes and each part's CRC-32C; it is renamed into place last, so a directory without
+it is never a complete archive. A part is written under a temporary name and renamed,
+then described by a sidecar ``_part-NNNNN.json``, which ``--resume`` trusts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import crc32c
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from ..codec.options import CodecOptions
+from ..errors import CorruptArchiveError
+from .blocks import BlockRef
+from .paths import TMP_MARK, redact, write_atomic
+
+ARCHIVE_FORMAT = "fp8ray-archive"
+ARCHIVE_VERSION = 1
+MANIFEST_NAME = "_manifest.json"
+PLAN_NAME = "_plan.json"
+DEFAULT_PART_BYTES = 64 << 20
+
+SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("dtype", pa.string()),
+        ("shape", pa.list_(pa.int64())),
+        ("fp8", pa.string()),
+        ("scaling", pa.string()),
+        ("block_size", pa.int32()),
+        ("raw_bytes", pa.int64()),
+        ("frame_bytes", pa.int64()),
+        ("frame", pa.large_binary()),
+    ]
+)
+METADATA_COLUMNS = [name for name in SCHEMA.names if name != "frame"]
+
+
+@dataclass
+class PartInfo:
+    """What the manifest records of one part."""
+
+    name: str
+    blocks: int
+    raw_bytes: int
+    frame_bytes: int
+    file_bytes: int
+    crc32c: int
+    first_key: str | None
+    last_key: str | None
+
+
+PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
+SIDECAR_PREFIX, SIDECAR_SUFFIX = "_part-", ".json"
+
+
+def part_name(index: int) -> str:
+    return f"{PART_PREFIX}{index:05d}{PART_SUFFIX}"
+
+
+def sidecar_name(index: int) -> str:
+    return f"{SIDECAR_PREFIX}{index:05d}{SIDECAR_SUFFIX}"
+
+
+def is_scratch(name: str) -> bool:
+    """Whether a name in an archive directory is a leftover of writing it: the plan, a
+    sidecar, or the temporary file of a writer that was killed."""
+    return name == PLAN_NAME or (name.startswith(SIDECAR_PREFIX) and name.endswith(SIDECAR_SUFFIX)) or TMP_MARK in name
+
+
+def clean_scratch(fs: pafs.FileSystem, directory: str) -> None:
+    """After the manifest: drop the plan, the sidecars and the temporaries of killed writers."""
+    for entry in fs.get_file_info(pafs.FileSelector(directory)):
+        if is_scratch(entry.base_name):
+            fs.delete_file(entry.path)
+
+
+def plan_parts(refs: list[BlockRef], part_bytes: int) -> list[list[BlockRef]]:
+    """Consecutive blocks grouped into parts of about ``part_bytes`` of input (at least one
+    block each). Depends only on the source, so any number of workers writes the same parts."""
+    parts: list[list[BlockRef]] = []
+    size = 0
+    for ref in refs:
+        if not parts or size >= part_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(ref)
+        size += ref.nbytes
+    return parts
+
+
+def plan_record(source: str, codec: dict, parts: list[list[BlockRef]]) -> dict:
+    """What ``_plan.json`` holds: a resumed run must find the same source, options and parts."""
+    return {"source": redact(source), "codec": codec, "parts": [[r.key for r in part] for part in parts]}
+
+
+def read_plan(fs: pafs.FileSystem, directory: str) -> dict | None:
+    path = f"{directory}/{PLAN_NAME}"
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        return json.loads(f.read())
+
+
+def write_plan(fs: pafs.FileSystem, directory: str, plan: dict) -> None:
+    write_atomic(fs, f"{directory}/{PLAN_NAME}", json.dumps(plan, sort_keys=True).encode())
+
+
+def file_crc32c(fs: pafs.FileSystem, path: str) -> tuple[int, int]:
+    """CRC-32C and size of a whole file, read in 8 MiB pieces."""
+    crc, size = 0, 0
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(8 << 20):
+            crc = crc32c.crc32c(chunk, crc)
+            size += len(chunk)
+    return crc, size
+
+
+def frame_column(frames: np.ndarray, sizes: list[int]) -> pa.LargeBinaryArray:
+    """A ``large_binary`` column over frames laid end to end in one uint8 buffer, without
+    copying them (the offsets are the running sums of ``sizes``)."""
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    if offsets[-1] != frames.size:
+        raise ValueError(f"frame sizes add up to {offsets[-1]} bytes, the buffer holds {frames.size}")
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(sizes), [None, pa.py_buffer(offsets), pa.py_buffer(frames)])
+
+
+def part_rows(refs: list[BlockRef], codec: CodecOptions, frame_sizes: list[int], frames) -> dict[str, list]:
+    """The columns of a part holding ``refs`` encoded under ``codec`` (``frames``: a
+    :func:`frame_column`, or a list of byte buffers)."""
+    block_size = codec.block_size if codec.scaling == "block" else 0
+    n = len(refs)
+    return {
+        "key": [r.key for r in refs],
+        "dtype": [r.dtype for r in refs],
+        "shape": [list(r.shape) for r in refs],
+        "fp8": [codec.fp8] * n,
+        "scaling": [codec.scaling] * n,
+        "block_size": [block_size] * n,
+        "raw_bytes": [r.nbytes for r in refs],
+        "frame_bytes": list(frame_sizes),
+        "frame": frames,
+    }
+
+
+def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, list]) -> PartInfo:
+    """Write one part (deterministic bytes for the same rows), rename it into place,
+    then its sidecar; return its manifest entry.
+
+    The part is built in memory (it is bounded by ``--part-mb``) so that its CRC-32C is
+    taken on the way out rather than by reading the file back. ``rows["frame"]`` may be a
+    list of byte buffers or a ready :func:`frame_column`.
+    """
+    table = pa.table(rows, schema=SCHEMA)
+    sink = pa.BufferOutputStream()
+    pq.write_table(
+        table,
+        sink,
+        compression={name: ("none" if name == "frame" else "zstd") for name in SCHEMA.names},
+        write_statistics=["key", "raw_bytes", "frame_bytes"],
+        # Frames are unique: a dictionary would only hash them all before giving up.
+        use_dictionary=METADATA_COLUMNS,
+        row_group_size=64,
+    )
+    data = sink.getvalue()
+    write_atomic(fs, f"{directory}/{part_name(index)}", data)
+    keys = rows["key"]
+    info = PartInfo(
+        name=part_name(index),
+        blocks=len(keys),
+        raw_bytes=sum(rows["raw_bytes"]),
+        frame_bytes=sum(rows["frame_bytes"]),
+        file_bytes=data.size,
+        crc32c=crc32c.crc32c(memoryview(data)),
+        first_key=keys[0] if keys else None,
+        last_key=keys[-1] if keys else None,
+    )
+    write_atomic(fs, f"{directory}/{sidecar_name(index)}", json.dumps(asdict(info), sort_keys=True).encode())
+    return info
+
+
+def read_sidecar(fs: pafs.FileSystem, directory: str, index: int) -> PartInfo | None:
+    """The sidecar of a finished part, if it and the part are there and agree in size."""
+    path = f"{directory}/{sidecar_name(index)}"
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        info = PartInfo(**json.loads(f.read()))
+    part = fs.get_file_info(f"{directory}/{info.name}")
+    if part.type != pafs.FileType.File or part.size != info.file_bytes:
+        return None
+    return info
+
+
+def build_manifest(source: str, codec: dict, blocks: int, parts: list[PartInfo], fp8ray_version: str) -> dict:
+    """The manifest of a finished archive: what it holds and each part's size and CRC-32C."""
+    entries = [asdict(p) for p in parts]
+    return {
+        "format": ARCHIVE_FORMAT,
+        "version": ARCHIVE_VERSION,
+        "fp8ray_version": fp8ray_version,
+        "codec": codec,
+        "source": redact(source),  # never the credentials a URI may carry
+        "blocks": blocks,
+        "raw_bytes": sum(p.raw_bytes for p in parts),
+        "frame_bytes": sum(p.frame_bytes for p in parts),
+        "archive_bytes": sum(p.file_bytes for p in parts),
+        "parts": entries,
+    }
+
+
+# What a manifest written before an option existed leaves out, and what it was then.
+LEGACY_CODEC = {"scale_dtype": "float32", "scale_choice": "amax", "nonfinite": "error"}
+
+
+def manifest_codec(manifest: dict) -> CodecOptions:
+    """The codec options an archive was written with."""
+    return CodecOptions.parse({**LEGACY_CODEC, **manifest["codec"]})
+
+
+def write_manifest(fs: pafs.FileSystem, directory: str, manifest: dict) -> None:
+    write_atomic(fs, f"{directory}/{MANIFEST_NAME}", (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+
+
+def read_manifest(fs: pafs.FileSystem, directory: str) -> dict:
+    path = f"{directory}/{MANIFEST_NAME}"
+    info = fs.get_file_info(directory)
+    if info.type == pafs.FileType.NotFound:
+        raise CorruptArchiveError(f"archive {directory} does not exist")
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        raise CorruptArchiveError(f"{directory} has no {MANIFEST_NAME}: not a complete fp8ray archive")
+    try:
+        with fs.open_input_stream(path) as f:
+            manifest = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise CorruptArchiveError(f"{path}: unreadable manifest: {exc}") from exc
+    if manifest.get("format") != ARCHIVE_FORMAT or manifest.get("version") != ARCHIVE_VERSION:
+        raise CorruptArchiveError(
+            f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
+            f"expected {ARCHIVE_FORMAT!r} version {ARCHIVE_VERSION}"
+        )
+    return manifest
+
+
+def check_part(fs: pafs.FileSystem, directory: str, info: dict) -> None:
+    """Check a part's presence, size and CRC-32C against its manifest entry."""
+    path = f"{directory}/{info['name']}"
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        raise CorruptArchiveError(f"part {info['name']} is missing from {directory}")
+    crc, size = file_crc32c(fs, path)
+    if size != info["file_bytes"] or crc != info["crc32c"]:
+        raise CorruptArchiveError(
+            f"part {info['name']}: {size} bytes with crc32c {crc:#010x}, "
+            f"the manifest records {info['file_bytes']} bytes with crc32c {info['crc32c']:#010x}"
+        )
+
+
+def read_part(fs: pafs.FileSystem, directory: str, info: dict, columns: list[str] | None = None, check: bool = True) -> pa.Table:
+    """Read a part, after :func:`check_part` unless ``check`` is false (to read a damaged
+    part anyway and name the blocks the damage lies in)."""
+    if check:
+        check_part(fs, directory, info)
+    try:
+        return pq.read_table(f"{directory}/{info['name']}", filesystem=fs, columns=columns)
+    except (OSError, pa.ArrowException) as exc:
+        raise CorruptArchiveError(f"part {info['name']} is unreadable: {exc}") from exc
+
+
+def read_metadata_columns(fs: pafs.FileSystem, directory: str, manifest: dict, columns: list[str]) -> list[dict[str, list]]:
+    """For each part, the given small metadata columns (never the frames) as lists."""
+    tables = [read_part(fs, directory, part, columns=columns, check=False) for part in manifest["parts"]]
+    return [{name: table.column(name).to_pylist() for name in columns} for table in tables]
+
+
+def iter_frames(table: pa.Table) -> Iterator[memoryview]:
+    """The frame column of a part as zero-copy memoryviews of Arrow's buffer."""
+    column = table.column("frame")
+    for chunk in column.chunks:
+        offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int64)[chunk.offset : chunk.offset + len(chunk) + 1]
+        data = memoryview(chunk.buffers()[2])
+        for i in range(len(chunk)):
+            yield data[offsets[i] : offsets[i + 1]]

@@ -1,0 +1,84 @@
+"""Paths and URIs: local paths or any filesystem ``pyarrow.fs`` knows (``s3://...``),
+credentials kept out of messages, and files that appear only when complete."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+from urllib.parse import urlsplit, urlunsplit
+
+import pyarrow.fs as pafs
+
+from ..errors import DestinationError
+
+
+def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
+    """A filesystem and path for a local path or a URI such as ``s3://bucket/key``."""
+    if "://" in uri:
+        return pafs.FileSystem.from_uri(uri)
+    return pafs.LocalFileSystem(), os.path.abspath(uri)
+
+
+def uri_for(uri: str, path: str) -> str:
+    """The URI of ``path`` on the filesystem ``uri`` names, keeping its scheme, credentials
+    and options (``?endpoint_override=...``), so a worker's ``resolve`` finds the same file."""
+    if "://" not in uri:
+        return path
+    parts = urlsplit(uri)
+    if parts.scheme in ("s3", "gs", "gcs"):  # pyarrow's path is "bucket/key"
+        userinfo, _, _ = parts.netloc.rpartition("@")
+        bucket, _, key = path.partition("/")
+        return urlunsplit((parts.scheme, f"{userinfo}@{bucket}" if userinfo else bucket, "/" + key, parts.query, ""))
+    return urlunsplit((parts.scheme, parts.netloc, "/" + path.lstrip("/"), parts.query, ""))
+
+
+def redact(uri: str) -> str:
+    """``uri`` without credentials (``s3://key:secret@bucket`` -> ``s3://***@bucket``), for messages."""
+    parts = urlsplit(uri) if "://" in uri else None
+    if parts is None or "@" not in parts.netloc:
+        return uri
+    return urlunsplit((parts.scheme, "***@" + parts.netloc.rpartition("@")[2], parts.path, parts.query, ""))
+
+
+def temporary_name(path: str) -> str:
+    """A hidden name beside ``path`` for writing it before the rename (``.NAME.tmp-<uuid>``)."""
+    return f"{os.path.dirname(path)}/.{os.path.basename(path)}{TMP_MARK}{uuid.uuid4().hex}"
+
+
+TMP_MARK = ".tmp-"  # in every temporary name: a killed writer's leftovers are found by it
+
+
+def write_atomic(fs: pafs.FileSystem, path: str, data) -> None:
+    """Write ``data`` (bytes or an Arrow buffer) under a temporary name beside ``path``, then rename."""
+    tmp = temporary_name(path)
+    with fs.open_output_stream(tmp) as out:
+        out.write(data)
+    fs.move(tmp, path)
+
+
+def _location(uri: str) -> tuple[str, str]:
+    """Where a path or URI points: its filesystem (scheme and host or bucket) and its
+    normalised absolute path, symbolic links resolved for local paths."""
+    if "://" not in uri:
+        return "file", os.path.realpath(uri)
+    parts = urlsplit(uri)
+    if parts.scheme == "file":
+        return "file", os.path.realpath(parts.path)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}", posixpath.normpath("/" + parts.path.lstrip("/"))
+
+
+def check_apart(source: str, destination: str) -> None:
+    """Refuse a destination that is the source, lies inside it or holds it: writing or
+    replacing it could destroy what is read. Local paths are compared after resolving
+    symbolic links; URIs by scheme, bucket and path."""
+    (src_fs, src), (dst_fs, dst) = _location(source), _location(destination)
+    if src_fs != dst_fs:
+        return
+    if src == dst:
+        raise DestinationError(f"destination {redact(destination)} is the source: fp8ray never writes over what it reads")
+    sep = os.sep if src_fs == "file" else "/"
+    if dst.startswith(src.rstrip(sep) + sep) or src.startswith(dst.rstrip(sep) + sep):
+        raise DestinationError(
+            f"source {redact(source)} and destination {redact(destination)} must not lie inside each other"
+        )

@@ -1,0 +1,267 @@
+"""The safetensors format, read and written by fp8ray itself: files (streamed) and HTTP
+bodies (in memory) share one header check.
+
+A safetensors file is 8 bytes of little-endian header length ``n``, ``n`` bytes of JSON
+naming each tensor's dtype, shape and byte range in the data that follows, then the
+data. Nothing here unpickles anything. A header is accepted exactly when the
+``safetensors`` package accepts it (its ``Metadata::validate``): at most 100,000,000
+bytes of UTF-8 JSON; an object whose optional ``__metadata__`` maps strings to strings
+and whose other members are tensors with a known dtype, a shape of non-negative
+integers and two integer offsets; the tensors, sorted by offsets, lying end to end from
+0 and covering the data exactly, each of exactly its shape's size. One deliberate
+difference: a key given twice anywhere in the header is refused (the package silently
+keeps the last one, which would lose a tensor without a word).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow.fs as pafs
+
+from ..codec.formats import DTYPES_BY_NAME
+from ..errors import SafetensorsFormatError, SourceError
+from .paths import redact, resolve, temporary_name
+
+MAX_HEADER = 100_000_000  # the safetensors package's limit on the JSON header
+MAX_USIZE = 2**64 - 1
+# Every dtype of the format, with its size: a header naming another is malformed.
+ITEMSIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8,
+}
+# The dtypes fp8ray encodes, by their safetensors names, and back.
+SOURCE_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+SAFETENSORS_NAMES = {name: st for st, name in SOURCE_DTYPES.items()}
+FRAME_DTYPE = "U8"  # frames travel in safetensors bodies as 1-D U8 tensors
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a header: its key, safetensors dtype name, shape and byte range in the data."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def fp8ray_dtype(self) -> str:
+        """fp8ray's name of the dtype: ``"bfloat16"``..., or ``"uint8"`` for a frame."""
+        return "uint8" if self.dtype == FRAME_DTYPE else SOURCE_DTYPES[self.dtype]
+
+
+def header_length(first8: bytes, total: int, what: str) -> int:
+    """The header length ``n`` from a file's or body's first 8 bytes, checked against the
+    format's cap and the ``total`` bytes there are."""
+    if total < 8:
+        raise SafetensorsFormatError(f"{what}: {total} bytes is too short for safetensors (at least 8)", "header")
+    (n,) = struct.unpack("<Q", first8)
+    if n > MAX_HEADER:
+        raise SafetensorsFormatError(
+            f"{what}: header length {n} exceeds the safetensors limit of {MAX_HEADER} bytes", "header"
+        )
+    if 8 + n > total:
+        raise SafetensorsFormatError(f"{what}: header length {n} runs past the end ({total} bytes in all)", "header")
+    return n
+
+
+def parse_header(raw: bytes, data_size: int, what: str, allowed: tuple[str, ...]) -> tuple[list[Entry], dict[str, str]]:
+    """The tensors of a header, in byte order, and its ``__metadata__``, checked as the
+    module docstring says against the ``data_size`` bytes after it; each tensor's dtype
+    must also be one of ``allowed`` (safetensors names)."""
+    try:
+        header = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=_unique_members, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise SafetensorsFormatError(f"{what}: the header is not valid JSON text: {exc}", "header") from None
+    if not isinstance(header, dict):
+        raise SafetensorsFormatError(f"{what}: the header is a JSON {type(header).__name__}, not an object", "header")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SafetensorsFormatError(f"{what}: __metadata__ must map strings to strings", "__metadata__")
+    _check_text(metadata, what, "__metadata__")
+    entries = [_entry(key, value, what) for key, value in header.items()]
+    entries.sort(key=lambda e: (e.begin, e.end))
+    position = 0
+    for e in entries:
+        if e.begin != position:
+            kind = "overlaps the tensor before it" if e.begin < position else f"leaves a gap after byte {position}"
+            raise SafetensorsFormatError(f"{what}: key {e.key!r} at bytes [{e.begin}, {e.end}) {kind}", e.key)
+        position = e.end
+    if position != data_size:
+        raise SafetensorsFormatError(
+            f"{what}: the tensors cover {position} bytes of data, there are {data_size}", "header"
+        )
+    for e in entries:
+        if e.dtype not in allowed:
+            raise SafetensorsFormatError(f"{what}: key {e.key!r} has dtype {e.dtype}; expected one of {list(allowed)}", e.key)
+    return entries, metadata
+
+
+def _unique_members(pairs: list[tuple[str, object]]) -> dict:
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        seen[key] = value
+    return seen
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _check_text(metadata: dict, what: str, field: str) -> None:
+    """Strings must be valid Unicode (JSON lets ``\\ud800`` through; UTF-8 does not)."""
+    for text in (*metadata, *metadata.values()):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise SafetensorsFormatError(f"{what}: {field} holds a string that is not valid Unicode", field) from None
+
+
+def _is_usize(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_USIZE
+
+
+def _entry(key: str, value, what: str) -> Entry:
+    _check_text({key: ""}, what, "header")
+    if not isinstance(value, dict) or not {"dtype", "shape", "data_offsets"} <= set(value):
+        raise SafetensorsFormatError(f"{what}: key {key!r} needs an object with dtype, shape and data_offsets", key)
+    dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
+    if dtype not in ITEMSIZES:
+        raise SafetensorsFormatError(f"{what}: key {key!r} has unknown dtype {dtype!r}", key)
+    if not isinstance(shape, list) or not all(_is_usize(d) for d in shape):
+        raise SafetensorsFormatError(f"{what}: key {key!r} has shape {shape!r}; expected a list of non-negative integers", key)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_usize(o) for o in offsets)):
+        raise SafetensorsFormatError(f"{what}: key {key!r} has data_offsets {offsets!r}; expected [begin, end]", key)
+    begin, end = offsets
+    nbytes = math.prod(shape) * ITEMSIZES[dtype]
+    if end < begin or end - begin != nbytes:
+        raise SafetensorsFormatError(
+            f"{what}: key {key!r} claims bytes [{begin}, {end}) for shape {shape} {dtype} ({nbytes} bytes)", key
+        )
+    return Entry(key, dtype, tuple(shape), begin, end)
+
+
+def read_file_header(fs: pafs.FileSystem, path: str, uri: str, allowed: tuple[str, ...]) -> tuple[list[Entry], dict[str, str], int]:
+    """The tensors (in byte order) and ``__metadata__`` of a safetensors file, and where
+    its data starts. Raises :class:`SourceError` for an unreadable file and
+    :class:`SafetensorsFormatError` for a malformed one."""
+    what = redact(uri)
+    try:
+        with fs.open_input_file(path) as f:
+            size = f.size()
+            first8 = f.read_at(min(8, size), 0)
+            n = header_length(first8, size, what)
+            raw = f.read_at(n, 8)
+    except OSError as exc:
+        raise SourceError(f"{what}: unreadable safetensors file: {exc}") from exc
+    entries, metadata = parse_header(raw, size - 8 - n, what, allowed)
+    return entries, metadata, 8 + n
+
+
+def parse_body(body, allowed: tuple[str, ...]) -> tuple[list[tuple[Entry, np.ndarray]], dict[str, str]]:
+    """Split a safetensors body held in memory into ``(entry, uint8 view of its bytes)``
+    pairs, in byte order, and its ``__metadata__``."""
+    view = memoryview(body).cast("B")
+    n = header_length(bytes(view[:8]), len(view), "safetensors body")
+    data = np.frombuffer(view, dtype=np.uint8, offset=8 + n)
+    entries, metadata = parse_header(view[8 : 8 + n], len(data), "safetensors body", allowed)
+    return [(e, data[e.begin : e.end]) for e in entries], metadata
+
+
+def header_prefix(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length and the JSON header of a safetensors file or body whose tensors,
+    ``(key, safetensors dtype, shape, nbytes)``, follow it end to end in this order."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key, dtype, shape, nbytes in tensors:
+        if key in header:
+            raise ValueError(f"key {key!r} appears twice; safetensors keys are unique")
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def build_body(tensors: list[tuple[str, str, tuple[int, ...], object]], metadata: dict[str, str] | None = None) -> bytes:
+    """A safetensors body of ``(key, dtype, shape, bytes)`` tensors in order; ``dtype`` is
+    an fp8ray dtype name or ``"uint8"`` (a frame)."""
+    views = [memoryview(data).cast("B") for _, _, _, data in tensors]
+    prefix = header_prefix(
+        [(key, FRAME_DTYPE if dtype == "uint8" else SAFETENSORS_NAMES[dtype], shape, len(view))
+         for (key, dtype, shape, _), view in zip(tensors, views)],
+        metadata,
+    )
+    return b"".join([prefix, *views])
+
+
+class SafetensorsWriter:
+    """Stream tensors into a safetensors file: the header (all offsets) first, then each
+    tensor's bytes in order; written to a temporary name and renamed when complete.
+
+    ``tensors`` are ``(key, fp8ray dtype name, shape)``; use as a context manager, or call
+    :meth:`close` (rename) or :meth:`abort` (delete) yourself.
+    """
+
+    def __init__(self, uri: str, tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None):
+        self.fs, self.path = resolve(uri)
+        self.tensors = tensors
+        self.sizes = [math.prod(shape) * DTYPES_BY_NAME[dtype].itemsize for _, dtype, shape in tensors]
+        prefix = header_prefix(
+            [(key, SAFETENSORS_NAMES[dtype], shape, n) for (key, dtype, shape), n in zip(tensors, self.sizes)], metadata
+        )
+        self.tmp = temporary_name(self.path)
+        self.stream = self.fs.open_output_stream(self.tmp)
+        self.stream.write(prefix)
+        self.written = 0
+
+    def write(self, data) -> None:
+        size = len(memoryview(data).cast("B"))
+        if self.written == len(self.tensors):
+            raise ValueError(f"all {len(self.tensors)} tensors are already written")
+        expected = self.sizes[self.written]
+        if size != expected:
+            raise ValueError(f"tensor {self.tensors[self.written][0]!r}: got {size} bytes, expected {expected}")
+        self.stream.write(data)
+        self.written += 1
+
+    def close(self) -> None:
+        self.stream.close()
+        if self.written != len(self.tensors):
+            self.fs.delete_file(self.tmp)
+            raise ValueError(f"only {self.written} of {len(self.tensors)} tensors were written")
+        self.fs.move(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self.stream.close()
+        self.fs.delete_file(self.tmp)
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+__all__ = [
+    "Entry",
+    "SafetensorsWriter",
+    "build_body",
+    "header_prefix",
+    "parse_body",
+    "parse_header",
+    "read_file_header",
+]

@@ -1,0 +1,298 @@
+"""``Fp8Service``, the Ray Serve deployment of the online encode/decode service.
+
+``Fp8Service`` is a FastAPI-ingress deployment. Its replicas hold no codec: they parse
+and check requests, then await calls on a pool of ``QuantWorker`` actors, the same actor
+class the batch jobs use. The pool is made of Serve *deployment-scoped actors*: created
+once by the Serve controller, shared by every replica, health-checked and recreated by
+the controller, and removed with the application. A replica that finds its handle to a
+worker dead looks the worker up again and retries the request once on another worker;
+if that fails too it answers 503, never wrong data.
+
+Run it with ``fp8ray serve``, ``serve run fp8ray.serve:app`` or ``serve deploy
+serve_config.yaml``; the builder :func:`build_app` takes the pool size and limits.
+
+HTTP API (see README): ``POST /v1/encode``, ``POST /v1/decode`` (raw tensor or frame
+bodies, or ``application/x-safetensors`` bodies of many blocks), ``GET /healthz``,
+``GET /v1/stats``. Python: ``handle.encode.remote(tensor, **codec_options)`` answers the
+frame's bytes, ``handle.decode.remote(frame)`` the tensor.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the real Request type in the
+# routes' signatures, which Serve's ingress rewrites.
+import asyncio
+import itertools
+import logging
+import time
+
+import numpy as np
+import ray
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.serve.config import DeploymentActorConfig
+from ray.util import metrics
+
+from ..codec.formats import DTYPE_NAMES
+from ..engine.worker import QuantWorker
+from ..errors import RequestError, WorkersUnavailableError
+from ..io.blocks import bytes_to_tensor, tensor_to_bytes
+from ..io.safetensors import SOURCE_DTYPES, FRAME_DTYPE, build_body, parse_body
+from .options import ServiceOptions
+from .requests import OCTET_STREAM, SAFETENSORS, codec_options, is_safetensors, raw_layout, refusal, split
+
+WORKER_PREFIX = "quant-worker-"
+STATS_ACTOR = "service-stats"
+HEALTH_TIMEOUT_S = 10.0
+
+
+class ServiceStats:
+    """Counters shared by every replica (a deployment-scoped actor): requests, bytes in
+    and out, errors. Replicas report without waiting; a lost report only undercounts."""
+
+    def __init__(self):
+        self.counts = {"requests": 0, "bytes_in": 0, "bytes_out": 0, "errors": 0, "retries": 0}
+
+    def record(self, **deltas: int) -> None:
+        for name, value in deltas.items():
+            self.counts[name] += value
+
+    def snapshot(self) -> dict:
+        return dict(self.counts)
+
+
+def _refusal_response(status: int, message: str, field: str | None) -> JSONResponse:
+    body = {"error": message, "status": status}
+    if field:
+        body["field"] = field
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# Everything Fp8Service uses is defined above it: Serve serializes the class when it is
+# decorated, with the module globals that exist by then.
+logger = logging.getLogger("ray.serve")
+api = FastAPI(title="fp8ray", description="fp8 encode/decode of LLM KV-cache blocks")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+@serve.ingress(api)
+class Fp8Service:
+    """The ingress replica: request checks, then awaited calls on the shared QuantWorkers."""
+
+    def __init__(self, num_workers: int, max_body_bytes: int):
+        self.num_workers = num_workers
+        self.max_body_bytes = max_body_bytes
+        self._handles: dict[int, object] = {}
+        self._next = itertools.count()
+        tags = ("route", "status")
+        self._requests = metrics.Counter("fp8ray_serve_requests", "HTTP requests answered", tag_keys=tags)
+        self._errors = metrics.Counter("fp8ray_serve_errors", "HTTP requests answered with an error status", tag_keys=tags)
+        self._bytes = metrics.Counter("fp8ray_serve_bytes", "Body bytes received (in) and sent (out)", tag_keys=("route", "direction"))
+        self._latency = metrics.Histogram(
+            "fp8ray_serve_latency_seconds", "Request latency in seconds",
+            boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10], tag_keys=("route",),
+        )
+        self._stats = None
+
+    # --- the worker pool -------------------------------------------------------------
+
+    def _worker(self, index: int):
+        if index not in self._handles:
+            try:
+                self._handles[index] = serve.get_deployment_actor(f"{WORKER_PREFIX}{index}")
+            except ValueError:  # being recreated by the controller
+                return None
+        return self._handles[index]
+
+    async def _call(self, method: str, *args):
+        """``QuantWorker.<method>(*args)`` on the next worker; if that worker is dead, once
+        more on another. Data errors come back as :class:`BlockError`."""
+        first = next(self._next) % self.num_workers
+        order = [first] + ([(first + 1) % self.num_workers] if self.num_workers > 1 else [first])
+        for attempt, index in enumerate(order):
+            handle = self._worker(index)
+            if handle is None:
+                continue
+            try:
+                return await getattr(handle, method).remote(*args)
+            except (RayActorError, ActorUnavailableError):
+                self._handles.pop(index, None)  # look it up again next time
+                if attempt == 0:
+                    self._record(retries=1)
+            except RayTaskError as exc:
+                # The worker raises fp8ray's own classes for bad data: raise that, not Ray's wrapper.
+                cause = getattr(exc, "cause", None)
+                raise (cause if isinstance(cause, Exception) else exc) from None
+        raise WorkersUnavailableError(f"no QuantWorker answered {method} (tried workers {sorted(set(order))})")
+
+    async def _map(self, method: str, items: list, *extra) -> list:
+        """Spread ``items`` over the workers in contiguous groups; results in order."""
+        groups = split(items, self.num_workers)
+        results = await asyncio.gather(*(self._call(method, group, *extra) for group in groups))
+        return [r for group in results for r in group]
+
+    def _record(self, **deltas: int) -> None:
+        if self._stats is None:
+            try:
+                self._stats = serve.get_deployment_actor(STATS_ACTOR)
+            except ValueError:
+                return
+        self._stats.record.remote(**deltas)  # not awaited: counters never slow a request
+
+    # --- HTTP --------------------------------------------------------------------------
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to be over the limit."""
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise RequestError(f"Content-Length {declared!r} is not a number", 400, "Content-Length")
+            if int(declared) > self.max_body_bytes:
+                raise RequestError(f"body of {declared} bytes exceeds the limit of {self.max_body_bytes}", 413, "body")
+        chunks, total = [], 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > self.max_body_bytes:
+                raise RequestError(f"body exceeds the limit of {self.max_body_bytes} bytes", 413, "body")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _answer(self, route: str, request: Request, handler) -> Response:
+        start = time.perf_counter()
+        bytes_in = 0
+        try:
+            body = await self._read_body(request) if request.method == "POST" else b""
+            bytes_in = len(body)
+            response = await handler(request, body)
+        except Exception as exc:
+            answer = refusal(exc)
+            if answer is None:  # a bug: log it, and answer without its details
+                logger.exception("%s %s failed", request.method, route)
+                answer = (500, f"internal error ({type(exc).__name__}); the service log has the details", None)
+            response = _refusal_response(*answer)
+        status = str(response.status_code)
+        bytes_out = len(response.body)
+        self._requests.inc(tags={"route": route, "status": status})
+        if response.status_code >= 400:
+            self._errors.inc(tags={"route": route, "status": status})
+        for direction, count in (("in", bytes_in), ("out", bytes_out)):
+            if count:  # a Counter takes only positive increments
+                self._bytes.inc(count, tags={"route": route, "direction": direction})
+        self._latency.observe(time.perf_counter() - start, tags={"route": route})
+        self._record(requests=1, bytes_in=bytes_in, bytes_out=bytes_out, errors=int(response.status_code >= 400))
+        return response
+
+    @api.post("/v1/encode")
+    async def http_encode(self, request: Request) -> Response:
+        return await self._answer("/v1/encode", request, self._encode_body)
+
+    @api.post("/v1/decode")
+    async def http_decode(self, request: Request) -> Response:
+        return await self._answer("/v1/decode", request, self._decode_body)
+
+    @api.get("/healthz")
+    async def http_healthz(self, request: Request) -> Response:
+        return await self._answer("/healthz", request, self._health)
+
+    @api.get("/v1/stats")
+    async def http_stats(self, request: Request) -> Response:
+        return await self._answer("/v1/stats", request, self._stats_body)
+
+    async def _encode_body(self, request: Request, body: bytes) -> Response:
+        params = dict(request.query_params)
+        if is_safetensors(request.headers.get("content-type")):
+            for name in ("dtype", "shape"):
+                if name in params:
+                    raise RequestError(f"{name} comes from the safetensors header, not the query", 400, name)
+            options = codec_options(params)
+            entries, _ = parse_body(body, tuple(SOURCE_DTYPES))
+            blocks = [(e.key, e.fp8ray_dtype, e.shape, data) for e, data in entries]
+            results = await self._map("encode_batch", blocks, options)
+            frames = [(meta.key, "uint8", (len(f),), f) for f, meta in results]
+            return Response(build_body(frames, {"fp8ray": "frames"}), media_type=SAFETENSORS)
+        options = codec_options(params, ignore=("dtype", "shape"))
+        dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
+        [(f, meta)] = await self._call("encode_batch", [("body", dtype, shape, np.frombuffer(body, dtype=np.uint8))], options)
+        return Response(f.tobytes(), media_type=OCTET_STREAM, headers={"X-Fp8ray-Device": meta.device})
+
+    async def _decode_body(self, request: Request, body: bytes) -> Response:
+        if request.query_params:
+            name = next(iter(request.query_params))
+            raise RequestError(f"unknown option {name!r}: a frame describes itself", 400, name)
+        if is_safetensors(request.headers.get("content-type")):
+            entries, _ = parse_body(body, (FRAME_DTYPE,))
+            results = await self._map("decode_batch", [(e.key, data) for e, data in entries])
+            tensors = [(meta.key, meta.dtype, meta.shape, raw) for raw, meta in results]
+            return Response(build_body(tensors), media_type=SAFETENSORS)
+        [(raw, meta)] = await self._call("decode_batch", [("body", np.frombuffer(body, dtype=np.uint8))])
+        headers = {"X-Fp8ray-Dtype": meta.dtype, "X-Fp8ray-Shape": ",".join(map(str, meta.shape)), "X-Fp8ray-Device": meta.device}
+        return Response(raw.tobytes(), media_type=OCTET_STREAM, headers=headers)
+
+    async def _alive_workers(self) -> int:
+        async def ping(index: int) -> bool:
+            handle = self._worker(index)
+            if handle is None:
+                return False
+            try:
+                await asyncio.wait_for(handle.info.remote(), HEALTH_TIMEOUT_S)
+                return True
+            except (RayActorError, ActorUnavailableError, GetTimeoutError, asyncio.TimeoutError):
+                self._handles.pop(index, None)
+                return False
+
+        return sum(await asyncio.gather(*(ping(i) for i in range(self.num_workers))))
+
+    async def _health(self, request: Request, body: bytes) -> Response:
+        alive = await self._alive_workers()
+        if not alive:
+            raise RequestError(f"none of the {self.num_workers} QuantWorkers answers", 503)
+        return JSONResponse({"status": "ok", "workers_alive": alive, "workers": self.num_workers})
+
+    async def _stats_body(self, request: Request, body: bytes) -> Response:
+        try:
+            counts = await serve.get_deployment_actor(STATS_ACTOR).snapshot.remote()
+        except (ValueError, RayActorError, ActorUnavailableError):  # being recreated
+            self._stats = None  # and this replica's handle to it with it
+            raise RequestError("the stats actor is restarting", 503) from None
+        return JSONResponse({**counts, "workers": self.num_workers, "workers_alive": await self._alive_workers()})
+
+    # --- Python handle API -------------------------------------------------------------
+
+    async def encode(self, tensor, **codec_options_kw) -> bytes:
+        """Encode a tensor (or a float16/float32 ndarray); returns the frame's bytes."""
+        if isinstance(tensor, np.ndarray):
+            tensor = torch.from_numpy(tensor)
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_NAMES:
+            raise TypeError(f"expected a bfloat16/float16/float32 tensor or array, got {getattr(tensor, 'dtype', type(tensor).__name__)}")
+        options = codec_options({k: str(v) for k, v in codec_options_kw.items()})
+        block = ("tensor", DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), tensor_to_bytes(tensor.detach().cpu()))
+        [(f, _)] = await self._call("encode_batch", [block], options)
+        return f.tobytes()
+
+    async def decode(self, frame) -> torch.Tensor:
+        """Decode a frame (bytes, memoryview or uint8 array); returns the tensor."""
+        [(raw, meta)] = await self._call("decode_batch", [("frame", np.frombuffer(frame, dtype=np.uint8))])
+        return bytes_to_tensor(raw, meta.dtype, meta.shape).clone()  # owns its memory
+
+
+def build_app(args: dict | None = None) -> serve.Application:
+    """The application: ``Fp8Service`` replicas and their shared ``QuantWorker`` pool.
+    ``args`` are :class:`ServiceOptions` fields (strings allowed, as from ``serve run``)."""
+    options = ServiceOptions.from_args(args)
+    worker_class = ray.remote(QuantWorker)
+    actors = [
+        DeploymentActorConfig(
+            name=f"{WORKER_PREFIX}{i}",
+            actor_class=worker_class,
+            init_kwargs={"threads": max(1, int(options.cpus_per_worker))},
+            actor_options={"num_cpus": options.cpus_per_worker, "num_gpus": options.gpus_per_worker},
+        )
+        for i in range(options.workers)
+    ]
+    actors.append(DeploymentActorConfig(name=STATS_ACTOR, actor_class=ray.remote(ServiceStats), actor_options={"num_cpus": 0}))
+    deployment = Fp8Service.options(deployment_actors=actors)
+    if options.replicas:
+        deployment = deployment.options(num_replicas=options.replicas)
+    return deployment.bind(options.workers, int(options.max_body_mb * 2**20))

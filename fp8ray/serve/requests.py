@@ -1,0 +1,91 @@
+"""What the service makes of a request, without Serve: options, layouts, bodies, and the
+HTTP status and JSON answer of every refusal. Tested on its own (tests/serve)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from ..codec import CodecOptions
+from ..codec.formats import DTYPES_BY_NAME
+from ..errors import (
+    BadInputError,
+    BlockError,
+    CorruptDataError,
+    NonFiniteError,
+    RequestError,
+    WorkerLostError,
+)
+
+OCTET_STREAM = "application/octet-stream"
+SAFETENSORS = "application/x-safetensors"
+# Codec options a request may set: all but the non-finite policy (a service never
+# stores NaN silently).
+REQUEST_OPTIONS = tuple(name for name in CodecOptions.names() if name != "nonfinite")
+
+
+def codec_options(params: Mapping[str, str], ignore: tuple[str, ...] = ()) -> CodecOptions:
+    """Codec options from query parameters (the default mode for those left out); an
+    unknown or bad one raises :class:`RequestError` 400 naming it."""
+    given = {name: value for name, value in params.items() if name not in ignore}
+    for name in given:
+        if name not in REQUEST_OPTIONS:
+            raise RequestError(f"unknown option {name!r}; expected one of {sorted((*REQUEST_OPTIONS, *ignore))}", 400, name)
+    try:
+        return CodecOptions.parse(given)
+    except BadInputError as exc:
+        raise RequestError(str(exc), 400, exc.field) from None
+
+
+def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[str, tuple[int, ...]]:
+    """The dtype and shape query parameters of a raw encode, checked against the body."""
+    names = sorted(DTYPES_BY_NAME)
+    if dtype is None:
+        raise RequestError(f"dtype is required; one of {names}", 400, "dtype")
+    dtype = dtype.removeprefix("torch.")
+    if dtype not in DTYPES_BY_NAME:
+        raise RequestError(f"unknown dtype {dtype!r}; expected one of {names}", 400, "dtype")
+    if shape is None:
+        raise RequestError("shape is required, as comma-separated sizes such as 2,30,256,192", 400, "shape")
+    try:
+        dims = tuple(int(d) for d in shape.split(",")) if shape.strip() else ()
+    except ValueError:
+        raise RequestError(f"shape {shape!r} is not comma-separated integers", 400, "shape") from None
+    if any(d < 0 for d in dims):
+        raise RequestError(f"shape {shape!r} has a negative size", 400, "shape")
+    expected = math.prod(dims) * DTYPES_BY_NAME[dtype].itemsize
+    if expected != body_bytes:
+        raise RequestError(f"shape {list(dims)} of {dtype} needs {expected} bytes but the body has {body_bytes}", 400, "shape")
+    return dtype, dims
+
+
+def split(items: list, parts: int) -> list[list]:
+    """``items`` in ``parts`` contiguous groups of near-equal count (order kept)."""
+    if not items:
+        raise RequestError("the safetensors body holds no tensors", 400, "body")
+    parts = max(1, min(parts, len(items)))
+    size = -(-len(items) // parts)
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def is_safetensors(content_type: str | None) -> bool:
+    return (content_type or "").split(";")[0].strip().lower() == SAFETENSORS
+
+
+def refusal(exc: BaseException) -> tuple[int, str, str | None] | None:
+    """``(status, message, field)`` of the answer to a request that raised ``exc``, or
+    ``None`` for an exception that is a bug (answered 500 without its details).
+
+    400: the request itself is malformed (options, layout, safetensors body). 422: a
+    block's data cannot be processed (non-finite values, a corrupt frame, a shape no
+    frame holds). 503: no worker answered.
+    """
+    if isinstance(exc, RequestError):
+        return exc.status, str(exc), exc.field
+    if isinstance(exc, WorkerLostError):
+        return 503, str(exc), None
+    if isinstance(exc, (NonFiniteError, CorruptDataError, BlockError)):
+        return 422, str(exc), "body"
+    if isinstance(exc, BadInputError):
+        return 400, str(exc), exc.field
+    return None

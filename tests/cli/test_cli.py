@@ -1,0 +1,89 @@
+"""The fp8ray command: exit codes, one-line errors, JSON reports (in-process, on the session Ray)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fp8ray.cli import main
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_compress_inspect_verify_decompress(kv_source, tmp_path, capsys):
+    src, tensors = kv_source
+    arch = tmp_path / "arch"
+    code, out, err = run(capsys, "compress", str(src), str(arch), "--scaling", "block", "--block-size", "64", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["blocks"] == len(tensors) and report["ratio"] > 1.7
+    code, out, _ = run(capsys, "inspect", str(arch))
+    assert code == 0 and f"{len(tensors)} blocks" in out and "e4m3fn, block 64" in out
+    code, out, _ = run(capsys, "verify", str(arch), "--against", str(src))
+    assert code == 0 and "ok; worst relative error" in out
+    code, out, err = run(capsys, "compress", str(src), str(arch))
+    assert code == 1 and err.count("\n") == 1 and "already holds an archive" in err
+    code, out, _ = run(capsys, "decompress", str(arch), str(tmp_path / "out.safetensors"))
+    assert code == 0 and (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_verify_of_a_damaged_archive_exits_non_zero_naming_the_block(kv_source, tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    src, _ = kv_source
+    arch = tmp_path / "arch"
+    assert run(capsys, "compress", str(src), str(arch))[0] == 0
+    part = sorted(arch.glob("part-*.parquet"))[0]
+    table = pq.read_table(part)
+    key, victim = table.column("key")[0].as_py(), table.column("frame")[0].as_py()
+    data = bytearray(part.read_bytes())
+    data[data.index(victim) + 40] ^= 0xFF
+    part.write_bytes(bytes(data))
+    code, _, err = run(capsys, "verify", str(arch))
+    assert code == 1 and f"block {key!r}" in err and "failed verification" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["compress", "/nonexistent/kv.safetensors", "/tmp/x"], "does not exist"),
+        (["inspect", "/nonexistent/archive"], "does not exist"),
+        (["verify", "/tmp"], "no _manifest.json"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 1
+    assert err.startswith("fp8ray: error: ") and message in err and err.count("\n") == 1
+
+
+def test_bad_option_is_rejected_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compress", "a", "b", "--scaling", "row"])
+    assert exc.value.code == 2 and "invalid choice: 'row'" in capsys.readouterr().err
+
+
+def test_a_missing_optional_extra_is_a_one_line_error(tmp_path):
+    """Without the models extra (transformers made unimportable here), `fp8ray capture`
+    says what to install, in one line, instead of a traceback."""
+    import subprocess
+    import sys
+
+    text = tmp_path / "t.txt"
+    text.write_text("a few words of text")
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "from fp8ray.cli import main\n"
+        f"sys.exit(main(['capture', '--out', {str(tmp_path / 'kv.safetensors')!r}, '--text', {str(text)!r}]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fp8ray: error: ") and "fp8ray[models,serve]" in lines[0], result.stderr

@@ -1,0 +1,152 @@
+"""The frame: every corruption is caught, every truncation refused, nothing over-allocated."""
+
+from __future__ import annotations
+
+import struct
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+from _util import SCALINGS, kv_like
+
+import fp8ray
+from fp8ray import CorruptFrameError, Fp8Codec
+from fp8ray.codec import frame, reference
+from fp8ray.codec.formats import FORMATS
+
+
+def small_frame(scaling="token", scale_dtype="float32") -> bytes:
+    codec = Fp8Codec("e4m3fn", scaling, block_size=5, scale_dtype=scale_dtype)
+    return bytes(codec.encode(kv_like((2, 3, 8), torch.bfloat16, seed=3)))
+
+
+# Every scaling with float32 scales, and the scaled ones with bfloat16 scales.
+LAYOUTS = [(s, "float32") for s in SCALINGS] + [(s, "bfloat16") for s in SCALINGS if s != "none"]
+
+
+def reseal(data: bytearray) -> bytearray:
+    data[-4:] = struct.pack("<I", crc32c.crc32c(bytes(data[:-4])))
+    return data
+
+
+def test_layout_matches_the_spec():
+    x = kv_like((2, 3, 8), torch.bfloat16)
+    f = bytes(Fp8Codec("e5m2", "block", block_size=5, scale_dtype="float32").encode(x))
+    magic, version, fmt, scaling, dtype, ndim, scale_dtype, reserved, block = struct.unpack("<4sBBBBBB2sI", f[:16])
+    assert (magic, version, fmt, scaling, dtype, ndim, scale_dtype, reserved, block) == (
+        b"FP8R", 1, 2, 4, 3, 3, 0, b"\0\0", 5
+    )
+    assert struct.unpack("<3Q", f[16:40]) == (2, 3, 8)
+    n_scales = -(-48 // 5)
+    assert len(f) == 40 + 4 * n_scales + 48 + 4
+    assert struct.unpack("<I", f[-4:])[0] == crc32c.crc32c(f[:-4])
+
+
+def test_bfloat16_scales_layout_matches_the_spec():
+    """Byte 9 is 1 and each scale takes 2 bytes: the top half of the fp32 scale the
+    reference computes (which has zero low bits)."""
+    x = kv_like((2, 3, 8), torch.bfloat16)
+    f = bytes(Fp8Codec("e4m3fn", "block", block_size=5, scale_dtype="bfloat16", scale_choice="amax").encode(x))
+    assert f[9] == 1 and f[10:12] == b"\0\0"
+    n_scales = -(-48 // 5)
+    assert len(f) == 40 + 2 * n_scales + 48 + 4
+    _, ref_scales, _ = reference.quantize(x, FORMATS["e4m3fn"], "block", 5, False, "bfloat16")
+    bits = ref_scales.numpy().view(np.uint32)
+    assert (bits & 0xFFFF == 0).all()
+    assert struct.unpack(f"<{n_scales}H", f[40 : 40 + 2 * n_scales]) == tuple(int(b) >> 16 for b in bits)
+
+
+def test_a_frame_built_from_the_spec_decodes():
+    """A frame assembled by hand from docs/FORMAT.md (the version-1 layout as first
+    written, reserved bytes zero) decodes to fp8 * scale: older frames read unchanged."""
+    codes = np.arange(0, 256, 16, dtype=np.uint8)  # 16 e4m3fn codes, NaN-free
+    scales = np.array([0.5, 3.0], dtype=np.float32)
+    body = struct.pack("<4sBBBBB3sI", b"FP8R", 1, 1, 3, 1, 2, b"\0\0\0", 0) + struct.pack("<2Q", 2, 8)
+    body += scales.tobytes() + codes.tobytes()
+    out = fp8ray.decode(body + struct.pack("<I", crc32c.crc32c(body)))
+    expected = torch.from_numpy(codes).view(torch.float8_e4m3fn).float().reshape(2, 8) * torch.from_numpy(scales)[:, None]
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("scaling, scale_dtype", LAYOUTS)
+def test_every_single_byte_corruption_is_detected(scaling, scale_dtype):
+    """Each byte of the frame replaced by each of several other values: always an error.
+
+    CRC-32C detects every burst of up to 32 bits, so no single-byte change can pass."""
+    good = small_frame(scaling, scale_dtype)
+    expected = fp8ray.decode(good)
+    for pos in range(len(good)):
+        for delta in (0x01, 0x80, 0xFF, 0x5A):
+            bad = bytearray(good)
+            bad[pos] ^= delta
+            try:
+                out = fp8ray.decode(bad)
+            except CorruptFrameError:
+                continue
+            assert torch.equal(out, expected), f"byte {pos} ^ {delta:#x} decoded to different data"
+            pytest.fail(f"byte {pos} ^ {delta:#x} went unnoticed")
+
+
+@pytest.mark.parametrize("scaling, scale_dtype", LAYOUTS)
+def test_truncation_at_every_length_is_refused(scaling, scale_dtype):
+    good = small_frame(scaling, scale_dtype)
+    for length in range(len(good)):
+        with pytest.raises(CorruptFrameError):
+            fp8ray.decode(good[:length])
+    with pytest.raises(CorruptFrameError, match="trailing bytes"):
+        fp8ray.decode(good + b"\0")
+
+
+def test_huge_shape_in_header_is_refused_before_allocation():
+    bad = bytearray(small_frame())
+    bad[16:24] = struct.pack("<Q", 2**60)  # a shape claiming an exabyte, correctly checksummed
+    with pytest.raises(CorruptFrameError, match=r"truncated: \d+ bytes, but its header .* implies"):
+        fp8ray.decode(reseal(bad))
+
+
+@pytest.mark.parametrize(
+    "offset, value, pattern",
+    [
+        (0, b"XXXX", "bad magic"),
+        (4, b"\x02", "unsupported frame version 2"),
+        (5, b"\x09", "unknown fp8 format code 9"),
+        (6, b"\x07", "unknown scaling code 7"),
+        (7, b"\x08", "unknown dtype code 8"),
+        (8, b"\xc8", "ndim 200 in frame header exceeds 64"),
+        (9, b"\x07", "unknown scale dtype code 7"),
+        (10, b"\x01", "reserved header bytes"),
+        (11, b"\x80", "reserved header bytes"),
+        (12, b"\x04", "block_size 4 is invalid for scaling 'token'"),
+    ],
+)
+def test_header_fields_are_validated_by_name(offset, value, pattern):
+    bad = bytearray(small_frame())
+    bad[offset : offset + len(value)] = value
+    with pytest.raises(CorruptFrameError, match=pattern):
+        fp8ray.decode(reseal(bad))
+
+
+def test_scale_dtype_under_scaling_none_is_refused():
+    bad = bytearray(small_frame("none"))
+    bad[9] = 1
+    with pytest.raises(CorruptFrameError, match="scale dtype 'bfloat16' is invalid for scaling 'none'"):
+        fp8ray.decode(reseal(bad))
+
+
+@pytest.mark.parametrize("scale_dtype, nan_bytes", [("float32", struct.pack("<f", float("nan"))), ("bfloat16", b"\xc0\x7f")])
+def test_nan_scale_is_refused_even_with_a_valid_checksum(scale_dtype, nan_bytes):
+    good = small_frame("token", scale_dtype)
+    bad = bytearray(good)
+    header = frame.parse(np.frombuffer(good, np.uint8))
+    second = header.scales_offset + len(nan_bytes)  # scale 1
+    bad[second : second + len(nan_bytes)] = nan_bytes
+    with pytest.raises(CorruptFrameError, match="scale 1 of the frame is nan"):
+        fp8ray.decode(reseal(bad))
+
+
+def test_non_bytes_like_is_a_type_error():
+    with pytest.raises(TypeError, match="a frame must be bytes-like, got int"):
+        fp8ray.decode(12)
+    with pytest.raises(TypeError, match="uint8"):
+        fp8ray.decode(np.zeros(30, dtype=np.float32))

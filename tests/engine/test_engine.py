@@ -1,0 +1,280 @@
+"""The Ray engine on a real local Ray: QuantPool, QuantWorker, archives, reliability."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fp8ray
+from fp8ray import Fp8Codec
+from fp8ray.errors import CorruptArchiveError
+from fp8ray.io.archive import read_manifest
+from fp8ray.errors import ArchiveExistsError
+from fp8ray.engine.archives import compress_archive, decompress_archive, verify_archive
+from fp8ray.engine.pool import QuantPool
+from fp8ray.errors import SourceError
+from fp8ray.io.paths import resolve
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+REPO = Path(__file__).resolve().parents[2]
+PART = 200_000  # bytes of input per part: several parts from the small sample
+
+
+def part_bytes(directory: Path) -> dict[str, str]:
+    """Each part's SHA-256: equal digests are equal bytes, and a failure prints briefly."""
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("part-*.parquet"))}
+
+
+def test_encode_many_and_decode_many_keep_order_and_bytes():
+    tensors = [torch.randn(3, 17, 64, dtype=dt) for dt in (torch.bfloat16, torch.float16, torch.float32)] * 7
+    codec = Fp8Codec("e4m3fn", "token")
+    with QuantPool(num_workers=2) as pool:
+        frames = pool.encode_many(tensors, batch_size=2, fp8="e4m3fn", scaling="token")
+        assert [bytes(f) for f in frames] == [bytes(codec.encode(t)) for t in tensors]
+        back = pool.decode_many(frames, batch_size=3)
+        assert all(torch.equal(b, fp8ray.decode(f)) for b, f in zip(back, frames))
+        info = pool.worker_info()
+    assert {i.device for i in info} == {"cpu"} and len({i.pid for i in info}) == 2
+
+
+def test_bad_block_fails_with_its_key():
+    tensors = [torch.ones(4, 8), torch.tensor([[1.0, float("nan")]])]
+    with QuantPool(num_workers=1) as pool, pytest.raises(ValueError, match=r"block '1': 1 non-finite value"):
+        pool.encode_many(tensors, batch_size=1)
+
+
+def test_compress_verify_decompress_round_trip(kv_source, tmp_path):
+    src, tensors = kv_source
+    arch = tmp_path / "arch"
+    report = compress_archive(str(src), str(arch), scaling="token", part_bytes=PART)
+    assert report.blocks == 12 and report.parts > 1
+    assert report.archive_bytes < report.raw_bytes * 0.6
+    manifest = read_manifest(*resolve(str(arch)))
+    assert manifest["blocks"] == 12 and manifest["codec"]["scaling"] == "token"
+    assert sorted(os.listdir(arch)) == ["_manifest.json", *sorted(p["name"] for p in manifest["parts"])]
+    # Readable without fp8ray, and every frame is the codec's own encoding of its block.
+    table = pq.read_table(arch)
+    assert table.num_rows == 12 and table.schema.field("frame").type == "large_binary"
+    codec = Fp8Codec("e4m3fn", "token")
+    for key, f in zip(table.column("key").to_pylist(), table.column("frame").to_pylist()):
+        assert f == bytes(codec.encode(tensors[key]))
+
+    verified = verify_archive(str(arch), against=str(src))
+    assert verified.ok, verified.errors
+    assert set(verified.metrics) == set(tensors)
+    assert all(0 < m["rel_fro"] < 0.05 and m["snr_db"] > 25 for m in verified.metrics.values())
+
+    out = tmp_path / "out.safetensors"
+    decompress_archive(str(arch), str(out))
+    back = load_file(str(out))
+    assert set(back) == set(tensors)
+    for key, t in tensors.items():
+        assert back[key].dtype == t.dtype and back[key].shape == t.shape
+        assert torch.equal(back[key], fp8ray.decode(codec.encode(t)))
+
+
+def test_scale_options_round_trip_through_an_archive(kv_source, tmp_path):
+    """bfloat16 scales and the scale search reach the workers, the frames and the manifest."""
+    src, tensors = kv_source
+    arch = tmp_path / "arch"
+    options = {"scaling": "block", "block_size": 32, "scale_dtype": "bfloat16", "scale_choice": "mse"}
+    compress_archive(str(src), str(arch), part_bytes=PART, **options)
+    assert read_manifest(*resolve(str(arch)))["codec"] == {"fp8": "e4m3fn", "nonfinite": "error", **options}
+    codec = Fp8Codec("e4m3fn", **options)
+    table = pq.read_table(arch)
+    for key, f in zip(table.column("key").to_pylist(), table.column("frame").to_pylist()):
+        assert f == bytes(codec.encode(tensors[key]))
+    decompress_archive(str(arch), str(tmp_path / "out.safetensors"))
+    back = load_file(str(tmp_path / "out.safetensors"))
+    for key, t in tensors.items():
+        assert torch.equal(back[key], fp8ray.decode(codec.encode(t)))
+
+
+def test_parts_are_identical_whatever_the_number_of_workers(kv_source, tmp_path):
+    src, _ = kv_source
+    compress_archive(str(src), str(tmp_path / "one"), workers=1, part_bytes=PART)
+    compress_archive(str(src), str(tmp_path / "two"), workers=2, part_bytes=PART)
+    one, two = part_bytes(tmp_path / "one"), part_bytes(tmp_path / "two")
+    assert len(one) > 1 and one == two
+    assert (tmp_path / "one/_manifest.json").read_bytes() == (tmp_path / "two/_manifest.json").read_bytes()
+
+
+def test_raw_block_parquet_source(tmp_path):
+    import pyarrow as pa
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((2, 8, 64)).astype(np.float32) for _ in range(5)]
+    table = pa.table(
+        {
+            "key": [f"b{i}" for i in range(5)],
+            "dtype": ["float32"] * 5,
+            "shape": [list(a.shape) for a in arrays],
+            "data": [a.tobytes() for a in arrays],
+        }
+    )
+    pq.write_table(table, tmp_path / "raw.parquet", row_group_size=2)  # shards read only their row groups
+    compress_archive(str(tmp_path / "raw.parquet"), str(tmp_path / "small-parts"), scaling="channel", part_bytes=1)
+    compress_archive(str(tmp_path / "raw.parquet"), str(tmp_path / "arch"), scaling="channel")
+    assert len(list((tmp_path / "small-parts").glob("part-*.parquet"))) == 5  # one block per part
+    assert pq.read_table(tmp_path / "small-parts").column("frame") == pq.read_table(tmp_path / "arch").column("frame")
+    decompress_archive(str(tmp_path / "arch"), str(tmp_path / "out.safetensors"))
+    back = load_file(str(tmp_path / "out.safetensors"))
+    codec = Fp8Codec("e4m3fn", "channel")
+    for i, a in enumerate(arrays):
+        assert torch.equal(back[f"b{i}"], fp8ray.decode(codec.encode(torch.from_numpy(a))))
+
+
+def test_flipped_byte_is_named_by_verify_and_refused_by_decompress(kv_source, tmp_path):
+    src, _ = kv_source
+    arch = tmp_path / "arch"
+    compress_archive(str(src), str(arch), part_bytes=PART)
+    part = sorted(arch.glob("part-*.parquet"))[1]
+    original = part.read_bytes()
+    table = pq.read_table(part)
+    victim_key = table.column("key")[1].as_py()
+    victim = table.column("frame")[1].as_py()
+    at = original.index(victim) + len(victim) // 2  # inside block 1's frame
+    damaged = bytearray(original)
+    damaged[at] ^= 0x10
+    part.write_bytes(bytes(damaged))
+    report = verify_archive(str(arch))
+    assert not report.ok
+    assert any(f"block {victim_key!r} in {part.name}" in e and "checksum" in e for e in report.errors), report.errors
+    with pytest.raises(CorruptArchiveError, match=part.name):
+        decompress_archive(str(arch), str(tmp_path / "out.safetensors"))
+    assert not (tmp_path / "out.safetensors").exists()
+    # Damage outside every frame (the Parquet footer's magic): the part is named.
+    outside = bytearray(original)
+    outside[-2] ^= 0x01
+    part.write_bytes(bytes(outside))
+    report = verify_archive(str(arch))
+    assert not report.ok and any(part.name in e for e in report.errors), report.errors
+
+
+def test_destination_and_source_errors(kv_source, tmp_path):
+    src, _ = kv_source
+    with pytest.raises(SourceError, match="does not exist"):
+        compress_archive(str(tmp_path / "missing.safetensors"), str(tmp_path / "a"))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(SourceError, match="unknown format"):
+        compress_archive(str(tmp_path / "notes.txt"), str(tmp_path / "a"))
+    compress_archive(str(src), str(tmp_path / "a"))
+    with pytest.raises(ArchiveExistsError, match="already holds an archive"):
+        compress_archive(str(src), str(tmp_path / "a"))
+    compress_archive(str(src), str(tmp_path / "a"), overwrite=True, scaling="block")
+    assert read_manifest(*resolve(str(tmp_path / "a")))["codec"]["scaling"] == "block"
+    with pytest.raises(CorruptArchiveError, match="no _manifest.json"):
+        verify_archive(str(tmp_path))
+    with pytest.raises(ValueError, match="unknown scaling"):
+        compress_archive(str(src), str(tmp_path / "b"), scaling="row")
+
+
+@pytest.fixture(scope="module")
+def long_source(tmp_path_factory):
+    """120 bf16 chunks of ~98 KB: 60 parts of two chunks, a job long enough to interrupt."""
+    from safetensors.torch import save_file
+
+    from fp8ray.eval.sample import sample_kv_chunk
+
+    tensors = {f"chunk{i:03d}": sample_kv_chunk(layers=2, tokens=64, seed=i) for i in range(120)}
+    path = tmp_path_factory.mktemp("long") / "kv.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+LONG_PART = 200_000
+
+
+def _quant_worker_pids() -> list[int]:
+    """PIDs of the QuantWorkers of this test session's Ray: descendants of this process
+    (the embedded Ray's raylet is our child), never another Ray's on the machine."""
+    import psutil
+
+    return sorted(
+        p.pid
+        for p in psutil.Process(os.getpid()).children(recursive=True)
+        if (_cmdline(p) or [""])[0].startswith("ray::QuantWorker")
+    )
+
+
+def _cmdline(p) -> list[str]:
+    import psutil
+
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def test_sigkill_of_a_worker_mid_job_gives_identical_output(long_source, tmp_path):
+    """One QuantWorker SIGKILLed once the job is under way: it is replaced, the shards it
+    held are resubmitted, and the archive is byte-identical to an undisturbed run."""
+    import threading
+
+    compress_archive(str(long_source), str(tmp_path / "clean"), part_bytes=LONG_PART)
+    faulty = tmp_path / "faulty"
+    killed: list[int] = []
+
+    def kill_one_when_started():
+        deadline = time.time() + 120
+        while time.time() < deadline and not killed:
+            if faulty.exists() and any(faulty.glob("_part-*.json")):
+                pids = _quant_worker_pids()
+                if pids:
+                    os.kill(pids[0], signal.SIGKILL)
+                    killed.append(pids[0])
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_one_when_started)
+    killer.start()
+    report = compress_archive(str(long_source), str(faulty), part_bytes=LONG_PART)
+    killer.join()
+    assert killed, "the job ended before a worker could be killed"
+    assert report.workers_replaced >= 1
+    assert part_bytes(faulty) == part_bytes(tmp_path / "clean")
+    assert (faulty / "_manifest.json").read_bytes() == (tmp_path / "clean/_manifest.json").read_bytes()
+
+
+@pytest.mark.slow
+def test_driver_killed_then_resume_is_byte_identical(long_source, tmp_path):
+    """The CLI driver SIGKILLed after some parts: no manifest; a plain rerun refuses; the
+    same command with --resume reuses the finished parts and ends byte-identical."""
+    import psutil
+
+    compress_archive(str(long_source), str(tmp_path / "clean"), part_bytes=LONG_PART)
+    arch = tmp_path / "resumed"
+    args = ["compress", str(long_source), str(arch), "--workers", "1", "--part-mb", str(LONG_PART / 2**20)]
+    cmd = [sys.executable, "-c", "import sys; from fp8ray.cli import main; sys.exit(main(sys.argv[1:]))", *args]
+    driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(arch.glob("_part-*.json"))) < 3 and driver.poll() is None:
+        time.sleep(0.005)
+    started = [driver.pid] + [c.pid for c in psutil.Process(driver.pid).children(recursive=True)]
+    for pid in started:  # the driver and the Ray it started, nothing else
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    driver.wait()
+    assert not (arch / "_manifest.json").exists(), "the driver finished before it could be killed"
+    finished = len(list(arch.glob("_part-*.json")))
+    assert finished >= 3
+    with pytest.raises(ArchiveExistsError, match="--resume"):
+        compress_archive(str(long_source), str(arch), part_bytes=LONG_PART)
+    report = compress_archive(str(long_source), str(arch), part_bytes=LONG_PART, resume=True)
+    assert report.parts_reused >= finished - 1  # a part renamed just before the kill may lack its sidecar
+    assert part_bytes(arch) == part_bytes(tmp_path / "clean")
+    assert sorted(os.listdir(arch)) == sorted(os.listdir(tmp_path / "clean"))
+    assert (arch / "_manifest.json").read_bytes() == (tmp_path / "clean/_manifest.json").read_bytes()

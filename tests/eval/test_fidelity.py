@@ -1,0 +1,208 @@
+"""fp8ray fidelity: closed-form errors of known perturbations, aggregation, the CLI.
+
+The archive is compressed (scaling none) from small integers, which e4m3fn holds
+exactly, so its decoded tensors D equal the compressed ones bit for bit. The ORIGINAL
+measured against is then c * D with a known factor c per key (per layer and K/V in the
+[2, L, T, H] block): y - x = (1 - c) D, so for c > 0
+
+    rel_fro = |1 - c| / c,   max_abs = |1 - c| max|D|,   snr_db = 20 log10(c / |1 - c|),   cosine = 1.
+
+The factors are powers of two or 1.5, and c * D stays a small integer or half-integer,
+so ORIGINAL is exact in bfloat16 too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fp8ray.cli import main
+from fp8ray.errors import MismatchError
+from fp8ray.eval.fidelity import DEFAULT_KEY_PATTERN, classify, fidelity_report
+from fp8ray.engine.archives import compress_archive
+
+LAYERS = 3
+PER_KEY = {"layer00.k": 2.0, "layer00.v": 0.5, "layer01.k": 1.5, "layer01.v": 4.0}
+# Block factors, [K/V, layer]: every (kind, layer) slice its own factor.
+BLOCK_FACTORS = torch.tensor([[2.0, 0.5, 1.5], [4.0, 0.25, 2.0]])
+OTHER_FACTOR = 0.5
+
+
+def decoded_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    ints = lambda *shape: torch.randint(-8, 9, shape, generator=g).to(torch.bfloat16)  # noqa: E731
+    tensors = {key: ints(2, 8, 16) for key in PER_KEY}  # [kv_heads, tokens, head_dim]
+    tensors["chunk-0001"] = ints(2, LAYERS, 4, 16)  # an LMCache block [2, L, T, H]
+    tensors["misc"] = ints(5, 7)  # neither: the total only
+    return tensors
+
+
+def perturbed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {key: (t.double() * PER_KEY[key]).to(torch.bfloat16) for key, t in tensors.items() if key in PER_KEY}
+    out["chunk-0001"] = (tensors["chunk-0001"].double() * BLOCK_FACTORS.double()[:, :, None, None]).to(torch.bfloat16)
+    out["misc"] = (tensors["misc"].double() * OTHER_FACTOR).to(torch.bfloat16)
+    for key in out:  # exact: the factors only shift or add one bit
+        assert torch.equal(out[key].double(), tensors[key].double() * _factor_tensor(key, tensors[key]))
+    return out
+
+
+def _factor_tensor(key: str, t: torch.Tensor) -> torch.Tensor:
+    if key == "chunk-0001":
+        return BLOCK_FACTORS.double()[:, :, None, None].expand(t.shape)
+    return torch.full(t.shape, PER_KEY.get(key, OTHER_FACTOR), dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory, ray_session):
+    root = tmp_path_factory.mktemp("fidelity")
+    tensors = decoded_tensors()
+    save_file(tensors, str(root / "exact.safetensors"))
+    save_file(perturbed(tensors), str(root / "perturbed.safetensors"))
+    compress_archive(str(root / "exact.safetensors"), str(root / "arch"), scaling="none")
+    return root, tensors
+
+
+def direct(x_parts: list[torch.Tensor], y_parts: list[torch.Tensor]) -> dict:
+    """The metrics over the concatenation of all elements, straight from their definitions."""
+    x = torch.cat([p.double().reshape(-1) for p in x_parts])
+    y = torch.cat([p.double().reshape(-1) for p in y_parts])
+    err = torch.linalg.vector_norm(y - x)
+    ref = torch.linalg.vector_norm(x)
+    return {
+        "rel_fro": float(err / ref),
+        "max_abs": float((y - x).abs().max()),
+        "snr_db": float(20 * torch.log10(ref / err)),
+        "cosine": float(torch.nn.functional.cosine_similarity(x, y, dim=0, eps=0.0)),
+        "elements": x.numel(),
+    }
+
+
+def assert_metrics(actual: dict, expected: dict) -> None:
+    assert actual["elements"] == expected["elements"]
+    assert actual["max_abs"] == expected["max_abs"]  # differences of exact values are exact
+    for name in ("rel_fro", "snr_db", "cosine"):
+        assert actual[name] == pytest.approx(expected[name], rel=1e-12, abs=1e-12), name
+
+
+def test_exact_round_trip_has_no_error(stores):
+    root, tensors = stores
+    report = fidelity_report(str(root / "exact.safetensors"), str(root / "arch"))
+    assert set(report.keys) == set(tensors)
+    groups = [report.total, *report.kv.values(), *report.keys.values()]
+    groups += [m for by_layer in report.layers.values() for m in by_layer.values()]
+    for m in groups:
+        assert m["rel_fro"] == 0.0 and m["max_abs"] == 0.0 and m["snr_db"] == math.inf and m["cosine"] == 1.0
+
+
+def test_known_perturbation_matches_closed_form(stores):
+    root, tensors = stores
+    report = fidelity_report(str(root / "perturbed.safetensors"), str(root / "arch"))
+    for key, c in [*PER_KEY.items(), ("misc", OTHER_FACTOR)]:
+        m = report.keys[key]
+        assert m["rel_fro"] == pytest.approx(abs(1 - c) / c, rel=1e-12)
+        assert m["max_abs"] == abs(1 - c) * float(tensors[key].double().abs().max())
+        assert m["snr_db"] == pytest.approx(20 * math.log10(c / abs(1 - c)), rel=1e-12)
+        assert m["cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert report.keys["layer01.k"]["kv"] == "k" and report.keys["layer01.k"]["layer"] == 1
+    assert report.keys["chunk-0001"]["layout"] == "block" and report.unsplit == ["misc"]
+
+
+def test_aggregates_by_kv_and_layer_equal_a_direct_computation(stores):
+    root, tensors = stores
+    original = perturbed(tensors)
+    report = fidelity_report(str(root / "perturbed.safetensors"), str(root / "arch"))
+    kind_index = {"k": 0, "v": 1}
+    for kind in ("k", "v"):
+        all_x, all_y = [], []
+        assert sorted(report.layers[kind]) == list(range(LAYERS))
+        for layer in range(LAYERS):
+            key = f"layer{layer:02d}.{kind}"
+            x = [original["chunk-0001"][kind_index[kind], layer]] + ([original[key]] if key in original else [])
+            y = [tensors["chunk-0001"][kind_index[kind], layer]] + ([tensors[key]] if key in tensors else [])
+            assert_metrics(report.layers[kind][layer], direct(x, y))
+            all_x += x
+            all_y += y
+        assert_metrics(report.kv[kind], direct(all_x, all_y))
+    # The total is over every element, "misc" included; not a mean of the per-key ratios.
+    keys = sorted(tensors)
+    expected_total = direct([original[k] for k in keys], [tensors[k] for k in keys])
+    assert_metrics(report.total, expected_total)
+    mean_of_ratios = sum(report.keys[k]["rel_fro"] for k in keys) / len(keys)
+    assert abs(mean_of_ratios - expected_total["rel_fro"]) > 1e-3  # the two differ here, so the test can tell
+
+
+def test_block_split_uses_first_dim_as_kv_and_second_as_layer(stores):
+    root, tensors = stores
+    report = fidelity_report(str(root / "perturbed.safetensors"), str(root / "arch"))
+    # Layer 2 exists only in the block: its K error is the block's K factor for layer 2.
+    for kind, row in (("k", 0), ("v", 1)):
+        c = float(BLOCK_FACTORS[row, 2])
+        assert report.layers[kind][2]["rel_fro"] == pytest.approx(abs(1 - c) / c, rel=1e-12)
+
+
+def test_classify_and_key_patterns():
+    pattern = re.compile(DEFAULT_KEY_PATTERN, re.IGNORECASE)
+    assert classify("layer07.k", (8, 256, 64), pattern) == ("kv", "k", 7)
+    assert classify("model.layer_12-V", (8, 256, 64), pattern) == ("kv", "v", 12)
+    assert classify("cache/layers.3.value", (8, 256, 64), pattern) == ("kv", "v", 3)
+    assert classify("player07.k", (8, 256, 64), pattern) == ("other", None, None)
+    assert classify("chunk", (2, 30, 256, 192), pattern) == ("block", None, None)
+    assert classify("chunk", (3, 30, 256, 192), pattern) == ("other", None, None)
+    custom = re.compile(r"past\.(?P<layer>\d+)\.(?P<kv>key|value)$", re.IGNORECASE)
+    assert classify("past.4.key", (1, 2, 3), custom) == ("kv", "k", 4)
+
+
+def test_bad_key_pattern_is_refused(stores):
+    root, _ = stores
+    with pytest.raises(ValueError, match="named groups"):
+        fidelity_report(str(root / "exact.safetensors"), str(root / "arch"), key_pattern=r"layer(\d+)")
+
+
+def test_cli_json_and_plot(stores, tmp_path, capsys):
+    root, _ = stores
+    png = tmp_path / "layers.png"
+    code = main(["fidelity", str(root / "perturbed.safetensors"), str(root / "arch"), "--json", "--plot", str(png)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    data = json.loads(out)
+    expected = fidelity_report(str(root / "perturbed.safetensors"), str(root / "arch"))
+    assert data["total"] == expected.total
+    assert set(data["layers"]["k"]) == {"0", "1", "2"} and data["keys"]["misc"]["layout"] == "other"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_cli_text_and_infinite_snr_in_json(stores, capsys):
+    root, _ = stores
+    assert main(["fidelity", str(root / "exact.safetensors"), str(root / "arch"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"non-standard JSON {name}"))
+    assert data["total"]["snr_db"] == "inf" and data["total"]["rel_fro"] == 0.0
+    assert main(["fidelity", str(root / "perturbed.safetensors"), str(root / "arch")]) == 0
+    out = capsys.readouterr().out
+    assert "K all" in out and "V all" in out and "total" in out
+
+
+def test_missing_keys_are_named(stores, tmp_path, capsys):
+    root, tensors = stores
+    other = dict(tensors)
+    del other["misc"]
+    other["extra"] = torch.zeros(3, dtype=torch.bfloat16)
+    save_file(other, str(tmp_path / "other.safetensors"))
+    with pytest.raises(MismatchError, match=r"missing from .*other\.safetensors: 'misc'; .* missing from archive .*: 'extra'"):
+        fidelity_report(str(tmp_path / "other.safetensors"), str(root / "arch"))
+    code = main(["fidelity", str(tmp_path / "other.safetensors"), str(root / "arch")])
+    _, err = capsys.readouterr()
+    assert code == 1 and err.count("\n") == 1 and err.startswith("fp8ray: error:") and "'extra'" in err
+
+
+def test_shape_mismatch_is_named(stores, tmp_path):
+    root, tensors = stores
+    other = dict(tensors)
+    other["misc"] = torch.zeros(7, 5, dtype=torch.bfloat16)
+    save_file(other, str(tmp_path / "reshaped.safetensors"))
+    with pytest.raises(MismatchError, match=r"key 'misc': the archive holds \[5, 7\] bfloat16"):
+        fidelity_report(str(tmp_path / "reshaped.safetensors"), str(root / "arch"))

@@ -1,0 +1,344 @@
+"""The Ray Serve service over real HTTP on 127.0.0.1, and through its Python handle."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from fp8ray import Fp8Codec, decode
+from fp8ray.codec import CodecOptions
+from fp8ray.io.safetensors import build_body as build_safetensors
+from fp8ray.io.safetensors import parse_body
+from fp8ray.eval.sample import sample_kv_chunk
+from fp8ray.io.blocks import tensor_to_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_BODY_MB = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def digest(data) -> str:
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def service(ray_session):
+    """One Serve app on the session Ray: 2 QuantWorkers, answering on 127.0.0.1."""
+    from ray import serve
+
+    from fp8ray.serve import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    handle = serve.run(build_app({"workers": 2, "max_body_mb": MAX_BODY_MB}), name="fp8ray", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    with httpx.Client(base_url=url, timeout=120) as client:
+        yield client, handle
+    serve.shutdown()
+
+
+def service_codec(**given) -> Fp8Codec:
+    """The codec the service uses for these request options (strings, as in a query):
+    the default mode, each option given overriding only itself."""
+    return Fp8Codec(options=CodecOptions.parse(given))
+
+
+def parse_safetensors(body: bytes, allowed: tuple[str, ...]) -> tuple[list, dict]:
+    """``(key, dtype, shape, bytes)`` of each tensor of a safetensors body, and its metadata."""
+    entries, metadata = parse_body(body, allowed)
+    return [(e.key, e.fp8ray_dtype, e.shape, data) for e, data in entries], metadata
+
+
+def encode_params(t: torch.Tensor, **options) -> dict:
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": ",".join(map(str, t.shape)), **options}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"fp8": "e5m2", "scaling": "token"},
+        {"scaling": "block", "block_size": "32", "scale_dtype": "bfloat16", "scale_choice": "mse"},
+    ],
+)
+def test_http_round_trip_equals_the_codec(service, dtype, options):
+    client, _ = service
+    t = sample_kv_chunk(layers=2, tokens=32, seed=3, dtype=dtype)
+    expected = service_codec(**options).encode(t)
+    r = client.post("/v1/encode", params=encode_params(t, **options), content=tensor_to_bytes(t).tobytes())
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/octet-stream"
+    assert digest(r.content) == digest(expected)
+    back = client.post("/v1/decode", content=r.content)
+    assert back.status_code == 200, back.text
+    assert back.headers["x-fp8ray-dtype"] == str(dtype).removeprefix("torch.")
+    assert back.headers["x-fp8ray-shape"] == ",".join(map(str, t.shape))
+    assert digest(back.content) == digest(tensor_to_bytes(decode(expected)))
+
+
+def test_safetensors_bodies_carry_many_blocks(service):
+    client, _ = service
+    blocks = {f"chunk{i}": sample_kv_chunk(layers=2, tokens=16, seed=i, dtype=dt) for i, dt in enumerate([torch.bfloat16, torch.float16, torch.float32] * 2)}
+    body = build_safetensors([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_to_bytes(t)) for k, t in blocks.items()])
+    r = client.post("/v1/encode", params={"scaling": "token"}, content=body, headers={"Content-Type": "application/x-safetensors"})
+    assert r.status_code == 200, r.text
+    frames, metadata = parse_safetensors(r.content, ("U8",))
+    assert metadata == {"fp8ray": "frames"} and [k for k, *_ in frames] == list(blocks)
+    codec = service_codec(scaling="token")
+    for key, dtype, shape, data in frames:
+        assert dtype == "uint8" and digest(data) == digest(codec.encode(blocks[key])), key
+    back = client.post("/v1/decode", content=r.content, headers={"Content-Type": "application/x-safetensors"})
+    assert back.status_code == 200, back.text
+    tensors, _ = parse_safetensors(back.content, ("BF16", "F16", "F32"))
+    assert [k for k, *_ in tensors] == list(blocks)
+    for key, dtype, shape, data in tensors:
+        expected = decode(codec.encode(blocks[key]))
+        assert (dtype, shape) == (str(expected.dtype).removeprefix("torch."), tuple(expected.shape))
+        assert digest(data) == digest(tensor_to_bytes(expected)), key
+
+
+def test_python_handle_returns_what_the_codec_returns(service):
+    _, handle = service
+    t = sample_kv_chunk(layers=1, tokens=16, seed=5)
+    frame = handle.encode.remote(t, fp8="e4m3fn", scaling="channel").result()
+    assert isinstance(frame, bytes) and digest(frame) == digest(Fp8Codec(scaling="channel").encode(t))
+    default = handle.encode.remote(t).result()  # no option: the KV default mode
+    assert digest(default) == digest(Fp8Codec("e4m3fn", "block", 32, scale_dtype="bfloat16", scale_choice="mse").encode(t))
+    back = handle.decode.remote(frame).result()
+    assert torch.equal(back, decode(frame))
+    empty = torch.empty(3, 0, 8, dtype=torch.float16)
+    back_empty = handle.decode.remote(handle.encode.remote(empty).result()).result()
+    assert back_empty.dtype == torch.float16 and back_empty.shape == (3, 0, 8)
+    as_array = handle.encode.remote(t.float().numpy()).result()
+    assert digest(as_array) == digest(service_codec().encode(t.float()))
+    with pytest.raises(Exception, match="unknown scaling"):
+        handle.encode.remote(t, scaling="sideways").result()
+
+
+def error_of(r: httpx.Response) -> dict:
+    assert r.headers["content-type"] == "application/json", r.text
+    return r.json()
+
+
+@pytest.mark.parametrize(
+    "params, body_len, field",
+    [
+        ({"dtype": "int7", "shape": "4"}, 8, "dtype"),
+        ({"shape": "4"}, 8, "dtype"),
+        ({"dtype": "bfloat16", "shape": "4,4"}, 8, "shape"),
+        ({"dtype": "bfloat16", "shape": "4,x"}, 8, "shape"),
+        ({"dtype": "bfloat16"}, 8, "shape"),
+        ({"dtype": "bfloat16", "shape": "4", "colour": "red"}, 8, "colour"),
+        ({"dtype": "bfloat16", "shape": "4", "scaling": "sideways"}, 8, "scaling"),
+        ({"dtype": "bfloat16", "shape": "4", "fp8": "e3m4"}, 8, "fp8"),
+        ({"dtype": "bfloat16", "shape": "4", "block_size": "0"}, 8, "block_size"),
+        ({"dtype": "bfloat16", "shape": "4", "scale_dtype": "float8"}, 8, "scale_dtype"),
+        ({"dtype": "bfloat16", "shape": "4", "scaling": "tensor", "scale_choice": "mse"}, 8, "scale_choice"),  # needs token or block
+    ],
+)
+def test_bad_encode_requests_answer_400_naming_the_field(service, params, body_len, field):
+    client, _ = service
+    r = client.post("/v1/encode", params=params, content=b"\0" * body_len)
+    assert r.status_code == 400
+    assert error_of(r)["field"] == field
+
+
+def test_corrupt_and_truncated_frames_answer_422(service):
+    client, _ = service
+    frame = bytearray(Fp8Codec().encode(torch.randn(64, 64)))
+    for bad in (bytes(frame[:-1]), bytes(frame[:10]), b"", b"garbage!" * 8):
+        r = client.post("/v1/decode", content=bad)
+        assert r.status_code == 422, (len(bad), r.text)
+    frame[200] ^= 0x10
+    r = client.post("/v1/decode", content=bytes(frame))
+    assert r.status_code == 422 and "checksum" in error_of(r)["error"].lower()
+
+
+def test_non_finite_input_and_bad_safetensors_are_refused(service):
+    client, _ = service
+    t = torch.ones(4, 8)
+    t[1, 2] = float("nan")
+    r = client.post("/v1/encode", params=encode_params(t), content=tensor_to_bytes(t).tobytes())
+    assert r.status_code == 422 and "non-finite" in error_of(r)["error"]
+    st = {"Content-Type": "application/x-safetensors"}
+    assert client.post("/v1/encode", content=b"\x10\0\0\0\0\0\0\0{not json}", headers=st).status_code == 400
+    frames = build_safetensors([("a", "float32", (2,), np.zeros(2, np.float32).view(np.uint8))])
+    r = client.post("/v1/decode", content=frames, headers=st)
+    assert r.status_code == 400 and error_of(r)["field"] == "a"
+    r = client.post("/v1/encode", params={"dtype": "float32"}, content=frames, headers=st)
+    assert r.status_code == 400 and error_of(r)["field"] == "dtype"
+    for route in ("/v1/encode", "/v1/decode"):  # a safetensors body with no tensors
+        r = client.post(route, content=build_safetensors([]), headers=st)
+        assert r.status_code == 400 and "no tensors" in error_of(r)["error"]
+
+
+def test_body_over_the_limit_answers_413_before_it_is_read(service):
+    client, _ = service
+    limit = MAX_BODY_MB * 2**20
+    # Declared too long: answered from the header alone; the client sends the body anyway.
+    r = client.post("/v1/encode", params={"dtype": "bfloat16", "shape": str(limit)}, content=b"\0" * (limit + 2))
+    assert r.status_code == 413 and error_of(r)["field"] == "body"
+
+    # Chunked with no length: refused once the running total passes the limit.
+    def chunks():
+        for _ in range(MAX_BODY_MB + 1):
+            yield b"\0" * 2**20
+
+    r = client.post("/v1/encode", params={"dtype": "bfloat16", "shape": "1"}, content=chunks())
+    assert r.status_code == 413
+
+
+def test_health_stats_and_prometheus_metrics(service, ray_session):
+    client, _ = service
+    r = client.get("/healthz")
+    assert r.status_code == 200 and r.json()["workers_alive"] == 2
+    before = client.get("/v1/stats").json()
+    t = torch.randn(8, 64)
+    body = tensor_to_bytes(t).tobytes()
+    ok = client.post("/v1/encode", params=encode_params(t), content=body)
+    bad = client.post("/v1/encode", params={"dtype": "float32", "shape": "3"}, content=body)
+    assert (ok.status_code, bad.status_code) == (200, 400)
+    deadline = time.monotonic() + 10
+    while True:  # replicas report counters without waiting for them
+        after = client.get("/v1/stats").json()
+        if after["requests"] >= before["requests"] + 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert after["requests"] - before["requests"] >= 3  # two posts and the stats read before
+    assert after["errors"] - before["errors"] == 1
+    assert after["bytes_in"] - before["bytes_in"] == 2 * len(body)
+    assert after["bytes_out"] - before["bytes_out"] >= len(ok.content) + len(bad.content)
+    assert after["workers"] == 2
+
+    port = ray_session.nodes()[0]["MetricsExportPort"]
+    names = ("fp8ray_serve_requests", "fp8ray_serve_errors", "fp8ray_serve_bytes", "fp8ray_serve_latency_seconds_bucket")
+    deadline = time.monotonic() + 60
+    text = ""
+    while not all(n in text for n in names) and time.monotonic() < deadline:
+        time.sleep(2)  # metrics are exported every few seconds
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for name in names:
+        assert name in text, name
+    assert 'status="400"' in text
+
+
+async def _load(url: str, clients: int, requests: int, blocks: list[tuple[dict, bytes, str]], kill=None) -> dict:
+    """``clients`` concurrent clients, ``requests`` each; every answer checked against the
+    codec's own frame. Returns counts of each outcome."""
+    outcome = {"ok": 0, "503": 0, "wrong": 0, "other": 0}
+
+    async def client_loop(c: int):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            for i in range(requests):
+                params, body, expected = blocks[(c + i) % len(blocks)]
+                r = await client.post("/v1/encode", params=params, content=body)
+                if r.status_code == 200:
+                    outcome["ok" if digest(r.content) == expected else "wrong"] += 1
+                elif r.status_code == 503:
+                    outcome["503"] += 1
+                else:
+                    outcome["other"] += 1
+                if kill is not None and c == 0 and i == requests // 4:
+                    kill()
+
+    await asyncio.gather(*(client_loop(c) for c in range(clients)))
+    return outcome
+
+
+def one_mib_blocks(n: int) -> list[tuple[dict, bytes, str]]:
+    codec = service_codec(scaling="token")
+    out = []
+    for seed in range(n):
+        t = torch.randn(8, 256, 256, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)  # 1 MiB
+        out.append((encode_params(t, scaling="token"), tensor_to_bytes(t).tobytes(), digest(codec.encode(t))))
+    return out
+
+
+@pytest.mark.slow
+def test_load_16_clients_50_requests_of_1_mib(service):
+    client, _ = service
+    outcome = asyncio.run(_load(str(client.base_url), clients=16, requests=50, blocks=one_mib_blocks(8)))
+    assert outcome == {"ok": 800, "503": 0, "wrong": 0, "other": 0}
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_worker_under_load_gives_no_wrong_answer(service, ray_session):
+    client, _ = service
+    victim = serve_worker_info(ray_session)[0].pid
+    retries_before = client.get("/v1/stats").json()["retries"]
+    outcome = asyncio.run(
+        _load(str(client.base_url), clients=8, requests=20, blocks=one_mib_blocks(4), kill=lambda: os.kill(victim, signal.SIGKILL))
+    )
+    assert outcome["wrong"] == 0 and outcome["other"] == 0, outcome
+    assert outcome["ok"] + outcome["503"] == 160 and outcome["ok"] >= 80, outcome
+    # The controller recreates the worker; the service answers again with both.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = client.get("/healthz")
+        if r.status_code == 200 and r.json()["workers_alive"] == 2:
+            break
+        time.sleep(1)
+    assert r.status_code == 200 and r.json()["workers_alive"] == 2, r.text
+    assert victim not in {i.pid for i in serve_worker_info(ray_session)}
+    assert client.get("/v1/stats").json()["retries"] > retries_before  # the retry path ran
+    params, body, expected = one_mib_blocks(1)[0]
+    r = client.post("/v1/encode", params=params, content=body)
+    assert r.status_code == 200 and digest(r.content) == expected
+
+
+def serve_worker_info(ray) -> list[dict]:
+    """``info()`` of each QuantWorker of the app, found by name as a replica would."""
+    from ray.util import list_named_actors
+
+    names = [a for a in list_named_actors(all_namespaces=True) if "quant-worker-" in a["name"]]
+    return [ray.get(ray.get_actor(a["name"], namespace=a["namespace"]).info.remote()) for a in names]
+
+
+@pytest.mark.slow
+def test_fp8ray_serve_command_serves_until_sigterm(tmp_path):
+    """`fp8ray serve` starts its own Ray, answers on 127.0.0.1, and on SIGTERM shuts
+    down cleanly (exit 0, port closed)."""
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fp8ray.cli", "serve", "--port", str(port), "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while "listening on" not in (tmp_path / "serve.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        t = torch.randn(4, 64)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/encode", params=encode_params(t), content=tensor_to_bytes(t).tobytes(), timeout=60)
+        assert r.status_code == 200 and digest(r.content) == digest(service_codec().encode(t))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # only the group this test started
+        log.close()
+    assert "shutting down" in (tmp_path / "serve.log").read_text()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
