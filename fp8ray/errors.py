@@ -134,3 +134,16 @@ class RequestError(Fp8rayError, ValueError):
 
     def __reduce__(self):
         return type(self), (str(self), self.status, self.field)
+
+
+def block_error(key: str, exc: Exception, where: str = "") -> Exception:
+    """The error to raise when block ``key`` failed with ``exc``: fp8ray's own class kept,
+    with the key in front of its message; any other ``ValueError``, ``TypeError`` or
+    ``OSError`` becomes a :class:`BlockError`."""
+    message = f"block {key!r}{where}: {exc}"
+    if isinstance(exc, Fp8rayError):
+        try:
+            return type(exc)(message)
+        except TypeError:  # a class with a richer constructor
+            pass
+    return BlockError(message, field=key)

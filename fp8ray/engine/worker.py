@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import numpy as np
 import ray
@@ -22,13 +21,13 @@ import torch
 
 from ..codec import CodecOptions, Fp8Codec, decode, frame
 from ..codec.formats import DTYPE_NAMES, DTYPES, DTYPES_BY_NAME, FORMATS, SCALINGS
-from ..codec.lmcache import Fp8QuantizationDeserializer, Fp8QuantizationSerializer
 from ..codec.metrics import error_metrics
-from ..errors import BlockError, Fp8rayError
+from ..errors import block_error
 from ..io import archive
 from ..io.blocks import BlockRef, bytes_to_tensor, read_blocks, tensor_to_bytes
 from ..io.lmcache_store import Layout
 from ..io.paths import resolve
+from .store_files import ConvertedFile, convert_files
 
 
 @dataclass(frozen=True)
@@ -71,15 +70,6 @@ class VerifyResult:
     metrics: dict[str, dict] = field(default_factory=dict)  # key -> error metrics, with --against
 
 
-@dataclass(frozen=True)
-class ConvertedFile:
-    """One LMCache chunk file converted: its name and sizes."""
-
-    name: str
-    bytes_in: int
-    bytes_out: int
-
-
 def _load_kernels() -> None:
     """Compile (or load from numba's cache) every CPU kernel once, at actor start, so
     that a job's first shards do not pay for it (about 1 s for all of them)."""
@@ -91,18 +81,6 @@ def _load_kernels() -> None:
             for scaling in ("token", "block"):  # the scale search, with bfloat16 scales
                 options = CodecOptions(fp8=fmt, scaling=scaling, block_size=4, scale_dtype="bfloat16", scale_choice="mse")
                 decode(Fp8Codec(options=options).encode(torch.ones(2, 4, dtype=dtype)))
-
-
-def _block_failure(key: str, exc: Exception, where: str = "") -> Exception:
-    """The error to raise for a block: fp8ray's own class kept (with the key in front),
-    any other ``ValueError``/``TypeError`` of the codec as a :class:`BlockError`."""
-    message = f"block {key!r}{where}: {exc}"
-    if isinstance(exc, Fp8rayError):
-        try:
-            return type(exc)(message)
-        except TypeError:  # a class with a richer constructor
-            pass
-    return BlockError(message, field=key)
 
 
 class QuantWorker:
@@ -135,7 +113,7 @@ class QuantWorker:
                 tensor = tensor.cuda()
             f = np.frombuffer(codec.encode(tensor, out=out), dtype=np.uint8)
         except (ValueError, TypeError, RuntimeError) as exc:
-            raise _block_failure(key, exc) from exc
+            raise block_error(key, exc) from exc
         return f, BlockMeta(key, dtype, tuple(shape), self.device, int(data.size), int(f.size))
 
     def encode_batch(self, blocks: list[tuple], options: CodecOptions) -> list[tuple[np.ndarray, BlockMeta]]:
@@ -150,7 +128,7 @@ class QuantWorker:
             try:
                 tensor = decode(f, device=self.device).cpu()
             except (ValueError, TypeError) as exc:
-                raise _block_failure(key, exc) from exc
+                raise block_error(key, exc) from exc
             raw = tensor_to_bytes(tensor)
             out.append((raw, BlockMeta(key, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), self.device, raw.size, len(f))))
         return out
@@ -180,7 +158,7 @@ class QuantWorker:
             try:
                 tensor = decode(f)
             except (ValueError, TypeError) as exc:
-                raise _block_failure(key, exc, f" in {part['name']}") from exc
+                raise block_error(key, exc, f" in {part['name']}") from exc
             out.append((key, tensor_to_bytes(tensor)))
         return out
 
@@ -231,35 +209,9 @@ class QuantWorker:
         return result
 
     def convert_store_files(self, mode: str, source: str, scratch: str, names: list[str], layout: Layout, fp8: str) -> list[ConvertedFile]:
-        """Convert LMCache chunk files from ``source`` into ``scratch`` (see
-        :mod:`fp8ray.engine.stores`): ``"compress"`` from the layout's dtype to LMCache's
-        plain fp8 bytes, ``"decompress"`` back. A file that fails raises, naming it."""
-        dtype = DTYPES_BY_NAME[layout.dtype]
-        serializer = Fp8QuantizationSerializer(fp8) if mode == "compress" else None
-        deserializer = Fp8QuantizationDeserializer(fp8) if mode == "decompress" else None
-        expected = layout.raw_bytes if mode == "compress" else layout.numel
-        done = []
-        for name in names:
-            try:
-                data = bytearray(expected)
-                with open(os.path.join(source, name), "rb") as f:
-                    size = f.readinto(data) + len(f.read(1))
-                if size != expected:  # changed since the scan
-                    raise ValueError(f"{'fewer' if size < expected else 'more'} bytes than the layout's {expected}")
-                raw = torch.frombuffer(data, dtype=torch.uint8)
-                if serializer is not None:
-                    dst = torch.empty(layout.numel, dtype=torch.uint8)
-                    serializer.serialize(SimpleNamespace(tensor=raw.view(dtype).reshape(layout.shape)), SimpleNamespace(tensor=dst))
-                else:
-                    dst = torch.empty(layout.shape, dtype=dtype)
-                    deserializer.deserialize(SimpleNamespace(tensor=raw), SimpleNamespace(tensor=dst))
-                payload = dst.reshape(-1).view(torch.uint8).numpy()
-                with open(os.path.join(scratch, name), "wb") as f:
-                    f.write(memoryview(payload))
-            except (ValueError, TypeError, OSError) as exc:
-                raise _block_failure(name, exc, f" ({mode} of {os.path.join(source, name)})") from exc
-            done.append(ConvertedFile(name, len(data), int(payload.size)))
-        return done
+        """Convert LMCache chunk files from ``source`` into ``scratch``: the job of
+        :mod:`fp8ray.engine.stores`, done by :func:`fp8ray.engine.store_files.convert_files`."""
+        return convert_files(mode, source, scratch, names, layout, fp8)
 
 
 def _node_id() -> str | None:
