@@ -1,0 +1,84 @@
+"""CodecOptions: the one options type, its default mode, and its parsers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8ray import CodecOptions
+from fp8ray.codec.options import DEFAULT_OPTIONS
+from fp8ray.errors import InvalidOptionError
+
+
+def test_the_default_mode_is_the_measured_kv_mode():
+    assert CodecOptions() == DEFAULT_OPTIONS == CodecOptions("e4m3fn", "block", 32, "bfloat16", "mse", "error")
+    assert DEFAULT_OPTIONS.label() == "e4m3fn, block 32, bfloat16 scales by mse"
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ({"fp8": "e5m2"}, CodecOptions("e5m2", "block", 32, "bfloat16", "mse")),
+        ({"scaling": "token"}, CodecOptions("e4m3fn", "token", 32, "bfloat16", "mse")),
+        ({"scaling": "tensor"}, CodecOptions("e4m3fn", "tensor", 32, "bfloat16", "amax")),  # mse does not apply
+        ({"scaling": "channel", "scale_dtype": "float32"}, CodecOptions("e4m3fn", "channel", 32, "float32", "amax")),
+        ({"block_size": "64"}, CodecOptions("e4m3fn", "block", 64, "bfloat16", "mse")),
+        ({"scale_choice": "amax"}, CodecOptions("e4m3fn", "block", 32, "bfloat16", "amax")),
+        ({"fp8": torch.float8_e5m2, "nonfinite": "keep"}, CodecOptions("e5m2", nonfinite="keep")),
+    ],
+)
+def test_an_option_given_overrides_only_itself(given, expected):
+    assert CodecOptions.parse(given) == expected
+
+
+def test_parse_over_a_base_and_replace():
+    base = CodecOptions(scaling="token", scale_dtype="float32", scale_choice="amax")
+    assert CodecOptions.parse({"fp8": "e5m2"}, base=base) == CodecOptions("e5m2", "token", 32, "float32", "amax")
+    assert base.replace(scaling="block").scale_choice == "mse"  # re-derived for the new scaling
+    assert base.replace(scaling="block", scale_choice="amax").scale_choice == "amax"
+
+
+def test_options_are_values():
+    a, b = CodecOptions(scaling="token"), CodecOptions.parse({"scaling": "token"})
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    with pytest.raises(AttributeError):
+        a.scaling = "block"  # frozen
+    assert CodecOptions(fp8="float8_e4m3fn").fp8 == "e4m3fn"
+    assert CodecOptions.parse(a.as_dict()) == a
+
+
+@pytest.mark.parametrize(
+    "given, field, pattern",
+    [
+        ({"fp8": "e3m4"}, "fp8", "unknown fp8 format 'e3m4'"),
+        ({"scaling": "row"}, "scaling", "unknown scaling 'row'"),
+        ({"block_size": "0"}, "block_size", "block_size must be a positive integer"),
+        ({"block_size": "1.5"}, "block_size", "block_size must be a positive integer"),
+        ({"block_size": 2**32}, "block_size", "at most 4294967295"),
+        ({"block_size": True}, "block_size", "positive integer"),
+        ({"scale_dtype": "float16"}, "scale_dtype", "unknown scale_dtype 'float16'"),
+        ({"scale_choice": "best"}, "scale_choice", "unknown scale_choice 'best'"),
+        ({"scaling": "tensor", "scale_choice": "mse"}, "scale_choice", "needs scaling 'token' or 'block', not 'tensor'"),
+        ({"nonfinite": "ignore"}, "nonfinite", "unknown nonfinite policy 'ignore'"),
+        ({"blocksize": "32"}, "blocksize", "unknown codec option 'blocksize'"),
+        ({"scaling": 3}, "scaling", "scaling must be a string"),
+    ],
+)
+def test_bad_options_name_the_field(given, field, pattern):
+    with pytest.raises(InvalidOptionError, match=pattern) as exc:
+        CodecOptions.parse(given)
+    assert exc.value.field == field and isinstance(exc.value, ValueError)
+
+
+def test_mode_strings():
+    assert CodecOptions.from_mode("e5m2:token") == CodecOptions("e5m2", "token")
+    assert CodecOptions.from_mode("e4m3fn:block:block_size=64:scale_dtype=float32") == CodecOptions(block_size=64, scale_dtype="float32")
+    assert CodecOptions.mode_values("e4m3fn:block:block_size=64") == {"fp8": "e4m3fn", "scaling": "block", "block_size": 64}
+    for bad, pattern in [
+        ("e4m3fn", "expected FP8:SCALING"),
+        ("e4m3fn:token:x", "'x' is not key=value"),
+        ("e4m3fn:token:scaling=block", "'scaling' is given twice"),
+        ("e4m3fn:tensor:scale_choice=mse", "needs scaling"),
+    ]:
+        with pytest.raises(InvalidOptionError, match=rf"mode '{bad}': .*{pattern}"):
+            CodecOptions.from_mode(bad)

@@ -1,0 +1,108 @@
+"""The archive format without Ray: the plan, frame columns, parts and sidecars, the
+manifest, and scratch names."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from fp8ray import CodecOptions, Fp8Codec, decode
+from fp8ray.errors import CorruptArchiveError
+from fp8ray.io import archive
+from fp8ray.io.blocks import BlockRef
+
+FS = pafs.LocalFileSystem()
+
+
+def refs(sizes: list[int]) -> list[BlockRef]:
+    return [BlockRef(f"k{i}", "bfloat16", (n // 2,), "safetensors", "/src.safetensors", 0) for i, n in enumerate(sizes)]
+
+
+def test_plan_depends_only_on_the_source():
+    blocks = refs([100, 100, 300, 50, 50, 50])
+    parts = archive.plan_parts(blocks, 200)
+    assert [[r.key for r in p] for p in parts] == [["k0", "k1"], ["k2"], ["k3", "k4", "k5"]]
+    assert archive.plan_parts(blocks, 10**9) == [blocks]
+    assert archive.plan_parts([], 200) == []
+    record = archive.plan_record("s3://key:secret@bucket/kv", CodecOptions().as_dict(), parts)
+    assert record["source"] == "s3://***@bucket/kv" and record["parts"][1] == ["k2"]
+
+
+def encoded_part(n: int = 3):
+    codec = Fp8Codec(scaling="token")
+    tensors = [torch.randn(4, 16 + i, dtype=torch.bfloat16) for i in range(n)]
+    blocks = [BlockRef(f"b{i}", "bfloat16", tuple(t.shape), "safetensors", "/x", 0) for i, t in enumerate(tensors)]
+    sizes = [codec.encoded_size(t.shape, t.dtype) for t in tensors]
+    frames = np.empty(sum(sizes), np.uint8)
+    start = 0
+    for t, size in zip(tensors, sizes):
+        codec.encode(t, out=frames[start : start + size])
+        start += size
+    return codec, tensors, blocks, sizes, frames
+
+
+def test_frame_column_shares_the_frames_buffer():
+    _, tensors, _, sizes, frames = encoded_part()
+    column = archive.frame_column(frames, sizes)
+    assert column.buffers()[2].address == frames.ctypes.data  # no copy
+    assert [len(v.as_py()) for v in column] == sizes
+    with pytest.raises(ValueError, match="add up to"):
+        archive.frame_column(frames, sizes[:-1])
+
+
+def test_a_part_is_written_described_and_checked(tmp_path):
+    codec, tensors, blocks, sizes, frames = encoded_part()
+    rows = archive.part_rows(blocks, codec.options, sizes, archive.frame_column(frames, sizes))
+    info = archive.write_part(FS, str(tmp_path), 7, rows)
+    assert info.name == "part-00007.parquet" and info.blocks == 3 and (info.first_key, info.last_key) == ("b0", "b2")
+    assert info.frame_bytes == sum(sizes) and info.raw_bytes == sum(t.numel() * 2 for t in tensors)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_part-00007.json", "part-00007.parquet"]
+    assert archive.read_sidecar(FS, str(tmp_path), 7) == info and archive.read_sidecar(FS, str(tmp_path), 8) is None
+    entry = json.loads((tmp_path / "_part-00007.json").read_text())
+    table = archive.read_part(FS, str(tmp_path), entry)  # checked against the sidecar's CRC
+    assert table.column("key").to_pylist() == ["b0", "b1", "b2"]
+    for t, f in zip(tensors, archive.iter_frames(table)):
+        assert torch.equal(decode(f), decode(codec.encode(t)))
+    # Plain Parquet: readable without fp8ray.
+    assert pq.read_table(tmp_path / info.name).schema.names == archive.SCHEMA.names
+    # The same rows give the same bytes.
+    again = archive.write_part(FS, str(tmp_path), 8, rows)
+    assert (again.crc32c, again.file_bytes) == (info.crc32c, info.file_bytes)
+
+    data = bytearray((tmp_path / info.name).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (tmp_path / info.name).write_bytes(bytes(data))
+    with pytest.raises(CorruptArchiveError, match=r"part part-00007.parquet: \d+ bytes with crc32c"):
+        archive.check_part(FS, str(tmp_path), entry)
+
+
+def test_manifest_is_written_last_and_read_back(tmp_path):
+    codec, _, blocks, sizes, frames = encoded_part()
+    info = archive.write_part(FS, str(tmp_path), 0, archive.part_rows(blocks, codec.options, sizes, archive.frame_column(frames, sizes)))
+    with pytest.raises(CorruptArchiveError, match="no _manifest.json: not a complete fp8ray archive"):
+        archive.read_manifest(FS, str(tmp_path))
+    manifest = archive.build_manifest("s3://k:s@b/src", codec.options.as_dict(), 3, [info], "9.9")
+    archive.write_manifest(FS, str(tmp_path), manifest)
+    assert archive.read_manifest(FS, str(tmp_path)) == manifest
+    assert manifest["source"] == "s3://***@b/src" and manifest["archive_bytes"] == info.file_bytes
+    assert archive.manifest_codec(manifest) == codec.options
+    (tmp_path / archive.MANIFEST_NAME).write_text(json.dumps({**manifest, "version": 99}))
+    with pytest.raises(CorruptArchiveError, match="version 99"):
+        archive.read_manifest(FS, str(tmp_path))
+
+
+def test_manifests_from_before_the_scale_options_read_as_written():
+    old = {"codec": {"fp8": "e4m3fn", "scaling": "token", "block_size": 128}}
+    assert archive.manifest_codec(old) == CodecOptions("e4m3fn", "token", 128, "float32", "amax")
+
+
+def test_scratch_is_named_and_cleaned(tmp_path):
+    for name in ("_plan.json", "_part-00001.json", ".part-00002.parquet.tmp-abc", "part-00001.parquet", "_manifest.json"):
+        (tmp_path / name).write_bytes(b"x")
+    archive.clean_scratch(FS, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_manifest.json", "part-00001.parquet"]

@@ -1,0 +1,88 @@
+"""Paths and URIs, without Ray: resolving, credentials kept out of messages, atomic
+writes, and the check that no destination overlaps its source."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow.fs as pafs
+import pytest
+
+from fp8ray.errors import DestinationError
+from fp8ray.io.paths import TMP_MARK, check_apart, redact, resolve, temporary_name, uri_for, write_atomic
+
+
+def test_local_paths_resolve_to_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fs, path = resolve("kv.safetensors")
+    assert isinstance(fs, pafs.LocalFileSystem) and path == str(tmp_path / "kv.safetensors")
+
+
+@pytest.mark.parametrize(
+    "uri, path, expected",
+    [
+        ("/data/kv", "/data/kv/a.safetensors", "/data/kv/a.safetensors"),
+        ("s3://bucket/kv", "bucket/kv/a.safetensors", "s3://bucket/kv/a.safetensors"),
+        ("s3://key:secret@bucket/kv?endpoint_override=127.0.0.1:9000", "bucket/kv/a", "s3://key:secret@bucket/kv/a?endpoint_override=127.0.0.1:9000"),
+        ("file:///data/kv", "/data/kv/a", "file:///data/kv/a"),
+    ],
+)
+def test_uri_for_keeps_scheme_credentials_and_options(uri, path, expected):
+    assert uri_for(uri, path) == expected
+
+
+@pytest.mark.parametrize(
+    "uri, expected",
+    [
+        ("s3://key:secret@bucket/kv?endpoint_override=x", "s3://***@bucket/kv?endpoint_override=x"),
+        ("s3://bucket/kv", "s3://bucket/kv"),
+        ("/local/path@with-at", "/local/path@with-at"),
+    ],
+)
+def test_redact_hides_credentials_only(uri, expected):
+    assert redact(uri) == expected
+
+
+def test_write_atomic_leaves_only_the_complete_file(tmp_path):
+    fs = pafs.LocalFileSystem()
+    target = tmp_path / "out.bin"
+    write_atomic(fs, str(target), b"complete")
+    assert target.read_bytes() == b"complete"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+    name = temporary_name(str(target))
+    assert os.path.dirname(name) == str(tmp_path) and os.path.basename(name).startswith(".out.bin" + TMP_MARK)
+
+
+@pytest.mark.parametrize(
+    "source, destination, message",
+    [
+        ("{t}/kv", "{t}/kv", "is the source"),
+        ("{t}/kv", "{t}/kv/", "is the source"),
+        ("{t}/kv", "{t}/kv/archive", "inside each other"),
+        ("{t}/nest/src", "{t}/nest", "inside each other"),
+        ("{t}/kv", "{t}/link", "is the source"),  # a symbolic link to the source
+        ("{t}/kv", "{t}/link/inner", "inside each other"),
+        ("s3://bucket/kv", "s3://bucket/kv/out", "inside each other"),
+        ("s3://key:secret@bucket/kv", "s3://bucket/kv", "is the source"),
+    ],
+)
+def test_overlapping_destinations_are_refused(tmp_path, source, destination, message):
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "nest" / "src").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "kv")
+    with pytest.raises(DestinationError, match=message) as exc:
+        check_apart(source.format(t=tmp_path), destination.format(t=tmp_path))
+    assert "secret" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "source, destination",
+    [
+        ("{t}/kv", "{t}/kv2"),  # a shared prefix is not containment
+        ("{t}/kv", "{t}/other/kv"),
+        ("s3://bucket/kv", "s3://other/kv"),
+        ("s3://bucket/kv", "{t}/kv"),
+    ],
+)
+def test_separate_destinations_pass(tmp_path, source, destination):
+    check_apart(source.format(t=tmp_path), destination.format(t=tmp_path))

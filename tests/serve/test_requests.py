@@ -1,0 +1,95 @@
+"""The service's request parsing and refusals, without Serve or Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from fp8ray import CodecOptions
+from fp8ray.errors import (
+    BlockError,
+    CorruptFrameError,
+    InvalidOptionError,
+    NonFiniteError,
+    RequestError,
+    SafetensorsFormatError,
+    WorkersUnavailableError,
+)
+from fp8ray.serve.options import ServiceOptions
+from fp8ray.serve.requests import codec_options, is_safetensors, raw_layout, refusal, split
+
+
+def test_codec_options_from_a_query():
+    assert codec_options({}) == CodecOptions()
+    assert codec_options({"scaling": "token", "block_size": "64"}) == CodecOptions(scaling="token", block_size=64)
+    assert codec_options({"dtype": "bfloat16", "fp8": "e5m2"}, ignore=("dtype",)) == CodecOptions(fp8="e5m2")
+
+
+@pytest.mark.parametrize(
+    "params, field, pattern",
+    [
+        ({"nonfinite": "keep"}, "nonfinite", "unknown option 'nonfinite'"),  # never NaN stored silently
+        ({"colour": "red"}, "colour", "unknown option 'colour'"),
+        ({"block_size": "-1"}, "block_size", "positive integer"),
+        ({"scaling": "tensor", "scale_choice": "mse"}, "scale_choice", "needs scaling"),
+    ],
+)
+def test_bad_query_options_are_400_naming_the_field(params, field, pattern):
+    with pytest.raises(RequestError, match=pattern) as exc:
+        codec_options(params)
+    assert (exc.value.status, exc.value.field) == (400, field)
+
+
+def test_raw_layout_is_checked_against_the_body():
+    assert raw_layout("bfloat16", "2,3", 12) == ("bfloat16", (2, 3))
+    assert raw_layout("torch.float32", "", 4) == ("float32", ())
+    for args, field, pattern in [
+        ((None, "2", 4), "dtype", "dtype is required"),
+        (("int8", "2", 2), "dtype", "unknown dtype 'int8'"),
+        (("float16", None, 4), "shape", "shape is required"),
+        (("float16", "2,x", 4), "shape", "not comma-separated integers"),
+        (("float16", "-2", 4), "shape", "negative size"),
+        (("float16", "3", 4), "shape", r"shape \[3\] of float16 needs 6 bytes but the body has 4"),
+    ]:
+        with pytest.raises(RequestError, match=pattern) as exc:
+            raw_layout(*args)
+        assert (exc.value.status, exc.value.field) == (400, field)
+
+
+def test_split_keeps_order_and_refuses_nothing_to_do():
+    assert split(list(range(5)), 2) == [[0, 1, 2], [3, 4]]
+    assert split([1], 4) == [[1]]
+    with pytest.raises(RequestError, match="holds no tensors"):
+        split([], 2)
+
+
+def test_content_types():
+    assert is_safetensors("application/x-safetensors; charset=binary") and is_safetensors("Application/X-Safetensors")
+    assert not is_safetensors(None) and not is_safetensors("application/octet-stream")
+
+
+@pytest.mark.parametrize(
+    "exc, status, field",
+    [
+        (RequestError("too big", 413, "body"), 413, "body"),
+        (InvalidOptionError("bad", field="fp8"), 400, "fp8"),
+        (SafetensorsFormatError("bad header", "k0"), 400, "k0"),
+        (NonFiniteError("nan"), 422, "body"),
+        (CorruptFrameError("crc"), 422, "body"),
+        (BlockError("block 'x': 70 dimensions"), 422, "body"),
+        (WorkersUnavailableError("none"), 503, None),
+    ],
+)
+def test_every_refusal_has_a_status_and_a_field(exc, status, field):
+    assert refusal(exc) == (status, str(exc), field)
+
+
+def test_bugs_are_not_refusals():
+    assert refusal(KeyError("x")) is None and refusal(ZeroDivisionError()) is None
+
+
+def test_service_options():
+    assert ServiceOptions.from_args({"workers": "4", "max_body_mb": "8"}) == ServiceOptions(workers=4, max_body_mb=8.0)
+    with pytest.raises(InvalidOptionError, match="unknown fp8ray.serve option"):
+        ServiceOptions.from_args({"wokers": 2})
+    with pytest.raises(InvalidOptionError, match="out of range"):
+        ServiceOptions.from_args({"workers": 0})
