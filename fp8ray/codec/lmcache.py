@@ -1,49 +1,127 @@
-"""Drop-in replacements for LMCache's fp8 serde (``lmcache/v1/distributed/serde/fp8.py``).
+"""fp8ray inside LMCache (``lmcache/v1/distributed/serde/``): two serde pairs and the
+registration of the second as an LMCache serde type.
 
-Headerless, one byte per element, and byte-identical to LMCache's plain
-``src.to(float8_e4m3fn)`` cast wherever that cast is finite. Where it is not, these
-differ on purpose: finite values beyond the format's range saturate to +-max (the seed
-gives NaN on torch <= 2.11 and inf in e5m2), and NaN or +-inf input raises
-``ValueError`` unless ``nonfinite="keep"`` (then NaN is stored as NaN, and +-inf as
-+-inf in e5m2 or NaN in e4m3fn). ``src`` and ``dst`` are any objects with a
-``.tensor`` attribute, like LMCache's ``MemoryObj``; serialized buffers are 1-byte
-tensors (uint8).
+LMCache's sync serde interface is ``Serializer.serialize(src, dst, key) -> int``,
+``Serializer.estimate_serialized_size(layout_desc) -> int`` and
+``Deserializer.deserialize(src, dst, key)``; ``src``/``dst`` are ``MemoryObj`` s (a KV
+object, or a flat uint8 byte buffer sized by the estimate) and ``key`` the chunk's
+``ObjectKey``. Both pairs here accept the key and ignore it (it may be left out, as in
+LMCache's older two-argument calls). An LMCache KV object may hold several tensors, one
+per kernel group of its object group (``layout_desc.shapes``/``dtypes``, read through
+``get_tensor(i)``); both pairs write them one after the other in that order.
 
-CPU tensors use fp8ray's numba kernels (scaling ``none``), others plain torch ops.
+- :class:`Fp8QuantizationSerializer` / :class:`Fp8QuantizationDeserializer`: drop-in
+  replacements for LMCache's ``"fp8"`` serde. Headerless, one byte per element, and
+  byte-identical to LMCache's plain ``src.to(float8_e4m3fn)`` wherever that cast is
+  finite. Where it is not, these differ on purpose: finite values beyond the format's
+  range saturate to +-max (the cast gives NaN or inf), and NaN or +-inf input raises
+  ``NonFiniteError`` (a ``ValueError``) unless ``nonfinite="keep"`` (then NaN is stored as
+  NaN, and +-inf as +-inf in e5m2 or NaN in e4m3fn).
+- :class:`Fp8FrameSerializer` / :class:`Fp8FrameDeserializer`: fp8ray's scaled,
+  self-describing, checksummed frame (docs/FORMAT.md), one per tensor. The estimate is
+  exactly what ``serialize`` writes; ``deserialize`` verifies each frame (checksum,
+  length, dtype and shape against ``dst``) and raises on any mismatch, so LMCache's task
+  fails (a cache miss) instead of handing back a wrong tensor.
+- :func:`register` makes the frame pair LMCache's serde type ``"fp8ray"``: an L2 adapter's
+  ``{"serde": {"type": "fp8ray", ...}}`` then builds an ``AsyncSerdeProcessor`` over it
+  (:func:`make_serde_processor`). ``lmcache`` is imported only there, so this module
+  loads without it.
+
+CPU tensors go through fp8ray's numba kernels; CUDA tensors through the torch ops the
+kernels equal bit for bit, with the frame bytes staged in host memory.
 """
 
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from . import cpu, reference
-from .fp8codec import _raise_nonfinite
-from .formats import DTYPES, NONFINITE_POLICIES, Fp8Format, get_format
+from ..errors import CorruptDataError, CorruptFrameError, InvalidOptionError, MismatchError
+from . import cpu, frame, reference
+from .formats import (
+    DTYPES,
+    DTYPES_BY_CODE,
+    FORMATS_BY_CODE,
+    NONFINITE_POLICIES,
+    SCALE_DTYPES_BY_CODE,
+    SCALINGS_BY_CODE,
+    Fp8Format,
+    get_format,
+)
+from .fp8codec import Fp8Codec, _raise_nonfinite, decode
+from .options import CodecOptions
+
+SERDE_TYPE = "fp8ray"  # the name register() gives the frame serde in LMCache by default
 
 
 @dataclass
 class MemoryLayoutDesc:
-    """The layout LMCache describes a memory object with: one shape and dtype per tensor."""
+    """The layout LMCache describes a memory object with: one shape and dtype per tensor
+    (kernel group), in order. Like LMCache's, lists of unequal length raise ``ValueError``."""
 
     shapes: list = field(default_factory=list)
     dtypes: list = field(default_factory=list)
 
+    def __post_init__(self):
+        if len(self.shapes) != len(self.dtypes):
+            raise ValueError(
+                f"MemoryLayoutDesc: shapes and dtypes must have the same length "
+                f"(got {len(self.shapes)} shapes and {len(self.dtypes)} dtypes)"
+            )
 
-def _tensors(src, dst) -> tuple[torch.Tensor, torch.Tensor]:
-    src_tensor = getattr(src, "tensor", None)
-    dst_tensor = getattr(dst, "tensor", None)
-    if src_tensor is None or dst_tensor is None:
+
+def _layout_pairs(layout_desc) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """``(shape, dtype)`` per tensor of a layout (fp8ray's or LMCache's)."""
+    shapes, dtypes = list(layout_desc.shapes), list(layout_desc.dtypes)
+    if len(shapes) != len(dtypes):
+        raise ValueError(f"layout has {len(shapes)} shapes but {len(dtypes)} dtypes")
+    return [(tuple(int(d) for d in shape), dtype) for shape, dtype in zip(shapes, dtypes)]
+
+
+def _kv_tensors(obj) -> list[torch.Tensor]:
+    """The tensors of a KV object, one per (shape, dtype) of its layout, in order.
+
+    LMCache's ``MemoryObj.tensor`` views the whole object with its *first* shape, which
+    fails when the object holds several kernel groups; those are read with
+    ``get_tensor(i)``. Objects with only ``.tensor`` (any duck type) hold one tensor.
+    """
+    count = 1
+    get_shapes = getattr(obj, "get_shapes", None)
+    if callable(get_shapes) and callable(getattr(obj, "get_tensor", None)):
+        try:
+            count = len(get_shapes())
+        except (AssertionError, AttributeError, TypeError):  # no per-group layout recorded
+            count = 1
+    tensors = [obj.get_tensor(i) for i in range(count)] if count > 1 else [getattr(obj, "tensor", None)]
+    if any(t is None for t in tensors):
         raise ValueError("Fp8 serde requires src and dst to have tensors")
-    return src_tensor, dst_tensor
+    return tensors
 
 
-def _byte_buffer(t: torch.Tensor, role: str) -> torch.Tensor:
+def _byte_tensor(obj, role: str) -> torch.Tensor:
+    """A serialized buffer's bytes: ``obj.tensor`` as a flat uint8 tensor over the same memory."""
+    t = getattr(obj, "tensor", None)
+    if t is None:
+        raise ValueError("Fp8 serde requires src and dst to have tensors")
     if t.element_size() != 1:
         raise ValueError(f"{role} must be a 1-byte buffer (e.g. uint8), got a {t.dtype} tensor")
-    return t.view(torch.uint8)
+    if not t.is_contiguous():
+        # reshape(-1) of a non-contiguous tensor is a copy: written bytes would be lost.
+        raise ValueError(f"{role} tensor must be contiguous, or the written bytes would land in a copy")
+    return t.view(torch.uint8).reshape(-1)
+
+
+def _check_dtype(t: torch.Tensor) -> None:
+    if t.dtype not in DTYPES:
+        raise TypeError(f"src tensor has unsupported dtype {t.dtype}; expected bfloat16, float16 or float32")
+
+
+# --- the seed-compatible pair: LMCache's "fp8" serde bytes ---------------------------
 
 
 class _Fp8Serde:
@@ -59,61 +137,61 @@ class _Fp8Serde:
 
 
 class Fp8QuantizationSerializer(_Fp8Serde):
-    """Quantize a KV tensor to fp8, one byte per element, into a byte buffer."""
+    """Quantize a KV object to fp8, one byte per element, into a byte buffer."""
 
-    def serialize(self, src, dst) -> int:
-        """Cast ``src.tensor`` to fp8 and write its bytes to the start of ``dst.tensor``.
+    def serialize(self, src, dst, key=None) -> int:
+        """Cast ``src``'s tensors to fp8 and write their bytes, one after the other, to
+        the start of ``dst.tensor``. ``key`` (LMCache's ``ObjectKey``) is ignored.
 
         Returns the number of bytes written (the element count).
         """
-        src_tensor, dst_tensor = _tensors(src, dst)
-        if src_tensor.dtype not in DTYPES:
-            raise TypeError(f"src tensor has unsupported dtype {src_tensor.dtype}; expected bfloat16, float16 or float32")
-        dst_bytes = _byte_buffer(dst_tensor, "dst")
-        n_bytes = src_tensor.numel()
-        if dst_bytes.numel() < n_bytes:
-            raise ValueError(f"dst holds {dst_bytes.numel()} bytes but src needs {n_bytes} ({tuple(src_tensor.shape)})")
-        if not dst_bytes.is_contiguous():
-            # flatten() of a non-contiguous tensor is a copy: the bytes would be lost.
-            raise ValueError("dst tensor must be contiguous, or the written bytes would land in a copy")
-        target = dst_bytes.reshape(-1)[:n_bytes]
-        if src_tensor.device.type == "cpu" and target.device.type == "cpu":
-            bad = cpu.quantize(src_tensor.contiguous(), self._fmt, "none", 0, target.numpy(), None)
-        else:
-            codes, _, bad = reference.quantize(src_tensor, self._fmt, "none", 0, self._keep_nonfinite)
-            target.copy_(codes)
-        if bad and not self._keep_nonfinite:
-            _raise_nonfinite(src_tensor, bad)
+        tensors = _kv_tensors(src)
+        for t in tensors:
+            _check_dtype(t)
+        target = _byte_tensor(dst, "dst")
+        n_bytes = sum(t.numel() for t in tensors)
+        if target.numel() < n_bytes:
+            shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+            raise ValueError(f"dst holds {target.numel()} bytes but src needs {n_bytes} ({shapes})")
+        offset = 0
+        for t in tensors:
+            codes = target[offset : offset + t.numel()]
+            if t.device.type == "cpu" and codes.device.type == "cpu":
+                bad = cpu.quantize(t.contiguous(), self._fmt, "none", 0, codes.numpy(), None)
+            else:
+                ref_codes, _, bad = reference.quantize(t, self._fmt, "none", 0, self._keep_nonfinite)
+                codes.copy_(ref_codes.reshape(-1).to(codes.device))
+            if bad and not self._keep_nonfinite:
+                _raise_nonfinite(t, bad)
+            offset += t.numel()
         return n_bytes
 
-    def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
+    def estimate_serialized_size(self, layout_desc) -> int:
         """Exactly one byte per element, summed over the layout's shapes: no header, no margin."""
-        return sum(math.prod(int(d) for d in shape) for shape in layout_desc.shapes)
+        return sum(math.prod(shape) for shape, _ in _layout_pairs(layout_desc))
 
 
 class Fp8QuantizationDeserializer(_Fp8Serde):
-    """Dequantize fp8 bytes back into the destination tensor's dtype and shape."""
+    """Dequantize fp8 bytes back into the destination tensors' dtype and shape."""
 
-    def deserialize(self, src, dst) -> None:
-        """Read ``dst.tensor.numel()`` fp8 bytes from ``src.tensor`` and decode them into ``dst.tensor``."""
-        src_tensor, dst_tensor = _tensors(src, dst)
-        src_bytes = _byte_buffer(src_tensor, "src").reshape(-1)
-        n_elements = dst_tensor.numel()
+    def deserialize(self, src, dst, key=None) -> None:
+        """Read one fp8 byte per element of ``dst``'s tensors from ``src.tensor`` and
+        decode them into those tensors. ``key`` is ignored."""
+        tensors = _kv_tensors(dst)
+        src_bytes = _byte_tensor(src, "src")
+        n_elements = sum(t.numel() for t in tensors)
         if src_bytes.numel() < n_elements:
-            raise ValueError(
-                f"src holds {src_bytes.numel()} bytes but dst needs {n_elements} ({tuple(dst_tensor.shape)})"
-            )
-        codes = src_bytes[:n_elements]
-        fast = (
-            dst_tensor.dtype in DTYPES
-            and dst_tensor.device.type == "cpu"
-            and codes.device.type == "cpu"
-            and dst_tensor.is_contiguous()
-        )
-        if fast:
-            cpu.dequantize(codes.contiguous().numpy(), None, self._fmt, "none", tuple(dst_tensor.shape), 0, dst_tensor)
-        else:
-            dst_tensor.copy_(codes.view(self._fmt.dtype).reshape(dst_tensor.shape).to(dst_tensor.dtype))
+            shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+            raise ValueError(f"src holds {src_bytes.numel()} bytes but dst needs {n_elements} ({shapes})")
+        offset = 0
+        for t in tensors:
+            codes = src_bytes[offset : offset + t.numel()]
+            offset += t.numel()
+            fast = t.dtype in DTYPES and t.device.type == "cpu" and codes.device.type == "cpu" and t.is_contiguous()
+            if fast:
+                cpu.dequantize(codes.numpy(), None, self._fmt, "none", tuple(t.shape), 0, t)
+            else:
+                t.copy_(codes.to(t.device).view(self._fmt.dtype).reshape(t.shape).to(t.dtype))
 
 
 def make_fp8_serde(kwargs: dict | None = None) -> tuple[Fp8QuantizationSerializer, Fp8QuantizationDeserializer]:
@@ -127,4 +205,229 @@ def make_fp8_serde(kwargs: dict | None = None) -> tuple[Fp8QuantizationSerialize
     return Fp8QuantizationSerializer(dtype, nonfinite), Fp8QuantizationDeserializer(dtype, nonfinite)
 
 
-__all__ = ["Fp8QuantizationDeserializer", "Fp8QuantizationSerializer", "MemoryLayoutDesc", "make_fp8_serde"]
+# --- the frame pair: fp8ray's scaled, checked frames --------------------------------
+
+
+class Fp8FrameSerializer:
+    """Encode a KV object as fp8ray frames, one per tensor, into a byte buffer.
+
+    Takes :class:`~fp8ray.codec.options.CodecOptions` (default: the default mode).
+    """
+
+    def __init__(self, options: CodecOptions | None = None):
+        self.codec = Fp8Codec(options=options or CodecOptions())
+
+    @property
+    def options(self) -> CodecOptions:
+        return self.codec.options
+
+    def frame_sizes(self, layout_desc) -> list[int]:
+        """The exact size of each tensor's frame for an object of this layout."""
+        return [self.codec.encoded_size(shape, dtype) for shape, dtype in _layout_pairs(layout_desc)]
+
+    def estimate_serialized_size(self, layout_desc) -> int:
+        """Exactly the bytes :meth:`serialize` writes for an object of this layout (the
+        sum of its tensors' frame sizes): LMCache's adapters store the buffer sized by
+        this estimate, so any margin would be stored too."""
+        return sum(self.frame_sizes(layout_desc))
+
+    def serialize(self, src, dst, key=None) -> int:
+        """Write one frame per tensor of ``src``, one after the other, to the start of
+        ``dst.tensor``; return the bytes written. ``key`` is ignored."""
+        tensors = _kv_tensors(src)
+        for t in tensors:
+            _check_dtype(t)
+        target = _byte_tensor(dst, "dst")
+        sizes = [self.codec.encoded_size(t.shape, t.dtype) for t in tensors]
+        total = sum(sizes)
+        if target.numel() < total:
+            raise ValueError(f"dst holds {target.numel()} bytes but the frames of src need {total}")
+        # The frames are written in place on the CPU; a CUDA buffer gets them from a
+        # host copy (the codec's CUDA path computes on the GPU, then copies to the host).
+        host = target[:total].numpy() if target.device.type == "cpu" else np.empty(total, dtype=np.uint8)
+        offset = 0
+        for t, size in zip(tensors, sizes):
+            self.codec.encode(t, out=host[offset : offset + size])
+            offset += size
+        if target.device.type != "cpu":
+            target[:total].copy_(torch.from_numpy(host))
+        return total
+
+
+class Fp8FrameDeserializer:
+    """Decode fp8ray frames straight into a KV object's tensors, checking each.
+
+    The frames describe themselves (format, scaling, scales); the options given are
+    used only to know each frame's length, so they must be the serializer's (LMCache
+    sizes the buffer it loads by the same estimate).
+    """
+
+    def __init__(self, options: CodecOptions | None = None):
+        self.codec = Fp8Codec(options=options or CodecOptions())
+
+    def deserialize(self, src, dst, key=None) -> None:
+        """Decode the frames at the start of ``src.tensor`` into ``dst``'s tensors.
+
+        Raises :class:`~fp8ray.errors.CorruptFrameError` for a corrupt or truncated frame
+        and :class:`~fp8ray.errors.MismatchError` when a frame holds another dtype or
+        shape than its tensor. ``key`` is ignored.
+        """
+        tensors = _kv_tensors(dst)
+        src_bytes = _byte_tensor(src, "src")
+        if src_bytes.device.type != "cpu":  # frames are parsed and checked on the host
+            src_bytes = src_bytes.cpu()
+        data = src_bytes.numpy()
+        offset = 0
+        for i, t in enumerate(tensors):
+            size = self.codec.encoded_size(t.shape, t.dtype)
+            where = f"frame {i + 1} of {len(tensors)}" if len(tensors) > 1 else "frame"
+            if offset + size > data.size:
+                raise CorruptFrameError(
+                    f"{where} truncated: src holds {data.size - offset} bytes from offset {offset}, "
+                    f"a {tuple(t.shape)} {t.dtype} tensor's frame has {size}"
+                )
+            chunk = data[offset : offset + size]
+            try:
+                decode(chunk, out=t)
+            except CorruptDataError as exc:
+                raise CorruptFrameError(f"{where}: {exc}") from None
+            except ValueError as exc:  # a sound frame of another dtype or shape
+                raise MismatchError(f"{where}: {exc}") from None
+            offset += size
+
+
+def read_frame_header(prefix) -> frame.FrameHeader | None:
+    """The header of the frame that ``prefix`` (bytes-like) starts with, from its first
+    ``16 + 8 * ndim`` bytes; ``None`` if it does not start with the frame magic, or is
+    too short to hold the header. Raises :class:`~fp8ray.errors.CorruptFrameError` for a
+    malformed header. The checksum, which covers the whole frame, is not verified here:
+    :func:`~fp8ray.codec.decode` does that."""
+    buf = bytes(prefix[: frame.FIXED_HEADER.size + 8 * frame.MAX_NDIM])
+    if len(buf) < frame.FIXED_HEADER.size or buf[:4] != frame.MAGIC:
+        return None
+    _, version, fmt_code, scaling_code, dtype_code, ndim, scale_code, reserved, block_size = frame.FIXED_HEADER.unpack(
+        buf[: frame.FIXED_HEADER.size]
+    )
+    codes = {
+        "version": (version, {frame.VERSION}), "fp8 format": (fmt_code, FORMATS_BY_CODE),
+        "scaling": (scaling_code, SCALINGS_BY_CODE), "dtype": (dtype_code, DTYPES_BY_CODE),
+        "scale dtype": (scale_code, SCALE_DTYPES_BY_CODE),
+    }
+    for name, (value, known) in codes.items():
+        if value not in known:
+            raise CorruptFrameError(f"unknown {name} code {value} in frame header")
+    if ndim > frame.MAX_NDIM or reserved != b"\0\0":
+        raise CorruptFrameError(f"malformed frame header (ndim {ndim}, reserved bytes {reserved.hex()})")
+    end = frame.FIXED_HEADER.size + 8 * ndim
+    if len(buf) < end:
+        return None
+    shape = struct.unpack(f"<{ndim}Q", buf[frame.FIXED_HEADER.size : end])
+    scaling = SCALINGS_BY_CODE[scaling_code]
+    return frame.FrameHeader(
+        FORMATS_BY_CODE[fmt_code], scaling, DTYPES_BY_CODE[dtype_code], shape, block_size,
+        frame.stored_scale_dtype(scaling, SCALE_DTYPES_BY_CODE[scale_code]),
+    )
+
+
+# --- the registered LMCache serde type ----------------------------------------------
+
+SERDE_KWARGS = (*CodecOptions.names(), "max_workers")
+
+
+def serde_options(kwargs: Mapping[str, object] | None = None) -> tuple[CodecOptions, int]:
+    """The codec options and ``max_workers`` from an adapter's ``"serde"`` kwargs (the
+    JSON object less its ``"type"``). None given: the default mode and one worker
+    thread, as LMCache's own serdes. An unknown key or a bad value raises
+    :class:`~fp8ray.errors.InvalidOptionError` (a ``ValueError``) naming it."""
+    values = dict(kwargs or {})
+    for name in values:
+        if name not in SERDE_KWARGS:
+            raise InvalidOptionError(
+                f"unknown option {name!r} of the fp8ray serde; expected some of {list(SERDE_KWARGS)}", field=name
+            )
+    max_workers = values.pop("max_workers", 1)
+    if isinstance(max_workers, str) and max_workers.isascii() and max_workers.isdigit():
+        max_workers = int(max_workers)
+    if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+        raise InvalidOptionError(f"max_workers must be a positive integer, got {max_workers!r}", field="max_workers")
+    return CodecOptions.parse(values), max_workers
+
+
+def _lmcache_serde():
+    """LMCache's serde package, or an ImportError saying which package is missing."""
+    try:
+        from lmcache.v1.distributed import serde
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) or str(exc)
+        if missing == "lmcache" or missing.startswith("lmcache."):
+            reason = "the 'lmcache' package is not installed (pip install lmcache)"
+        else:
+            reason = f"the 'lmcache' package failed to import: it needs {missing!r}, which is not installed ({exc})"
+        raise ImportError(f"fp8ray's LMCache serde needs LMCache: {reason}") from exc
+    return serde
+
+
+_CLASSES: tuple[type, type] | None = None
+
+
+def lmcache_serde_classes() -> tuple[type, type]:
+    """The frame pair as subclasses of LMCache's own ``Serializer`` and ``Deserializer``
+    (built on first use, as LMCache is optional)."""
+    global _CLASSES
+    if _CLASSES is None:
+        serde = _lmcache_serde()
+
+        class LMCacheFp8FrameSerializer(Fp8FrameSerializer, serde.Serializer):
+            """:class:`Fp8FrameSerializer`, an LMCache ``Serializer``."""
+
+        class LMCacheFp8FrameDeserializer(Fp8FrameDeserializer, serde.Deserializer):
+            """:class:`Fp8FrameDeserializer`, an LMCache ``Deserializer``."""
+
+        _CLASSES = (LMCacheFp8FrameSerializer, LMCacheFp8FrameDeserializer)
+    return _CLASSES
+
+
+def make_serde_processor(kwargs: Mapping[str, object] | None = None):
+    """LMCache serde factory: an ``AsyncSerdeProcessor`` over the frame pair, from the
+    adapter's ``"serde"`` kwargs (:func:`serde_options`)."""
+    options, max_workers = serde_options(kwargs)  # refuse bad options before anything starts
+    serializer, deserializer = lmcache_serde_classes()
+    serde = _lmcache_serde()
+    return serde.AsyncSerdeProcessor(serializer(options), deserializer(options), max_workers=max_workers)
+
+
+def register(name: str = SERDE_TYPE) -> None:
+    """Register the frame serde with LMCache as serde type ``name`` (``register_serde_factory``).
+
+    Call it in the LMCache process before its L2 adapters are built (docs/LMCACHE.md);
+    a second call with the same name is a no-op. Raises ``ImportError`` naming the
+    missing package when LMCache cannot be imported, and ``ValueError`` when ``name``
+    is taken by another serde (LMCache's own ``"fp8"``, say).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a serde type name must be a non-empty string, got {name!r}")
+    serde = _lmcache_serde()
+    if name in serde.get_registered_serde_types():
+        from lmcache.v1.distributed.serde import factory
+
+        registered = getattr(factory, "_SERDE_FACTORY_REGISTRY", {}).get(name)
+        if getattr(registered, "__module__", None) == __name__ and getattr(registered, "__name__", None) == "make_serde_processor":
+            return  # ours already (a second call, or this module loaded again)
+        raise ValueError(f"LMCache serde type {name!r} is already registered by another factory; choose another name")
+    serde.register_serde_factory(name, make_serde_processor)
+
+
+__all__ = [
+    "SERDE_TYPE",
+    "Fp8FrameDeserializer",
+    "Fp8FrameSerializer",
+    "Fp8QuantizationDeserializer",
+    "Fp8QuantizationSerializer",
+    "MemoryLayoutDesc",
+    "lmcache_serde_classes",
+    "make_fp8_serde",
+    "make_serde_processor",
+    "read_frame_header",
+    "register",
+    "serde_options",
+]

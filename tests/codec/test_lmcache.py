@@ -1,18 +1,32 @@
-"""fp8ray.lmcache matches LMCache's fp8 serde byte for byte where the seed's cast is finite."""
+"""fp8ray.lmcache without the lmcache package: the seed-compatible pair matches LMCache's fp8
+serde byte for byte where the seed's cast is finite; the frame pair writes exactly its
+estimate and refuses what it cannot decode faithfully; the registered type's options.
+
+The same classes inside the real lmcache package: tests/codec/test_lmcache_package.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from _util import DTYPES, kv_like
 
+import fp8ray
+from fp8ray.codec import CodecOptions, Fp8Codec, frame
+from fp8ray.errors import CorruptFrameError, InvalidOptionError, MismatchError, NonFiniteError
 from fp8ray.lmcache import (
+    Fp8FrameDeserializer,
+    Fp8FrameSerializer,
     Fp8QuantizationDeserializer,
     Fp8QuantizationSerializer,
     MemoryLayoutDesc,
     make_fp8_serde,
+    read_frame_header,
+    serde_options,
 )
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -114,3 +128,178 @@ def test_missing_tensors_and_bad_buffers():
         Fp8QuantizationSerializer().serialize(obj(torch.ones(3, dtype=torch.int32)), obj(torch.empty(3, dtype=torch.uint8)))
     with pytest.raises(ValueError, match="Unknown torch dtype: 'float8_e9m9'"):
         make_fp8_serde({"fp8_dtype": "float8_e9m9"})
+
+
+# --- LMCache's current interface: a key, and objects of several kernel groups ---------
+
+
+class MultiObj:
+    """An object shaped like LMCache's TensorMemoryObj holding several kernel groups: its
+    ``.tensor`` views the whole buffer with the first shape, which cannot work (as in
+    LMCache), so each group must be read through ``get_tensor(i)``."""
+
+    def __init__(self, tensors):
+        self._tensors = tensors
+
+    def get_shapes(self):
+        return [t.shape for t in self._tensors]
+
+    def get_tensor(self, i):
+        return self._tensors[i]
+
+    @property
+    def tensor(self):
+        raise RuntimeError("shape mismatch: the first group's shape does not cover the buffer")
+
+
+KEY = object()  # LMCache's ObjectKey, which content-agnostic serdes ignore
+
+
+def test_seed_pair_takes_a_key_and_still_works_without_one():
+    src = kv_like((2, 4, 16, 64), torch.bfloat16, seed=5).float().clamp(-448, 448).to(torch.bfloat16)
+    ser, de = Fp8QuantizationSerializer(), Fp8QuantizationDeserializer()
+    with_key, without = torch.empty(src.numel(), dtype=torch.uint8), torch.empty(src.numel(), dtype=torch.uint8)
+    assert ser.serialize(obj(src), obj(with_key), KEY) == ser.serialize(obj(src), obj(without)) == src.numel()
+    assert torch.equal(with_key, without) and torch.equal(with_key, seed_serialize(src, torch.float8_e4m3fn))
+    a, b = torch.empty_like(src), torch.empty_like(src)
+    de.deserialize(obj(with_key), obj(a), KEY)
+    de.deserialize(obj(with_key), obj(b))
+    assert torch.equal(a, b) and torch.equal(a, src.to(torch.float8_e4m3fn).to(torch.bfloat16))
+
+
+def test_memory_layout_desc_needs_one_dtype_per_shape():
+    with pytest.raises(ValueError, match="same length"):
+        MemoryLayoutDesc(shapes=[(2, 3), (4,)], dtypes=[torch.bfloat16])
+    with pytest.raises(ValueError, match="same length"):
+        MemoryLayoutDesc(shapes=[], dtypes=[torch.float16])
+    assert MemoryLayoutDesc().shapes == [] and Fp8FrameSerializer().estimate_serialized_size(MemoryLayoutDesc()) == 0
+
+
+def test_seed_pair_writes_each_kernel_group_in_turn():
+    groups = [kv_like((2, 3, 8, 16), torch.bfloat16, seed=1).clamp(-448, 448), kv_like((2, 3, 8, 8), torch.float16, seed=2).clamp(-448, 448)]
+    layout = MemoryLayoutDesc(shapes=[g.shape for g in groups], dtypes=[g.dtype for g in groups])
+    ser, de = Fp8QuantizationSerializer(), Fp8QuantizationDeserializer()
+    buf = torch.empty(ser.estimate_serialized_size(layout), dtype=torch.uint8)
+    assert ser.serialize(MultiObj(groups), obj(buf), KEY) == buf.numel() == sum(g.numel() for g in groups)
+    assert torch.equal(buf, torch.cat([seed_serialize(g, torch.float8_e4m3fn) for g in groups]))
+    out = [torch.empty_like(g) for g in groups]
+    de.deserialize(obj(buf), MultiObj(out), KEY)
+    for g, o in zip(groups, out):
+        assert torch.equal(o, g.to(torch.float8_e4m3fn).to(g.dtype))
+
+
+# --- the frame pair ------------------------------------------------------------------
+
+
+MODES = [CodecOptions(), CodecOptions(scaling="token", scale_dtype="float32"), CodecOptions(fp8="e5m2", scaling="none")]
+
+
+@pytest.mark.parametrize("options", MODES, ids=lambda o: o.label())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_frame_serializer_writes_exactly_its_estimate_and_the_codecs_frame(options, dtype):
+    src = kv_like((2, 4, 32, 64), dtype, seed=3)
+    ser = Fp8FrameSerializer(options)
+    layout = MemoryLayoutDesc(shapes=[src.shape], dtypes=[src.dtype])
+    size = ser.estimate_serialized_size(layout)
+    assert size == Fp8Codec(options=options).encoded_size(src.shape, dtype)
+    dst = torch.full((size + 64,), 0xAB, dtype=torch.uint8)  # a larger buffer: nothing written past the frame
+    assert ser.serialize(obj(src), obj(dst), KEY) == size
+    assert bytes(dst[:size].numpy()) == bytes(Fp8Codec(options=options).encode(src))
+    assert bool((dst[size:] == 0xAB).all())
+    out = torch.empty_like(src)
+    Fp8FrameDeserializer(options).deserialize(obj(dst[:size]), obj(out), KEY)
+    assert torch.equal(out, fp8ray.decode(dst[:size]))
+
+
+def test_frames_of_several_kernel_groups_lie_end_to_end():
+    groups = [kv_like((2, 3, 8, 64), torch.bfloat16, seed=1), kv_like((2, 3, 8, 32), torch.float32, seed=2)]
+    layout = MemoryLayoutDesc(shapes=[g.shape for g in groups], dtypes=[g.dtype for g in groups])
+    ser = Fp8FrameSerializer()
+    sizes = ser.frame_sizes(layout)
+    buf = torch.empty(ser.estimate_serialized_size(layout), dtype=torch.uint8)
+    assert buf.numel() == sum(sizes) and ser.serialize(MultiObj(groups), obj(buf)) == buf.numel()
+    assert frame.parse(buf[: sizes[0]].numpy()).shape == (2, 3, 8, 64)
+    assert frame.parse(buf[sizes[0] :].numpy()).dtype == torch.float32
+    out = [torch.empty_like(g) for g in groups]
+    Fp8FrameDeserializer().deserialize(obj(buf), MultiObj(out))
+    for g, o, size, start in zip(groups, out, sizes, (0, sizes[0])):
+        assert torch.equal(o, fp8ray.decode(buf[start : start + size]))
+
+
+def test_frame_deserializer_refuses_corrupt_truncated_and_mismatched_frames():
+    src = kv_like((2, 4, 16, 64), torch.bfloat16, seed=7)
+    ser, de = Fp8FrameSerializer(), Fp8FrameDeserializer()
+    size = ser.estimate_serialized_size(MemoryLayoutDesc([src.shape], [src.dtype]))
+    buf = torch.empty(size, dtype=torch.uint8)
+    ser.serialize(obj(src), obj(buf))
+    out = torch.zeros_like(src)
+    for offset in (0, 20, size // 2, size - 1):  # header, shape, codes, checksum
+        bad = buf.clone()
+        bad[offset] ^= 0x10
+        with pytest.raises(CorruptFrameError):
+            de.deserialize(obj(bad), obj(out))
+    with pytest.raises(CorruptFrameError, match="truncated"):
+        de.deserialize(obj(buf[: size - 1]), obj(out))
+    with pytest.raises(MismatchError, match="float16"):  # a sound frame of another dtype, same size
+        de.deserialize(obj(buf), obj(torch.empty(src.shape, dtype=torch.float16)))
+    with pytest.raises(CorruptFrameError, match=r"shape \[2, 4, 16, 64\]"):  # another shape: another length
+        de.deserialize(obj(buf), obj(torch.empty(2, 4, 8, 64, dtype=torch.bfloat16)))
+    assert not bool(out.any())  # nothing was decoded into dst on any failure
+
+
+def test_frame_serializer_refuses_bad_input_and_short_buffers():
+    ser = Fp8FrameSerializer()
+    with pytest.raises(ValueError, match="dst holds 10 bytes but the frames of src need"):
+        ser.serialize(obj(torch.ones(3, 4)), obj(torch.empty(10, dtype=torch.uint8)))
+    with pytest.raises(TypeError, match="unsupported dtype torch.int32"):
+        ser.serialize(obj(torch.ones(3, dtype=torch.int32)), obj(torch.empty(100, dtype=torch.uint8)))
+    with pytest.raises(NonFiniteError, match="1 non-finite"):
+        ser.serialize(obj(torch.tensor([1.0, float("inf")])), obj(torch.empty(100, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="requires src and dst to have tensors"):
+        ser.serialize(SimpleNamespace(), obj(torch.empty(100, dtype=torch.uint8)))
+
+
+def test_read_frame_header_gives_the_header_without_the_checksum():
+    t = kv_like((2, 3, 5), torch.float16)
+    data = bytes(Fp8Codec(scaling="token").encode(t))
+    header = read_frame_header(data[:40])  # 16 + 8 * 3 bytes suffice
+    assert header == frame.parse(np.frombuffer(data, np.uint8)) and header.frame_size == len(data)
+    assert read_frame_header(data[:30]) is None and read_frame_header(b"\0" * 64) is None
+    with pytest.raises(CorruptFrameError, match="unknown dtype code 9"):
+        read_frame_header(data[:7] + b"\x09" + data[8:])
+
+
+# --- the registered type's options ----------------------------------------------------
+
+
+def test_serde_options_default_to_the_default_mode_and_name_what_is_wrong():
+    assert serde_options({}) == serde_options(None) == (CodecOptions(), 1)
+    assert serde_options({"scaling": "token", "block_size": 64, "max_workers": 4}) == (CodecOptions(scaling="token", block_size=64), 4)
+    assert serde_options({"fp8": "float8_e5m2", "max_workers": "2"}) == (CodecOptions(fp8="e5m2"), 2)
+    bad = {
+        "fp8_dtype": {"fp8_dtype": "float8_e4m3fn"},  # the plain fp8 serde's option: here it is "fp8"
+        "scaling": {"scaling": "row"},
+        "block_size": {"block_size": 0},
+        "scale_choice": {"scaling": "tensor", "scale_choice": "mse"},
+        "max_workers": {"max_workers": 0},
+    }
+    for field, kwargs in bad.items():
+        with pytest.raises(InvalidOptionError) as info:
+            serde_options(kwargs)
+        assert info.value.field == field and field in str(info.value)
+    with pytest.raises(ValueError, match="max_workers must be a positive integer, got True"):
+        serde_options({"max_workers": True})
+
+
+def test_fp8ray_lmcache_imports_without_lmcache_and_register_says_what_is_missing():
+    code = (
+        "import sys; sys.modules['lmcache'] = None\n"  # as if not installed
+        "import fp8ray.lmcache as m\n"
+        "try:\n    m.register()\nexcept ImportError as e:\n    print(e)\n"
+        "try:\n    m.make_serde_processor({'scaling': 'row'})\nexcept ValueError as e:\n    print('ValueError', e.field)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "'lmcache' package is not installed" in lines[0] and "pip install lmcache" in lines[0]
+    assert lines[1] == "ValueError scaling"  # bad options are refused before LMCache is needed
