@@ -1,4 +1,4 @@
-"""``fp8ray bench codec|pipeline|serve``: each figure beside a baseline from the same run."""
+"""``fp8ray bench codec|pipeline|serve|lmcache``: each figure beside a baseline from the same run."""
 
 from __future__ import annotations
 
@@ -37,6 +37,18 @@ def add_commands(commands) -> None:
     service_arguments(serve)
     serve.set_defaults(handler=run_bench_serve)
 
+    lmcache = kinds.add_parser("lmcache", help="fp8ray's serde inside LMCache vs LMCache's own fp8 serde, on a real KV cache")
+    lmcache.add_argument(
+        "--mode", action="append", dest="modes", metavar="FP8:SCALING[:key=value...]",
+        help="an fp8ray mode to measure, repeatable (default: the default mode and its fast alternative, "
+        "e4m3fn:block:block_size=32:scale_dtype=bfloat16:scale_choice=amax)",
+    )
+    lmcache.add_argument("--tokens", type=positive_int, default=512, help="tokens of the shipped text to capture (default 512)")
+    lmcache.add_argument("--chunk-tokens", type=positive_int, default=256, help="tokens per LMCache chunk (default 256)")
+    lmcache.add_argument("--max-workers", type=positive_int, default=1, help="AsyncSerdeProcessor threads (default 1, LMCache's)")
+    lmcache.add_argument("--repeat", type=positive_int, default=5, help="timed runs per figure; the median is shown (default 5)")
+    lmcache.set_defaults(handler=run_bench_lmcache)
+
 
 def run_bench_codec(args) -> int:
     import torch
@@ -73,4 +85,18 @@ def run_bench_serve(args) -> int:
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     print(bench_serve(sizes, args.concurrency, int(args.mib_per_size * 2**20), service_args(args)))
+    return 0
+
+
+def run_bench_lmcache(args) -> int:
+    from ..bench.lmcache import FAST_MODE, bench_lmcache, capture_chunks, describe, format_table
+    from ..codec import CodecOptions
+
+    modes = [CodecOptions.from_mode(m) for m in args.modes] if args.modes else [CodecOptions(), CodecOptions.from_mode(FAST_MODE)]
+    if args.tokens < args.chunk_tokens:
+        raise ValueError(f"--tokens {args.tokens} is less than one chunk of --chunk-tokens {args.chunk_tokens}")
+    chunks = capture_chunks(args.tokens, args.chunk_tokens)
+    chunks = [c for c in chunks if c.shape == chunks[0].shape]  # full chunks only: one layout, as a store has
+    rows = bench_lmcache(chunks, modes, args.repeat, args.max_workers)
+    print(format_table(rows, describe(chunks, args.tokens, args.max_workers)))
     return 0
