@@ -5,15 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fp8ray.codec.bound import bound_constants, element_bound, element_scales  # noqa: F401 (re-exported)
 from fp8ray.codec.formats import FORMATS
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALINGS = ("none", "tensor", "channel", "token", "block")
-
-# Output rounding of the original dtype: unit roundoff u_out, and half its smallest
-# subnormal (the absolute error of rounding into its subnormal range).
-U_OUT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}
-HALF_SUBNORMAL_OUT = {torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25, torch.float32: 2.0**-150}
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
@@ -32,41 +28,10 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert mismatch.size == 0, f"{mismatch.size} elements differ, first at {mismatch[0]}: {a[mismatch[0]]:#x} vs {e[mismatch[0]]:#x}"
 
 
-def element_scales(scales: torch.Tensor, scaling: str, shape, block_size: int) -> torch.Tensor:
-    """The scale that applies to each element, flat, in row-major order."""
-    numel = int(np.prod(shape)) if len(shape) else 1
-    last = shape[-1] if len(shape) else 1
-    if scaling == "none":
-        return torch.ones(numel)
-    if scaling == "tensor":
-        return scales.expand(numel)
-    if scaling == "channel":
-        return scales.repeat(numel // last if last else 0)
-    group = last if scaling == "token" else block_size
-    return scales.repeat_interleave(group)[:numel]
-
-
 def error_bound(x: torch.Tensor, deq: torch.Tensor, scale: torch.Tensor, fmt_name: str) -> torch.Tensor:
-    """Per-element bound on |deq - x|, derived in docs/ACCURACY.md.
-
-    The issue's bound  (u/(1+u))|x| + scale*2^(emin_sub-1) + u_out|deq|  plus the terms of
-    the fp32 arithmetic it leaves out: the roundings of x/scale and of fp8*scale (each at
-    most 2^-24 relative, bounded together by 2^-22 (|x| + |deq|)), half the smallest
-    subnormal of the output dtype, and 2^-149 for an fp32-subnormal product.
-    """
-    fmt = FORMATS[fmt_name]
-    u = fmt.unit_roundoff
-    xa = x.double().abs().reshape(-1)
-    da = deq.double().abs().reshape(-1)
-    s = scale.double().reshape(-1)
-    return (
-        (u / (1 + u)) * xa
-        + s * 2.0 ** (fmt.min_subnormal_exp - 1)
-        + U_OUT[deq.dtype] * da
-        + 2.0**-22 * (xa + da)
-        + HALF_SUBNORMAL_OUT[deq.dtype]
-        + 2.0**-149
-    )
+    """Per-element bound on |deq - x| derived in docs/ACCURACY.md: the codec's own
+    (fp8ray.codec.bound), the one verify holds archives to."""
+    return element_bound(x, deq, scale, bound_constants(FORMATS[fmt_name], "tensor"))
 
 
 def kv_like(shape, dtype=torch.bfloat16, seed=0) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from ..io.archive import DEFAULT_LOSSLESS
 from .common import codec_arguments, codec_options, engine_arguments, json_argument, positive_float, progress, warn
 
 
@@ -13,6 +14,11 @@ def add_commands(commands) -> None:
     compress.add_argument("destination", help="the archive directory to create (local or s3://)")
     codec_arguments(compress)
     compress.add_argument("--part-mb", type=positive_float, default=64.0, help="input MiB per Parquet part (default 64)")
+    compress.add_argument(
+        "--lossless", default=DEFAULT_LOSSLESS, metavar="CODEC[:LEVEL]",
+        help=f"lossless stage over the frames: none, zstd[:1-22], lz4, ... (default {DEFAULT_LOSSLESS}); decompress needs no flag",
+    )
+    compress.add_argument("--parents", action="store_true", help="create the destination's missing parent directories")
     compress.add_argument("--resume", action="store_true", help="keep the parts an interrupted run finished")
     compress.add_argument(
         "--overwrite", action="store_true", help="replace an existing destination (never one that overlaps the source)"
@@ -20,10 +26,14 @@ def add_commands(commands) -> None:
     engine_arguments(compress)
     compress.set_defaults(handler=run_compress)
 
-    decompress = commands.add_parser("decompress", help="decode an archive into a .safetensors file")
+    decompress = commands.add_parser("decompress", help="give back what was compressed: the source's files, or one .safetensors file")
     decompress.add_argument("archive", help="an fp8ray archive directory")
-    decompress.add_argument("output", help="the .safetensors file to write")
-    decompress.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    decompress.add_argument(
+        "output", help="where the source comes back: a directory for a directory source, else the file to write"
+    )
+    decompress.add_argument("--single-file", action="store_true", help="every block into OUTPUT as one .safetensors file (keys must be unique)")
+    decompress.add_argument("--overwrite", action="store_true", help="replace an existing output of the same kind")
+    decompress.add_argument("--parents", action="store_true", help="create the output's missing parent directories")
     engine_arguments(decompress)
     decompress.set_defaults(handler=run_decompress)
 
@@ -54,7 +64,8 @@ def run_compress(args) -> int:
     report = compress_archive(
         args.source, args.destination, options=options,
         workers=args.workers, gpus_per_worker=args.gpus_per_worker, address=args.address,
-        resume=args.resume, overwrite=args.overwrite, part_bytes=int(args.part_mb * 2**20), progress=update,
+        resume=args.resume, overwrite=args.overwrite, parents=args.parents, part_bytes=int(args.part_mb * 2**20),
+        lossless=args.lossless, progress=update,
     )
     _finish(args, bar, report, (
         f"compressed {report.blocks} blocks into {report.parts} parts ({report.parts_reused} reused): "
@@ -76,10 +87,14 @@ def run_decompress(args) -> int:
 
     bar, update = progress(args, lambda: _manifest_blocks(args.archive))
     report = decompress_archive(
-        args.archive, args.output, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
-        address=args.address, overwrite=args.overwrite, progress=update,
+        args.archive, args.output, single_file=args.single_file, workers=args.workers,
+        gpus_per_worker=args.gpus_per_worker, address=args.address, overwrite=args.overwrite, parents=args.parents,
+        progress=update,
     )
-    _finish(args, bar, report, f"decompressed {report.blocks} blocks ({report.raw_bytes / 2**20:.1f} MiB) into {report.output}")
+    _finish(args, bar, report, (
+        f"decompressed {report.blocks} blocks ({report.raw_bytes / 2**20:.1f} MiB) into {report.files} file(s) at {report.output}, "
+        f"{report.output_gbps:.2f} GB/s of output on {args.workers} workers"
+    ))
     return 0
 
 

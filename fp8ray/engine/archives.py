@@ -6,7 +6,7 @@ The archive format itself is :mod:`fp8ray.io.archive`.
 
 from __future__ import annotations
 
-import json
+import posixpath
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -16,12 +16,13 @@ import ray
 
 from .. import __version__
 from ..codec import CodecOptions
-from ..errors import ArchiveExistsError
+from ..codec.bound import bound_constants
+from ..errors import ArchiveExistsError, DestinationError, SourceError
 from ..io import archive
-from ..io.archive import DEFAULT_PART_BYTES
-from ..io.blocks import list_blocks
-from ..io.paths import check_apart, redact, resolve
-from ..io.safetensors import SafetensorsWriter
+from ..io.archive import DEFAULT_LOSSLESS, DEFAULT_PART_BYTES
+from ..io.blocks import scan_source
+from ..io.paths import TMP_MARK, check_apart, prepare_parent, redact, replace_directory, resolve, temporary_name, uri_for
+from ..io.restore import plan_restore
 from .pool import QuantPool
 
 Progress = Callable[[int], None]  # called with the number of blocks just finished
@@ -61,10 +62,15 @@ class DecompressReport:
     output: str
     blocks: int
     raw_bytes: int
-    seconds: float
+    seconds: float  # the work, once the workers are up
+    files: int
+
+    @property
+    def output_gbps(self) -> float:
+        return self.raw_bytes / self.seconds / 1e9 if self.seconds else 0.0
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "output_gbps": self.output_gbps}
 
 
 @dataclass
@@ -83,22 +89,53 @@ class VerifyReport:
         return {**asdict(self), "ok": self.ok}
 
 
-def _prepare_destination(fs: pafs.FileSystem, path: str, uri: str, resume: bool, overwrite: bool) -> None:
+@dataclass
+class _Destination:
+    """Where a compress writes: ``path`` itself, or, when ``--overwrite`` replaces an
+    existing archive, a scratch directory beside it that takes its place at the end."""
+
+    fs: pafs.FileSystem
+    path: str  # the destination
+    work: str  # where the parts go
+    created: bool  # whether this run created ``work``
+
+    @property
+    def replacing(self) -> bool:
+        return self.work != self.path
+
+
+def _prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) -> _Destination:
+    """Check the destination before any work, and make the directory parts go into.
+    Nothing there is deleted: ``--overwrite`` builds the new archive beside the old one."""
+    fs, path = resolve(uri)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.File:
         raise ArchiveExistsError(f"destination {redact(uri)} exists and is a file")
     if info.type == pafs.FileType.Directory:
         has_manifest = fs.get_file_info(f"{path}/{archive.MANIFEST_NAME}").type == pafs.FileType.File
         entries = fs.get_file_info(pafs.FileSelector(path))
-        if overwrite:
-            fs.delete_dir_contents(path)
-        elif has_manifest:
+        if overwrite and entries:
+            work = temporary_name(path)
+            fs.create_dir(work)
+            return _Destination(fs, path, work, True)
+        if has_manifest and not overwrite:
             raise ArchiveExistsError(f"destination {redact(uri)} already holds an archive (pass --overwrite to replace it)")
-        elif entries and not resume:
+        if entries and not resume:
             raise ArchiveExistsError(
                 f"destination {redact(uri)} exists and is not empty (pass --resume to continue, --overwrite to replace)"
             )
-    fs.create_dir(path, recursive=True)
+        return _Destination(fs, path, path, False)
+    prepare_parent(fs, path, uri, parents)
+    fs.create_dir(path)
+    return _Destination(fs, path, path, True)
+
+
+def _undo(dest: _Destination) -> None:
+    """Leave the destination as it was found, after a run in which no part finished."""
+    if dest.created:
+        dest.fs.delete_dir(dest.work)
+    else:
+        archive.clean_scratch(dest.fs, dest.work)
 
 
 def compress_archive(
@@ -111,7 +148,9 @@ def compress_archive(
     address: str | None = None,
     resume: bool = False,
     overwrite: bool = False,
+    parents: bool = False,
     part_bytes: int = DEFAULT_PART_BYTES,
+    lossless: str = DEFAULT_LOSSLESS,
     progress: Progress | None = None,
     **codec_options,
 ) -> CompressReport:
@@ -120,21 +159,31 @@ def compress_archive(
 
     Each worker reads its part's blocks from the source and writes the part itself; the
     driver moves only metadata and writes the manifest last. With ``resume``, parts a
-    previous run finished (same source, options and plan) are kept as they are.
+    previous run finished (same source, options and plan) are kept as they are. A
+    destination that overlaps the source is refused before anything is touched;
+    ``overwrite`` replaces an existing archive only once the new one is complete; a run
+    that fails before any part is finished leaves the destination as it found it (one
+    that fails later keeps its finished parts for ``resume``). A missing parent directory
+    is created with ``parents``, else refused.
 
     Codec options: ``options`` (default: the default mode), then any of
     :class:`~fp8ray.codec.CodecOptions`' fields as keywords (``scaling="token"``), each
-    overriding only itself. All of them are recorded in the manifest.
+    overriding only itself. All of them are recorded in the manifest, with ``lossless``
+    (the Parquet codec of the frame column, ``"zstd:3"``, ``"none"``...), the source's
+    layout (to give it back) and the codec's error bound (to verify against).
     """
     codec = CodecOptions.parse(codec_options, base=options)  # bad options fail before any work
+    archive.parse_lossless(lossless)
     check_apart(source, destination)
-    refs = list_blocks(source)
+    layout, refs = scan_source(source)
+    if not refs:
+        raise SourceError(f"source {redact(source)} holds no tensors: there is nothing to compress")
     parts = archive.plan_parts(refs, part_bytes)
-    fs, path = resolve(destination)
-    _prepare_destination(fs, path, destination, resume, overwrite)
-    plan = archive.plan_record(source, codec.as_dict(), parts)
+    dest = _prepare_destination(destination, resume, overwrite, parents)
+    fs, work = dest.fs, dest.work
+    plan = archive.plan_record(source, codec.as_dict(), lossless, parts)
     reused: dict[int, archive.PartInfo] = {}
-    previous = archive.read_plan(fs, path) if resume else None
+    previous = archive.read_plan(fs, work) if resume and not dest.replacing else None
     if previous is not None:
         if previous != plan:
             raise ArchiveExistsError(
@@ -142,32 +191,45 @@ def compress_archive(
                 f"({previous.get('source')}, {previous.get('codec')})"
             )
         for i in range(len(parts)):
-            info = archive.read_sidecar(fs, path, i)
+            info = archive.read_sidecar(fs, work, i)
             if info is not None:
                 reused[i] = info
-    else:
-        archive.write_plan(fs, path, plan)
 
     infos: dict[int, archive.PartInfo] = dict(reused)
     devices, nodes = set(), set()
-    if progress:
-        progress(sum(info.blocks for info in reused.values()))
-    todo = [i for i in range(len(parts)) if i not in reused]
-    with QuantPool(num_workers=workers, gpus_per_worker=gpus_per_worker, address=address) as pool:
-        start = time.perf_counter()
-        tasks = ((parts[i], codec, destination, i) for i in todo)
-        for i, result in zip(todo, pool.map("compress_part", tasks)):
-            infos[i] = result.info
-            devices.add(result.device)
-            nodes.add(result.node_id)
-            if progress:
-                progress(result.info.blocks)
-        replaced = pool.replaced
-    seconds = time.perf_counter() - start
-
-    manifest = archive.build_manifest(source, codec.as_dict(), len(refs), [infos[i] for i in range(len(parts))], __version__)
-    archive.write_manifest(fs, path, manifest)
-    archive.clean_scratch(fs, path)
+    finished = 0
+    try:
+        if previous is None:
+            archive.write_plan(fs, work, plan)
+        if progress:
+            progress(sum(info.blocks for info in reused.values()))
+        todo = [i for i in range(len(parts)) if i not in reused]
+        work_uri = uri_for(destination, work)
+        with QuantPool(num_workers=workers, gpus_per_worker=gpus_per_worker, address=address) as pool:
+            start = time.perf_counter()
+            tasks = ((parts[i], codec, work_uri, i, lossless) for i in todo)
+            for i, result in zip(todo, pool.map("compress_part", tasks)):
+                infos[i] = result.info
+                finished += 1
+                devices.add(result.device)
+                nodes.add(result.node_id)
+                if progress:
+                    progress(result.info.blocks)
+            replaced = pool.replaced
+        seconds = time.perf_counter() - start
+        bound = bound_constants(codec.fmt, codec.scaling)
+        entries = [infos[i] for i in range(len(parts))]
+        manifest = archive.build_manifest(source, layout, codec.as_dict(), lossless, bound, len(refs), entries, __version__)
+        archive.write_manifest(fs, work, manifest)
+        archive.clean_scratch(fs, work)
+    except BaseException:
+        if dest.replacing:
+            fs.delete_dir(work)  # the old archive stays as it was
+        elif not finished and not reused:
+            _undo(dest)
+        raise
+    if dest.replacing:
+        replace_directory(fs, work, dest.path)
     return CompressReport(
         source=redact(source),
         archive=redact(destination),
@@ -189,38 +251,95 @@ def decompress_archive(
     archive_uri: str,
     output: str,
     *,
+    single_file: bool = False,
     workers: int = 2,
     gpus_per_worker: float = 0,
     address: str | None = None,
     overwrite: bool = False,
+    parents: bool = False,
     progress: Progress | None = None,
 ) -> DecompressReport:
-    """Decode an archive into one ``.safetensors`` file with the original keys, dtypes
-    and shapes. Every part and frame is checked first; a damaged one aborts the whole
-    output (nothing is left at ``output``)."""
+    """Give back what was compressed: the source's own files at ``output`` (a directory of
+    the same files, keys, order and metadata; a single file; a raw-block Parquet file with
+    the same columns), each written by the worker that decodes its blocks, straight to the
+    destination; the driver moves only metadata. With ``single_file`` (and for archives
+    written before the layout was recorded), every block into one ``.safetensors`` file.
+
+    The destination is checked before any work; the output appears by rename only when
+    complete, and a damaged part or frame leaves nothing behind.
+    """
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path)
     check_apart(archive_uri, output)
+    columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key", "dtype", "shape"])
     out_fs, out_path = resolve(output)
-    if out_fs.get_file_info(out_path).type != pafs.FileType.NotFound and not overwrite:
-        raise ArchiveExistsError(f"output {redact(output)} exists (pass --overwrite to replace it)")
-    start = time.perf_counter()
-    columns = archive.read_metadata_columns(fs, path, manifest, ["key", "dtype", "shape"])
-    entries = [(k, d, tuple(s)) for part in columns for k, d, s in zip(part["key"], part["dtype"], part["shape"])]
-    writer = SafetensorsWriter(output, entries, metadata={"fp8ray_archive": json.dumps(manifest["codec"])})
+    plan = plan_restore(manifest, columns, posixpath.basename(out_path) if single_file else None)
+    _check_output(out_fs, out_path, output, plan, overwrite, parents)
+    scratch = temporary_name(out_path)
+    out_fs.create_dir(scratch)
+    report = DecompressReport(redact(archive_uri), redact(output), 0, 0, 0.0, 0)
     try:
         with QuantPool(num_workers=workers, gpus_per_worker=gpus_per_worker, address=address) as pool:
-            tasks = ((archive_uri, part) for part in manifest["parts"])
-            for blocks in pool.map("decompress_part", tasks):
-                for _key, raw in blocks:
-                    writer.write(raw)
+            start = time.perf_counter()
+            scratch_uri = uri_for(output, scratch)
+            tasks = ((archive_uri, {i: manifest["parts"][i] for i in t.parts}, t, scratch_uri) for t in plan.tasks)
+            for result in pool.map("restore_files", tasks):
+                report.files += result.files
+                report.blocks += result.blocks
+                report.raw_bytes += result.raw_bytes
                 if progress:
-                    progress(len(blocks))
-        writer.close()
+                    progress(result.blocks)
+            report.seconds = time.perf_counter() - start
+        _clean_temporaries(out_fs, scratch)  # of workers killed mid-file; their files were rewritten
+        if plan.container == "directory":
+            replace_directory(out_fs, scratch, out_path)
+        else:
+            (only,) = plan.files
+            if out_fs.get_file_info(out_path).type == pafs.FileType.File:  # --overwrite, checked above
+                out_fs.delete_file(out_path)
+            out_fs.move(f"{scratch}/{only.name}", out_path)
+            out_fs.delete_dir(scratch)
     except BaseException:
-        writer.abort()
+        _remove_quietly(out_fs, scratch)
         raise
-    return DecompressReport(redact(archive_uri), redact(output), len(entries), manifest["raw_bytes"], time.perf_counter() - start)
+    return report
+
+
+def _check_output(fs: pafs.FileSystem, path: str, uri: str, plan, overwrite: bool, parents: bool) -> None:
+    """Refuse, before any work, an output decompress cannot write as asked."""
+    wanted = "directory" if plan.container == "directory" else "file"
+    if wanted == "file":
+        if uri.endswith("/"):
+            raise DestinationError(f"output {redact(uri)} names a directory, but the archive gives back one file: name the file")
+        kind = plan.files[0].kind
+        suffix = posixpath.splitext(path)[1]
+        if suffix in (".safetensors", ".parquet") and suffix != f".{kind}":
+            raise DestinationError(
+                f"output {redact(uri)} ends in {suffix}, but the archive gives back a {kind} file "
+                f"(name it .{kind}, or pass --single-file for one .safetensors file)"
+            )
+    kind = fs.get_file_info(path).type
+    if kind == pafs.FileType.NotFound:
+        prepare_parent(fs, path, uri, parents)
+        return
+    have = "directory" if kind == pafs.FileType.Directory else "file"
+    if not overwrite:
+        raise ArchiveExistsError(f"output {redact(uri)} exists (pass --overwrite to replace it with the archive's {wanted})")
+    if have != wanted:
+        raise DestinationError(f"output {redact(uri)} is a {have}, and the archive gives back a {wanted}: not replacing it")
+
+
+def _clean_temporaries(fs: pafs.FileSystem, directory: str) -> None:
+    for entry in fs.get_file_info(pafs.FileSelector(directory)):
+        if TMP_MARK in entry.base_name:
+            fs.delete_file(entry.path)
+
+
+def _remove_quietly(fs: pafs.FileSystem, directory: str) -> None:
+    try:
+        fs.delete_dir(directory)
+    except OSError:
+        pass  # already gone, or a worker still writing: nothing of the user's is there
 
 
 def verify_archive(
@@ -232,22 +351,27 @@ def verify_archive(
     progress: Progress | None = None,
 ) -> VerifyReport:
     """Check every part's CRC-32C and every frame; with ``against``, error metrics per
-    key against the original source. Damage is reported, naming the block (or the part
-    where it lies outside every block), not raised."""
+    block against the original source, each block held to the codec's derived error bound
+    (a source that is not the one compressed fails). Damage is reported, naming the block
+    (or the part where it lies outside every block), not raised."""
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path)
-    refs = {r.key: r for r in list_blocks(against)} if against else None
+    layout = archive.manifest_layout(manifest)
+    name_files = layout is not None and len(layout.files) > 1
+    refs = archive.blocks_by_ident(layout, *scan_source(against), against) if against else None
+    codec = archive.manifest_codec(manifest)
+    bound = manifest.get("error_bound") or bound_constants(codec.fmt, codec.scaling)
     report = VerifyReport(redact(archive_uri), 0, len(manifest["parts"]))
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     with QuantPool(num_workers=workers, address=address) as pool:
         # The source's block map goes to the object store once, not with every part.
         shared_refs = ray.put(refs)
-        tasks = ((archive_uri, part, shared_refs) for part in manifest["parts"])
+        tasks = ((archive_uri, part, shared_refs, bound, name_files) for part in manifest["parts"])
         for part_result in pool.map("verify_part", tasks):
             report.blocks += part_result.blocks
             report.errors += part_result.errors
             report.metrics.update(part_result.metrics)
-            seen.update(part_result.keys)
+            seen.update(part_result.idents)
             if progress:
                 progress(part_result.blocks)
     if report.blocks != manifest["blocks"] and not report.errors:
@@ -255,7 +379,7 @@ def verify_archive(
     if refs is not None:
         missing = sorted(set(refs) - seen)
         if missing:
-            report.errors.append(f"{len(missing)} source key(s) are not in the archive, e.g. {missing[0]!r}")
+            report.errors.append(f"{len(missing)} source block(s) are not in the archive, e.g. {missing[0][1]!r}")
     return report
 
 

@@ -12,6 +12,7 @@ fails raises fp8ray's own exception class, its message starting with the block's
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -21,12 +22,14 @@ import torch
 
 from ..codec import CodecOptions, Fp8Codec, decode, frame
 from ..codec.formats import DTYPE_NAMES, DTYPES, DTYPES_BY_NAME, FORMATS, SCALINGS
+from ..codec.bound import check_within_bound, element_scales
 from ..codec.metrics import error_metrics
-from ..errors import block_error
+from ..errors import MismatchError, block_error
 from ..io import archive
 from ..io.blocks import BlockRef, bytes_to_tensor, read_blocks, tensor_to_bytes
 from ..io.lmcache_store import Layout
-from ..io.paths import resolve
+from ..io.paths import resolve, uri_for
+from ..io.restore import RestoreTask
 from .store_files import ConvertedFile, convert_files
 
 
@@ -66,8 +69,18 @@ class VerifyResult:
     part: str
     blocks: int = 0
     keys: list[str] = field(default_factory=list)
+    idents: list[tuple[str, str]] = field(default_factory=list)  # (file, key) of each block
     errors: list[str] = field(default_factory=list)
-    metrics: dict[str, dict] = field(default_factory=dict)  # key -> error metrics, with --against
+    metrics: dict[str, dict] = field(default_factory=dict)  # block label -> error metrics, with --against
+
+
+@dataclass
+class RestoreResult:
+    """What one restore task wrote."""
+
+    files: int = 0
+    blocks: int = 0
+    raw_bytes: int = 0
 
 
 def _load_kernels() -> None:
@@ -133,7 +146,7 @@ class QuantWorker:
             out.append((raw, BlockMeta(key, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), self.device, raw.size, len(f))))
         return out
 
-    def compress_part(self, refs: list[BlockRef], options: CodecOptions, directory: str, index: int) -> PartResult:
+    def compress_part(self, refs: list[BlockRef], options: CodecOptions, directory: str, index: int, lossless: str = "none") -> PartResult:
         """Read ``refs`` from their source, encode them, write part ``index`` of the archive
         in ``directory`` (local path or URI); return the part's manifest entry."""
         codec = self._codec(options)
@@ -147,24 +160,48 @@ class QuantWorker:
             start += size
         rows = archive.part_rows(refs, options, sizes, archive.frame_column(frames, sizes))
         fs, path = resolve(directory)
-        return PartResult(archive.write_part(fs, path, index, rows), self.device, _node_id())
+        return PartResult(archive.write_part(fs, path, index, rows, lossless), self.device, _node_id())
 
-    def decompress_part(self, directory: str, part: dict) -> list[tuple[str, np.ndarray]]:
-        """Decode every block of a part (checked against the manifest's CRC first)."""
-        fs, path = resolve(directory)
-        table = archive.read_part(fs, path, part, columns=["key", "frame"])
-        out = []
-        for key, f in zip(table.column("key").to_pylist(), archive.iter_frames(table)):
-            try:
-                tensor = decode(f)
-            except (ValueError, TypeError) as exc:
-                raise block_error(key, exc, f" in {part['name']}") from exc
-            out.append((key, tensor_to_bytes(tensor)))
-        return out
+    def restore_files(self, archive_uri: str, parts: dict[int, dict], task: RestoreTask, directory: str) -> RestoreResult:
+        """Write the files of ``task`` into ``directory`` (local path or URI), decoding
+        their blocks from ``parts`` (manifest entries by index; each checked against its
+        CRC-32C once). A damaged part or frame raises, naming the block."""
+        fs, path = resolve(archive_uri)
+        out_fs, out_dir = resolve(directory)
+        last_use = {p: i for i, f in enumerate(task.files) for p, *_ in f.blocks}
+        frames: dict[int, list] = {}
+        buffer = np.empty(0, np.uint8)  # reused: fresh pages for every block cost more than decoding
+        result = RestoreResult()
+        for i, f in enumerate(task.files):
+            with f.writer(uri_for(directory, f"{out_dir}/{f.name}")) as writer:
+                for part, row, key, dtype, shape in f.blocks:
+                    if part not in frames:
+                        table = archive.read_part(fs, path, parts[part], columns=["frame"])
+                        frames[part] = list(archive.iter_frames(table))
+                    nbytes = math.prod(shape) * DTYPES_BY_NAME[dtype].itemsize
+                    if buffer.size < nbytes:
+                        buffer = np.empty(nbytes, np.uint8)
+                    out = bytes_to_tensor(buffer[:nbytes], dtype, shape)
+                    try:
+                        decode(frames[part][row], out=out)
+                    except (ValueError, TypeError) as exc:
+                        raise block_error(key, exc, f" in {parts[part]['name']}") from exc
+                    writer.write_block(key, dtype, shape, buffer[:nbytes])
+                    result.blocks += 1
+                    result.raw_bytes += nbytes
+            result.files += 1
+            for part in [p for p, last in last_use.items() if last == i and p in frames]:
+                del frames[part]  # not needed by the files still to write
+        return result
 
-    def verify_part(self, directory: str, part: dict, against: dict[str, BlockRef] | None = None) -> VerifyResult:
-        """Check a part and each of its frames; with ``against``, compare each block with
-        its source. Reports problems instead of raising, so one run names them all."""
+    def verify_part(
+        self, directory: str, part: dict, against: dict | None = None, bound: dict | None = None, name_files: bool = False
+    ) -> VerifyResult:
+        """Check a part and each of its frames; with ``against`` (the source's blocks by
+        ``(file, key)``), compare each block with its source and hold it to the codec's
+        error ``bound`` (:mod:`fp8ray.codec.bound`). Blocks are named by key, and by file
+        too with ``name_files``. Reports problems instead of raising, so one run names
+        them all."""
         fs, path = resolve(directory)
         result = VerifyResult(part["name"])
         try:
@@ -177,15 +214,18 @@ class QuantWorker:
         except archive.CorruptArchiveError as exc:
             result.errors.append(str(exc))
             return result
-        columns = {name: table.column(name).to_pylist() for name in archive.METADATA_COLUMNS}
+        names = table.schema.names
+        columns = {name: table.column(name).to_pylist() for name in archive.METADATA_COLUMNS if name in names}
+        files = columns.get("file") or [""] * table.num_rows  # version 1 parts have no file column
         result.keys = columns["key"]
+        result.idents = list(zip(files, columns["key"]))
         originals = {}
         if against is not None:  # one read of the source for the whole part
-            present = [against[k] for k in columns["key"] if k in against]
-            originals = {r.key: (r, data) for r, data in zip(present, read_blocks(present))}
+            present = [against[i] for i in result.idents if i in against]
+            originals = {(f, r.key): (r, data) for f, r, data in zip((i[0] for i in result.idents if i in against), present, read_blocks(present))}
         block_errors = 0
         for row, f in enumerate(archive.iter_frames(table)):
-            key = columns["key"][row]
+            key, ident = columns["key"][row], result.idents[row]
             result.blocks += 1
             try:
                 buf = frame.as_byte_array(f)
@@ -195,23 +235,38 @@ class QuantWorker:
                         f"columns say {columns['shape'][row]} {columns['dtype'][row]}, the frame says {list(header.shape)} {header.dtype}"
                     )
                 if against is not None:
-                    if key not in originals:
+                    if ident not in originals:
                         raise ValueError("not in the source it is verified against")
-                    ref, data = originals[key]
-                    result.metrics[key] = error_metrics(bytes_to_tensor(data, ref.dtype, ref.shape), decode(buf))
+                    ref, data = originals[ident]
+                    x, y = bytes_to_tensor(data, ref.dtype, ref.shape), decode(buf)
+                    result.metrics[_label(ident, name_files)] = error_metrics(x, y)
+                    scales = torch.from_numpy(frame.scales_of(buf, header).copy())
+                    stray = check_within_bound(x, y, element_scales(scales, header.scaling, header.shape, header.block_size), bound)
+                    if stray is not None:
+                        raise MismatchError(
+                            f"relative error {stray[0]:.3%} against the source, where the codec's derived bound allows "
+                            f"{stray[1]:.3%}: not the data this block was compressed from"
+                        )
             except (ValueError, TypeError) as exc:
                 block_errors += 1
-                result.errors.append(f"block {key!r} in {part['name']}: {exc}")
+                result.errors.append(f"block {_label(ident, name_files)!r} in {part['name']}: {exc}")
         if part_error and not block_errors:
             result.errors.append(f"{part_error}; every frame in it checks, so the damage lies outside them")
         elif part_error:
             result.errors.append(part_error)
         return result
 
-    def convert_store_files(self, mode: str, source: str, scratch: str, names: list[str], layout: Layout, fp8: str) -> list[ConvertedFile]:
-        """Convert LMCache chunk files from ``source`` into ``scratch``: the job of
-        :mod:`fp8ray.engine.stores`, done by :func:`fp8ray.engine.store_files.convert_files`."""
-        return convert_files(mode, source, scratch, names, layout, fp8)
+    def convert_store_files(self, conversion, chunks: list) -> list[ConvertedFile]:
+        """Convert LMCache chunk files (``ChunkFile`` s) as ``conversion`` (a
+        ``StoreConversion``) says: the job of :mod:`fp8ray.engine.stores`, done by
+        :func:`fp8ray.engine.store_files.convert_files`."""
+        return convert_files(conversion, chunks)
+
+
+def _label(ident: tuple[str, str], name_files: bool) -> str:
+    """A block's name in reports: its key, after its file where a source has several."""
+    file, key = ident
+    return f"{file}:{key}" if name_files else key
 
 
 def _node_id() -> str | None:

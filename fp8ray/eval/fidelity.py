@@ -30,7 +30,7 @@ from ..codec import decode
 from ..codec.metrics import ErrorSums, row_sums
 from ..errors import CorruptArchiveError, MismatchError
 from ..io import archive
-from ..io.blocks import bytes_to_tensor, list_blocks, read_blocks
+from ..io.blocks import bytes_to_tensor, read_blocks, scan_source
 from ..io.paths import resolve
 
 DEFAULT_KEY_PATTERN = r"(?:^|[^a-z0-9])layers?[._-]?(?P<layer>\d+)[._/-](?P<kv>k|v|key|value)$"
@@ -118,12 +118,19 @@ def fidelity_report(original: str, archive_uri: str, key_pattern: str = DEFAULT_
 
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path)
-    refs = {r.key: r for r in list_blocks(original)}
-    index = list(zip(manifest["parts"], (c["key"] for c in archive.read_metadata_columns(fs, path, manifest, ["key"]))))
-    archive_keys = [k for _, keys in index for k in keys]
-    only_archive = [k for k in archive_keys if k not in refs]
-    archived = set(archive_keys)
-    only_original = [k for k in refs if k not in archived]
+    layout = archive.manifest_layout(manifest)
+    refs = archive.blocks_by_ident(layout, *scan_source(original), original)
+    columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key"])
+    index = [(part, list(zip(c["file"], c["key"]))) for part, c in zip(manifest["parts"], columns)]
+    name_files = layout is not None and len(layout.files) > 1
+
+    def label(ident: tuple[str, str]) -> str:  # a block's name in the report
+        return f"{ident[0]}:{ident[1]}" if name_files else ident[1]
+
+    archived_ids = [i for _, ids in index for i in ids]
+    only_archive = [label(i) for i in archived_ids if i not in refs]
+    archived = set(archived_ids)
+    only_original = [label(i) for i in refs if i not in archived]
     if only_archive or only_original:
         raise MismatchError(_missing_message(only_archive, only_original, archive_uri, original))
 
@@ -131,11 +138,10 @@ def fidelity_report(original: str, archive_uri: str, key_pattern: str = DEFAULT_
     total = ErrorSums()
     per_kind = {kind: ErrorSums() for kind in KINDS}
     per_layer: dict[str, dict[int, ErrorSums]] = {kind: {} for kind in KINDS}
-    for part, _ in index:
-        table = archive.read_part(fs, path, part, columns=["key", "frame"])
-        keys = table.column("key").to_pylist()
-        part_refs = [refs[k] for k in keys]
-        for ref, data, frame in zip(part_refs, read_blocks(part_refs), archive.iter_frames(table)):
+    for part, ids in index:
+        table = archive.read_part(fs, path, part, columns=["frame"])
+        part_refs = [refs[i] for i in ids]
+        for ident, ref, data, frame in zip(ids, part_refs, read_blocks(part_refs), archive.iter_frames(table)):
             x = bytes_to_tensor(data, ref.dtype, ref.shape)
             try:
                 y = decode(frame)
@@ -164,9 +170,9 @@ def fidelity_report(original: str, archive_uri: str, key_pattern: str = DEFAULT_
                     per_layer[kind].setdefault(layer, ErrorSums()).add(key_sums)
                     per_kind[kind].add(key_sums)
                 else:
-                    report.unsplit.append(ref.key)
+                    report.unsplit.append(label(ident))
             total.add(key_sums)
-            report.keys[ref.key] = {
+            report.keys[label(ident)] = {
                 **key_sums.metrics(),
                 "layout": what,
                 "kv": kind,

@@ -1,8 +1,9 @@
 """The compressed archive: a directory of Parquet parts and a manifest written last.
 
 Specified in docs/FORMAT.md. Each part is an ordinary Parquet file (one row per block:
-its frame in a ``large_binary`` column beside plain columns for key, dtype, shape,
-format, scaling and sizes), so ``pyarrow.parquet.read_table`` and
+its frame in a ``large_binary`` column beside plain columns for the source file, key,
+dtype, shape, format, scaling and sizes; the frame column optionally compressed by a
+lossless Parquet codec), so ``pyarrow.parquet.read_table`` and
 ``ray.data.read_parquet`` read it without fp8ray. ``_manifest.json`` (skipped by Parquet
 readers, like every name starting with ``_`` or ``.``) holds the codec options, counts,
 sizes and each part's CRC-32C; it is renamed into place last, so a directory without
@@ -23,18 +24,25 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..codec.options import CodecOptions
-from ..errors import CorruptArchiveError
-from .blocks import BlockRef
+from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
+from .blocks import BlockRef, SourceLayout
 from .paths import TMP_MARK, redact, write_atomic
 
 ARCHIVE_FORMAT = "fp8ray-archive"
-ARCHIVE_VERSION = 1
+# Version 2 added the source's layout to the manifest and the "file" column to parts;
+# version 1 archives read as before (one safetensors file back).
+ARCHIVE_VERSION = 2
+READ_VERSIONS = (1, 2)
 MANIFEST_NAME = "_manifest.json"
 PLAN_NAME = "_plan.json"
 DEFAULT_PART_BYTES = 64 << 20
+DEFAULT_LOSSLESS = "none"  # chosen from the table in BENCHMARKS.md ("Lossless stage")
+# Lossless codecs for the frame column (Parquet's own), and their level ranges.
+LOSSLESS_CODECS = {"none": None, "zstd": (1, 22), "lz4": None, "snappy": None, "gzip": (1, 9), "brotli": (0, 11)}
 
 SCHEMA = pa.schema(
     [
+        ("file", pa.string()),
         ("key", pa.string()),
         ("dtype", pa.string()),
         ("shape", pa.list_(pa.int64())),
@@ -90,11 +98,24 @@ def clean_scratch(fs: pafs.FileSystem, directory: str) -> None:
 
 def plan_parts(refs: list[BlockRef], part_bytes: int) -> list[list[BlockRef]]:
     """Consecutive blocks grouped into parts of about ``part_bytes`` of input (at least one
-    block each). Depends only on the source, so any number of workers writes the same parts."""
+    block each), following the source's files: a part holds whole files, or a slice of
+    one file larger than ``part_bytes``, so that decompress writes each file from as few
+    parts as possible. Depends only on the source, so any number of workers writes the
+    same parts."""
+    file_bytes: dict[str, int] = {}
+    for ref in refs:
+        file_bytes[ref.file] = file_bytes.get(ref.file, 0) + ref.nbytes
     parts: list[list[BlockRef]] = []
     size = 0
-    for ref in refs:
-        if not parts or size >= part_bytes:
+    for i, ref in enumerate(refs):
+        new_file = i == 0 or ref.file != refs[i - 1].file
+        if not parts:
+            start = True
+        elif new_file:
+            start = size + file_bytes[ref.file] > part_bytes  # the whole file does not fit
+        else:
+            start = size >= part_bytes and parts[-1][0].file == ref.file  # a large file's next slice
+        if start:
             parts.append([])
             size = 0
         parts[-1].append(ref)
@@ -102,9 +123,29 @@ def plan_parts(refs: list[BlockRef], part_bytes: int) -> list[list[BlockRef]]:
     return parts
 
 
-def plan_record(source: str, codec: dict, parts: list[list[BlockRef]]) -> dict:
+def plan_record(source: str, codec: dict, lossless: str, parts: list[list[BlockRef]]) -> dict:
     """What ``_plan.json`` holds: a resumed run must find the same source, options and parts."""
-    return {"source": redact(source), "codec": codec, "parts": [[r.key for r in part] for part in parts]}
+    return {
+        "source": redact(source),
+        "codec": codec,
+        "lossless": lossless,
+        "parts": [[[r.file, r.key] for r in part] for part in parts],
+    }
+
+
+def parse_lossless(spec: str) -> tuple[str, int | None]:
+    """``"zstd:3"`` -> ``("zstd", 3)``; ``"none"`` -> ``("none", None)``. A bad spec raises
+    :class:`InvalidOptionError` naming the codecs and levels."""
+    name, _, level = spec.partition(":")
+    if name not in LOSSLESS_CODECS:
+        raise InvalidOptionError(f"unknown lossless codec {name!r}; expected one of {list(LOSSLESS_CODECS)}", field="lossless")
+    levels = LOSSLESS_CODECS[name]
+    if not level:
+        return name, None
+    if levels is None or not (level.isascii() and level.isdigit()) or not levels[0] <= int(level) <= levels[1]:
+        allowed = f"levels {levels[0]} to {levels[1]}" if levels else "no level"
+        raise InvalidOptionError(f"lossless {spec!r}: {name} takes {allowed}", field="lossless")
+    return name, int(level)
 
 
 def read_plan(fs: pafs.FileSystem, directory: str) -> dict | None:
@@ -145,6 +186,7 @@ def part_rows(refs: list[BlockRef], codec: CodecOptions, frame_sizes: list[int],
     block_size = codec.block_size if codec.scaling == "block" else 0
     n = len(refs)
     return {
+        "file": [r.file for r in refs],
         "key": [r.key for r in refs],
         "dtype": [r.dtype for r in refs],
         "shape": [list(r.shape) for r in refs],
@@ -157,20 +199,23 @@ def part_rows(refs: list[BlockRef], codec: CodecOptions, frame_sizes: list[int],
     }
 
 
-def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, list]) -> PartInfo:
+def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, list], lossless: str = "none") -> PartInfo:
     """Write one part (deterministic bytes for the same rows), rename it into place,
     then its sidecar; return its manifest entry.
 
     The part is built in memory (it is bounded by ``--part-mb``) so that its CRC-32C is
     taken on the way out rather than by reading the file back. ``rows["frame"]`` may be a
-    list of byte buffers or a ready :func:`frame_column`.
+    list of byte buffers or a ready :func:`frame_column`. ``lossless`` compresses the
+    frame column (:func:`parse_lossless`); Parquet records the codec in the part itself.
     """
+    codec, level = parse_lossless(lossless)
     table = pa.table(rows, schema=SCHEMA)
     sink = pa.BufferOutputStream()
     pq.write_table(
         table,
         sink,
-        compression={name: ("none" if name == "frame" else "zstd") for name in SCHEMA.names},
+        compression={name: (codec if name == "frame" else "zstd") for name in SCHEMA.names},
+        compression_level={"frame": level} if level is not None else None,
         write_statistics=["key", "raw_bytes", "frame_bytes"],
         # Frames are unique: a dictionary would only hash them all before giving up.
         use_dictionary=METADATA_COLUMNS,
@@ -206,14 +251,20 @@ def read_sidecar(fs: pafs.FileSystem, directory: str, index: int) -> PartInfo | 
     return info
 
 
-def build_manifest(source: str, codec: dict, blocks: int, parts: list[PartInfo], fp8ray_version: str) -> dict:
-    """The manifest of a finished archive: what it holds and each part's size and CRC-32C."""
+def build_manifest(
+    source: str, layout: SourceLayout, codec: dict, lossless: str, bound: dict, blocks: int, parts: list[PartInfo], fp8ray_version: str
+) -> dict:
+    """The manifest of a finished archive: what it holds, the source's layout (to give it
+    back), the codec's error bound (to verify against), and each part's size and CRC-32C."""
     entries = [asdict(p) for p in parts]
     return {
         "format": ARCHIVE_FORMAT,
         "version": ARCHIVE_VERSION,
         "fp8ray_version": fp8ray_version,
         "codec": codec,
+        "lossless": lossless,
+        "error_bound": bound,
+        "layout": layout.as_dict(),
         "source": redact(source),  # never the credentials a URI may carry
         "blocks": blocks,
         "raw_bytes": sum(p.raw_bytes for p in parts),
@@ -248,12 +299,38 @@ def read_manifest(fs: pafs.FileSystem, directory: str) -> dict:
             manifest = json.loads(f.read())
     except (OSError, ValueError) as exc:
         raise CorruptArchiveError(f"{path}: unreadable manifest: {exc}") from exc
-    if manifest.get("format") != ARCHIVE_FORMAT or manifest.get("version") != ARCHIVE_VERSION:
+    if manifest.get("format") != ARCHIVE_FORMAT or manifest.get("version") not in READ_VERSIONS:
         raise CorruptArchiveError(
             f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
-            f"expected {ARCHIVE_FORMAT!r} version {ARCHIVE_VERSION}"
+            f"expected {ARCHIVE_FORMAT!r} version {' or '.join(map(str, READ_VERSIONS))}"
         )
     return manifest
+
+
+def blocks_by_ident(
+    layout: SourceLayout | None, source_layout: SourceLayout, refs: list[BlockRef], source: str
+) -> dict[tuple[str, str], BlockRef]:
+    """A source's blocks by ``(file, key)`` as an archive names them, to compare the two:
+    a single file matches a single-file archive whatever its name; an archive from before
+    the layout was recorded names blocks by key alone (file ``""``)."""
+    if layout is None:
+        file_of = dict.fromkeys((f.name for f in source_layout.files), "")
+    elif len(layout.files) == 1 and len(source_layout.files) == 1:
+        file_of = {source_layout.files[0].name: layout.files[0].name}
+    else:
+        file_of = {f.name: f.name for f in source_layout.files}
+    blocks: dict[tuple[str, str], BlockRef] = {}
+    for r in refs:
+        ident = (file_of[r.file], r.key)
+        if ident in blocks:
+            raise MismatchError(f"key {r.key!r} is in several files of {redact(source)}; the archive names blocks by key alone")
+        blocks[ident] = r
+    return blocks
+
+
+def manifest_layout(manifest: dict) -> SourceLayout | None:
+    """The source's layout an archive records (None before version 2)."""
+    return SourceLayout.from_dict(manifest["layout"]) if "layout" in manifest else None
 
 
 def check_part(fs: pafs.FileSystem, directory: str, info: dict) -> None:
@@ -281,9 +358,17 @@ def read_part(fs: pafs.FileSystem, directory: str, info: dict, columns: list[str
 
 
 def read_metadata_columns(fs: pafs.FileSystem, directory: str, manifest: dict, columns: list[str]) -> list[dict[str, list]]:
-    """For each part, the given small metadata columns (never the frames) as lists."""
-    tables = [read_part(fs, directory, part, columns=columns, check=False) for part in manifest["parts"]]
-    return [{name: table.column(name).to_pylist() for name in columns} for table in tables]
+    """For each part, the given small metadata columns (never the frames) as lists. A
+    version 1 archive has no ``file`` column: its blocks read as from one file, ``""``."""
+    wanted = [c for c in columns if c != "file" or manifest["version"] >= 2]
+    out = []
+    for part in manifest["parts"]:
+        table = read_part(fs, directory, part, columns=wanted, check=False)
+        cols = {name: table.column(name).to_pylist() for name in wanted}
+        if "file" in columns and "file" not in cols:
+            cols["file"] = [""] * table.num_rows
+        out.append(cols)
+    return out
 
 
 def iter_frames(table: pa.Table) -> Iterator[memoryview]:

@@ -6,16 +6,22 @@ shard. Paths are local or any URI ``pyarrow.fs`` knows (``s3://...``), so that o
 shared storage the driver moves only metadata.
 
 Sources: a ``.safetensors`` file, a directory of them, or a raw-block Parquet file
-(columns ``key``, ``dtype``, ``shape``, ``data``) or a directory of those. Nothing here
-unpickles anything: the safetensors header is JSON and the data raw little-endian bytes.
+(columns ``key``, ``dtype``, ``shape``, ``data``, nothing else) or a directory of those.
+Keys need be unique only within a file, as in safetensors itself: a block is named by
+its file (relative to the source) and its key. :func:`scan_source` also returns the
+:class:`SourceLayout`, what ``decompress`` needs to give the source back (file names,
+each safetensors file's ``__metadata__``, each Parquet file's schema). Nothing here
+unpickles anything: the safetensors header is JSON, the data raw little-endian bytes,
+a Parquet schema Arrow's own IPC bytes.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +31,7 @@ import torch
 
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..errors import SourceError
-from .paths import redact, resolve, uri_for
+from .paths import printable, redact, resolve, temporary_name, uri_for
 from .safetensors import SOURCE_DTYPES, read_file_header
 
 RAW_COLUMNS = ("key", "dtype", "shape", "data")
@@ -33,8 +39,9 @@ RAW_COLUMNS = ("key", "dtype", "shape", "data")
 
 @dataclass(frozen=True)
 class BlockRef:
-    """Where one block's raw bytes lie. ``path`` is the file's local path or URI;
-    ``offset`` is a byte offset into a safetensors file, or a row index into a Parquet file."""
+    """Where one block's raw bytes lie. ``path`` is the file's local path or URI, ``file``
+    its name relative to the source; ``offset`` is a byte offset into a safetensors file,
+    or a row index into a Parquet file."""
 
     key: str
     dtype: str  # "bfloat16" | "float16" | "float32"
@@ -42,19 +49,59 @@ class BlockRef:
     kind: str  # "safetensors" | "parquet"
     path: str
     offset: int
+    file: str = ""
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES_BY_NAME[self.dtype].itemsize
 
+    @property
+    def ident(self) -> tuple[str, str]:
+        """What names the block within its source: its file and its key."""
+        return self.file, self.key
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file of a source, as ``decompress`` writes it back."""
+
+    name: str  # relative to the source directory, or the file's own name
+    blocks: int
+    metadata: dict[str, str] = field(default_factory=dict)  # a safetensors file's __metadata__
+    schema: str | None = None  # a Parquet file's Arrow schema (IPC bytes, base64)
+
+
+@dataclass(frozen=True)
+class SourceLayout:
+    """The shape of a source: a single file or a directory of files, of one kind."""
+
+    kind: str  # "safetensors" | "parquet"
+    container: str  # "file" | "directory"
+    files: tuple[SourceFile, ...]
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "container": self.container, "files": [asdict(f) for f in self.files]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SourceLayout:
+        return cls(d["kind"], d["container"], tuple(SourceFile(**f) for f in d["files"]))
+
 
 def list_blocks(uri: str) -> list[BlockRef]:
     """Every block of a source, in a deterministic order (files sorted, then file order)."""
+    return scan_source(uri)[1]
+
+
+def scan_source(uri: str) -> tuple[SourceLayout, list[BlockRef]]:
+    """The layout of a source and every block of it, in a deterministic order (files
+    sorted by name, then each file's own order). A key may repeat across files, not
+    within one."""
     fs, path = resolve(uri)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
         raise SourceError(f"source {redact(uri)} does not exist")
     if info.type == pafs.FileType.Directory:
+        container = "directory"
         files = sorted(
             f.path
             for f in fs.get_file_info(pafs.FileSelector(path, recursive=False))
@@ -66,46 +113,63 @@ def list_blocks(uri: str) -> list[BlockRef]:
             raise SourceError(f"source {redact(uri)} mixes .safetensors and .parquet files")
         if not st and not pq_files:
             raise SourceError(f"source {redact(uri)} holds no .safetensors or .parquet files")
-        refs = [r for f in st for r in _safetensors_blocks(fs, f, uri_for(uri, f))] or [
-            r for f in pq_files for r in _parquet_blocks(fs, f, uri_for(uri, f))
-        ]
-    elif path.endswith(".safetensors"):
-        refs = _safetensors_blocks(fs, path, uri_for(uri, path))
-    elif path.endswith(".parquet"):
-        refs = _parquet_blocks(fs, path, uri_for(uri, path))
+        kind, files = ("safetensors", st) if st else ("parquet", pq_files)
+    elif path.endswith((".safetensors", ".parquet")):
+        container, files = "file", [path]
+        kind = "safetensors" if path.endswith(".safetensors") else "parquet"
     else:
         raise SourceError(f"source {redact(uri)}: unknown format (expected .safetensors, .parquet or a directory of them)")
-    seen: dict[str, str] = {}
+    read = _safetensors_blocks if kind == "safetensors" else _parquet_blocks
+    layout_files, refs = [], []
+    for f in files:
+        source_file, file_refs = read(fs, f, uri_for(uri, f), os.path.basename(f))
+        layout_files.append(source_file)
+        refs += file_refs
+    return SourceLayout(kind, container, tuple(layout_files)), refs
+
+
+def _check_unique(refs: list[BlockRef], uri: str) -> None:
+    seen: set[str] = set()
     for r in refs:
         if r.key in seen:
-            raise SourceError(f"key {r.key!r} appears twice: in {redact(seen[r.key])} and in {redact(r.path)}")
-        seen[r.key] = r.path
-    return refs
+            raise SourceError(f"{redact(uri)}: key {printable(r.key)!r} appears twice in the file")
+        seen.add(r.key)
 
 
-def _safetensors_blocks(fs: pafs.FileSystem, path: str, uri: str) -> list[BlockRef]:
-    entries, _, data_start = read_file_header(fs, path, uri, tuple(SOURCE_DTYPES))
-    return [
-        BlockRef(e.key, e.fp8ray_dtype, e.shape, "safetensors", uri, data_start + e.begin)
+def _safetensors_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tuple[SourceFile, list[BlockRef]]:
+    entries, metadata, data_start = read_file_header(fs, path, uri, tuple(SOURCE_DTYPES))
+    refs = [
+        BlockRef(e.key, e.fp8ray_dtype, e.shape, "safetensors", uri, data_start + e.begin, name)
         for e in entries  # file order
     ]
+    return SourceFile(name, len(refs), metadata), refs
 
 
-def _parquet_blocks(fs: pafs.FileSystem, path: str, uri: str) -> list[BlockRef]:
+def _parquet_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tuple[SourceFile, list[BlockRef]]:
     try:
         table = pq.read_table(path, filesystem=fs, columns=["key", "dtype", "shape"])
-        names = pq.read_schema(path, filesystem=fs).names
+        schema = pq.read_schema(path, filesystem=fs)
     except (OSError, pa.ArrowException) as exc:
         raise SourceError(f"{redact(uri)}: unreadable Parquet file: {exc}") from exc
-    missing = [c for c in RAW_COLUMNS if c not in names]
+    missing = [c for c in RAW_COLUMNS if c not in schema.names]
     if missing:
         raise SourceError(f"{redact(uri)}: a raw-block Parquet source needs columns {list(RAW_COLUMNS)}; missing {missing}")
+    extra = [c for c in schema.names if c not in RAW_COLUMNS]
+    if extra:  # they would not be archived, so not given back: refuse rather than lose them
+        raise SourceError(f"{redact(uri)}: columns {extra} are not archived; a raw-block source holds only {list(RAW_COLUMNS)}")
     refs = []
     for row, (key, dtype, shape) in enumerate(zip(*(table.column(c).to_pylist() for c in ("key", "dtype", "shape")))):
         if dtype not in DTYPES_BY_NAME:
-            raise SourceError(f"{redact(uri)}: key {key!r} has dtype {dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
-        refs.append(BlockRef(str(key), dtype, tuple(int(d) for d in shape), "parquet", uri, row))
-    return refs
+            raise SourceError(f"{redact(uri)}: key {printable(str(key))!r} has dtype {dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
+        refs.append(BlockRef(str(key), dtype, tuple(int(d) for d in shape), "parquet", uri, row, name))
+    _check_unique(refs, uri)
+    plain = schema.remove_metadata()
+    return SourceFile(name, len(refs), schema=base64.b64encode(plain.serialize().to_pybytes()).decode()), refs
+
+
+def parquet_schema(encoded: str) -> pa.Schema:
+    """The Arrow schema a :class:`SourceFile` records (IPC bytes: no pickling)."""
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(encoded)))
 
 
 def read_blocks(refs: list[BlockRef]) -> list[np.ndarray]:
@@ -168,3 +232,50 @@ def tensor_to_bytes(t: torch.Tensor) -> np.ndarray:
 def dtype_name(t: torch.Tensor) -> str:
     """fp8ray's name of a tensor's dtype (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
     return DTYPE_NAMES[t.dtype]
+
+
+class RawBlockParquetWriter:
+    """Write blocks as a raw-block Parquet file (``key``, ``dtype``, ``shape``, ``data``)
+    with the given Arrow schema, streamed in row groups; written to a temporary name and
+    renamed when complete. Use as a context manager."""
+
+    ROWS_PER_GROUP = 64
+
+    def __init__(self, uri: str, schema: pa.Schema):
+        self.fs, self.path = resolve(uri)
+        self.schema = schema
+        self.tmp = temporary_name(self.path)
+        self.stream = self.fs.open_output_stream(self.tmp)
+        self.writer = pq.ParquetWriter(self.stream, schema)
+        self.rows: dict[str, list] = {name: [] for name in RAW_COLUMNS}
+
+    def write_block(self, key: str, dtype: str, shape: tuple[int, ...], data) -> None:
+        for name, value in zip(RAW_COLUMNS, (key, dtype, list(shape), bytes(memoryview(data).cast("B")))):
+            self.rows[name].append(value)
+        if len(self.rows["key"]) >= self.ROWS_PER_GROUP:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.rows["key"]:
+            self.writer.write_table(pa.table(self.rows, schema=self.schema))
+            self.rows = {name: [] for name in RAW_COLUMNS}
+
+    def close(self) -> None:
+        self._flush()
+        self.writer.close()
+        self.stream.close()
+        self.fs.move(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self.writer.close()
+        self.stream.close()
+        self.fs.delete_file(self.tmp)
+
+    def __enter__(self) -> RawBlockParquetWriter:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

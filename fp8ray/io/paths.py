@@ -82,3 +82,55 @@ def check_apart(source: str, destination: str) -> None:
         raise DestinationError(
             f"source {redact(source)} and destination {redact(destination)} must not lie inside each other"
         )
+
+
+def printable(name: str) -> str:
+    """A name from the outside world (a file name, a key) safe to print: control
+    characters and escape codes shown as escapes, never sent to the terminal."""
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
+
+
+def prepare_parent(fs: pafs.FileSystem, path: str, uri: str, parents: bool) -> None:
+    """Make sure the directory that will hold ``path`` exists: create it (and its own
+    parents) with ``parents``, else refuse naming it. Object stores have no directories
+    below the bucket, so there only the bucket must exist."""
+    if "://" in uri and urlsplit(uri).scheme in ("s3", "gs", "gcs"):
+        bucket = path.split("/", 1)[0]
+        if fs.get_file_info(bucket).type != pafs.FileType.Directory:
+            raise DestinationError(f"bucket {bucket!r} of {redact(uri)} does not exist")
+        return
+    parent = posixpath.dirname(path.rstrip("/")) or "/"
+    kind = fs.get_file_info(parent).type
+    if kind == pafs.FileType.Directory:
+        return
+    if kind != pafs.FileType.NotFound:
+        raise DestinationError(f"{redact(uri)}: its parent {parent} is not a directory")
+    if not parents:
+        raise DestinationError(f"directory {parent} does not exist (create it, or pass --parents) for {redact(uri)}")
+    fs.create_dir(parent, recursive=True)
+
+
+def replace_directory(fs: pafs.FileSystem, new: str, old: str) -> None:
+    """Put the complete directory ``new`` in the place of ``old`` (which may not exist),
+    deleted only once ``new`` is in place (locally by renames; on object stores, which
+    have no directories to rename, file by file)."""
+    exists = fs.get_file_info(old).type != pafs.FileType.NotFound
+    if isinstance(fs, pafs.LocalFileSystem):
+        if not exists:
+            os.rename(new, old)
+            return
+        trash = temporary_name(old)
+        os.rename(old, trash)
+        try:
+            os.rename(new, old)
+        except BaseException:
+            os.rename(trash, old)  # put the old one back
+            raise
+        fs.delete_dir(trash)
+        return
+    if exists:
+        fs.delete_dir_contents(old)
+    for entry in fs.get_file_info(pafs.FileSelector(new, recursive=True)):
+        if entry.type == pafs.FileType.File:
+            fs.move(entry.path, old + entry.path[len(new):])
+    fs.delete_dir(new)

@@ -235,6 +235,12 @@ class SafetensorsWriter:
         self.stream.write(data)
         self.written += 1
 
+    def write_block(self, key: str, dtype: str, shape, data) -> None:
+        """:meth:`write`, checking that this is the block the header announced next."""
+        if self.written < len(self.tensors) and (key, dtype, tuple(shape)) != self.tensors[self.written]:
+            raise ValueError(f"expected tensor {self.tensors[self.written]} next, got {(key, dtype, tuple(shape))}")
+        self.write(data)
+
     def close(self) -> None:
         self.stream.close()
         if self.written != len(self.tensors):

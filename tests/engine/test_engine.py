@@ -129,7 +129,7 @@ def test_raw_block_parquet_source(tmp_path):
     compress_archive(str(tmp_path / "raw.parquet"), str(tmp_path / "arch"), scaling="channel")
     assert len(list((tmp_path / "small-parts").glob("part-*.parquet"))) == 5  # one block per part
     assert pq.read_table(tmp_path / "small-parts").column("frame") == pq.read_table(tmp_path / "arch").column("frame")
-    decompress_archive(str(tmp_path / "arch"), str(tmp_path / "out.safetensors"))
+    decompress_archive(str(tmp_path / "arch"), str(tmp_path / "out.safetensors"), single_file=True)
     back = load_file(str(tmp_path / "out.safetensors"))
     codec = Fp8Codec("e4m3fn", "channel")
     for i, a in enumerate(arrays):

@@ -1,0 +1,92 @@
+"""The codec's derived error bound, per element (docs/ACCURACY.md): what ``verify`` holds
+every decoded block to, and what the tests check the codec against.
+
+For an element ``x`` decoded as ``y`` under scale ``s`` (1 under scaling ``none``)::
+
+    |y - x| <= r |x| + s * q + u_out |y| + a (|x| + |y|) + h_out + 2**-149
+
+with ``r = u / (1 + u)`` (``u`` the format's unit roundoff: the fp8 rounding of ``x / s``),
+``q = 2**(emin_sub - 1)`` (half the format's smallest subnormal: rounding in its
+subnormal range, times the scale), ``u_out`` and ``h_out`` the unit roundoff and half the
+smallest subnormal of the output dtype (rounding ``fp8 * s`` into it), ``a = 2**-22``
+(the two fp32 roundings of ``x / s`` and ``fp8 * s``), and ``2**-149`` for an
+fp32-subnormal product. Under scaling ``none`` values beyond the format's range are
+clamped on purpose (a scaled mode never clamps a finite value): there ``x`` is taken
+clamped to +-finfo.max. Non-finite inputs (kept under ``nonfinite="keep"``) must decode
+to non-finite values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .formats import Fp8Format
+
+ARITHMETIC = 2.0**-22
+FP32_SUBNORMAL = 2.0**-149
+# Output rounding of each dtype: unit roundoff, and half its smallest subnormal.
+OUTPUT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}
+OUTPUT_HALF_SUBNORMAL = {torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25, torch.float32: 2.0**-150}
+
+
+def bound_constants(fmt: Fp8Format, scaling: str) -> dict[str, float]:
+    """The codec's terms of the bound, as an archive records them: ``relative`` (r),
+    ``per_scale`` (q) and ``clamp`` (the range a scaling ``none`` input is clamped to, 0
+    for the scaled modes); the others depend only on the output dtype and fp32."""
+    u = fmt.unit_roundoff
+    return {
+        "relative": u / (1 + u),
+        "per_scale": 2.0 ** (fmt.min_subnormal_exp - 1),
+        "clamp": fmt.max if scaling == "none" else 0.0,
+    }
+
+
+def element_scales(scales: torch.Tensor, scaling: str, shape: tuple[int, ...], block_size: int) -> torch.Tensor:
+    """The scale that applies to each element, flat, in row-major order."""
+    numel = math.prod(shape)
+    last = shape[-1] if shape else 1
+    if scaling == "none":
+        return torch.ones(numel, dtype=torch.float32)
+    if scaling == "tensor":
+        return scales.expand(numel)
+    if scaling == "channel":
+        return scales.repeat(numel // last if last else 0)
+    group = last if scaling == "token" else block_size
+    return scales.repeat_interleave(group)[:numel]
+
+
+def element_bound(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, constants: dict[str, float]) -> torch.Tensor:
+    """The bound on ``|y - x|`` of each element (flat, float64); ``scale`` per element
+    (:func:`element_scales`), ``constants`` from :func:`bound_constants`."""
+    xa = x.double().abs().reshape(-1)
+    ya = y.double().abs().reshape(-1)
+    return (
+        constants["relative"] * xa
+        + scale.double().reshape(-1) * constants["per_scale"]
+        + OUTPUT_ROUNDOFF[y.dtype] * ya
+        + ARITHMETIC * (xa + ya)
+        + OUTPUT_HALF_SUBNORMAL[y.dtype]
+        + FP32_SUBNORMAL
+    )
+
+
+def check_within_bound(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, constants: dict[str, float]) -> tuple[float, float] | None:
+    """``None`` when every element of ``y`` is within the bound of ``x``; else the block's
+    relative Frobenius error and the relative error the bound allows, ``(error, bound)``."""
+    x64 = x.double().reshape(-1)
+    finite = torch.isfinite(x64)
+    if constants.get("clamp"):
+        x64 = x64.clamp(-constants["clamp"], constants["clamp"])
+    target = x64.where(finite, torch.zeros((), dtype=torch.float64))
+    y64 = y.double().reshape(-1)
+    bound = element_bound(target, y, scale, constants)
+    diff = (y64 - target).where(finite, torch.zeros((), dtype=torch.float64))
+    ok = (diff.abs() <= bound).all() and torch.isfinite(y64[finite]).all() and not torch.isfinite(y64[~finite]).any()
+    if bool(ok):
+        return None
+    norm = float(target.norm())
+    error = float(diff.norm()) if bool(torch.isfinite(y64[finite]).all()) else math.inf
+    allowed = float(bound.norm())
+    return (error / norm, allowed / norm) if norm else (math.inf, math.inf)
