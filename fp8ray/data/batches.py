@@ -1,0 +1,139 @@
+"""Ray Data batches as Arrow tables, and their columns read without copying the bytes.
+
+``map_batches`` hands a UDF a ``pyarrow.Table``, a pandas ``DataFrame`` or a dict of
+numpy arrays, depending on ``batch_format``. Everything here turns the batch into an
+Arrow table once (no copy for ``"pyarrow"``, little for pandas' Arrow-backed columns),
+so the encoder and decoder have one code path, and reads the large binary columns
+(``data``, ``frame``) as memoryviews of Arrow's own buffer. Bad input raises
+:class:`~fp8ray.errors.BadInputError` naming the column (``field``) and the row or key.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from ..codec.formats import DTYPES_BY_NAME
+from ..errors import BadInputError
+
+# What Fp8Decoder returns: the raw-block layout fp8ray reads as a source. ``data`` is
+# large_binary (64-bit offsets) so that a batch may hold more than 2 GiB of blocks.
+RAW_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("dtype", pa.string()),
+        ("shape", pa.list_(pa.int64())),
+        ("data", pa.large_binary()),
+    ]
+)
+
+
+def as_table(batch, columns: tuple[str, ...], who: str, optional: tuple[str, ...] = ()) -> pa.Table:
+    """The ``columns`` of a batch, and those of ``optional`` it has, as an Arrow table
+    (other columns are dropped).
+
+    Takes what ``map_batches`` passes for each ``batch_format``: an Arrow table
+    (``"pyarrow"``, used as it is), a pandas DataFrame (``"pandas"``) or a mapping of
+    column names to numpy arrays or lists (``"numpy"``)."""
+    pandas = sys.modules.get("pandas")  # a DataFrame exists only if pandas was imported
+    if isinstance(batch, pa.Table):
+        present = batch.column_names
+    elif pandas is not None and isinstance(batch, pandas.DataFrame):
+        present = list(batch.columns)
+    elif isinstance(batch, Mapping):
+        present = list(batch)
+    else:
+        raise TypeError(f"{who} takes a pyarrow.Table, a pandas DataFrame or a dict of numpy arrays, got {type(batch).__name__}")
+    missing = [name for name in columns if name not in present]
+    if missing:
+        raise BadInputError(f"{who} needs columns {list(columns)}; the batch lacks {missing} (it has {present})", field=missing[0])
+    columns = (*columns, *(name for name in optional if name in present))
+    if isinstance(batch, pa.Table):
+        return batch.select(list(columns))
+    if isinstance(batch, Mapping):
+        return pa.table({name: _arrow_column(name, batch[name], who) for name in columns})
+    try:
+        return pa.Table.from_pandas(batch[list(columns)], preserve_index=False)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise BadInputError(f"{who}: a pandas batch's columns {list(columns)} do not convert to Arrow: {exc}") from exc
+
+
+def _arrow_column(name: str, values, who: str) -> pa.Array:
+    """One column of a ``"numpy"`` batch as an Arrow array. Ray Data gives string, binary
+    and list columns as object arrays; a 2-D array (shapes built by hand) is taken row
+    by row."""
+    if isinstance(values, np.ndarray) and (values.dtype == object or values.ndim > 1):
+        values = list(values)
+    try:
+        return pa.array(values)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise BadInputError(f"{who}: column {name!r} does not convert to Arrow: {exc}", field=name) from exc
+
+
+def keys(table: pa.Table) -> list[str]:
+    """The ``key`` column: one string per row."""
+    values = table.column("key").to_pylist()
+    for row, key in enumerate(values):
+        if not isinstance(key, str):
+            raise BadInputError(f"column 'key': row {row} holds {key!r}, expected a string", field="key")
+    return values
+
+
+def dtypes(table: pa.Table, row_keys: list[str]) -> list[str]:
+    """The ``dtype`` column: one of fp8ray's source dtype names per row."""
+    values = table.column("dtype").to_pylist()
+    for key, dtype in zip(row_keys, values):
+        if dtype not in DTYPES_BY_NAME:
+            raise BadInputError(
+                f"block {key!r}: column 'dtype' holds {dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}", field=key
+            )
+    return values
+
+
+def shapes(table: pa.Table, row_keys: list[str]) -> list[tuple[int, ...]]:
+    """The ``shape`` column: a list of non-negative integers per row (``[]`` for 0-d)."""
+    out = []
+    for key, shape in zip(row_keys, table.column("shape").to_pylist()):
+        try:
+            dims = tuple(_dimension(d) for d in shape)
+        except (TypeError, ValueError):
+            raise BadInputError(
+                f"block {key!r}: column 'shape' holds {shape!r}; expected a list of non-negative integers", field=key
+            ) from None
+        out.append(dims)
+    return out
+
+
+def _dimension(d) -> int:
+    if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) or d < 0:
+        raise ValueError(d)
+    return int(d)
+
+
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a ``shape`` block of ``dtype`` (Python integers: a bad shape cannot overflow)."""
+    return math.prod(shape) * DTYPES_BY_NAME[dtype].itemsize
+
+
+def binary_values(table: pa.Table, name: str, row_keys: list[str]) -> list[memoryview]:
+    """A ``binary`` or ``large_binary`` column's values as memoryviews of Arrow's buffer
+    (read-only, no copy). A null value raises, naming its key."""
+    column = table.column(name)
+    if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+        raise BadInputError(f"column {name!r} must be binary or large_binary, not {column.type}", field=name)
+    offset_type = np.int64 if pa.types.is_large_binary(column.type) else np.int32
+    values: list[memoryview] = []
+    for chunk in column.chunks:
+        if chunk.null_count:
+            row = len(values) + int(np.flatnonzero(chunk.is_null().to_numpy(zero_copy_only=False))[0])
+            raise BadInputError(f"block {row_keys[row]!r}: column {name!r} is null", field=row_keys[row])
+        _, offsets_buffer, data_buffer = chunk.buffers()
+        offsets = np.frombuffer(offsets_buffer, dtype=offset_type)[chunk.offset : chunk.offset + len(chunk) + 1]
+        data = memoryview(data_buffer) if data_buffer is not None else memoryview(b"")  # all values empty
+        values.extend(data[offsets[i] : offsets[i + 1]] for i in range(len(chunk)))
+    return values
+

@@ -1,0 +1,111 @@
+"""``Fp8Decoder``: a Ray Data UDF from rows of archive parts (or of ``Fp8Encoder``) back
+to raw-block rows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+
+from ..codec import decode, frame
+from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
+from ..errors import CorruptDataError, MismatchError, block_error
+from ..io import archive
+from ..io.blocks import bytes_to_tensor
+from . import batches
+from .batches import RAW_SCHEMA
+from .runtime import choose_device, set_threads
+
+COLUMNS = ("key", "frame")
+
+
+class Fp8Decoder:
+    """Decode fp8 frames to raw blocks, as a callable class for ``Dataset.map_batches``.
+
+    Rows in: at least ``key`` and ``frame`` (``binary`` or ``large_binary``), as in an
+    archive part (``ray.data.read_parquet(ARCHIVE_DIR)``) or ``Fp8Encoder``'s output;
+    other columns are dropped. Rows out: ``key``, ``dtype``, ``shape``, ``data`` (the
+    raw little-endian bytes, ``large_binary``), :data:`~fp8ray.data.RAW_SCHEMA`, as a
+    ``pyarrow.Table`` whatever the ``batch_format``. Each block is bit for bit
+    :func:`fp8ray.decode` of its frame; frames describe themselves, so there are no options.
+
+    >>> ds = ray.data.read_parquet("kv.fp8/", columns=["key", "dtype", "shape", "frame"])
+    >>> blocks = ds.map_batches(Fp8Decoder, batch_format="pyarrow", num_cpus=1, compute=ActorPoolStrategy(size=2))
+
+    Each frame's checksum is verified. When the rows also carry ``dtype`` and ``shape``
+    (archive parts do) they size the output, and a frame that disagrees with them raises
+    :class:`~fp8ray.errors.MismatchError` naming the key; without them the frame's own
+    header is read first (one more pass of its checksum).
+
+    Args:
+        device: ``"cpu"``, ``"cuda"``, or ``None``: the GPU when Ray gave this actor one.
+        threads: CPU kernel threads in this actor (match ``num_cpus``); ``None``: all CPUs.
+
+    Raises (from a batch): :class:`~fp8ray.errors.CorruptFrameError` naming the key of a
+    corrupt or truncated frame; :class:`~fp8ray.errors.BadInputError` naming the column
+    or key of any other bad input.
+    """
+
+    def __init__(self, *, device: str | None = None, threads: int | None = None):
+        self.device = choose_device(device)
+        set_threads(threads)
+
+    def __call__(self, batch) -> pa.Table:
+        table = batches.as_table(batch, COLUMNS, "Fp8Decoder", optional=("dtype", "shape"))
+        keys = batches.keys(table)
+        frames = [frame.as_byte_array(f) for f in batches.binary_values(table, "frame", keys)]
+        if "dtype" in table.column_names and "shape" in table.column_names:
+            dtypes = batches.dtypes(table, keys)
+            shapes = batches.shapes(table, keys)
+            for key, f, dtype, shape in zip(keys, frames, dtypes, shapes):
+                # A frame holds one byte per element and more: a row claiming more
+                # elements than that is refused before anything is allocated for it.
+                if math.prod(shape) >= f.size:
+                    _parse(key, f)  # a damaged frame is named as such first
+                    raise MismatchError(
+                        f"block {key!r}: columns 'dtype' and 'shape' say {list(shape)} {dtype}, more elements than "
+                        f"its {f.size}-byte frame can hold",
+                        field=key,
+                    )
+        else:
+            headers = [_parse(key, f) for key, f in zip(keys, frames)]
+            dtypes = [DTYPE_NAMES[h.dtype] for h in headers]
+            shapes = [h.shape for h in headers]
+        sizes = [batches.nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes)]
+        # Blocks are decoded end to end into one buffer that becomes the data column.
+        out = np.empty(sum(sizes), dtype=np.uint8)
+        start = 0
+        for key, f, dtype, shape, size in zip(keys, frames, dtypes, shapes, sizes):
+            target = bytes_to_tensor(out[start : start + size], dtype, shape)
+            try:
+                if self.device == "cpu":
+                    decode(f, out=target)
+                else:  # decoded on the GPU, then copied into the buffer
+                    result = decode(f, device=self.device)
+                    if (result.dtype, tuple(result.shape)) != (target.dtype, tuple(target.shape)):
+                        raise ValueError("the frame holds another dtype or shape")  # copy_ would convert or broadcast
+                    target.copy_(result)
+            except CorruptDataError as exc:
+                raise block_error(key, exc) from exc
+            except (ValueError, TypeError, RuntimeError) as exc:
+                held = _parse(key, f)  # the frame is sound: it disagrees with the row's columns
+                if (held.dtype, held.shape) != (DTYPES_BY_NAME[dtype], tuple(shape)):
+                    raise MismatchError(
+                        f"block {key!r}: columns 'dtype' and 'shape' say {list(shape)} {dtype}, "
+                        f"its frame holds {list(held.shape)} {DTYPE_NAMES[held.dtype]}",
+                        field=key,
+                    ) from exc
+                raise block_error(key, exc) from exc
+            start += size
+        return pa.table(
+            {"key": keys, "dtype": dtypes, "shape": [list(s) for s in shapes], "data": archive.frame_column(out, sizes)},
+            schema=RAW_SCHEMA,
+        )
+
+
+def _parse(key: str, f: np.ndarray) -> frame.FrameHeader:
+    try:
+        return frame.parse(f)
+    except CorruptDataError as exc:
+        raise block_error(key, exc) from exc

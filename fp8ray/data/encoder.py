@@ -1,0 +1,86 @@
+"""``Fp8Encoder``: a Ray Data UDF from raw-block rows to rows of an archive part."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from ..codec import CodecOptions, Fp8Codec
+from ..codec.formats import DTYPES_BY_NAME
+from ..errors import BadInputError, block_error
+from ..io import archive
+from ..io.blocks import BlockRef, bytes_to_tensor
+from . import batches
+from .runtime import choose_device, set_threads
+
+COLUMNS = ("key", "dtype", "shape", "data")
+
+
+class Fp8Encoder:
+    """Encode raw blocks to fp8 frames, as a callable class for ``Dataset.map_batches``.
+
+    Rows in: ``key`` (string), ``dtype`` (``"bfloat16"``, ``"float16"`` or ``"float32"``),
+    ``shape`` (list of ints) and ``data`` (the block's raw little-endian bytes), the
+    raw-block layout fp8ray reads as a source; other columns are dropped. Rows out: the
+    archive part schema :data:`fp8ray.io.archive.SCHEMA` (key, dtype, shape, fp8, scaling,
+    block_size, raw_bytes, frame_bytes, frame), as a ``pyarrow.Table`` whatever the
+    ``batch_format``. Each frame is exactly ``Fp8Codec(options).encode`` of its block.
+
+    >>> ds = ray.data.read_parquet("raw/")   # key, dtype, shape, data
+    >>> frames = ds.map_batches(Fp8Encoder, fn_constructor_kwargs={"scaling": "token"},
+    ...                         batch_format="pyarrow", num_cpus=1, compute=ActorPoolStrategy(size=2))
+
+    Args:
+        options: a :class:`~fp8ray.codec.CodecOptions` (default: the default mode).
+        device: ``"cpu"``, ``"cuda"``, or ``None``: the GPU when Ray gave this actor one.
+        threads: CPU kernel threads in this actor (match ``num_cpus``); ``None``: all CPUs.
+        **codec_options: any field of ``CodecOptions`` (``scaling="token"``), each
+            overriding only itself, as for ``fp8ray compress``.
+
+    Raises (from a batch): :class:`~fp8ray.errors.BadInputError` naming the column or
+    the key (a missing column, an unknown dtype, a shape whose size is not the data's);
+    :class:`~fp8ray.errors.NonFiniteError` naming the key, under ``nonfinite="error"``.
+    """
+
+    def __init__(self, options: CodecOptions | None = None, *, device: str | None = None, threads: int | None = None, **codec_options):
+        self.options = CodecOptions.parse(codec_options, base=options)
+        self.codec = Fp8Codec(options=self.options)
+        self.device = choose_device(device)
+        set_threads(threads)
+
+    def __call__(self, batch) -> pa.Table:
+        table = batches.as_table(batch, COLUMNS, "Fp8Encoder")
+        keys = batches.keys(table)
+        dtypes = batches.dtypes(table, keys)
+        shapes = batches.shapes(table, keys)
+        data = batches.binary_values(table, "data", keys)
+        # part_rows reads only a ref's key, dtype, shape and size; the row index stands
+        # in for where the bytes lie.
+        refs = [BlockRef(key, dtype, shape, "batch", "", row) for row, (key, dtype, shape) in enumerate(zip(keys, dtypes, shapes))]
+        sizes = []
+        for ref, value in zip(refs, data):
+            if len(value) != ref.nbytes:
+                raise BadInputError(
+                    f"block {ref.key!r}: column 'data' holds {len(value)} bytes, its shape {list(ref.shape)} "
+                    f"{ref.dtype} needs {ref.nbytes}",
+                    field=ref.key,
+                )
+            try:
+                sizes.append(self.codec.encoded_size(ref.shape, DTYPES_BY_NAME[ref.dtype]))
+            except ValueError as exc:  # a shape no frame can hold
+                raise block_error(ref.key, exc) from exc
+        # Frames are encoded end to end into one buffer that becomes the Arrow column
+        # as it is, as a worker writes a part.
+        frames = np.empty(sum(sizes), dtype=np.uint8)
+        start = 0
+        for ref, value, size in zip(refs, data, sizes):
+            try:
+                tensor = bytes_to_tensor(np.frombuffer(value, dtype=np.uint8), ref.dtype, ref.shape)
+                if self.device != "cpu":
+                    tensor = tensor.to(self.device)
+                self.codec.encode(tensor, out=frames[start : start + size])
+            except (ValueError, TypeError, RuntimeError) as exc:
+                raise block_error(ref.key, exc) from exc
+            start += size
+        rows = archive.part_rows(refs, self.options, sizes, archive.frame_column(frames, sizes))
+        return pa.table(rows, schema=archive.SCHEMA)
