@@ -14,13 +14,14 @@ import torch
 from fp8ray import CodecOptions, Fp8Codec, decode
 from fp8ray.errors import CorruptArchiveError
 from fp8ray.io import archive
-from fp8ray.io.blocks import BlockRef
+from fp8ray.io.blocks import BlockRef, SourceFile, SourceLayout
 
 FS = pafs.LocalFileSystem()
 
 
-def refs(sizes: list[int]) -> list[BlockRef]:
-    return [BlockRef(f"k{i}", "bfloat16", (n // 2,), "safetensors", "/src.safetensors", 0) for i, n in enumerate(sizes)]
+def refs(sizes: list[int], files: str | None = None) -> list[BlockRef]:
+    files = files or "a" * len(sizes)
+    return [BlockRef(f"k{i}", "bfloat16", (n // 2,), "safetensors", "/src", 0, f) for i, (n, f) in enumerate(zip(sizes, files))]
 
 
 def test_plan_depends_only_on_the_source():
@@ -29,8 +30,17 @@ def test_plan_depends_only_on_the_source():
     assert [[r.key for r in p] for p in parts] == [["k0", "k1"], ["k2"], ["k3", "k4", "k5"]]
     assert archive.plan_parts(blocks, 10**9) == [blocks]
     assert archive.plan_parts([], 200) == []
-    record = archive.plan_record("s3://key:secret@bucket/kv", CodecOptions().as_dict(), parts)
-    assert record["source"] == "s3://***@bucket/kv" and record["parts"][1] == ["k2"]
+    record = archive.plan_record("s3://key:secret@bucket/kv", CodecOptions().as_dict(), "none", parts)
+    assert record["source"] == "s3://***@bucket/kv" and record["parts"][1] == [["a", "k2"]]
+
+
+def test_parts_follow_the_files():
+    """Whole files share a part while they fit; a file larger than a part gets parts of its own."""
+    blocks = refs([60, 60, 60, 60, 300, 300, 50, 50], "aabbccdd")
+    parts = archive.plan_parts(blocks, 200)
+    assert [[r.key for r in p] for p in parts] == [["k0", "k1"], ["k2", "k3"], ["k4"], ["k5"], ["k6", "k7"]]
+    assert [[r.key for r in p] for p in archive.plan_parts(blocks, 250)] == [["k0", "k1", "k2", "k3"], ["k4"], ["k5"], ["k6", "k7"]]
+    assert all(len({r.file for r in p}) == 1 or sum(r.nbytes for r in p) <= 200 for p in parts)
 
 
 def encoded_part(n: int = 3):
@@ -86,11 +96,12 @@ def test_manifest_is_written_last_and_read_back(tmp_path):
     info = archive.write_part(FS, str(tmp_path), 0, archive.part_rows(blocks, codec.options, sizes, archive.frame_column(frames, sizes)))
     with pytest.raises(CorruptArchiveError, match="no _manifest.json: not a complete fp8ray archive"):
         archive.read_manifest(FS, str(tmp_path))
-    manifest = archive.build_manifest("s3://k:s@b/src", codec.options.as_dict(), 3, [info], "9.9")
+    layout = SourceLayout("safetensors", "file", (SourceFile("src", 3),))
+    manifest = archive.build_manifest("s3://k:s@b/src", layout, codec.options.as_dict(), "none", {}, 3, [info], "9.9")
     archive.write_manifest(FS, str(tmp_path), manifest)
     assert archive.read_manifest(FS, str(tmp_path)) == manifest
     assert manifest["source"] == "s3://***@b/src" and manifest["archive_bytes"] == info.file_bytes
-    assert archive.manifest_codec(manifest) == codec.options
+    assert archive.manifest_codec(manifest) == codec.options and archive.manifest_layout(manifest) == layout
     (tmp_path / archive.MANIFEST_NAME).write_text(json.dumps({**manifest, "version": 99}))
     with pytest.raises(CorruptArchiveError, match="version 99"):
         archive.read_manifest(FS, str(tmp_path))
