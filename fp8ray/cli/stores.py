@@ -4,40 +4,67 @@ from __future__ import annotations
 
 import json
 
-from .common import engine_arguments, progress, warn
+from .common import codec_arguments, engine_arguments, given_codec_options, progress, warn
+
+FRAME_OPTIONS = ("scaling", "block_size", "scale_dtype", "scale_choice")  # only frames have them
 
 
 def add_commands(commands) -> None:
     from ..codec.formats import FORMATS
 
     for name, help_text in (
-        ("lmcache-compress", "convert an LMCache filesystem store to the files of LMCache's fp8 serde"),
-        ("lmcache-decompress", "convert an LMCache fp8-serde filesystem store back to the layout's dtype"),
+        ("lmcache-compress", "convert an LMCache filesystem store to the files of LMCache's fp8 or fp8ray serde"),
+        ("lmcache-decompress", "convert an LMCache fp8 or fp8ray store back to the layout's dtype"),
     ):
         parser = commands.add_parser(name, help=help_text)
         parser.add_argument("source", help="the store's directory (LMCache's base_path)")
         parser.add_argument("destination", help="a new directory; renamed into place when every file is converted")
         parser.add_argument("--layout", required=True, help="dtype and shape of one chunk, e.g. bfloat16:2,30,256,192")
-        parser.add_argument("--fp8", choices=sorted(FORMATS), default="e4m3fn", help="fp8 format of the store (default e4m3fn)")
+        parser.add_argument(
+            "--fp8", choices=sorted(FORMATS), default="e4m3fn", help="fp8 format of plain fp8 files, and of the frames written (default e4m3fn)"
+        )
+        if name == "lmcache-compress":
+            parser.add_argument(
+                "--serde", choices=("fp8", "fp8ray"), default="fp8",
+                help="the LMCache serde whose files to write: fp8 (LMCache's own, 1 byte per element) or "
+                "fp8ray (scaled, checked frames; fp8ray.lmcache.register()) (default fp8)",
+            )
+            codec_arguments(parser, (*FRAME_OPTIONS, "nonfinite"))
         parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
         engine_arguments(parser)
         parser.set_defaults(handler=run_store_command)
 
 
+def printable(text: str) -> str:
+    """``text`` with control characters (and undecodable bytes) escaped: names on disk
+    come from the outside world and must not drive the terminal."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def run_store_command(args) -> int:
+    from ..codec import CodecOptions
     from ..engine.stores import convert_store
 
+    compress = args.command == "lmcache-compress"
+    target = args.serde if compress else "raw"
+    given = given_codec_options(args) if compress else {}
+    frame_options = sorted(set(given) & set(FRAME_OPTIONS))
+    if frame_options and target != "fp8ray":
+        flags = ", ".join("--" + o.replace("_", "-") for o in frame_options)
+        raise ValueError(f"{flags} apply to --serde fp8ray only (plain fp8 files have no scales)")
+    options = CodecOptions.parse({**given, "fp8": args.fp8})
     state: dict = {}
 
     def on_scan(total: int) -> None:
         state["bar"], state["update"] = progress(args, lambda: total)
 
     report = convert_store(
-        "compress" if args.command == "lmcache-compress" else "decompress",
         args.source,
         args.destination,
         args.layout,
+        target,
         fp8=args.fp8,
+        options=options,
         workers=args.workers,
         gpus_per_worker=args.gpus_per_worker,
         address=args.address,
@@ -48,13 +75,17 @@ def run_store_command(args) -> int:
     if state.get("bar") is not None:
         state["bar"].close()
     if args.json:
-        print(json.dumps(report.as_dict(), indent=1))
-    else:
-        for skipped in report.skipped:
-            warn(f"skipped {skipped['name']}: {skipped['reason']}")
-        print(
-            f"{report.mode}ed {report.files} chunk files ({len(report.skipped)} skipped) into {report.destination}: "
-            f"{report.bytes_before / 2**20:.1f} MiB -> {report.bytes_after / 2**20:.1f} MiB, "
-            f"{report.input_gbps:.2f} GB/s of input on {report.workers} workers"
-        )
+        print(json.dumps(report.as_dict(), indent=1))  # ensure_ascii: names come out escaped
+        return 0
+    for skipped in report.skipped:
+        warn(f"skipped {ascii(skipped['name'])}: {printable(skipped['reason'])}")
+    if report.unchanged:
+        warn(f"{len(report.unchanged)} chunk files were already {target} files: copied unchanged")
+    sources = ", ".join(f"{n} {form}" for form, n in sorted(report.converted_from.items()))
+    print(
+        f"{report.mode}ed {report.files} chunk files ({sources}) to {target} into {printable(report.destination)} "
+        f"({len(report.unchanged)} copied unchanged, {len(report.skipped)} skipped): "
+        f"{report.bytes_before / 2**20:.1f} MiB -> {report.bytes_after / 2**20:.1f} MiB, "
+        f"{report.input_gbps:.2f} GB/s of input on {report.workers} workers"
+    )
     return 0

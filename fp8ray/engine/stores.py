@@ -1,14 +1,19 @@
-"""LMCache filesystem stores converted on the Ray engine (names and scanning are in
-:mod:`fp8ray.io.lmcache_store`).
+"""LMCache filesystem stores converted on the Ray engine (names, forms and scanning are in
+:mod:`fp8ray.io.lmcache_store`, the per-file work in :mod:`fp8ray.engine.store_files`).
 
-``compress_store`` turns a bf16/fp16/fp32 store into exactly the files the fp8 serde would have written (same names, bytes of
-:class:`fp8ray.lmcache.Fp8QuantizationSerializer`); ``decompress_store`` does the
-reverse with :class:`fp8ray.lmcache.Fp8QuantizationDeserializer`. Both run on
-``QuantWorker`` actors, a shard of files per call; docs/LMCACHE.md has the contract.
+A store's chunk files are in one of three forms for a layout: ``raw`` (the layout's
+dtype, no serde), ``fp8`` (LMCache's ``"fp8"`` serde) or ``fp8ray`` (the ``"fp8ray"``
+serde's frames). :func:`convert_store` writes every chunk file in a target form, exactly
+the bytes an LMCache with that serde would have stored, under the same names:
+:func:`compress_store` to ``fp8`` or ``fp8ray``, :func:`decompress_store` to ``raw``.
+Each file's form is found from its size and, for frames, its header, so a store that
+mixes forms converts too; files already in the target form are copied unchanged and
+listed, and a store with nothing to convert is refused. Workers are ``QuantWorker``
+actors, a shard of files per call; docs/LMCACHE.md has the contract.
 
 Nothing is written at the destination until every file is converted: workers write into
 a temporary directory beside it, which is renamed into place at the end, and removed if
-anything failed.
+anything failed. Nothing read is modified.
 """
 
 from __future__ import annotations
@@ -16,15 +21,19 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
+from ..codec import CodecOptions
 from ..codec.formats import get_format
-from ..errors import ArchiveExistsError, DestinationError, SourceError
-from ..io.lmcache_store import Layout, parse_layout, scan_store
+from ..errors import ArchiveExistsError, BadInputError, DestinationError, MismatchError, SourceError
+from ..io.lmcache_store import FORMS, FP8, FRAMES, RAW, ChunkFile, Layout, parse_layout, scan_store
 from ..io.paths import check_apart, temporary_name
 from .pool import QuantPool
+from .store_files import StoreConversion
 
 SHARD_BYTES = 64 << 20  # input bytes per worker call
+SERDES = (FP8, FRAMES)  # the forms compress_store writes: LMCache's serde types
 
 
 @dataclass
@@ -33,13 +42,18 @@ class StoreReport:
     source: str
     destination: str
     layout: str
-    fp8: str
-    files: int
-    skipped: list[dict]
-    bytes_before: int
+    target: str  # the form written: "raw", "fp8" or "fp8ray"
+    fp8: str  # the format of plain fp8 files
+    codec: dict | None  # the frames' codec options (target fp8ray)
+    files: int  # converted
+    converted_from: dict[str, int]  # form -> files converted from it
+    unchanged: list[str]  # already in the target form: copied as they were
+    skipped: list[dict]  # {"name", "reason"}: left alone, not copied
+    bytes_before: int  # of the converted files
     bytes_after: int
     seconds: float
     workers: int
+    unchanged_bytes: int = 0
 
     @property
     def input_gbps(self) -> float:
@@ -72,19 +86,47 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path)  # raises, naming what is left
 
 
-def _plan_shards(files: list[str], file_bytes: int, workers: int) -> list[list[str]]:
+def _plan_shards(chunks: list[ChunkFile], workers: int) -> list[list[ChunkFile]]:
     """Shards of up to SHARD_BYTES of input, and at least two per worker when there are enough files."""
-    per_shard = max(1, min(SHARD_BYTES // max(1, file_bytes), -(-len(files) // (2 * workers))))
-    return [files[i : i + per_shard] for i in range(0, len(files), per_shard)]
+    most = -(-len(chunks) // (2 * workers))
+    shards: list[list[ChunkFile]] = []
+    size = 0
+    for chunk in chunks:
+        if not shards or len(shards[-1]) >= most or (size + chunk.size > SHARD_BYTES and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(chunk)
+        size += chunk.size
+    return shards
+
+
+def _nothing_to_convert(source: str, layout: Layout, target: str, chunks: list[ChunkFile], skipped: list[dict]) -> Exception:
+    """The error for a store in which no file needs converting, saying why."""
+    if chunks:
+        return BadInputError(
+            f"every chunk file of {source} matching the layout {layout} ({len(chunks)}) is already in the target "
+            f"form {target!r}; nothing to convert" + (f" ({len(skipped)} other entries skipped)" if skipped else ""),
+            field="source",
+        )
+    if not skipped:
+        return SourceError(f"source {source} holds no files")
+    reasons = Counter(s["reason"] for s in skipped)
+    common = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(3))
+    return MismatchError(
+        f"no file of {source} is a chunk file of the layout {layout} in any form (raw, fp8, fp8ray): "
+        f"{len(skipped)} entries, {common}; is --layout right?",
+        field="layout",
+    )
 
 
 def convert_store(
-    mode: str,
     source: str,
     destination: str,
     layout: Layout | str,
+    target: str,
     *,
     fp8: str = "e4m3fn",
+    options: CodecOptions | None = None,
     workers: int = 2,
     gpus_per_worker: float = 0,
     address: str | None = None,
@@ -92,43 +134,46 @@ def convert_store(
     progress=None,
     on_scan=None,
 ) -> StoreReport:
-    """Convert every chunk file of an LMCache FS store: ``mode="compress"`` from the
-    layout's dtype to fp8, ``"decompress"`` back. Files of another size or name are
-    skipped and reported; a file that fails (non-finite values in compress) aborts the
+    """Write every chunk file of the LMCache FS store ``source`` in the ``target`` form
+    (``"raw"``, ``"fp8"`` or ``"fp8ray"``) into the new directory ``destination``.
+
+    ``fp8`` is the format of plain fp8 files; ``options`` the codec options of the frames
+    written (default: the default mode with format ``fp8``), whose ``nonfinite`` applies
+    to plain fp8 files too. Entries of no form are skipped and reported; files already
+    in the target form are copied and listed. A store with nothing to convert (every
+    file in the target form, or none of the layout: a wrong ``layout``) raises and
+    creates nothing. A file that fails (non-finite values, a damaged frame) aborts the
     whole run with an error naming it, leaving no destination.
 
-    ``progress(n)`` is called with the files just converted; ``on_scan(n)`` with the
-    number of files to convert, before the work starts.
+    ``progress(n)`` is called with the files just written; ``on_scan(n)`` with the
+    number of files to write, before the work starts.
     """
-    if mode not in ("compress", "decompress"):
-        raise ValueError(f"mode must be 'compress' or 'decompress', got {mode!r}")
+    if target not in FORMS:
+        raise ValueError(f"target form must be one of {list(FORMS)}, got {target!r}")
     fmt = get_format(fp8)
+    options = options if options is not None else CodecOptions(fp8=fmt.name)
     layout = parse_layout(layout) if isinstance(layout, str) else layout
     src, dst = _check_paths(source, destination, overwrite)
-    raw, fp8_bytes = layout.raw_bytes, layout.numel
-    if mode == "compress":
-        scan = scan_store(src, raw, {fp8_bytes: "the layout's size in fp8: already compressed?"})
-    else:
-        scan = scan_store(src, fp8_bytes, {raw: f"the layout's size in {layout.dtype}: not compressed?"})
+    scan = scan_store(src, layout)
+    todo = [c for c in scan.chunks if c.form != target]
+    if not todo:
+        raise _nothing_to_convert(source, layout, target, scan.chunks, scan.skipped)
     if on_scan is not None:
-        on_scan(len(scan.files))
+        on_scan(len(scan.chunks))
 
     scratch = temporary_name(dst)
     os.makedirs(scratch)
-    before = after = 0
-    seconds = 0.0
+    conversion = StoreConversion(src, scratch, layout, target, fmt.name, options)
+    done = []
     try:
-        if scan.files:
-            shards = _plan_shards(scan.files, raw if mode == "compress" else fp8_bytes, workers)
-            with QuantPool(num_workers=workers, gpus_per_worker=gpus_per_worker, address=address) as pool:
-                start = time.perf_counter()  # the conversion itself, once the workers are up
-                items = ((mode, src, scratch, shard, layout, fmt.name) for shard in shards)
-                for done in pool.map("convert_store_files", items):
-                    before += sum(f.bytes_in for f in done)
-                    after += sum(f.bytes_out for f in done)
-                    if progress is not None:
-                        progress(len(done))
-                seconds = time.perf_counter() - start
+        with QuantPool(num_workers=workers, gpus_per_worker=gpus_per_worker, address=address) as pool:
+            start = time.perf_counter()  # the conversion itself, once the workers are up
+            items = ((conversion, shard) for shard in _plan_shards(scan.chunks, workers))
+            for files in pool.map("convert_store_files", items):
+                done.extend(files)
+                if progress is not None:
+                    progress(len(files))
+            seconds = time.perf_counter() - start
         if os.path.lexists(dst):  # --overwrite: swap the old one out only now
             trash = f"{scratch}.old"
             os.rename(dst, trash)
@@ -143,26 +188,35 @@ def convert_store(
     except BaseException:
         _remove_tree(scratch)
         raise
+    converted = [f for f in done if not f.copied]
+    copied = [f for f in done if f.copied]
     return StoreReport(
-        mode=mode,
+        mode="decompress" if target == RAW else "compress",
         source=source,
         destination=destination,
         layout=str(layout),
+        target=target,
         fp8=fmt.name,
-        files=len(scan.files),
+        codec=options.as_dict() if target == FRAMES else None,
+        files=len(converted),
+        converted_from=dict(Counter(f.form for f in converted)),
+        unchanged=[f.name for f in copied],
         skipped=scan.skipped,
-        bytes_before=before,
-        bytes_after=after,
+        bytes_before=sum(f.bytes_in for f in converted),
+        bytes_after=sum(f.bytes_out for f in converted),
         seconds=seconds,
         workers=workers,
+        unchanged_bytes=sum(f.bytes_out for f in copied),
     )
 
 
-def compress_store(source: str, destination: str, layout: Layout | str, **options) -> StoreReport:
-    """LMCache chunk files in the layout's dtype -> the files LMCache's fp8 serde writes."""
-    return convert_store("compress", source, destination, layout, **options)
+def compress_store(source: str, destination: str, layout: Layout | str, serde: str = FP8, **options) -> StoreReport:
+    """An LMCache store -> the files LMCache's ``serde`` (``"fp8"`` or ``"fp8ray"``) writes."""
+    if serde not in SERDES:
+        raise ValueError(f"serde must be one of {list(SERDES)}, got {serde!r}")
+    return convert_store(source, destination, layout, serde, **options)
 
 
 def decompress_store(source: str, destination: str, layout: Layout | str, **options) -> StoreReport:
-    """LMCache fp8-serde chunk files -> raw chunk files in the layout's dtype."""
-    return convert_store("decompress", source, destination, layout, **options)
+    """An LMCache store of ``fp8`` or ``fp8ray`` chunk files -> raw chunk files in the layout's dtype."""
+    return convert_store(source, destination, layout, RAW, **options)

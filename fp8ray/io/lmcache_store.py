@@ -1,13 +1,23 @@
-"""LMCache's filesystem L2 store as files: chunk file names, chunk layouts, and scanning.
+"""LMCache's filesystem L2 store as files: chunk file names, chunk layouts, the forms a
+chunk file takes, and scanning a store.
 
-LMCache's FS adapter keeps one file per chunk, flat in its ``base_path``, named::
+LMCache's FS adapter (``lmcache/v1/distributed/l2_adapters/fs_l2_adapter.py`` in
+lmcache 0.5.6: ``_object_key_to_filename``) keeps one file per chunk, flat in its
+``base_path``, named::
 
     <model, '/' -> '-SEP-'>@<kv_rank as 0x%08x>@<object_group_id, hex>@<chunk_hash, hex>[@<cache_salt>].data
 
-holding only the chunk's raw bytes: no header, the reader supplies the layout (e.g.
-bfloat16 ``[2, layers, 256, kv_heads * head_dim]``). With LMCache's fp8 serde the same
-file holds one fp8 byte per element instead. The conversion itself runs on the engine
-(:mod:`fp8ray.engine.stores`); docs/LMCACHE.md has the contract.
+The name is the same whatever the adapter's serde; the file holds the bytes the serde
+wrote, with no header of LMCache's own. For a chunk of layout ``dtype:shape`` that is
+one of three forms:
+
+- ``raw``: no serde, the tensor's bytes (``numel * itemsize``);
+- ``fp8``: LMCache's ``"fp8"`` serde, one fp8 byte per element (``numel``);
+- ``fp8ray``: the ``"fp8ray"`` serde (:func:`fp8ray.lmcache.register`), one fp8ray frame
+  of that dtype and shape, whose header gives its length.
+
+The conversion itself runs on the engine (:mod:`fp8ray.engine.stores`); docs/LMCACHE.md
+has the contract.
 """
 
 from __future__ import annotations
@@ -16,7 +26,10 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..codec.formats import DTYPES_BY_NAME
+from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
+from ..codec.frame import FIXED_HEADER, MAX_NDIM
+from ..codec.lmcache import read_frame_header
+from ..errors import CorruptFrameError
 
 SEP = "@"
 SLASH_REPLACEMENT = "-SEP-"
@@ -24,6 +37,9 @@ EXTENSION = ".data"
 SALT_FORBIDDEN = frozenset("@/\\\x00")
 SALT_MAX_LEN = 128
 LAYOUT_DTYPES = DTYPES_BY_NAME  # the dtypes a layout may name: fp8ray's source dtypes
+RAW, FP8, FRAMES = "raw", "fp8", "fp8ray"
+FORMS = (RAW, FP8, FRAMES)  # the forms a chunk file takes (module docstring)
+HEADER_BYTES = FIXED_HEADER.size + 8 * MAX_NDIM  # enough of a file to read any frame header
 
 
 @dataclass(frozen=True)
@@ -115,19 +131,60 @@ def parse_layout(text: str) -> Layout:
     return Layout(dtype, shape)
 
 
+@dataclass(frozen=True)
+class ChunkFile:
+    """A chunk file of a store: its name, its form (one of :data:`FORMS`) and its size."""
+
+    name: str
+    form: str
+    size: int
+
+
 @dataclass
 class StoreScan:
-    """The files of a store to convert, and those left alone with the reason."""
+    """A store's chunk files of the layout, by form, and the entries left alone with the reason."""
 
-    files: list[str] = field(default_factory=list)
+    chunks: list[ChunkFile] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # {"name", "reason"}
 
+    def count(self, form: str) -> int:
+        return sum(1 for c in self.chunks if c.form == form)
 
-def scan_store(directory: str, expected_bytes: int, other_sizes: dict[int, str] | None = None) -> StoreScan:
-    """Sort the entries of a store directory into chunk files of ``expected_bytes`` and
-    skipped ones (not a regular file, a name that is not a chunk name, another size).
-    Like LMCache's FS adapter, only the directory's own entries count (no recursion).
-    ``other_sizes`` maps a size to a hint for the reason (``"already fp8?"``)."""
+
+def form_of(layout: Layout, size: int, prefix: bytes) -> tuple[str | None, str]:
+    """The form of a chunk file of ``size`` bytes starting with ``prefix`` (at least
+    :data:`HEADER_BYTES` of it, or all of it) under ``layout``, or ``None`` and the
+    reason it is none of them.
+
+    A frame is recognised by its header (magic, codes, the layout's dtype and shape, and
+    a length equal to the file's); its checksum is verified when it is converted."""
+    try:
+        header = read_frame_header(prefix)
+        malformed = ""
+    except CorruptFrameError as exc:
+        header, malformed = None, str(exc)
+    if header is not None and header.dtype == LAYOUT_DTYPES[layout.dtype] and header.shape == layout.shape:
+        if header.frame_size == size:
+            return FRAMES, ""
+    if size == layout.raw_bytes:
+        return RAW, ""
+    if size == layout.numel:
+        return FP8, ""
+    if header is not None:
+        found = f"{DTYPE_NAMES[header.dtype]}:{','.join(map(str, header.shape))}"
+        if found != str(layout):
+            return None, f"an fp8ray frame of {found}, not of the layout {layout}"
+        return None, f"an fp8ray frame of {size} bytes, but its header implies {header.frame_size}: truncated or padded?"
+    sizes = f"{layout.raw_bytes} bytes ({layout.dtype}), {layout.numel} (LMCache fp8) or an fp8ray frame of that shape"
+    return None, f"{size} bytes, the layout {layout} needs {sizes}" + (f"; {malformed}" if malformed else "")
+
+
+def scan_store(directory: str, layout: Layout) -> StoreScan:
+    """Sort the entries of a store directory into chunk files of ``layout`` (by form)
+    and skipped ones (not a regular file, a name that is not a chunk name, a file of
+    none of the forms). Like LMCache's FS adapter, only the directory's own entries
+    count (no recursion). Reads the first bytes of a file only when its size is not the
+    fp8 form's (a frame is always longer)."""
     scan = StoreScan()
     with os.scandir(directory) as entries:
         for entry in sorted(entries, key=lambda e: e.name):
@@ -143,10 +200,17 @@ def scan_store(directory: str, expected_bytes: int, other_sizes: dict[int, str] 
                 scan.skipped.append({"name": entry.name, "reason": f"not an LMCache chunk name: it {exc}"})
                 continue
             size = entry.stat().st_size
-            if size != expected_bytes:
-                hint = (other_sizes or {}).get(size)
-                reason = f"{size} bytes, the layout needs {expected_bytes}" + (f" ({hint})" if hint else "")
+            prefix = b""
+            if size != layout.numel:
+                try:
+                    with open(entry.path, "rb") as f:
+                        prefix = f.read(HEADER_BYTES)
+                except OSError as exc:
+                    scan.skipped.append({"name": entry.name, "reason": f"unreadable: {exc.strerror or exc}"})
+                    continue
+            form, reason = form_of(layout, size, prefix)
+            if form is None:
                 scan.skipped.append({"name": entry.name, "reason": reason})
-                continue
-            scan.files.append(entry.name)
+            else:
+                scan.chunks.append(ChunkFile(entry.name, form, size))
     return scan

@@ -1,4 +1,7 @@
-"""LMCache filesystem stores: chunk names, and conversion to/from the fp8 serde's files on Ray.
+"""LMCache filesystem stores: chunk names (against LMCache's own functions), the forms a
+chunk file takes, and conversion between them on Ray: raw <-> LMCache's fp8 serde <->
+fp8ray's serde, checked against the serializers LMCache runs and against LMCache's own
+filesystem adapter reading and writing the same directories.
 
 The fake store holds chunk files named as LMCache's FS adapter names them, in the small
 layout bfloat16 [2, 2, 16, 64] with K about 8 and V about 1/64 in magnitude (so that V
@@ -22,11 +25,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import fp8ray
 from fp8ray.cli import main
+from fp8ray.codec import CodecOptions, Fp8Codec
+from fp8ray.engine.stores import compress_store, convert_store, decompress_store
+from fp8ray.errors import (
+    ArchiveExistsError,
+    BadInputError,
+    CorruptFrameError,
+    DestinationError,
+    MismatchError,
+    NonFiniteError,
+    SourceError,
+)
+from fp8ray.io.lmcache_store import ChunkName, format_chunk_name, form_of, parse_chunk_name, parse_layout, scan_store
 from fp8ray.lmcache import Fp8QuantizationSerializer
-from fp8ray.engine.stores import compress_store, decompress_store
-from fp8ray.errors import ArchiveExistsError, DestinationError, NonFiniteError, SourceError
-from fp8ray.io.lmcache_store import ChunkName, format_chunk_name, parse_chunk_name, parse_layout
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -80,12 +93,10 @@ def store(tmp_path):
         (src / name).write_bytes(tensor_bytes(tensors[name]))
     short = format_chunk_name(ChunkName("meta-llama/Llama-3.1-8B-Instruct", kv_rank(1, 0), 0, b"\x01\x02"))
     (src / short).write_bytes(b"\0" * (RAW - 2))
-    fp8_sized = format_chunk_name(ChunkName("meta-llama/Llama-3.1-8B-Instruct", kv_rank(1, 0), 0, b"\x03\x04"))
-    (src / fp8_sized).write_bytes(b"\0" * NUMEL)
     (src / "notes.data").write_bytes(b"\0" * RAW)  # right size, not a chunk name
     (src / "m@0x1@zz@00.data").write_bytes(b"\0" * RAW)  # object_group_id is not hex
     (src / "tmp").mkdir()  # e.g. LMCache's relative_tmp_dir
-    skipped = {short: "bytes, the layout needs", fp8_sized: "already compressed?", "notes.data": "not an LMCache chunk name",
+    skipped = {short: "bytes, the layout bfloat16:2,2,16,64 needs", "notes.data": "not an LMCache chunk name",
                "m@0x1@zz@00.data": "not an LMCache chunk name", "tmp": "not a regular file"}
     return src, tensors, skipped
 
@@ -126,6 +137,80 @@ def test_layout_parsing():
             parse_layout(text)
 
 
+
+
+def test_chunk_names_equal_lmcaches_own():
+    """fp8ray writes and reads the names of lmcache 0.5.6's FS adapter (fs_l2_adapter.py's
+    _object_key_to_filename / _filename_to_object_key): same name for every key, same
+    fields for every name, and a name LMCache does not parse is not a chunk name here."""
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _filename_to_object_key, _object_key_to_filename
+
+    keys = [
+        ObjectKey(chunk_hash=c.chunk_hash, model_name=c.model, kv_rank=c.kv_rank, object_group_id=c.object_group_id, cache_salt=c.cache_salt)
+        for c in CHUNKS
+    ] + [
+        ObjectKey(chunk_hash=b"", model_name="", kv_rank=0),
+        ObjectKey(chunk_hash=bytes(range(256)), model_name="a/b/c d_é", kv_rank=2**32 - 1, object_group_id=2**40, cache_salt="x" * 128),
+        ObjectKey(chunk_hash=b"\x00", model_name="m-SEP-n", kv_rank=7, cache_salt="tenant\x1b[31m"),
+    ]
+    for key in keys:
+        name = _object_key_to_filename(key)
+        ours = ChunkName(key.model_name, key.kv_rank, key.object_group_id, key.chunk_hash, key.cache_salt)
+        assert format_chunk_name(ours) == name
+        theirs = _filename_to_object_key(name)
+        parsed = parse_chunk_name(name)
+        assert (parsed.model, parsed.kv_rank, parsed.object_group_id, parsed.chunk_hash, parsed.cache_salt) == (
+            theirs.model_name, theirs.kv_rank, theirs.object_group_id, theirs.chunk_hash, theirs.cache_salt)
+    for name in ("m@0x1@0@ab.bin", "m@0x1@ab.data", "m@0x1@0@ab@s@x.data", "m@0x1@0@abc.data", "m@zz@0@ab.data",
+                 "m@0x1@-1@ab.data", f"m@0x1@0@ab@{'s' * 129}.data", "m@0x1@0@ab@a\\b.data", ".data"):
+        assert _filename_to_object_key(name) is None
+        with pytest.raises(ValueError):
+            parse_chunk_name(name)
+
+
+def fp8_bytes(t: torch.Tensor, fp8=torch.float8_e4m3fn) -> bytes:
+    """What LMCache's fp8 serde stores (fp8ray's drop-in pair: the same bytes where the cast is finite)."""
+    out = torch.empty(t.numel(), dtype=torch.uint8)
+    Fp8QuantizationSerializer(fp8).serialize(SimpleNamespace(tensor=t), SimpleNamespace(tensor=out))
+    return out.numpy().tobytes()
+
+
+def from_fp8(data: bytes) -> torch.Tensor:
+    codes = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return codes.view(torch.float8_e4m3fn).to(torch.bfloat16).reshape(SHAPE)
+
+
+def from_raw(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.bfloat16).reshape(SHAPE)
+
+
+def test_chunk_file_forms(tmp_path):
+    layout = parse_layout(LAYOUT)
+    x = chunk_tensor(0)
+    frame_default = bytes(Fp8Codec().encode(x))
+    frame_token = bytes(Fp8Codec(scaling="token", scale_dtype="float32").encode(x))
+    assert form_of(layout, RAW, tensor_bytes(x)[:600]) == ("raw", "")
+    assert form_of(layout, NUMEL, b"") == ("fp8", "")
+    for data in (frame_default, frame_token):  # any options: the header says how long the frame is
+        assert form_of(layout, len(data), data[:600]) == ("fp8ray", "")
+    other = bytes(Fp8Codec().encode(x[:, :, :8]))
+    assert form_of(layout, len(other), other) == (None, "an fp8ray frame of bfloat16:2,2,8,64, not of the layout bfloat16:2,2,16,64")
+    form, reason = form_of(layout, len(frame_default) - 3, frame_default[:600])
+    assert form is None and "truncated or padded" in reason
+    form, reason = form_of(layout, 100, b"\0" * 100)
+    assert form is None and reason == (
+        "100 bytes, the layout bfloat16:2,2,16,64 needs 8192 bytes (bfloat16), 4096 (LMCache fp8) or an fp8ray frame of that shape"
+    )
+    for name, data in (("a@0x1@0@01.data", tensor_bytes(x)), ("a@0x1@0@02.data", fp8_bytes(x)), ("a@0x1@0@03.data", frame_token),
+                       ("a@0x1@0@04.data", other)):
+        (tmp_path / name).write_bytes(data)
+    scan = scan_store(str(tmp_path), layout)
+    assert [(c.name, c.form, c.size) for c in scan.chunks] == [
+        ("a@0x1@0@01.data", "raw", RAW), ("a@0x1@0@02.data", "fp8", NUMEL), ("a@0x1@0@03.data", "fp8ray", len(frame_token))]
+    assert [s["name"] for s in scan.skipped] == ["a@0x1@0@04.data"]
+
+
 def test_compress_writes_exactly_the_fp8_serde_files_and_decompress_restores_within_bound(store, tmp_path):
     src, tensors, skipped = store
     before = digests(src)
@@ -134,17 +219,14 @@ def test_compress_writes_exactly_the_fp8_serde_files_and_decompress_restores_wit
 
     assert digests(src) == before  # the source is never touched
     assert sorted(os.listdir(dst)) == sorted(tensors)  # same names; skipped files are not copied
-    assert report.files == len(tensors) and report.bytes_before == len(tensors) * RAW
-    assert report.bytes_after == len(tensors) * NUMEL
+    assert report.files == len(tensors) and report.converted_from == {"raw": len(tensors)} and report.unchanged == []
+    assert report.bytes_before == len(tensors) * RAW and report.bytes_after == len(tensors) * NUMEL
     assert {s["name"]: s["reason"] for s in report.skipped}.keys() == skipped.keys()
     for s in report.skipped:
         assert skipped[s["name"]] in s["reason"], s
-    serializer = Fp8QuantizationSerializer()
     for name, t in tensors.items():
-        expected = torch.empty(NUMEL, dtype=torch.uint8)
-        serializer.serialize(SimpleNamespace(tensor=t), SimpleNamespace(tensor=expected))
         written = (dst / name).read_bytes()
-        assert sha(written) == sha(expected.numpy().tobytes()), name
+        assert sha(written) == sha(fp8_bytes(t)), name
         if t.abs().max() <= 448:  # and LMCache's own serde, a plain cast, gives the same bytes
             assert sha(written) == sha(t.to(torch.float8_e4m3fn).view(torch.uint8).numpy().tobytes()), name
 
@@ -153,10 +235,9 @@ def test_compress_writes_exactly_the_fp8_serde_files_and_decompress_restores_wit
     assert report.files == len(tensors) and report.skipped == [] and report.bytes_after == len(tensors) * RAW
     assert sorted(os.listdir(back)) == sorted(tensors)
     for name, x in tensors.items():
-        y = torch.frombuffer(bytearray((back / name).read_bytes()), dtype=torch.bfloat16).reshape(SHAPE)
+        y = from_raw((back / name).read_bytes())
         # Exactly LMCache's deserializer, an fp8 -> bf16 cast of the stored bytes:
-        codes = torch.frombuffer(bytearray((dst / name).read_bytes()), dtype=torch.uint8)
-        assert torch.equal(y, codes.view(torch.float8_e4m3fn).to(torch.bfloat16).reshape(SHAPE))
+        assert torch.equal(y, from_fp8((dst / name).read_bytes()))
         x64, y64 = x.double(), y.double()
         in_range = x64.abs() <= 448
         bound = (U / (1 + U)) * x64.abs() + HALF_SUBNORMAL
@@ -165,6 +246,125 @@ def test_compress_writes_exactly_the_fp8_serde_files_and_decompress_restores_wit
         assert bool((y64 != x64).any())  # lossy indeed: the bound is what is tested
     saturating = tensors[format_chunk_name(CHUNKS[-1])]
     assert int((saturating.double().abs() > 448).sum()) == 3  # 1000, -1000 and 464 (which rounds to 448 too)
+
+
+def test_every_form_converts_to_every_other_as_lmcaches_serializers_write(store, tmp_path):
+    """raw -> fp8ray -> raw, and fp8 <-> fp8ray, each file exactly what the target serde
+    writes for what the source holds (frames in the options asked for)."""
+    src, tensors, _ = store
+    options = CodecOptions(scaling="token", scale_dtype="float32")
+    frames = tmp_path / "frames"
+    report = compress_store(str(src), str(frames), LAYOUT, serde="fp8ray", options=options, workers=1)
+    assert report.target == "fp8ray" and report.codec == options.as_dict() and report.files == len(tensors)
+    for name, x in tensors.items():
+        assert (frames / name).read_bytes() == bytes(Fp8Codec(options=options).encode(x)), name
+
+    raw = tmp_path / "raw"
+    assert decompress_store(str(frames), str(raw), LAYOUT, workers=1).converted_from == {"fp8ray": len(tensors)}
+    for name in tensors:
+        assert torch.equal(from_raw((raw / name).read_bytes()), fp8ray.decode((frames / name).read_bytes())), name
+
+    plain = tmp_path / "plain"
+    assert compress_store(str(frames), str(plain), LAYOUT, serde="fp8", workers=1).converted_from == {"fp8ray": len(tensors)}
+    for name in tensors:
+        assert (plain / name).read_bytes() == fp8_bytes(fp8ray.decode((frames / name).read_bytes())), name
+
+    again = tmp_path / "again"  # fp8 -> fp8ray: the default mode when no option is given
+    assert compress_store(str(plain), str(again), LAYOUT, serde="fp8ray", workers=1).converted_from == {"fp8": len(tensors)}
+    for name in tensors:
+        assert (again / name).read_bytes() == bytes(Fp8Codec().encode(from_fp8((plain / name).read_bytes()))), name
+
+
+def test_a_mixed_store_converts_what_needs_it_and_copies_what_is_already_converted(tmp_path):
+    src = tmp_path / "mixed"
+    src.mkdir()
+    forms = {}
+    for i, chunk in enumerate(CHUNKS):
+        x, name = chunk_tensor(i), format_chunk_name(chunk)
+        form = ("raw", "fp8", "fp8ray")[i % 3]
+        data = {"raw": tensor_bytes(x), "fp8": fp8_bytes(x), "fp8ray": bytes(Fp8Codec().encode(x))}[form]
+        (src / name).write_bytes(data)
+        forms[name] = (form, data)
+    dst = tmp_path / "out"
+    report = compress_store(str(src), str(dst), LAYOUT, serde="fp8ray", workers=1)
+    assert report.converted_from == {"raw": 2, "fp8": 2} and report.files == 4
+    assert report.unchanged == [n for n, (f, _) in sorted(forms.items()) if f == "fp8ray"]
+    for name, (form, data) in forms.items():
+        written = (dst / name).read_bytes()
+        if form == "fp8ray":
+            assert written == data
+        else:
+            x = from_raw(data) if form == "raw" else from_fp8(data)
+            assert written == bytes(Fp8Codec().encode(x)), name
+
+
+def test_a_store_already_in_the_target_form_is_reported_not_converted_again(store, tmp_path):
+    src, tensors, _ = store
+    with pytest.raises(BadInputError, match=rf"every chunk file .* \({len(tensors)}\) is already in the target form 'raw'"):
+        decompress_store(str(src), str(tmp_path / "raw"), LAYOUT, workers=1)
+    frames = tmp_path / "frames"
+    compress_store(str(src), str(frames), LAYOUT, serde="fp8ray", workers=1)
+    with pytest.raises(BadInputError, match="already in the target form 'fp8ray'"):
+        compress_store(str(frames), str(tmp_path / "twice"), LAYOUT, serde="fp8ray", workers=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["frames", "store"]  # nothing else created
+
+
+def test_a_wrong_layout_exits_non_zero_and_creates_nothing(store, tmp_path, capsys):
+    src, tensors, skipped = store
+    before = digests(src)
+    for command in ("lmcache-compress", "lmcache-decompress"):
+        assert main([command, str(src), str(tmp_path / "x"), "--layout", "bfloat16:2,2", "--workers", "1"]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and "matches" not in err
+        assert "no file of" in err and "layout bfloat16:2,2 in any form" in err and "is --layout right?" in err
+    with pytest.raises(MismatchError) as info:
+        compress_store(str(src), str(tmp_path / "x"), "float32:2,2,16,64")
+    assert info.value.field == "layout"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"] and digests(src) == before
+
+
+def test_names_from_the_store_are_printed_escaped(tmp_path, capsys):
+    src = tmp_path / "store"
+    src.mkdir()
+    (src / format_chunk_name(CHUNKS[0])).write_bytes(tensor_bytes(chunk_tensor(0)))
+    hostile = ["evil\x1b[2J\x1b[31m.data", "line\nbreak@0x1@0@ab.data", "m@0x1@0@ab@salt\x1b]0;title\x07.data"]
+    for name in hostile:
+        (src / name).write_bytes(b"\0" * 10)
+    assert main(["lmcache-compress", str(src), str(tmp_path / "out"), "--layout", LAYOUT, "--workers", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert all(c == "\n" or c.isprintable() for c in out + err)  # no raw control characters reach the terminal
+    assert err.count("fp8ray: skipped") == 3 and err.count("\n") == 3
+    assert ascii(hostile[0]) in err and "\\x1b]0;title\\x07" in err
+    assert main(["lmcache-compress", str(src), str(tmp_path / "out2"), "--layout", LAYOUT, "--workers", "1", "--json"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.isascii() and "\x1b" not in out and sorted(s["name"] for s in json.loads(out)["skipped"]) == sorted(hostile)
+
+
+def test_a_damaged_frame_fails_the_run_naming_it_and_leaves_nothing(store, tmp_path):
+    src, tensors, _ = store
+    frames = tmp_path / "frames"
+    compress_store(str(src), str(frames), LAYOUT, serde="fp8ray", workers=1)
+    bad = sorted(tensors)[1]
+    data = bytearray((frames / bad).read_bytes())
+    data[len(data) // 2] ^= 0x20
+    (frames / bad).write_bytes(bytes(data))
+    with pytest.raises(CorruptFrameError, match=rf"{bad}.*checksum mismatch"):
+        decompress_store(str(frames), str(tmp_path / "out"), LAYOUT, workers=1)
+    (frames / "extra").write_bytes(b"")
+    os.rename(frames / "extra", frames / format_chunk_name(ChunkName("m", 1, 0, b"\x01")))
+    (frames / format_chunk_name(ChunkName("m", 1, 0, b"\x01"))).write_bytes(tensor_bytes(chunk_tensor(0)))
+    with pytest.raises(CorruptFrameError, match=bad):  # a copy is checked too: nothing damaged is passed on
+        compress_store(str(frames), str(tmp_path / "out"), LAYOUT, serde="fp8ray", workers=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["frames", "store"]
+
+
+def test_frame_options_need_the_fp8ray_serde(store, tmp_path, capsys):
+    src, _, _ = store
+    assert main(["lmcache-compress", str(src), str(tmp_path / "x"), "--layout", LAYOUT, "--scaling", "token"]) == 1
+    _, err = capsys.readouterr()
+    assert "--scaling apply to --serde fp8ray only" in err and not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match="serde must be one of"):
+        compress_store(str(src), str(tmp_path / "x"), LAYOUT, serde="raw")
 
 
 def test_non_finite_source_fails_naming_the_file_and_leaves_no_destination(store, tmp_path):
@@ -210,12 +410,15 @@ def test_cli_json_overwrite_and_errors(store, tmp_path, capsys):
     out, _ = capsys.readouterr()
     report = json.loads(out)
     assert report["files"] == len(tensors) and {s["name"] for s in report["skipped"]} == set(skipped)
-    assert report["bytes_before"] == 2 * report["bytes_after"] and report["fp8"] == "e4m3fn"
+    assert report["bytes_before"] == 2 * report["bytes_after"] and report["fp8"] == "e4m3fn" and report["target"] == "fp8"
     assert sorted(os.listdir(dst)) == sorted(tensors)  # "stale" went with the old destination
 
-    assert main(["lmcache-compress", str(src), str(tmp_path / "x"), "--layout", "bfloat16:2,2"]) == 0
-    out, err = capsys.readouterr()  # every chunk has another size: all reported, none converted
-    assert "compressed 0 chunk files" in out and err.count("fp8ray: skipped") == len(tensors) + len(skipped)
+    assert main(["lmcache-compress", str(src), str(tmp_path / "f"), "--layout", LAYOUT, "--serde", "fp8ray", "--scaling", "token"]) == 0
+    out, err = capsys.readouterr()
+    assert f"compressed {len(tensors)} chunk files ({len(tensors)} raw) to fp8ray" in out
+    assert err.count("fp8ray: skipped") == len(skipped)
+    name = sorted(tensors)[0]
+    assert (tmp_path / "f" / name).read_bytes() == bytes(Fp8Codec(scaling="token").encode(tensors[name]))
 
 
 def test_overwrite_keeps_the_old_store_if_the_swap_fails(store, tmp_path, monkeypatch):
@@ -239,3 +442,93 @@ def test_overwrite_keeps_the_old_store_if_the_swap_fails(store, tmp_path, monkey
         compress_store(str(src), str(dst), LAYOUT, overwrite=True)
     assert os.listdir(dst) == ["keep"] and (dst / "keep").read_bytes() == b"x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["previous", "store"]  # no scratch left
+
+
+# --- with LMCache's own filesystem adapter, serde wrapper and L1 manager ----------------
+
+
+def lmcache_fs_adapter(base_path, serde: dict):
+    """LMCache's fs L2 adapter wrapped with a serde, as LMCache builds it from
+    ``--l2-adapter '{"type": "fs", "base_path": ..., "serde": ...}'``; and its L1 manager."""
+    import argparse
+
+    from lmcache.v1.distributed.config import L1ManagerConfig, L1MemoryManagerConfig
+    from lmcache.v1.distributed.l1_manager import L1Manager
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+    from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper
+    from lmcache.v1.distributed.serde import create_serde_processor
+
+    fp8ray.lmcache.register()
+    spec = json.dumps({"type": "fs", "base_path": str(base_path), "serde": serde})
+    (config,) = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[spec])).adapters
+    l1 = L1Manager(L1ManagerConfig(memory_config=L1MemoryManagerConfig(size_in_bytes=32 << 20, use_lazy=False, shm_name="")))
+    return SerdeL2AdapterWrapper(create_l2_adapter(config), create_serde_processor(config.serde_config), l1), l1
+
+
+def wait(fd: int) -> None:
+    import select
+
+    from lmcache.v1.platform import consume_fd
+
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    assert poller.poll(120_000), "LMCache's adapter did not signal completion"
+    consume_fd(fd)
+
+
+def object_key(chunk: ChunkName):
+    from lmcache.v1.distributed.api import ObjectKey
+
+    return ObjectKey(chunk.chunk_hash, chunk.model, chunk.kv_rank, chunk.object_group_id, chunk.cache_salt)
+
+
+def test_stores_of_lmcaches_fs_adapter_with_the_fp8ray_serde_convert_both_ways(tmp_path):
+    """LMCache writes a store through its fs adapter and the fp8ray serde; lmcache-decompress
+    turns it into raw chunk files (the frames' decoded values); lmcache-compress --serde
+    fp8ray turns those back into a store LMCache loads through the same adapter."""
+    import fp8ray.lmcache
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    layout = MemoryLayoutDesc(shapes=[torch.Size(SHAPE)], dtypes=[torch.bfloat16])
+    written = tmp_path / "written"
+    adapter, l1 = lmcache_fs_adapter(written, {"type": "fp8ray"})
+    try:
+        keys = [object_key(c) for c in CHUNKS]
+        reserved = l1.reserve_write(keys, [False] * len(keys), layout, tag="test")
+        objs = [reserved[k][1] for k in keys]
+        for i, obj in enumerate(objs):
+            obj.tensor.copy_(chunk_tensor(i))
+        l1.finish_write_and_reserve_read(keys, tag="test")
+        task = adapter.submit_store_task(keys, objs)
+        wait(adapter.get_store_event_fd())
+        assert adapter.pop_completed_store_tasks()[task].is_successful()
+    finally:
+        adapter.close()
+    names = sorted(format_chunk_name(c) for c in CHUNKS)
+    assert sorted(os.listdir(written)) == names
+
+    raw = tmp_path / "raw"
+    assert decompress_store(str(written), str(raw), LAYOUT, workers=1).converted_from == {"fp8ray": len(names)}
+    for name in names:
+        assert torch.equal(from_raw((raw / name).read_bytes()), fp8ray.decode((written / name).read_bytes()))
+
+    back = tmp_path / "back"
+    assert compress_store(str(raw), str(back), LAYOUT, serde="fp8ray", workers=1).files == len(names)
+    adapter, l1 = lmcache_fs_adapter(back, {"type": "fp8ray"})
+    try:
+        dsts = l1.reserve_write([object_key(ChunkName("load", 1, 0, bytes([i]))) for i in range(len(names))],
+                                [True] * len(names), layout, tag="load")
+        objs = [v[1] for v in dsts.values()]
+        keys = [object_key(c) for c in CHUNKS]
+        task = adapter.submit_load_task(keys, objs)
+        wait(adapter.get_load_event_fd())
+        bitmap = adapter.query_load_result(task)
+        assert [bitmap.test(i) for i in range(len(keys))] == [True] * len(keys)
+        for chunk, obj in zip(CHUNKS, objs):
+            name = format_chunk_name(chunk)
+            stored = (back / name).read_bytes()
+            assert stored == bytes(Fp8Codec().encode(from_raw((raw / name).read_bytes())))  # what the serde writes
+            assert torch.equal(obj.tensor, fp8ray.decode(stored))  # and LMCache loads it as fp8ray decodes it
+    finally:
+        adapter.close()
