@@ -3,9 +3,7 @@
 Takes the arguments of `fp8ray compress`; joins the cluster the job runs in (RAY_ADDRESS).
 """
 
-import sys
-
-from fp8ray.cli import main
+from _entry import run
 
 if __name__ == "__main__":
-    sys.exit(main(["compress", *sys.argv[1:]]))
+    run("compress")

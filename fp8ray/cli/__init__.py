@@ -42,3 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if not type(exc).__module__.startswith("ray."):
+            raise  # a bug of fp8ray's: its traceback is what to report
+        # Ray wraps what went wrong remotely in its own classes, with remote tracebacks in
+        # the text: say what the cause was, in one line.
+        cause = getattr(exc, "cause", None) or exc
+        print(f"fp8ray: error: {type(cause).__name__}: {str(cause).strip().splitlines()[-1]}", file=sys.stderr)
+        return 1

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import socket
 import threading
 
 from .common import non_negative_float, positive_float, positive_int
@@ -35,6 +37,15 @@ def service_args(args) -> dict:
     }
 
 
+def _check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def run_serve(args) -> int:
     from ray import serve
 
@@ -43,6 +54,8 @@ def run_serve(args) -> int:
 
     options = service_args(args)
     ServiceOptions.from_args(options)  # bad options fail before Ray starts
+    if not (args.address or os.environ.get("RAY_ADDRESS")):
+        _check_port(args.host, args.port)  # an embedded Ray's proxy binds here, on this machine
     owns_ray = connect_ray(args.address, None)
     deployed = False
     try:

@@ -45,7 +45,7 @@ def _raise_nonfinite(x: torch.Tensor, count: int) -> None:
     value = float(flat[first])
     raise NonFiniteError(
         f"{count} non-finite value(s) in a {tuple(x.shape)} {DTYPE_NAMES[x.dtype]} tensor; "
-        f"the first is {value} at index {list(index)} (pass nonfinite='keep' to store them)"
+        f"the first is {value} at index {list(index)} (nonfinite='keep', or --nonfinite keep, stores them)"
     )
 
 

@@ -40,7 +40,7 @@ from ..errors import RequestError, WorkersUnavailableError
 from ..io.blocks import bytes_to_tensor, tensor_to_bytes
 from ..io.safetensors import SOURCE_DTYPES, FRAME_DTYPE, build_body, parse_body
 from .options import ServiceOptions
-from .requests import OCTET_STREAM, SAFETENSORS, codec_options, is_safetensors, raw_layout, refusal, split
+from .requests import OCTET_STREAM, SAFETENSORS, codec_options, is_safetensors, raw_layout, refusal, response_limit, split
 
 WORKER_PREFIX = "quant-worker-"
 STATS_ACTOR = "service-stats"
@@ -172,6 +172,10 @@ class Fp8Service:
                 logger.exception("%s %s failed", request.method, route)
                 answer = (500, f"internal error ({type(exc).__name__}); the service log has the details", None)
             response = _refusal_response(*answer)
+        limit = response_limit(bytes_in + len(request.url.query))
+        if len(response.body) > limit:  # cannot happen by the derivation: never send it anyway
+            logger.error("%s %s: a %d-byte response to a %d-byte request exceeds its bound", request.method, route, len(response.body), bytes_in)
+            response = _refusal_response(500, f"internal error: the response would exceed its bound of {limit} bytes", None)
         status = str(response.status_code)
         bytes_out = len(response.body)
         self._requests.inc(tags={"route": route, "status": status})

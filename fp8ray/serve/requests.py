@@ -59,6 +59,23 @@ def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[s
     return dtype, dims
 
 
+# Every response is bounded by its request: at most MAX_EXPANSION bytes per byte of body
+# and query string, plus RESPONSE_SLACK. Derived (docs/FORMAT.md, "Service"): decoding
+# turns each 1-byte code into at most 4 bytes (float32), and a frame's shape bytes (8 per
+# dimension) into at most 21 characters of JSON; encoding turns 2 bytes of float16 into a
+# code and at most one 4-byte scale (2.5x), and each dimension of a shape, at least 2
+# characters of query or JSON, into 8 bytes of frame header; what is left (JSON per
+# tensor, a frame's 20 fixed bytes) is below 5x the request's own JSON per tensor, and the
+# slack covers a response's fixed headers.
+MAX_EXPANSION = 5
+RESPONSE_SLACK = 1024
+
+
+def response_limit(request_bytes: int) -> int:
+    """The most bytes a response to a request of ``request_bytes`` (body and query) holds."""
+    return MAX_EXPANSION * request_bytes + RESPONSE_SLACK
+
+
 def split(items: list, parts: int) -> list[list]:
     """``items`` in ``parts`` contiguous groups of near-equal count (order kept)."""
     if not items:

@@ -1,4 +1,5 @@
-"""The jobs, submitted for real: `ray start --head` on 127.0.0.1 and JobSubmissionClient."""
+"""The jobs, submitted for real, as the README shows them: Ray started from fp8ray's
+environment (`. .venv/bin/activate && ray start --head`), then `ray job submit`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ import pytest
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
+ACTIVATE = f". {Path(sys.executable).parent / 'activate'}"  # the README's `. .venv/bin/activate`
+
+
+def user_env() -> dict:
+    """A shell as a user has it: Ray's auth mode pinned (README), no cluster address, and
+    nothing of this test process's interpreter on PATH."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    env.pop("VIRTUAL_ENV", None)
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = ":".join(p for p in env["PATH"].split(":") if p != bin_dir)
+    return env
 
 
 def free_port() -> int:
@@ -29,16 +42,13 @@ def ray_head():
     """A real Ray head with its dashboard (the job server), and only its processes stopped."""
     temp_dir = tempfile.mkdtemp(prefix="frj", dir="/tmp")  # short: Ray's socket paths are limited
     gcs_port, dashboard_port = free_port(), free_port()
-    bin_dir = Path(sys.executable).parent
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PATH=f"{bin_dir}:{os.environ['PATH']}")
-    env.pop("RAY_ADDRESS", None)
-    cmd = [
-        str(bin_dir / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-        f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-        f"--metrics-export-port={free_port()}", "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats",
-    ]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=120)
+    start = (
+        f"ray start --head --node-ip-address=127.0.0.1 --port={gcs_port} --include-dashboard=true "
+        f"--dashboard-host=127.0.0.1 --dashboard-port={dashboard_port} --ray-client-server-port={free_port()} "
+        f"--dashboard-agent-listen-port={free_port()} --metrics-export-port={free_port()} --num-cpus=2 "
+        f"--temp-dir={temp_dir} --disable-usage-stats"
+    )
+    subprocess.run(["bash", "-c", f"{ACTIVATE} && {start}"], cwd=REPO, env=user_env(), check=True, capture_output=True, timeout=120)
     try:
         yield f"http://127.0.0.1:{dashboard_port}"
     finally:
@@ -58,27 +68,30 @@ def ray_head():
 
 @pytest.mark.slow
 def test_compress_then_decompress_jobs_succeed(ray_head, kv_source, tmp_path):
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
+    """`ray job submit --working-dir . -- python jobs/...` typed as the README shows it."""
     src, tensors = kv_source
-    client = JobSubmissionClient(ray_head)
-    runtime_env = {"working_dir": str(REPO), "env_vars": {"RAY_AUTH_MODE": "disabled"}}
 
-    def run(entrypoint: str) -> str:
-        job = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
-        deadline = time.time() + 300
-        while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
-            assert time.time() < deadline, f"job {job} still {status}"
-            time.sleep(1)
-        logs = client.get_job_logs(job)
-        assert status == JobStatus.SUCCEEDED, logs[-3000:]
-        return logs
+    def submit(entrypoint: str) -> str:
+        cmd = f"{ACTIVATE} && ray job submit --address {ray_head} --working-dir . -- {entrypoint}"
+        result = subprocess.run(["bash", "-c", cmd], cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0 and "succeeded" in result.stdout, (result.stdout + result.stderr)[-3000:]
+        return result.stdout
 
     arch, out = tmp_path / "arch", tmp_path / "out.safetensors"
-    logs = run(f"python jobs/compress_archive.py {src} {arch} --workers 2 --scaling token --json")
+    logs = submit(f"python jobs/compress_archive.py {src} {arch} --workers 2 --scaling token --json")
     assert '"blocks": 12' in logs
     assert (arch / "_manifest.json").exists()
-    run(f"python jobs/verify_archive.py {arch} --against {src}")
-    run(f"python jobs/decompress_archive.py {arch} {out}")
+    submit(f"python jobs/verify_archive.py {arch} --against {src}")
+    submit(f"python jobs/decompress_archive.py {arch} {out}")
     back = load_file(str(out))
     assert set(back) == set(tensors) and all(back[k].shape == t.shape for k, t in tensors.items())
+
+
+def test_a_job_run_by_a_python_without_fp8ray_says_so_in_one_line(tmp_path):
+    bare = Path(sys.base_prefix) / "bin" / "python3"
+    if subprocess.run([str(bare), "-c", "import fp8ray"], capture_output=True).returncode == 0:
+        pytest.skip("the base interpreter has fp8ray installed")
+    result = subprocess.run([str(bare), "jobs/compress_archive.py", "a", "b"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is not installed for" in lines[0] and "ray start --head" in lines[0], result.stderr
