@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import select
+import time
 
 import pytest
 import torch
@@ -293,3 +294,61 @@ def test_lmcaches_fs_adapter_stores_and_loads_fp8ray_frames(real_chunks, tmp_pat
         assert load([key])[0] == [True]
     finally:
         adapter.close()
+
+
+def test_an_lmcache_storage_manager_built_from_the_command_line_stores_and_prefetches_through_fp8ray(real_chunks, tmp_path):
+    """What ``lmcache server --l2-adapter '{"type": "fs", ..., "serde": {"type": "fp8ray"}}'``
+    builds once register() has run: LMCache's StorageManager from LMCache's own argument
+    parser. KV objects written to L1 reach the fs store as fp8ray frames; dropped from L1,
+    they are prefetched back through the serde; a damaged file is a miss."""
+    from lmcache.v1.distributed.api import GroupedObjectKeys, PrefetchTaskSpec
+    from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
+    from lmcache.v1.distributed.storage_manager import StorageManager
+
+    store = tmp_path / "l2"
+    parser = argparse.ArgumentParser()
+    add_storage_manager_args(parser)
+    spec = {"type": "fs", "base_path": str(store), "serde": {"type": "fp8ray", "max_workers": 2}}
+    args = parser.parse_args(["--l1-size-gb", "0.05", "--eviction-policy", "LRU", "--l2-adapter", json.dumps(spec)])
+    manager = StorageManager(parse_args_to_config(args))
+    codec = Fp8Codec()
+    try:
+        keys = {}
+        for c, x in enumerate(real_chunks):  # one object layout per call, as LMCache's transfer code does
+            key = ObjectKey(chunk_hash=bytes([c + 1]) * 32, model_name="HuggingFaceTB/SmolLM2-135M", kv_rank=0x01000100)
+            objs = manager.reserve_write([key], layout_of(x))
+            objs[key].tensor.copy_(x)
+            manager.finish_write([key])
+            keys[key] = x
+        from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _object_key_to_filename
+
+        paths = {key: store / _object_key_to_filename(key) for key in keys}
+        for _ in range(600):  # the store controller writes to L2 in the background (tmp file, then rename)
+            if all(p.exists() for p in paths.values()):
+                break
+            time.sleep(0.1)
+        for key, x in keys.items():
+            assert paths[key].read_bytes() == bytes(codec.encode(x))
+        assert manager.delete_l1_keys(list(keys), force=True) == (len(keys), 0)
+
+        def prefetch(key) -> torch.Tensor | None:
+            handle = manager.submit_prefetch_task(PrefetchTaskSpec([GroupedObjectKeys([key], 0, layout_of(keys[key]))]))
+            assert manager.wait_prefetch_status(handle, 120)
+            result = manager.query_prefetch_status(handle)
+            if not result.hit_cells[0].test(0):
+                return None
+            assert result.l2_hit_cells[0].test(0)  # loaded from L2, through the serde
+            with manager.read_prefetched_results([key]) as (obj,):
+                out = obj.tensor.clone()
+            manager.delete_l1_keys([key], force=True)
+            return out
+
+        for key in keys:
+            assert torch.equal(prefetch(key), fp8ray.decode(paths[key].read_bytes()))
+        key = next(iter(keys))
+        data = bytearray(paths[key].read_bytes())
+        data[len(data) // 3] ^= 0x80
+        paths[key].write_bytes(bytes(data))
+        assert prefetch(key) is None
+    finally:
+        manager.close()
