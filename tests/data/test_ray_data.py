@@ -103,6 +103,7 @@ def check_blocks(rows: dict[str, dict], frames: dict[str, bytes]) -> None:
 # --- through Ray Data ----------------------------------------------------------------
 
 
+@pytest.mark.slow  # a pipeline of two actor pools, each starting a process
 def test_encoder_and_decoder_take_pandas_and_numpy_batches(ray_session, raw_source):
     directory, blocks = raw_source
     ds = ray_data.read_parquet(str(directory))
@@ -112,6 +113,7 @@ def test_encoder_and_decoder_take_pandas_and_numpy_batches(ray_session, raw_sour
     check_blocks(by_key(decoded.take_all()), {key: bytes(codec.encode(t)) for key, t in blocks.items()})
 
 
+@pytest.mark.slow  # compress_archive's workers, then a pipeline
 def test_decoder_reads_an_archive_written_by_compress_archive(ray_session, kv_source, tmp_path):
     src, tensors = kv_source
     arch = tmp_path / "arch"
@@ -125,6 +127,7 @@ def test_decoder_reads_an_archive_written_by_compress_archive(ray_session, kv_so
     check_blocks(rows, frames)
 
 
+@pytest.mark.slow  # two pipelines
 def test_encode_a_parquet_dataset_write_it_and_decode_it_back(ray_session, raw_source, tmp_path):
     directory, blocks = raw_source
     ray_data.read_parquet(str(directory)).map_batches(
@@ -172,6 +175,7 @@ def test_raise_original_map_exception_gives_fp8rays_class(ray_session):
         context.raise_original_map_exception = before
 
 
+@pytest.mark.slow  # two pipelines and compress_archive
 def test_docs_example_runs(ray_session, tmp_path, monkeypatch, capsys):
     text = (REPO / "docs/RAY_DATA.md").read_text()
     (example,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
