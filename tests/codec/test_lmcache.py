@@ -303,3 +303,23 @@ def test_fp8ray_lmcache_imports_without_lmcache_and_register_says_what_is_missin
     lines = result.stdout.splitlines()
     assert "'lmcache' package is not installed" in lines[0] and "pip install lmcache" in lines[0]
     assert lines[1] == "ValueError scaling"  # bad options are refused before LMCache is needed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dst_device", ["cpu", "cuda"])
+def test_cuda_tensors_take_the_cuda_path_with_the_cpu_paths_bytes(dst_device):
+    """On CUDA both pairs compute with the torch ops the CPU kernels equal bit for bit:
+    the same bytes, and the same decoded tensors, on the GPU."""
+    src = kv_like((2, 4, 32, 64), torch.bfloat16, seed=9).clamp(-448, 448)
+    for ser, de in ((Fp8FrameSerializer(), Fp8FrameDeserializer()), (Fp8QuantizationSerializer(), Fp8QuantizationDeserializer())):
+        size = ser.estimate_serialized_size(MemoryLayoutDesc([src.shape], [src.dtype]))
+        on_cpu = torch.empty(size, dtype=torch.uint8)
+        ser.serialize(obj(src), obj(on_cpu))
+        buf = torch.empty(size, dtype=torch.uint8, device=dst_device)
+        assert ser.serialize(obj(src.cuda()), obj(buf), KEY) == size
+        assert torch.equal(buf.cpu(), on_cpu)
+        expected = torch.empty_like(src)
+        de.deserialize(obj(on_cpu), obj(expected))
+        out = torch.empty(src.shape, dtype=src.dtype, device="cuda")
+        de.deserialize(obj(buf), obj(out), KEY)
+        assert torch.equal(out.cpu(), expected)
