@@ -152,7 +152,7 @@ def measure(name: str, processor, chunks: list[torch.Tensor], repeat: int) -> Ro
     return Row(name, size, raw // len(chunks), k.rel_fro, v.rel_fro, raw / t_ser / 1e9, raw / t_de / 1e9)
 
 
-def bench_lmcache(chunks: list[torch.Tensor], modes: list[CodecOptions], repeat: int = 5, max_workers: int = 1) -> list[Row]:
+def bench_lmcache(chunks: list[torch.Tensor], modes: list[CodecOptions], repeat: int = 9, max_workers: int = 1) -> list[Row]:
     """LMCache's ``fp8`` serde (the baseline), then fp8ray's serde (registered as
     ``"fp8ray"``) in each of ``modes``, on ``chunks`` (full chunks of one shape)."""
     from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor
@@ -192,9 +192,12 @@ def format_table(rows: list[Row], title: str) -> str:
     return "\n".join(lines)
 
 
-def describe(chunks: list[torch.Tensor], tokens: int, max_workers: int) -> str:
+def describe(chunks: list[torch.Tensor], tokens: int, max_workers: int, load: float | None = None) -> str:
+    """The table's title: the data, the machine, and its 1-minute load average when the
+    run began (other processes on the same cores slow every row)."""
     shape = list(chunks[0].shape)
+    load_text = f", load average {load:.2f} at the start" if load is not None else ""
     return (
         f"fp8ray bench lmcache: SmolLM2-135M KV cache of {tokens} tokens as {len(chunks)} LMCache chunks {shape} "
-        f"bfloat16, through AsyncSerdeProcessor(max_workers={max_workers})\n{describe_machine()}"
+        f"bfloat16, through AsyncSerdeProcessor(max_workers={max_workers})\n{describe_machine()}{load_text}"
     )

@@ -46,7 +46,7 @@ def add_commands(commands) -> None:
     lmcache.add_argument("--tokens", type=positive_int, default=512, help="tokens of the shipped text to capture (default 512)")
     lmcache.add_argument("--chunk-tokens", type=positive_int, default=256, help="tokens per LMCache chunk (default 256)")
     lmcache.add_argument("--max-workers", type=positive_int, default=1, help="AsyncSerdeProcessor threads (default 1, LMCache's)")
-    lmcache.add_argument("--repeat", type=positive_int, default=5, help="timed runs per figure; the median is shown (default 5)")
+    lmcache.add_argument("--repeat", type=positive_int, default=9, help="timed runs per figure; the median is shown (default 9)")
     lmcache.set_defaults(handler=run_bench_lmcache)
 
 
@@ -89,6 +89,8 @@ def run_bench_serve(args) -> int:
 
 
 def run_bench_lmcache(args) -> int:
+    import os
+
     from ..bench.lmcache import FAST_MODE, bench_lmcache, capture_chunks, describe, format_table
     from ..codec import CodecOptions
 
@@ -97,6 +99,7 @@ def run_bench_lmcache(args) -> int:
         raise ValueError(f"--tokens {args.tokens} is less than one chunk of --chunk-tokens {args.chunk_tokens}")
     chunks = capture_chunks(args.tokens, args.chunk_tokens)
     chunks = [c for c in chunks if c.shape == chunks[0].shape]  # full chunks only: one layout, as a store has
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     rows = bench_lmcache(chunks, modes, args.repeat, args.max_workers)
-    print(format_table(rows, describe(chunks, args.tokens, args.max_workers)))
+    print(format_table(rows, describe(chunks, args.tokens, args.max_workers, load)))
     return 0

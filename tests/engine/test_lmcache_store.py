@@ -28,7 +28,8 @@ import torch
 import fp8ray
 from fp8ray.cli import main
 from fp8ray.codec import CodecOptions, Fp8Codec
-from fp8ray.engine.stores import compress_store, convert_store, decompress_store
+from fp8ray.engine.store_files import StoreConversion, convert_files
+from fp8ray.engine.stores import compress_store, decompress_store
 from fp8ray.errors import (
     ArchiveExistsError,
     BadInputError,
@@ -248,29 +249,45 @@ def test_compress_writes_exactly_the_fp8_serde_files_and_decompress_restores_wit
     assert int((saturating.double().abs() > 448).sum()) == 3  # 1000, -1000 and 464 (which rounds to 448 too)
 
 
+def write_frames(src, directory, options=None) -> None:
+    """The store the fp8ray serde would have written for a raw store (as lmcache-compress --serde fp8ray does)."""
+    directory.mkdir()
+    for p in src.iterdir():
+        if p.is_file() and p.stat().st_size == RAW:
+            (directory / p.name).write_bytes(bytes(Fp8Codec(options=options).encode(from_raw(p.read_bytes()))))
+
+
+def convert_here(source, target: str, scratch, options=None):
+    """What a conversion's workers do, run in this process: every chunk file of ``source`` to ``target``."""
+    scratch.mkdir()
+    conversion = StoreConversion(str(source), str(scratch), parse_layout(LAYOUT), target, options=options or CodecOptions())
+    return convert_files(conversion, scan_store(str(source), parse_layout(LAYOUT)).chunks)
+
+
 def test_every_form_converts_to_every_other_as_lmcaches_serializers_write(store, tmp_path):
     """raw -> fp8ray -> raw, and fp8 <-> fp8ray, each file exactly what the target serde
-    writes for what the source holds (frames in the options asked for)."""
+    writes for what the source holds (frames in the options asked for). The first on
+    the engine, the others with the workers' own function in this process."""
     src, tensors, _ = store
     options = CodecOptions(scaling="token", scale_dtype="float32")
     frames = tmp_path / "frames"
-    report = compress_store(str(src), str(frames), LAYOUT, serde="fp8ray", options=options, workers=1)
+    report = compress_store(str(src), str(frames), LAYOUT, serde="fp8ray", options=options, workers=2)
     assert report.target == "fp8ray" and report.codec == options.as_dict() and report.files == len(tensors)
     for name, x in tensors.items():
         assert (frames / name).read_bytes() == bytes(Fp8Codec(options=options).encode(x)), name
 
     raw = tmp_path / "raw"
-    assert decompress_store(str(frames), str(raw), LAYOUT, workers=1).converted_from == {"fp8ray": len(tensors)}
+    assert {f.form for f in convert_here(frames, "raw", raw)} == {"fp8ray"}
     for name in tensors:
         assert torch.equal(from_raw((raw / name).read_bytes()), fp8ray.decode((frames / name).read_bytes())), name
 
     plain = tmp_path / "plain"
-    assert compress_store(str(frames), str(plain), LAYOUT, serde="fp8", workers=1).converted_from == {"fp8ray": len(tensors)}
+    assert len(convert_here(frames, "fp8", plain)) == len(tensors)
     for name in tensors:
         assert (plain / name).read_bytes() == fp8_bytes(fp8ray.decode((frames / name).read_bytes())), name
 
-    again = tmp_path / "again"  # fp8 -> fp8ray: the default mode when no option is given
-    assert compress_store(str(plain), str(again), LAYOUT, serde="fp8ray", workers=1).converted_from == {"fp8": len(tensors)}
+    again = tmp_path / "again"  # fp8 -> fp8ray, in the default mode
+    assert {f.form for f in convert_here(plain, "fp8ray", again)} == {"fp8"}
     for name in tensors:
         assert (again / name).read_bytes() == bytes(Fp8Codec().encode(from_fp8((plain / name).read_bytes()))), name
 
@@ -303,7 +320,7 @@ def test_a_store_already_in_the_target_form_is_reported_not_converted_again(stor
     with pytest.raises(BadInputError, match=rf"every chunk file .* \({len(tensors)}\) is already in the target form 'raw'"):
         decompress_store(str(src), str(tmp_path / "raw"), LAYOUT, workers=1)
     frames = tmp_path / "frames"
-    compress_store(str(src), str(frames), LAYOUT, serde="fp8ray", workers=1)
+    write_frames(src, frames)
     with pytest.raises(BadInputError, match="already in the target form 'fp8ray'"):
         compress_store(str(frames), str(tmp_path / "twice"), LAYOUT, serde="fp8ray", workers=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["frames", "store"]  # nothing else created
@@ -343,16 +360,14 @@ def test_names_from_the_store_are_printed_escaped(tmp_path, capsys):
 def test_a_damaged_frame_fails_the_run_naming_it_and_leaves_nothing(store, tmp_path):
     src, tensors, _ = store
     frames = tmp_path / "frames"
-    compress_store(str(src), str(frames), LAYOUT, serde="fp8ray", workers=1)
+    write_frames(src, frames)
     bad = sorted(tensors)[1]
     data = bytearray((frames / bad).read_bytes())
     data[len(data) // 2] ^= 0x20
     (frames / bad).write_bytes(bytes(data))
     with pytest.raises(CorruptFrameError, match=rf"{bad}.*checksum mismatch"):
         decompress_store(str(frames), str(tmp_path / "out"), LAYOUT, workers=1)
-    (frames / "extra").write_bytes(b"")
-    os.rename(frames / "extra", frames / format_chunk_name(ChunkName("m", 1, 0, b"\x01")))
-    (frames / format_chunk_name(ChunkName("m", 1, 0, b"\x01"))).write_bytes(tensor_bytes(chunk_tensor(0)))
+    (frames / format_chunk_name(ChunkName("m", 1, 0, b"\x01"))).write_bytes(tensor_bytes(chunk_tensor(0)))  # a raw one
     with pytest.raises(CorruptFrameError, match=bad):  # a copy is checked too: nothing damaged is passed on
         compress_store(str(frames), str(tmp_path / "out"), LAYOUT, serde="fp8ray", workers=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["frames", "store"]
