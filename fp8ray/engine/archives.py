@@ -16,8 +16,9 @@ import ray
 
 from .. import __version__
 from ..codec import CodecOptions
+from ..codec import frame
 from ..codec.bound import bound_constants
-from ..errors import ArchiveExistsError, DestinationError, SourceError
+from ..errors import ArchiveExistsError, DestinationError, SourceError, block_error
 from ..io import archive
 from ..io.archive import DEFAULT_LOSSLESS, DEFAULT_PART_BYTES
 from ..io.blocks import scan_source
@@ -178,6 +179,11 @@ def compress_archive(
     layout, refs = scan_source(source)
     if not refs:
         raise SourceError(f"source {redact(source)} holds no tensors: there is nothing to compress")
+    for ref in refs:  # what no frame can hold is refused before anything is written
+        try:
+            frame.check_shape(ref.shape)
+        except ValueError as exc:
+            raise block_error(ref.key, exc) from None
     parts = archive.plan_parts(refs, part_bytes)
     dest = _prepare_destination(destination, resume, overwrite, parents)
     fs, work = dest.fs, dest.work

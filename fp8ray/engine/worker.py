@@ -152,7 +152,7 @@ class QuantWorker:
         codec = self._codec(options)
         # The frames are encoded end to end into one buffer that becomes the Arrow column
         # as it is: no copy between the codec and the Parquet writer.
-        sizes = [codec.encoded_size(ref.shape, DTYPES_BY_NAME[ref.dtype]) for ref in refs]
+        sizes = [self._frame_size(codec, ref) for ref in refs]
         frames = np.empty(sum(sizes), dtype=np.uint8)
         start = 0
         for ref, data, size in zip(refs, read_blocks(refs), sizes):
@@ -161,6 +161,13 @@ class QuantWorker:
         rows = archive.part_rows(refs, options, sizes, archive.frame_column(frames, sizes))
         fs, path = resolve(directory)
         return PartResult(archive.write_part(fs, path, index, rows, lossless), self.device, _node_id())
+
+    @staticmethod
+    def _frame_size(codec: Fp8Codec, ref: BlockRef) -> int:
+        try:
+            return codec.encoded_size(ref.shape, DTYPES_BY_NAME[ref.dtype])
+        except (ValueError, TypeError) as exc:
+            raise block_error(ref.key, exc) from exc
 
     def restore_files(self, archive_uri: str, parts: dict[int, dict], task: RestoreTask, directory: str) -> RestoreResult:
         """Write the files of ``task`` into ``directory`` (local path or URI), decoding

@@ -34,11 +34,12 @@ def uri_for(uri: str, path: str) -> str:
 
 
 def redact(uri: str) -> str:
-    """``uri`` without credentials (``s3://key:secret@bucket`` -> ``s3://***@bucket``), for messages."""
+    """``uri`` as messages show it: without credentials (``s3://key:secret@bucket`` ->
+    ``s3://***@bucket``), and with control characters escaped (:func:`printable`)."""
     parts = urlsplit(uri) if "://" in uri else None
-    if parts is None or "@" not in parts.netloc:
-        return uri
-    return urlunsplit((parts.scheme, "***@" + parts.netloc.rpartition("@")[2], parts.path, parts.query, ""))
+    if parts is not None and "@" in parts.netloc:
+        uri = urlunsplit((parts.scheme, "***@" + parts.netloc.rpartition("@")[2], parts.path, parts.query, ""))
+    return printable(uri)
 
 
 def temporary_name(path: str) -> str:

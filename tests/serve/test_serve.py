@@ -191,6 +191,92 @@ def test_non_finite_input_and_bad_safetensors_are_refused(service):
         assert r.status_code == 400 and "no tensors" in error_of(r)["error"]
 
 
+def expected_answer(route: str, params: dict, body: bytes, safetensors_body: bool) -> bytes | None:
+    """What the service must answer, computed here with fp8ray's own functions: the
+    response body, or None where it must refuse."""
+    from fp8ray.errors import Fp8rayError
+    from fp8ray.serve.requests import codec_options, raw_layout
+
+    try:
+        if route == "/v1/decode":
+            if params:
+                return None
+            if safetensors_body:
+                entries, _ = parse_body(body, ("U8",))
+                if not entries:
+                    return None
+                decoded = [(e.key, decode(data)) for e, data in entries]
+                return build_safetensors([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_to_bytes(t)) for k, t in decoded])
+            return tensor_to_bytes(decode(body)).tobytes()
+        if safetensors_body:
+            if "dtype" in params or "shape" in params:
+                return None
+            codec = Fp8Codec(options=codec_options(params))
+            entries, _ = parse_body(body, ("BF16", "F16", "F32"))
+            if not entries:
+                return None
+            frames = []
+            for e, data in entries:
+                t = torch.frombuffer(bytearray(data), dtype=getattr(torch, e.fp8ray_dtype)).reshape(e.shape)
+                frames.append((e.key, "uint8", None, bytes(codec.encode(t))))
+            return build_safetensors([(k, d, (len(f),), f) for k, d, _, f in frames], {"fp8ray": "frames"})
+        codec = Fp8Codec(options=codec_options(params, ignore=("dtype", "shape")))
+        dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
+        t = torch.frombuffer(bytearray(body), dtype=getattr(torch, dtype)).reshape(shape) if body else torch.empty(shape, dtype=getattr(torch, dtype))
+        return bytes(codec.encode(t))
+    except (Fp8rayError, ValueError, TypeError):
+        return None
+
+
+def test_fuzzed_requests_get_the_right_answer_or_a_json_refusal(service, capsys):
+    """Random and mutated bodies, frames and queries: each answer is what fp8ray computes
+    for it locally, or a JSON refusal naming what was wrong (400, 413 or 422; never 500),
+    and no answer is larger than its request allows."""
+    import random
+
+    from fp8ray.serve.requests import response_limit
+
+    client, _ = service
+    rng = random.Random(7)
+    st = {"Content-Type": "application/x-safetensors"}
+    t = sample_kv_chunk(layers=1, tokens=8, seed=1, dtype=torch.bfloat16)[0, 0]
+    frame = bytes(Fp8Codec().encode(t))
+    st_body = build_safetensors([("a", "bfloat16", tuple(t.shape), tensor_to_bytes(t)), ("b", "float32", (3,), np.ones(3, np.float32))])
+    frames_body = client.post("/v1/encode", content=st_body, headers=st).content
+    seeds = [("/v1/decode", {}, frame, False), ("/v1/encode", {"dtype": "bfloat16", "shape": "8,64"}, tensor_to_bytes(t).tobytes(), False),
+             ("/v1/encode", {"scaling": "token"}, st_body, True), ("/v1/decode", {}, frames_body, True)]
+    outcomes: dict[int, int] = {}
+    requests = 300
+    for _ in range(requests):
+        route, params, body, is_st = rng.choice(seeds)
+        params, body = dict(params), bytearray(body)
+        kind = rng.randrange(4)
+        if kind == 0 and body:
+            for _ in range(rng.randint(1, 4)):
+                body[rng.randrange(len(body))] = rng.getrandbits(8)
+        elif kind == 1:
+            body = body[: rng.randrange(len(body) + 1)]
+        elif kind == 2:
+            name = rng.choice(["dtype", "shape", "scaling", "block_size", "fp8", "scale_choice", "nonfinite", "x"])
+            params[name] = rng.choice(["bfloat16", "8,64", "0", "-1", "token", "block", "e5m2", "mse", "1,1,1", "", "64"])
+        # kind 3: the seed unchanged
+        r = client.post(route, params=params, content=bytes(body), headers=st if is_st else None)
+        outcomes[r.status_code] = outcomes.get(r.status_code, 0) + 1
+        query = len(str(r.request.url.query))
+        assert len(r.content) <= response_limit(len(body) + query)
+        expected = expected_answer(route, params, bytes(body), is_st)
+        if expected is None:
+            assert r.status_code in (400, 422), (route, params, r.status_code, r.text[:300])
+            answer = r.json()
+            assert answer["error"] and answer.get("field"), answer
+        else:
+            assert r.status_code == 200, (route, params, r.text[:300])
+            assert digest(r.content) == digest(expected), (route, params)
+    with capsys.disabled():
+        print(f"\nfuzzed service requests: {requests}, by status {dict(sorted(outcomes.items()))}")
+    assert outcomes.get(200, 0) > 30 and sum(v for k, v in outcomes.items() if k >= 400) > 100
+
+
 def test_body_over_the_limit_answers_413_before_it_is_read(service):
     client, _ = service
     limit = MAX_BODY_MB * 2**20

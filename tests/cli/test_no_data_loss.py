@@ -1,0 +1,112 @@
+"""Nothing of the user's is lost: no command writes over what it reads, a failed run
+leaves the destination as it found it, and --overwrite replaces only with a complete
+result. Through the fp8ray command, in-process on the session Ray."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fp8ray.cli import main
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def run(capsys, *argv) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    _, err = capsys.readouterr()
+    return code, err
+
+
+def digests(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def kvdir(kv_source, tmp_path) -> Path:
+    src, _ = kv_source
+    d = tmp_path / "kvdir"
+    d.mkdir()
+    shutil.copy(src, d / "a.safetensors")
+    return d
+
+
+def test_compress_over_its_own_source_is_refused_before_anything(kvdir, tmp_path, capsys):
+    k2 = tmp_path / "k2"
+    shutil.copytree(kvdir, k2)  # cp -r kvdir k2 && fp8ray compress k2 k2 --overwrite
+    before = digests(k2)
+    code, err = run(capsys, "compress", k2, k2, "--overwrite")
+    assert code == 1 and err.count("\n") == 1 and "is the source" in err
+    assert digests(k2) == before
+
+
+def test_compress_into_a_folder_holding_the_source_is_refused(kvdir, tmp_path, capsys):
+    nest = tmp_path / "nest"
+    shutil.copytree(kvdir, nest / "src")
+    before = digests(nest)
+    code, err = run(capsys, "compress", nest / "src", nest, "--overwrite")
+    assert code == 1 and "must not lie inside each other" in err
+    (tmp_path / "alias").symlink_to(nest / "src")  # through a symbolic link too
+    code, err = run(capsys, "compress", nest / "src", tmp_path / "alias", "--overwrite")
+    assert code == 1 and "is the source" in err
+    assert digests(nest) == before
+
+
+def test_decompress_into_its_archive_is_refused(kvdir, tmp_path, capsys):
+    arch = tmp_path / "arch"
+    assert run(capsys, "compress", kvdir, arch)[0] == 0
+    before = digests(arch)
+    code, err = run(capsys, "decompress", arch, arch / "back", "--overwrite")
+    assert code == 1 and "inside each other" in err
+    code, err = run(capsys, "decompress", arch, arch, "--overwrite")
+    assert code == 1 and "is the source" in err
+    assert digests(arch) == before
+
+
+@pytest.fixture
+def nan_source(tmp_path) -> Path:
+    x = torch.ones(4, 64, dtype=torch.bfloat16)
+    x[2, 7] = float("nan")
+    path = tmp_path / "nan.safetensors"
+    save_file({"a": torch.ones(4, 64, dtype=torch.bfloat16), "b": x}, str(path))
+    return path
+
+
+def test_a_failed_compress_leaves_the_destination_as_it_found_it(nan_source, tmp_path, capsys):
+    dst = tmp_path / "dst"
+    code, err = run(capsys, "compress", nan_source, dst, "--part-mb", "100")
+    assert code == 1 and "non-finite" in err and not dst.exists()
+    code, err = run(capsys, "compress", nan_source, dst)  # the same command again: the same error, not "exists"
+    assert code == 1 and "non-finite" in err and not dst.exists()
+    dst.mkdir()
+    code, err = run(capsys, "compress", nan_source, dst)
+    assert code == 1 and list(dst.iterdir()) == []
+
+
+def test_a_failed_overwrite_keeps_the_old_archive(kv_source, nan_source, tmp_path, capsys):
+    src, _ = kv_source
+    arch = tmp_path / "arch"
+    assert run(capsys, "compress", src, arch)[0] == 0
+    before = digests(arch)
+    code, err = run(capsys, "compress", nan_source, arch, "--overwrite")
+    assert code == 1 and "non-finite" in err
+    assert digests(arch) == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert run(capsys, "compress", nan_source, arch, "--overwrite", "--nonfinite", "keep")[0] == 0
+    assert digests(arch) != before and (arch / "_manifest.json").exists()
+
+
+def test_missing_parent_directories_are_named_not_created(kv_source, tmp_path, capsys):
+    src, _ = kv_source
+    code, err = run(capsys, "compress", src, tmp_path / "no" / "such" / "arch")
+    assert code == 1 and f"directory {tmp_path / 'no' / 'such'} does not exist" in err, err
+    assert not (tmp_path / "no").exists()
+    assert run(capsys, "compress", src, tmp_path / "no" / "such" / "arch", "--parents")[0] == 0
+    arch = tmp_path / "no" / "such" / "arch"
+    code, err = run(capsys, "decompress", arch, tmp_path / "gone" / "out.safetensors")
+    assert code == 1 and "does not exist" in err and not (tmp_path / "gone").exists()

@@ -1,0 +1,110 @@
+"""Every user mistake or damaged input is one line on stderr and a non-zero exit, never a
+traceback: through the installed `fp8ray` command (its own embedded Ray), as users run it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+FP8RAY = Path(sys.executable).parent / "fp8ray"
+
+
+def fp8ray(*argv, cwd=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([str(FP8RAY), *map(str, argv)], capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+
+
+def assert_one_line(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("fp8ray: error: ") and "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_nan_in_a_source_names_the_block_and_the_flag(tmp_path):
+    x = torch.ones(4, 64, dtype=torch.bfloat16)
+    x[1, 3] = float("nan")
+    save_file({"layer0.k": x}, str(tmp_path / "nan.safetensors"))
+    result = fp8ray("compress", tmp_path / "nan.safetensors", tmp_path / "arch", "--workers", "1")
+    assert_one_line(result, "block 'layer0.k'", "1 non-finite value", "--nonfinite keep")
+    assert not (tmp_path / "arch").exists()
+
+
+@pytest.mark.slow
+def test_a_corrupt_part_in_decompress(kv_source, tmp_path):
+    src, _ = kv_source
+    assert fp8ray("compress", src, tmp_path / "arch", "--workers", "1").returncode == 0
+    part = sorted((tmp_path / "arch").glob("part-*.parquet"))[0]
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    result = fp8ray("decompress", tmp_path / "arch", tmp_path / "out.safetensors", "--workers", "1")
+    assert_one_line(result, part.name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["arch"]
+
+
+def test_serve_on_a_port_in_use():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        result = fp8ray("serve", "--port", port)
+    assert_one_line(result, f"cannot listen on 127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["compress", "/nonexistent/kv.safetensors", "/tmp/fp8ray-never"], "does not exist"),
+        (["compress", "x.safetensors", "y", "--scaling", "tensor", "--scale-choice", "mse"], "needs scaling"),
+        (["compress", "x.safetensors", "y", "--lossless", "zstd:99"], "zstd takes levels 1 to 22"),
+        (["eval-model", "--modes", "e4m3fn:row"], "unknown scaling 'row'"),
+    ],
+)
+def test_argument_mistakes(argv, fragment):
+    assert_one_line(fp8ray(*argv), fragment)
+
+
+def test_file_names_from_the_outside_world_are_printed_escaped(tmp_path):
+    src = tmp_path / "kv"
+    src.mkdir()
+    (src / "evil\x1b[31m\x07.safetensors").write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00oops")
+    result = fp8ray("compress", src, tmp_path / "arch")
+    assert_one_line(result, "evil\\x1b[31m\\x07.safetensors")
+    assert "\x1b" not in result.stderr and "\x07" not in result.stderr
+
+
+def test_version_and_help_on_every_argument():
+    import argparse
+
+    from fp8ray.cli import build_parser
+
+    result = fp8ray("--version")
+    assert result.returncode == 0 and result.stdout.startswith("fp8ray ")
+
+    def parsers(parser, name="fp8ray"):
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub_name, sub in action.choices.items():
+                    yield from parsers(sub, f"{name} {sub_name}")
+
+    missing = [
+        f"{name} {action.option_strings or action.dest}"
+        for name, parser in parsers(build_parser())
+        for action in parser._actions
+        if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) and not action.help
+    ]
+    assert missing == []
+    serve = next(p for n, p in parsers(build_parser()) if n == "fp8ray serve")
+    assert "default 8000" in serve.format_help()

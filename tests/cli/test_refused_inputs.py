@@ -1,0 +1,78 @@
+"""Inputs that must be refused are refused, before anything is written: tensors no frame
+can hold, sources without tensors, malformed safetensors, and a verify against a source
+that is not the one compressed."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import fp8ray
+from fp8ray.cli import main
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+@pytest.mark.parametrize("ndim", [65, 66, 300])
+def test_the_encoder_refuses_what_the_decoder_would(ndim):
+    with pytest.raises(ValueError, match=rf"a tensor of {ndim} dimensions exceeds the frame's limit of 64"):
+        fp8ray.Fp8Codec().encode(torch.ones((1,) * ndim))
+
+
+def test_a_66_dimension_tensor_is_refused_by_compress(tmp_path, capsys):
+    src = raw_safetensors(tmp_path / "deep.safetensors", {"deep": {"dtype": "F32", "shape": [1] * 66, "data_offsets": [0, 4]}}, b"\0\0\0\0")
+    code, _, err = run(capsys, "compress", src, tmp_path / "arch")
+    assert code == 1 and err.count("\n") == 1 and "block 'deep'" in err and "limit of 64" in err
+    assert not (tmp_path / "arch").exists()
+
+
+def test_a_source_without_tensors_is_an_error_not_an_empty_archive(tmp_path, capsys):
+    src = tmp_path / "meta.safetensors"
+    save_file({}, str(src), {"only": "metadata"})
+    code, _, err = run(capsys, "compress", src, tmp_path / "arch")
+    assert code == 1 and "holds no tensors" in err and not (tmp_path / "arch").exists()
+
+
+@pytest.mark.parametrize(
+    "header, data, message",
+    [
+        ({"a": {"dtype": "F32", "shape": [0, 1e30], "data_offsets": [0, 0]}}, b"", "expected a list of non-negative integers"),
+        ({"a": {"dtype": "F32", "shape": ["4"], "data_offsets": [0, 16]}}, bytes(16), "expected a list of non-negative integers"),
+        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(16), "overlaps"),
+        ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, bytes(12), "gap"),
+    ],
+)
+def test_malformed_safetensors_are_refused_in_one_line(tmp_path, capsys, header, data, message):
+    src = raw_safetensors(tmp_path / "bad.safetensors", header, data)
+    code, _, err = run(capsys, "compress", src, tmp_path / "arch")
+    assert code == 1 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "arch").exists()
+
+
+def test_verify_against_another_source_with_the_same_keys_fails(tmp_path, capsys):
+    g = torch.Generator().manual_seed(0)
+    same_keys = lambda: {f"layer{i}.k": torch.randn(4, 32, 64, generator=g).to(torch.bfloat16) for i in range(3)}  # noqa: E731
+    save_file(same_keys(), str(tmp_path / "a.safetensors"))
+    save_file(same_keys(), str(tmp_path / "b.safetensors"))  # same keys and shapes, other values
+    assert run(capsys, "compress", tmp_path / "a.safetensors", tmp_path / "arch")[0] == 0
+    assert run(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "a.safetensors")[0] == 0
+    code, out, err = run(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "b.safetensors")
+    assert code == 1 and "3 problem(s)" in out
+    assert "block 'layer0.k' in part-00000.parquet: relative error" in err and "derived bound allows" in err
