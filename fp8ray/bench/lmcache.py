@@ -12,8 +12,8 @@ LMCache ``TensorMemoryObj`` s.
 Figures per serde: bytes stored per chunk (its ``estimate_serialized_size``, which is
 what the adapter stores), the relative Frobenius error of K and V over all chunks
 (:mod:`fp8ray.codec.metrics`), and serialize / deserialize throughput in GB/s of KV (the
-chunks' bf16 bytes) per second, the median of ``repeat`` timed runs after a warm-up.
-Each row's ratios are against LMCache's ``fp8`` row.
+chunks' bf16 bytes) per second, the median of ``repeat`` timed runs after a warm-up, the
+serdes taking turns run after run. Each row's ratios are against LMCache's ``fp8`` row.
 """
 
 from __future__ import annotations
@@ -121,56 +121,66 @@ def keys_for(count: int) -> list:
     return [ObjectKey(chunk_hash=i.to_bytes(8, "big"), model_name="bench/model", kv_rank=0x01000100) for i in range(count)]
 
 
-def measure(name: str, processor, chunks: list[torch.Tensor], repeat: int) -> Row:
-    """Serialize and deserialize ``chunks`` (all of one shape) through ``processor``."""
-    from lmcache.v1.distributed.api import MemoryLayoutDesc
+class _Subject:
+    """One serde under test: its processor, and buffers for ``chunks`` (all of one shape)."""
 
-    shape, dtype = chunks[0].shape, chunks[0].dtype
-    size = processor.estimate_serialized_size(MemoryLayoutDesc(shapes=[shape], dtypes=[dtype]))
-    srcs = [kv_obj(c) for c in chunks]
-    bufs = [byte_obj(size) for _ in chunks]
-    outs = [memory_obj([shape], [dtype]) for _ in chunks]
-    keys = keys_for(len(chunks))
-    raw = sum(c.numel() * c.element_size() for c in chunks)
+    def __init__(self, name: str, processor, chunks: list[torch.Tensor]):
+        from lmcache.v1.distributed.api import MemoryLayoutDesc
 
-    def timed(direction: str, a: list, b: list) -> float:
-        times = []
-        for attempt in range(repeat + 1):  # the first is a warm-up (JIT, page faults)
-            start = time.perf_counter()
-            if not run_task(processor, direction, a, b, keys):
-                raise RuntimeError(f"{name}: an LMCache {direction} task failed")
-            if attempt:
-                times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        shape, dtype = chunks[0].shape, chunks[0].dtype
+        self.name, self.processor = name, processor
+        self.size = processor.estimate_serialized_size(MemoryLayoutDesc(shapes=[shape], dtypes=[dtype]))
+        self.srcs = [kv_obj(c) for c in chunks]
+        self.bufs = [byte_obj(self.size) for _ in chunks]
+        self.outs = [memory_obj([shape], [dtype]) for _ in chunks]
+        self.keys = keys_for(len(chunks))
+        self.times: dict[str, list[float]] = {"serialize": [], "deserialize": []}
 
-    t_ser = timed("serialize", srcs, bufs)
-    t_de = timed("deserialize", bufs, outs)
-    k, v = ErrorSums(), ErrorSums()
-    for chunk, out in zip(chunks, outs):
-        k.add(error_sums(chunk[0], out.tensor[0]))
-        v.add(error_sums(chunk[1], out.tensor[1]))
-    return Row(name, size, raw // len(chunks), k.rel_fro, v.rel_fro, raw / t_ser / 1e9, raw / t_de / 1e9)
+    def run(self, direction: str) -> float:
+        a, b = (self.srcs, self.bufs) if direction == "serialize" else (self.bufs, self.outs)
+        start = time.perf_counter()
+        if not run_task(self.processor, direction, a, b, self.keys):
+            raise RuntimeError(f"{self.name}: an LMCache {direction} task failed")
+        return time.perf_counter() - start
 
 
 def bench_lmcache(chunks: list[torch.Tensor], modes: list[CodecOptions], repeat: int = 9, max_workers: int = 1) -> list[Row]:
     """LMCache's ``fp8`` serde (the baseline), then fp8ray's serde (registered as
-    ``"fp8ray"``) in each of ``modes``, on ``chunks`` (full chunks of one shape)."""
+    ``"fp8ray"``) in each of ``modes``, on ``chunks`` (full chunks of one shape).
+
+    The serdes take turns, run after run (after one warm-up run each), so a change in
+    the machine's load during the benchmark reaches every row alike."""
     from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor
 
     from ..codec.lmcache import SERDE_TYPE, register
 
     register()
-    rows = []
     configs = [("LMCache fp8", SerdeConfig("fp8", {"max_workers": max_workers}))]
     for mode in modes:
         kwargs = {**mode.as_dict(), "max_workers": max_workers}  # as an adapter's "serde" JSON gives them
         configs.append((f"fp8ray {mode.label()}", SerdeConfig(SERDE_TYPE, kwargs)))
-    for name, config in configs:
-        processor = create_serde_processor(config)
-        try:
-            rows.append(measure(name, processor, chunks, repeat))
-        finally:
-            processor.close()
+    subjects = []
+    try:
+        for name, config in configs:
+            subjects.append(_Subject(name, create_serde_processor(config), chunks))
+        for direction in ("serialize", "deserialize"):
+            for attempt in range(repeat + 1):  # the first is a warm-up (JIT, page faults)
+                for subject in subjects:
+                    seconds = subject.run(direction)
+                    if attempt:
+                        subject.times[direction].append(seconds)
+    finally:
+        for subject in subjects:
+            subject.processor.close()
+    raw = sum(c.numel() * c.element_size() for c in chunks)
+    rows = []
+    for subject in subjects:
+        k, v = ErrorSums(), ErrorSums()
+        for chunk, out in zip(chunks, subject.outs):
+            k.add(error_sums(chunk[0], out.tensor[0]))
+            v.add(error_sums(chunk[1], out.tensor[1]))
+        t_ser, t_de = (statistics.median(subject.times[d]) for d in ("serialize", "deserialize"))
+        rows.append(Row(subject.name, subject.size, raw // len(chunks), k.rel_fro, v.rel_fro, raw / t_ser / 1e9, raw / t_de / 1e9))
     return rows
 
 

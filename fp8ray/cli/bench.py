@@ -97,9 +97,9 @@ def run_bench_lmcache(args) -> int:
     modes = [CodecOptions.from_mode(m) for m in args.modes] if args.modes else [CodecOptions(), CodecOptions.from_mode(FAST_MODE)]
     if args.tokens < args.chunk_tokens:
         raise ValueError(f"--tokens {args.tokens} is less than one chunk of --chunk-tokens {args.chunk_tokens}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # before this run's own work
     chunks = capture_chunks(args.tokens, args.chunk_tokens)
     chunks = [c for c in chunks if c.shape == chunks[0].shape]  # full chunks only: one layout, as a store has
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     rows = bench_lmcache(chunks, modes, args.repeat, args.max_workers)
     print(format_table(rows, describe(chunks, args.tokens, args.max_workers, load)))
     return 0

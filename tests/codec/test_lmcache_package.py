@@ -352,3 +352,39 @@ def test_an_lmcache_storage_manager_built_from_the_command_line_stores_and_prefe
         assert prefetch(key) is None
     finally:
         manager.close()
+
+
+# --- the benchmark's plumbing (its figures are in BENCHMARKS.md, never asserted) --------
+
+
+def test_kv_chunks_lay_captured_blocks_out_as_lmcache_does():
+    from fp8ray.bench.lmcache import kv_chunks
+
+    g = torch.Generator().manual_seed(0)
+    blocks = {f"layer{i:03d}.{kind}": torch.randn(3, 10, 4, generator=g) for i in range(2) for kind in "kv"}
+    chunks = kv_chunks(blocks, chunk_tokens=4)
+    assert [tuple(c.shape) for c in chunks] == [(2, 2, 4, 12), (2, 2, 4, 12), (2, 2, 2, 12)]
+    whole = torch.cat(chunks, dim=2)
+    for layer in range(2):
+        for t in range(10):
+            for h in range(3):
+                assert torch.equal(whole[0, layer, t, h * 4 : (h + 1) * 4], blocks[f"layer{layer:03d}.k"][h, t])
+                assert torch.equal(whole[1, layer, t, h * 4 : (h + 1) * 4], blocks[f"layer{layer:03d}.v"][h, t])
+
+
+def test_bench_lmcache_measures_every_serde_on_the_same_chunks():
+    from fp8ray.bench.lmcache import bench_lmcache, format_table
+    from fp8ray.eval.sample import sample_kv_chunk
+
+    chunks = [sample_kv_chunk(layers=2, tokens=16, seed=s) for s in range(2)]
+    rows = bench_lmcache(chunks, [CodecOptions(), CodecOptions(scaling="token")], repeat=1)
+    assert [r.serde for r in rows] == ["LMCache fp8", "fp8ray e4m3fn, block 32, bfloat16 scales by mse",
+                                       "fp8ray e4m3fn, token, bfloat16 scales by mse"]
+    assert rows[0].bytes_per_chunk == chunks[0].numel() and rows[0].raw_per_chunk == 2 * chunks[0].numel()
+    assert rows[2].bytes_per_chunk == Fp8Codec(scaling="token").encoded_size(chunks[0].shape, torch.bfloat16)
+    plain = [c.to(torch.float8_e4m3fn).to(torch.bfloat16) for c in chunks]
+    k = sum(error_sums(c[0], p[0]).err2 for c, p in zip(chunks, plain)) / sum(error_sums(c[0], p[0]).ref2 for c, p in zip(chunks, plain))
+    assert rows[0].k_err == pytest.approx(k**0.5, rel=1e-12)
+    assert all(r.serialize_gbps > 0 and r.deserialize_gbps > 0 for r in rows)
+    table = format_table(rows, "title")
+    assert table.count("\n| ") == 4 and "| 1.00, 1.00 |" in table
