@@ -1,53 +1,160 @@
-"""``fp8ray bench pipeline``: end-to-end compress on a local Ray beside the codec alone."""
+"""``fp8ray bench pipeline``: compress and decompress end to end, each against the
+machine's own I/O bound measured in the same run, and the object-store path against the
+codec alone.
+
+- **I/O bound**: the time plain sequential file I/O takes to read what the operation
+  reads and write what it writes (a new file in the same directory, 8 MiB writes, no
+  sync, as fp8ray writes): compress reads the source and writes the archive's bytes;
+  decompress reads the archive and writes the source's bytes back. Every timed step
+  starts after ``sync``, so that no step pays for the write-back of the one before.
+- **compress / decompress**: with the pool already up (its start is reported apart), the
+  work as the operations' reports time it, GB/s of source bytes.
+- **object store**: ``QuantPool.encode_many``/``decode_many`` of the same blocks against
+  ``Fp8Codec`` in this process with all its threads.
+
+Each figure is the median of ``repeat`` runs.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import tempfile
+import time
 
-from ..codec import CodecOptions, Fp8Codec, cpu
-from ..engine.archives import compress_archive
+from ..codec import CodecOptions, Fp8Codec, cpu, decode
+from ..engine.archives import compress_archive, decompress_archive
+from ..engine.pool import QuantPool
 from ..engine.runtime import connect_ray, disconnect_ray
 from ..eval.sample import sample_kv_chunk
 from ..io.blocks import tensor_to_bytes
 from ..io.safetensors import SafetensorsWriter
-from .codec import _seconds, describe_machine
+from .codec import describe_machine
+
+CHUNK_BYTES = 2 * 30 * 256 * 192 * 2  # one sample chunk, [2, 30, 256, 192] bf16
+IO_PIECE = 8 << 20
 
 
-def bench_pipeline(chunks: int = 16, max_workers: int = 2, options: CodecOptions | None = None, repeat: int = 3) -> str:
-    """End-to-end ``compress`` on a local Ray (Ray and actor start excluded) for 1..N
-    workers, beside the single-process codec encoding the same blocks in the same run.
-    Figures are GB/s of input. ``options`` None means the default mode."""
-    tensors = {f"chunk{i:04d}": sample_kv_chunk(seed=i) for i in range(chunks)}
-    raw = sum(t.numel() * t.element_size() for t in tensors.values())
+def _read_seconds(path: str, buffer: bytearray) -> float:
+    start = time.perf_counter()
+    if os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            with open(os.path.join(path, name), "rb") as f:
+                while f.readinto(buffer):
+                    pass
+    else:
+        with open(path, "rb") as f:
+            while f.readinto(buffer):
+                pass
+    return time.perf_counter() - start
+
+
+def _write_seconds(directory: str, nbytes: int, buffer: bytearray) -> float:
+    path = os.path.join(directory, "io-bound.bin")
+    view = memoryview(buffer)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            n = min(left, len(view))
+            f.write(view[:n])
+            left -= n
+    seconds = time.perf_counter() - start
+    os.unlink(path)
+    return seconds
+
+
+def _size(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    return os.path.getsize(path)
+
+
+def bench_pipeline(
+    mib: int = 512, max_workers: int = 2, options: CodecOptions | None = None, repeat: int = 3,
+    lossless: str = "none", address: str | None = None,
+) -> str:
+    """The table of the module docstring, for 1..``max_workers`` workers."""
     options = options or CodecOptions()
+    chunks = max(1, mib * 2**20 // CHUNK_BYTES)
+    tensors = {f"chunk{i:04d}": sample_kv_chunk(seed=i) for i in range(chunks)}
+    raw = chunks * CHUNK_BYTES
     codec = Fp8Codec(options=options)
-    codec_gbps = raw / sum(_seconds(lambda t=t: codec.encode(t), repeat) for t in tensors.values()) / 1e9
+    blocks = list(tensors.values())
+    codec_seconds = statistics.median(_timed(lambda: [codec.encode(t) for t in blocks]) for _ in range(repeat))
+    frames = [codec.encode(t) for t in blocks]
+    decode_seconds = statistics.median(_timed(lambda: [decode(f) for f in frames]) for _ in range(repeat))
+    buffer = bytearray(IO_PIECE)
     lines = [
-        f"fp8ray bench pipeline: {chunks} x [2, 30, 256, 192] bfloat16 ({raw / 2**20:.0f} MiB), codec {options.label()}",
+        f"fp8ray bench pipeline: {chunks} x [2, 30, 256, 192] bfloat16 ({raw / 2**20:.0f} MiB) in one safetensors file; "
+        f"codec {options.label()}; lossless {lossless}; median of {repeat}",
         describe_machine(),
         "",
-        f"single-process codec (Fp8Codec.encode, {cpu.num_threads()} threads, data in memory): {codec_gbps:.2f} GB/s",
+        f"codec alone, in this process ({cpu.num_threads()} threads, data in memory): encode {raw / codec_seconds / 1e9:.2f} GB/s, "
+        f"decode {raw / decode_seconds / 1e9:.2f} GB/s",
         "",
-        "| workers | compress GB/s of input | compress / codec alone |",
-        "|---:|---:|---:|",
+        "| workers | pool start s | compress GB/s | I/O bound GB/s | compress / bound | decompress GB/s | I/O bound GB/s | decompress / bound |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    owns = connect_ray("local", max(max_workers, os.cpu_count() or 1))
+    owns = connect_ray(address, max(max_workers, os.cpu_count() or 1)) if address != "inline" else False
+    tmp = tempfile.mkdtemp(prefix="fp8ray-bench-", dir=os.environ.get("FP8RAY_BENCH_DIR"))
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            source = f"{tmp}/kv.safetensors"
-            with SafetensorsWriter(source, [(k, "bfloat16", tuple(t.shape)) for k, t in tensors.items()]) as writer:
-                for t in tensors.values():
-                    writer.write(tensor_to_bytes(t))
-            for workers in range(1, max_workers + 1):
-                runs = [
-                    compress_archive(source, f"{tmp}/a{workers}", options=options, workers=workers, part_bytes=16 << 20, overwrite=True)
-                    for _ in range(repeat)
-                ]
-                best = statistics.median(r.input_gbps for r in runs)
-                lines.append(f"| {workers} | {best:.2f} | {best / codec_gbps:.0%} |")
+        source = os.path.join(tmp, "kv.safetensors")
+        with SafetensorsWriter(source, [(k, "bfloat16", tuple(t.shape)) for k, t in tensors.items()]) as writer:
+            for t in tensors.values():
+                writer.write(tensor_to_bytes(t))
+        del frames
+        store_row = None
+        for workers in range(1, max_workers + 1):
+            start = time.perf_counter()
+            with QuantPool(num_workers=workers, address=address) as pool:
+                pool_start = time.perf_counter() - start
+                runs = []
+                for _ in range(repeat):
+                    arch, out = os.path.join(tmp, "arch"), os.path.join(tmp, "out.safetensors")
+                    # Each timed step starts with no dirty pages left by the one before: the
+                    # kernel's write-back of earlier writes would otherwise land on it.
+                    os.sync()
+                    compressed = compress_archive(source, arch, options=options, lossless=lossless, pool=pool)
+                    os.sync()
+                    bound_c = _read_seconds(source, buffer) + _write_seconds(tmp, _size(arch), buffer)
+                    os.sync()
+                    restored = decompress_archive(arch, out, pool=pool)
+                    os.sync()
+                    bound_d = _read_seconds(arch, buffer) + _write_seconds(tmp, _size(out), buffer)
+                    runs.append((compressed.seconds, bound_c, restored.seconds, bound_d))
+                    shutil.rmtree(arch)
+                    os.unlink(out)
+                c, bc, d, bd = (statistics.median(r[i] for r in runs) for i in range(4))
+                lines.append(
+                    f"| {workers} | {pool_start:.1f} | {raw / c / 1e9:.2f} | {raw / bc / 1e9:.2f} | {bc / c:.2f} "
+                    f"| {raw / d / 1e9:.2f} | {raw / bd / 1e9:.2f} | {bd / d:.2f} |"
+                )
+                if workers == max_workers:
+                    store_row = _object_store(pool, blocks, options, repeat)
+        enc, dec = store_row
+        lines += [
+            "",
+            f"object store, {max_workers} workers (QuantPool.encode_many / decode_many, blocks in and out of this process): "
+            f"encode {raw / enc / 1e9:.2f} GB/s ({codec_seconds / enc:.2f} of the codec alone), "
+            f"decode {raw / dec / 1e9:.2f} GB/s ({decode_seconds / dec:.2f} of the codec alone)",
+        ]
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)
         if owns:
             disconnect_ray()
     return "\n".join(lines)
+
+
+def _object_store(pool: QuantPool, blocks: list, options: CodecOptions, repeat: int) -> tuple[float, float]:
+    frames = pool.encode_many(blocks, options=options)  # warm up
+    enc = statistics.median(_timed(lambda: pool.encode_many(blocks, options=options)) for _ in range(repeat))
+    dec = statistics.median(_timed(lambda: pool.decode_many(frames)) for _ in range(repeat))
+    return enc, dec
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start

@@ -23,10 +23,12 @@ def add_commands(commands) -> None:
     codec.add_argument("--repeat", type=positive_int, default=5, help="timed runs per figure; the median is shown (default 5)")
     codec.set_defaults(handler=run_bench_codec)
 
-    pipeline = kinds.add_parser("pipeline", help="end-to-end compress on a local Ray vs the codec alone")
-    pipeline.add_argument("--chunks", type=positive_int, default=16, help="sample chunks of [2, 30, 256, 192] (default 16)")
+    pipeline = kinds.add_parser("pipeline", help="compress and decompress against the machine's I/O bound, and the object store")
+    pipeline.add_argument("--mib", type=positive_int, default=512, help="MiB of bf16 sample KV cache in one file (default 512)")
     pipeline.add_argument("--max-workers", type=positive_int, default=2, help="measure 1 to N workers (default 2)")
     codec_arguments(pipeline)
+    pipeline.add_argument("--lossless", default="none", metavar="CODEC[:LEVEL]", help="the archive's lossless stage (default none)")
+    pipeline.add_argument("--address", help="Ray cluster to join, or inline (default: RAY_ADDRESS, else an embedded local Ray)")
     pipeline.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is shown (default 3)")
     pipeline.set_defaults(handler=run_bench_pipeline)
 
@@ -76,7 +78,7 @@ def run_bench_codec(args) -> int:
 def run_bench_pipeline(args) -> int:
     from ..bench.pipeline import bench_pipeline
 
-    print(bench_pipeline(args.chunks, args.max_workers, codec_options(args), args.repeat))
+    print(bench_pipeline(args.mib, args.max_workers, codec_options(args), args.repeat, args.lossless, args.address))
     return 0
 
 

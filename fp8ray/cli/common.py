@@ -85,7 +85,11 @@ def engine_arguments(parser: argparse.ArgumentParser, gpus: bool = True) -> None
         group.add_argument(
             "--gpus-per-worker", type=non_negative_float, default=0.0, help="GPUs per worker; fractions share one (default 0)"
         )
-    group.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
+    group.add_argument(
+        "--address",
+        help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray); "
+        "'inline': no Ray, the workers on threads of this process (fastest start for a local job)",
+    )
     json_argument(group)
 
 

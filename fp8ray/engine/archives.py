@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import posixpath
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import pyarrow.fs as pafs
-import ray
 
 from .. import __version__
 from ..codec import CodecOptions
@@ -27,6 +27,16 @@ from ..io.restore import plan_restore
 from .pool import QuantPool
 
 Progress = Callable[[int], None]  # called with the number of blocks just finished
+
+
+@contextmanager
+def _pool(pool: QuantPool | None, workers: int, gpus_per_worker: float, address: str | None) -> Iterator[QuantPool]:
+    """The pool given (kept running: the caller's), or a new one for this operation."""
+    if pool is not None:
+        yield pool
+    else:
+        with QuantPool(num_workers=workers, gpus_per_worker=gpus_per_worker, address=address) as new:
+            yield new
 
 
 @dataclass
@@ -153,6 +163,7 @@ def compress_archive(
     part_bytes: int = DEFAULT_PART_BYTES,
     lossless: str = DEFAULT_LOSSLESS,
     progress: Progress | None = None,
+    pool: QuantPool | None = None,
     **codec_options,
 ) -> CompressReport:
     """Compress a safetensors file, a directory of them or a raw-block Parquet archive
@@ -165,7 +176,8 @@ def compress_archive(
     ``overwrite`` replaces an existing archive only once the new one is complete; a run
     that fails before any part is finished leaves the destination as it found it (one
     that fails later keeps its finished parts for ``resume``). A missing parent directory
-    is created with ``parents``, else refused.
+    is created with ``parents``, else refused. ``pool``: a running :class:`QuantPool` to
+    use (and leave running) instead of starting one for this call.
 
     Codec options: ``options`` (default: the default mode), then any of
     :class:`~fp8ray.codec.CodecOptions`' fields as keywords (``scaling="token"``), each
@@ -211,17 +223,17 @@ def compress_archive(
             progress(sum(info.blocks for info in reused.values()))
         todo = [i for i in range(len(parts)) if i not in reused]
         work_uri = uri_for(destination, work)
-        with QuantPool(num_workers=workers, gpus_per_worker=gpus_per_worker, address=address) as pool:
+        with _pool(pool, workers, gpus_per_worker, address) as running:
             start = time.perf_counter()
             tasks = ((parts[i], codec, work_uri, i, lossless) for i in todo)
-            for i, result in zip(todo, pool.map("compress_part", tasks)):
+            for i, result in zip(todo, running.map("compress_part", tasks)):
                 infos[i] = result.info
                 finished += 1
                 devices.add(result.device)
                 nodes.add(result.node_id)
                 if progress:
                     progress(result.info.blocks)
-            replaced = pool.replaced
+            replaced = running.replaced
         seconds = time.perf_counter() - start
         bound = bound_constants(codec.fmt, codec.scaling)
         entries = [infos[i] for i in range(len(parts))]
@@ -264,6 +276,7 @@ def decompress_archive(
     overwrite: bool = False,
     parents: bool = False,
     progress: Progress | None = None,
+    pool: QuantPool | None = None,
 ) -> DecompressReport:
     """Give back what was compressed: the source's own files at ``output`` (a directory of
     the same files, keys, order and metadata; a single file; a raw-block Parquet file with
@@ -285,11 +298,11 @@ def decompress_archive(
     out_fs.create_dir(scratch)
     report = DecompressReport(redact(archive_uri), redact(output), 0, 0, 0.0, 0)
     try:
-        with QuantPool(num_workers=workers, gpus_per_worker=gpus_per_worker, address=address) as pool:
+        with _pool(pool, workers, gpus_per_worker, address) as running:
             start = time.perf_counter()
             scratch_uri = uri_for(output, scratch)
             tasks = ((archive_uri, {i: manifest["parts"][i] for i in t.parts}, t, scratch_uri) for t in plan.tasks)
-            for result in pool.map("restore_files", tasks):
+            for result in running.map("restore_files", tasks):
                 report.files += result.files
                 report.blocks += result.blocks
                 report.raw_bytes += result.raw_bytes
@@ -342,10 +355,16 @@ def _clean_temporaries(fs: pafs.FileSystem, directory: str) -> None:
 
 
 def _remove_quietly(fs: pafs.FileSystem, directory: str) -> None:
-    try:
-        fs.delete_dir(directory)
-    except OSError:
-        pass  # already gone, or a worker still writing: nothing of the user's is there
+    """Remove a scratch directory after a failure; a worker being stopped may still be
+    finishing a file in it, so try for a while. Nothing of the user's is in it."""
+    for _ in range(50):
+        try:
+            fs.delete_dir(directory)
+        except OSError:
+            pass
+        if fs.get_file_info(directory).type == pafs.FileType.NotFound:
+            return
+        time.sleep(0.1)
 
 
 def verify_archive(
@@ -355,6 +374,7 @@ def verify_archive(
     workers: int = 2,
     address: str | None = None,
     progress: Progress | None = None,
+    pool: QuantPool | None = None,
 ) -> VerifyReport:
     """Check every part's CRC-32C and every frame; with ``against``, error metrics per
     block against the original source, each block held to the codec's derived error bound
@@ -369,11 +389,11 @@ def verify_archive(
     bound = manifest.get("error_bound") or bound_constants(codec.fmt, codec.scaling)
     report = VerifyReport(redact(archive_uri), 0, len(manifest["parts"]))
     seen: set[tuple[str, str]] = set()
-    with QuantPool(num_workers=workers, address=address) as pool:
+    with _pool(pool, workers, 0, address) as running:
         # The source's block map goes to the object store once, not with every part.
-        shared_refs = ray.put(refs)
+        shared_refs = running.share(refs)
         tasks = ((archive_uri, part, shared_refs, bound, name_files) for part in manifest["parts"])
-        for part_result in pool.map("verify_part", tasks):
+        for part_result in running.map("verify_part", tasks):
             report.blocks += part_result.blocks
             report.errors += part_result.errors
             report.metrics.update(part_result.metrics)

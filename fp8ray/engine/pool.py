@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,8 @@ from ..io.blocks import bytes_to_tensor, dtype_name, tensor_to_bytes
 from .runtime import connect_ray, disconnect_ray
 from .worker import QuantWorker, WorkerInfo
 
+INLINE = "inline"  # the address that runs the workers on this process's threads, without Ray
+
 
 class QuantPool:
     """A pool of ``QuantWorker`` actors, used as a context manager.
@@ -39,7 +42,9 @@ class QuantPool:
         gpus_per_worker: GPUs each actor asks Ray for; fractions share a GPU.
         cpus_per_worker: CPUs each actor asks for, and the codec threads it runs.
         address: a cluster to join; ``None`` means ``RAY_ADDRESS`` if set, else an
-            embedded local Ray (``"local"``).
+            embedded local Ray (``"local"``). ``"inline"``: no Ray at all, the workers
+            are ``QuantWorker`` objects run on threads of this process (the kernels,
+            file I/O and Parquet release the GIL): no start-up cost, for local jobs.
         window: shards in flight at most (default two per worker); bounds the driver's memory.
         max_attempts: times a shard is tried when its worker dies.
         start_timeout: seconds to wait for the actors to start before failing (a
@@ -71,7 +76,16 @@ class QuantPool:
         self.replaced = 0
         self._owns_ray = False
 
+    @property
+    def inline(self) -> bool:
+        return self.address == INLINE
+
     def __enter__(self) -> QuantPool:
+        if self.inline:
+            self._saved_threads = os.environ.get("FP8RAY_NUM_THREADS")
+            self.workers = [QuantWorker(max(1, int(self.cpus_per_worker))) for _ in range(self.num_workers)]
+            self._threads = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="QuantWorker")
+            return self
         embedded_cpus = max(int(self.num_workers * self.cpus_per_worker), os.cpu_count() or 1)
         self._owns_ray = connect_ray(self.address, embedded_cpus)
         self._actor_class = ray.remote(QuantWorker).options(
@@ -91,6 +105,14 @@ class QuantPool:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.inline:
+            self._threads.shutdown(wait=True, cancel_futures=True)
+            if self._saved_threads is None:  # QuantWorker set it for this process: put it back
+                os.environ.pop("FP8RAY_NUM_THREADS", None)
+            else:
+                os.environ["FP8RAY_NUM_THREADS"] = self._saved_threads
+            self.workers = []
+            return
         for w in self.workers:
             ray.kill(w)
         self.workers = []
@@ -101,7 +123,49 @@ class QuantPool:
         return self._actor_class.remote(max(1, int(self.cpus_per_worker)))
 
     def worker_info(self) -> list[WorkerInfo]:
+        if self.inline:
+            return [w.info() for w in self.workers]
         return ray.get([w.info.remote() for w in self.workers])
+
+    def share(self, value):
+        """``value`` as the workers should receive it when every item passes it: put in
+        Ray's object store once (or as it is, inline)."""
+        return value if self.inline else ray.put(value)
+
+    def _map_inline(self, method: str, items: Iterator[tuple], on_result) -> Iterator[Any]:
+        """:meth:`map` on this process's threads: the same window and order; each worker
+        object runs one item at a time, and takes the next as soon as it is free."""
+        free = list(range(self.num_workers))
+        running: dict = {}  # future -> (input index, worker)
+        done: dict[int, Any] = {}
+        submitted = next_out = 0
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and free and len(running) + len(done) < self.window:
+                    item = next(items, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    w = free.pop()
+                    running[self._threads.submit(getattr(self.workers[w], method), *item)] = (submitted, w)
+                    submitted += 1
+                if not running and not done:
+                    return
+                if next_out not in done:
+                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for future in finished:
+                        index, w = running.pop(future)
+                        free.append(w)
+                        done[index] = future.result()  # the worker's own exception, if any
+                        if on_result is not None:
+                            on_result(done[index])
+                while next_out in done:
+                    yield done.pop(next_out)
+                    next_out += 1
+        finally:
+            for future in running:
+                future.cancel()
 
     def map(self, method: str, items: Iterable[tuple], on_result: Callable[[Any], None] | None = None) -> Iterator[Any]:
         """Call ``QuantWorker.<method>(*item)`` for each item; yield results in input order.
@@ -111,6 +175,9 @@ class QuantPool:
         replaced and its items resubmitted; an item failing on its data raises at once.
         """
         items = iter(items)
+        if self.inline:
+            yield from self._map_inline(method, items, on_result)
+            return
         per_worker = -(-self.window // self.num_workers)
         load = [0] * self.num_workers
         pending: dict[ray.ObjectRef, tuple[int, int, int, tuple]] = {}  # ref -> (index, worker, attempt, item)
@@ -168,25 +235,50 @@ class QuantPool:
             self.replaced += 1
 
     def encode_many(
-        self, tensors: list[torch.Tensor], batch_size: int = 8, options: CodecOptions | None = None, **codec_options
+        self, tensors: list[torch.Tensor], batch_size: int | None = None, options: CodecOptions | None = None, **codec_options
     ) -> list[np.ndarray]:
         """Encode tensors on the workers, through the object store; frames in input order.
         Codec options as :class:`~fp8ray.codec.CodecOptions` (``options``, then keywords
-        overriding it; the default mode if none)."""
+        overriding it; the default mode if none). ``batch_size``: blocks per task
+        (default: about :data:`BATCH_BYTES` of input each)."""
         options = CodecOptions.parse(codec_options, base=options)
         blocks = [(str(i), dtype_name(t), tuple(t.shape), tensor_to_bytes(t.cpu())) for i, t in enumerate(tensors)]
-        batches = ((blocks[i : i + batch_size], options) for i in range(0, len(blocks), batch_size))
+        batches = ((batch, options) for batch in _batches(blocks, batch_size, lambda b: b[3].size))
         return [f for batch in self.map("encode_batch", batches) for f, _ in batch]
 
-    def decode_many(self, frames: list, batch_size: int = 8) -> list[torch.Tensor]:
+    def decode_many(self, frames: list, batch_size: int | None = None) -> list[torch.Tensor]:
         """Decode frames on the workers; tensors in input order."""
         pairs = [(str(i), np.frombuffer(f, dtype=np.uint8)) for i, f in enumerate(frames)]
-        batches = ((pairs[i : i + batch_size],) for i in range(0, len(pairs), batch_size))
+        batches = ((batch,) for batch in _batches(pairs, batch_size, lambda p: 2 * p[1].size))
         return [
             bytes_to_tensor(raw, meta.dtype, meta.shape).clone()
             for batch in self.map("decode_batch", batches)
             for raw, meta in batch
         ]
+
+
+# Input bytes per task of encode_many/decode_many: enough to amortise a task's cost
+# (milliseconds), small enough to keep every worker busy and the window's memory bounded.
+BATCH_BYTES = 16 << 20
+
+
+def _batches(items: list, batch_size: int | None, nbytes) -> Iterator[list]:
+    """``items`` in order, ``batch_size`` at a time, or about BATCH_BYTES at a time."""
+    if batch_size is not None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        yield from (items[i : i + batch_size] for i in range(0, len(items), batch_size))
+        return
+    batch: list = []
+    size = 0
+    for item in items:
+        if batch and size + nbytes(item) > BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += nbytes(item)
+    if batch:
+        yield batch
 
 
 def _cause(exc: RayTaskError) -> BaseException:

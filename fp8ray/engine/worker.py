@@ -21,12 +21,12 @@ import ray
 import torch
 
 from ..codec import CodecOptions, Fp8Codec, decode, frame
-from ..codec.formats import DTYPE_NAMES, DTYPES, DTYPES_BY_NAME, FORMATS, SCALINGS
+from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..codec.bound import check_within_bound, element_scales
 from ..codec.metrics import error_metrics
 from ..errors import MismatchError, block_error
 from ..io import archive
-from ..io.blocks import BlockRef, bytes_to_tensor, read_blocks, tensor_to_bytes
+from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks, tensor_to_bytes
 from ..io.lmcache_store import Layout
 from ..io.paths import resolve, uri_for
 from ..io.restore import RestoreTask
@@ -83,19 +83,6 @@ class RestoreResult:
     raw_bytes: int = 0
 
 
-def _load_kernels() -> None:
-    """Compile (or load from numba's cache) every CPU kernel once, at actor start, so
-    that a job's first shards do not pay for it (about 1 s for all of them)."""
-    for dtype in DTYPES:
-        for fmt in FORMATS:
-            for scaling in SCALINGS:
-                options = CodecOptions(fp8=fmt, scaling=scaling, block_size=4, scale_dtype="float32")
-                decode(Fp8Codec(options=options).encode(torch.ones(2, 4, dtype=dtype)))
-            for scaling in ("token", "block"):  # the scale search, with bfloat16 scales
-                options = CodecOptions(fp8=fmt, scaling=scaling, block_size=4, scale_dtype="bfloat16", scale_choice="mse")
-                decode(Fp8Codec(options=options).encode(torch.ones(2, 4, dtype=dtype)))
-
-
 class QuantWorker:
     """Encode and decode shards of KV blocks. Create it through :class:`fp8ray.QuantPool`
     (or ``ray.remote(QuantWorker)``); every method takes and returns plain data."""
@@ -104,8 +91,13 @@ class QuantWorker:
         os.environ["FP8RAY_NUM_THREADS"] = str(max(1, int(threads)))
         gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
         self.device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
+        # Kernels are compiled (or loaded from numba's cache) on first use, only those a
+        # job needs: loading all of them up front cost every worker about a second.
         self._codecs: dict[CodecOptions, Fp8Codec] = {}
-        _load_kernels()
+        self._reader = BlockReader()
+        self._frames = np.empty(0, np.uint8)
+        self._results = np.empty(0, np.uint8)
+        self._in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(os.getpid(), _node_id(), self.device)
@@ -129,21 +121,49 @@ class QuantWorker:
             raise block_error(key, exc) from exc
         return f, BlockMeta(key, dtype, tuple(shape), self.device, int(data.size), int(f.size))
 
+    def _results_buffer(self, nbytes: int) -> np.ndarray:
+        """Where a batch's results go. In a Ray actor, one buffer reused from call to call:
+        Ray copies a task's return values into its object store as the task ends, and
+        fresh pages for every batch cost more than encoding into them. Run inline (no
+        Ray), the results are the caller's to keep: a new buffer."""
+        if not self._in_actor:
+            return np.empty(nbytes, np.uint8)
+        if self._results.size < nbytes:
+            self._results = np.empty(nbytes, np.uint8)
+        return self._results[:nbytes]
+
     def encode_batch(self, blocks: list[tuple], options: CodecOptions) -> list[tuple[np.ndarray, BlockMeta]]:
         """``blocks``: ``(key, dtype, shape, uint8 array)`` tuples. Returns ``(frame, metadata)`` per block."""
         codec = self._codec(options)
-        return [self._encode(codec, *block) for block in blocks]
+        sizes = [self._frame_size(codec, BlockRef(key, dtype, tuple(shape), "", "", 0)) for key, dtype, shape, _ in blocks]
+        buffer, start, out = self._results_buffer(sum(sizes)), 0, []
+        for block, size in zip(blocks, sizes):
+            out.append(self._encode(codec, *block, out=buffer[start : start + size]))
+            start += size
+        return out
 
     def decode_batch(self, frames: list[tuple[str, np.ndarray]]) -> list[tuple[np.ndarray, BlockMeta]]:
         """``frames``: ``(key, frame)`` pairs. Returns ``(raw little-endian bytes, metadata)`` per block."""
-        out = []
+        headers = []
         for key, f in frames:
             try:
-                tensor = decode(f, device=self.device).cpu()
+                headers.append(frame.parse(frame.as_byte_array(f)))
             except (ValueError, TypeError) as exc:
                 raise block_error(key, exc) from exc
-            raw = tensor_to_bytes(tensor)
-            out.append((raw, BlockMeta(key, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), self.device, raw.size, len(f))))
+        sizes = [h.numel * h.dtype.itemsize for h in headers]
+        buffer, start, out = self._results_buffer(sum(sizes)), 0, []
+        for (key, f), header, size in zip(frames, headers, sizes):
+            raw = buffer[start : start + size]
+            start += size
+            target = bytes_to_tensor(raw, DTYPE_NAMES[header.dtype], header.shape)
+            try:
+                if self.device == "cuda":
+                    target.copy_(decode(f, device="cuda").cpu())
+                else:
+                    decode(f, out=target)
+            except (ValueError, TypeError) as exc:
+                raise block_error(key, exc) from exc
+            out.append((raw, BlockMeta(key, DTYPE_NAMES[header.dtype], header.shape, self.device, size, len(f))))
         return out
 
     def compress_part(self, refs: list[BlockRef], options: CodecOptions, directory: str, index: int, lossless: str = "none") -> PartResult:
@@ -153,9 +173,11 @@ class QuantWorker:
         # The frames are encoded end to end into one buffer that becomes the Arrow column
         # as it is: no copy between the codec and the Parquet writer.
         sizes = [self._frame_size(codec, ref) for ref in refs]
-        frames = np.empty(sum(sizes), dtype=np.uint8)
+        if self._frames.size < sum(sizes):
+            self._frames = np.empty(sum(sizes), dtype=np.uint8)
+        frames = self._frames[: sum(sizes)]  # reused, as the reader's buffer is: the part is written before the next
         start = 0
-        for ref, data, size in zip(refs, read_blocks(refs), sizes):
+        for ref, data, size in zip(refs, self._reader.read(refs), sizes):
             self._encode(codec, ref.key, ref.dtype, ref.shape, data, out=frames[start : start + size])
             start += size
         rows = archive.part_rows(refs, options, sizes, archive.frame_column(frames, sizes))

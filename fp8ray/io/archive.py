@@ -339,6 +339,10 @@ def check_part(fs: pafs.FileSystem, directory: str, info: dict) -> None:
     if fs.get_file_info(path).type != pafs.FileType.File:
         raise CorruptArchiveError(f"part {info['name']} is missing from {directory}")
     crc, size = file_crc32c(fs, path)
+    _check_crc(info, crc, size)
+
+
+def _check_crc(info: dict, crc: int, size: int) -> None:
     if size != info["file_bytes"] or crc != info["crc32c"]:
         raise CorruptArchiveError(
             f"part {info['name']}: {size} bytes with crc32c {crc:#010x}, "
@@ -347,12 +351,19 @@ def check_part(fs: pafs.FileSystem, directory: str, info: dict) -> None:
 
 
 def read_part(fs: pafs.FileSystem, directory: str, info: dict, columns: list[str] | None = None, check: bool = True) -> pa.Table:
-    """Read a part, after :func:`check_part` unless ``check`` is false (to read a damaged
-    part anyway and name the blocks the damage lies in)."""
-    if check:
-        check_part(fs, directory, info)
+    """Read a part, checked against its manifest entry's size and CRC-32C unless ``check``
+    is false (to read a damaged part anyway and name the blocks the damage lies in). A
+    checked part is read once, into memory, and parsed from there."""
+    path = f"{directory}/{info['name']}"
     try:
-        return pq.read_table(f"{directory}/{info['name']}", filesystem=fs, columns=columns)
+        if not check:
+            return pq.read_table(path, filesystem=fs, columns=columns)
+        if fs.get_file_info(path).type != pafs.FileType.File:
+            raise CorruptArchiveError(f"part {info['name']} is missing from {directory}")
+        with fs.open_input_file(path) as f:
+            data = f.read_buffer()
+        _check_crc(info, crc32c.crc32c(memoryview(data)), data.size)
+        return pq.read_table(pa.BufferReader(data), columns=columns)
     except (OSError, pa.ArrowException) as exc:
         raise CorruptArchiveError(f"part {info['name']} is unreadable: {exc}") from exc
 

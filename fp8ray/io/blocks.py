@@ -173,30 +173,80 @@ def parquet_schema(encoded: str) -> pa.Schema:
 
 
 def read_blocks(refs: list[BlockRef]) -> list[np.ndarray]:
-    """The raw bytes of each block, as uint8 arrays, checked against the declared size."""
+    """The raw bytes of each block, as uint8 arrays of their own, checked against the
+    declared size."""
+    return [view.copy() if view.base is not None else view for view in BlockReader().read(refs)]
+
+
+class BlockReader:
+    """Reads blocks into one buffer it keeps and reuses: pages freshly mapped for every
+    read cost more than the read itself. Neighbouring blocks of a safetensors file (a
+    part's blocks are) are read with one call. The arrays :meth:`read` returns are views
+    of that buffer, valid until its next call."""
+
+    def __init__(self):
+        self._buffer = np.empty(0, np.uint8)
+
+    def read(self, refs: list[BlockRef]) -> list[np.ndarray]:
+        total = sum(r.nbytes for r in refs if r.kind == "safetensors")
+        if self._buffer.size < total:
+            self._buffer = np.empty(total, np.uint8)
+        result: list[np.ndarray | None] = [None] * len(refs)
+        position = 0
+        for path, indices in _by_file(refs).items():
+            fs, fpath = resolve(path)
+            if refs[indices[0]].kind != "safetensors":
+                for i, value in zip(indices, _parquet_rows(fs, fpath, [refs[i].offset for i in indices])):
+                    result[i] = _checked(refs[i], np.frombuffer(value, dtype=np.uint8), path)
+                continue
+            with fs.open_input_file(fpath) as f:
+                for run in _contiguous(refs, indices):
+                    first, last = refs[run[0]], refs[run[-1]]
+                    span = last.offset + last.nbytes - first.offset
+                    target = self._buffer[position : position + span]
+                    f.seek(first.offset)
+                    got = _read_fully(f, memoryview(target))
+                    for i in run:
+                        start = refs[i].offset - first.offset
+                        result[i] = _checked(refs[i], target[start : min(start + refs[i].nbytes, got)], path)
+                    position += span
+        return result  # type: ignore[return-value]
+
+
+def _by_file(refs: list[BlockRef]) -> dict[str, list[int]]:
     by_file: dict[str, list[int]] = {}
     for i, r in enumerate(refs):
         by_file.setdefault(r.path, []).append(i)
-    result: list[np.ndarray | None] = [None] * len(refs)
-    for path, indices in by_file.items():
-        fs, fpath = resolve(path)
-        if refs[indices[0]].kind == "safetensors":
-            with fs.open_input_file(fpath) as f:
-                for i in indices:
-                    r = refs[i]
-                    data = f.read_at(r.nbytes, r.offset)
-                    if len(data) != r.nbytes:
-                        raise SourceError(f"{redact(path)}: key {r.key!r} truncated: read {len(data)} of {r.nbytes} bytes")
-                    result[i] = np.frombuffer(data, dtype=np.uint8)
+    return by_file
+
+
+def _contiguous(refs: list[BlockRef], indices: list[int]) -> list[list[int]]:
+    """``indices`` in runs whose blocks lie end to end in the file."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and refs[runs[-1][-1]].offset + refs[runs[-1][-1]].nbytes == refs[i].offset:
+            runs[-1].append(i)
         else:
-            for i, value in zip(indices, _parquet_rows(fs, fpath, [refs[i].offset for i in indices])):
-                r = refs[i]
-                if len(value) != r.nbytes:
-                    raise SourceError(
-                        f"{redact(path)}: key {r.key!r} has {len(value)} data bytes, its shape {list(r.shape)} {r.dtype} needs {r.nbytes}"
-                    )
-                result[i] = np.frombuffer(value, dtype=np.uint8)
-    return result  # type: ignore[return-value]
+            runs.append([i])
+    return runs
+
+
+def _read_fully(f, target: memoryview) -> int:
+    got = 0
+    while got < len(target):
+        n = f.readinto(target[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _checked(ref: BlockRef, data: np.ndarray, path: str) -> np.ndarray:
+    if data.size != ref.nbytes:
+        raise SourceError(
+            f"{redact(path)}: key {printable(ref.key)!r} has {data.size} bytes, its shape {list(ref.shape)} {ref.dtype} needs {ref.nbytes} (truncated?)"
+        )
+    return data
 
 
 def _parquet_rows(fs: pafs.FileSystem, path: str, rows: list[int]) -> list[bytes]:

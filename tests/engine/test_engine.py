@@ -278,3 +278,22 @@ def test_driver_killed_then_resume_is_byte_identical(long_source, tmp_path):
     assert part_bytes(arch) == part_bytes(tmp_path / "clean")
     assert sorted(os.listdir(arch)) == sorted(os.listdir(tmp_path / "clean"))
     assert (arch / "_manifest.json").read_bytes() == (tmp_path / "clean/_manifest.json").read_bytes()
+
+
+def test_inline_workers_write_the_same_archive_and_output(kv_source, tmp_path):
+    """address="inline": QuantWorker objects on this process's threads, no Ray: the same
+    parts, manifest and restored file as Ray's actors write, and errors as their own class."""
+    src, _ = kv_source
+    compress_archive(str(src), str(tmp_path / "ray"), part_bytes=PART, workers=2)
+    compress_archive(str(src), str(tmp_path / "inline"), part_bytes=PART, workers=2, address="inline")
+    assert part_bytes(tmp_path / "inline") == part_bytes(tmp_path / "ray")
+    assert (tmp_path / "inline/_manifest.json").read_bytes() == (tmp_path / "ray/_manifest.json").read_bytes()
+    assert verify_archive(str(tmp_path / "inline"), against=str(src), address="inline").ok
+    decompress_archive(str(tmp_path / "ray"), str(tmp_path / "a.safetensors"))
+    decompress_archive(str(tmp_path / "inline"), str(tmp_path / "b.safetensors"), address="inline")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    threads = os.environ.get("FP8RAY_NUM_THREADS")
+    tensors = [torch.ones(4, 8), torch.tensor([[1.0, float("nan")]])]
+    with QuantPool(num_workers=2, address="inline") as pool, pytest.raises(fp8ray.NonFiniteError, match=r"block '1': 1 non-finite"):
+        pool.encode_many(tensors, batch_size=1)
+    assert os.environ.get("FP8RAY_NUM_THREADS") == threads  # the workers' thread setting is not left behind
