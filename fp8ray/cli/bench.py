@@ -32,6 +32,17 @@ def add_commands(commands) -> None:
     pipeline.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is shown (default 3)")
     pipeline.set_defaults(handler=run_bench_pipeline)
 
+    lossless = kinds.add_parser("lossless", help="archive size and speed of each lossless stage on a real KV cache")
+    lossless.add_argument(
+        "--source", default="out/kv_smollm2.safetensors",
+        help="a KV cache in safetensors (default out/kv_smollm2.safetensors, captured from the shipped model if missing)",
+    )
+    lossless.add_argument("--stages", default="none,lz4,zstd:1,zstd:3,zstd:6", help="comma-separated (default none,lz4,zstd:1,zstd:3,zstd:6)")
+    codec_arguments(lossless)
+    lossless.add_argument("--workers", type=positive_int, default=2, help="QuantWorker actors (default 2)")
+    lossless.add_argument("--repeat", type=positive_int, default=5, help="runs per figure; the median is shown (default 5)")
+    lossless.set_defaults(handler=run_bench_lossless)
+
     serve = kinds.add_parser("serve", help="HTTP service throughput and latency vs direct QuantWorker calls")
     serve.add_argument("--sizes", default="64K,1M,16M", help="block sizes, comma-separated, K/M suffixes (default 64K,1M,16M)")
     serve.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight (default 8)")
@@ -79,6 +90,25 @@ def run_bench_pipeline(args) -> int:
     from ..bench.pipeline import bench_pipeline
 
     print(bench_pipeline(args.mib, args.max_workers, codec_options(args), args.repeat, args.lossless, args.address))
+    return 0
+
+
+def run_bench_lossless(args) -> int:
+    import os
+
+    from ..bench.lossless import bench_lossless
+    from ..io.archive import parse_lossless
+
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    for stage in stages:
+        parse_lossless(stage)
+    if not os.path.exists(args.source):
+        from ..eval.capture import capture
+        from ..eval.eval_model import DEFAULT_TEXT
+
+        os.makedirs(os.path.dirname(args.source) or ".", exist_ok=True)
+        capture(args.source, DEFAULT_TEXT)
+    print(bench_lossless(args.source, stages, codec_options(args), args.workers, args.repeat))
     return 0
 
 

@@ -36,7 +36,7 @@ READ_VERSIONS = (1, 2)
 MANIFEST_NAME = "_manifest.json"
 PLAN_NAME = "_plan.json"
 DEFAULT_PART_BYTES = 64 << 20
-DEFAULT_LOSSLESS = "none"  # chosen from the table in BENCHMARKS.md ("Lossless stage")
+DEFAULT_LOSSLESS = "zstd:3"  # chosen from the table in BENCHMARKS.md ("Lossless stage")
 # Lossless codecs for the frame column (Parquet's own), and their level ranges.
 LOSSLESS_CODECS = {"none": None, "zstd": (1, 22), "lz4": None, "snappy": None, "gzip": (1, 9), "brotli": (0, 11)}
 

@@ -139,7 +139,7 @@ def test_raw_block_parquet_source(tmp_path):
 def test_flipped_byte_is_named_by_verify_and_refused_by_decompress(kv_source, tmp_path):
     src, _ = kv_source
     arch = tmp_path / "arch"
-    compress_archive(str(src), str(arch), part_bytes=PART)
+    compress_archive(str(src), str(arch), part_bytes=PART, lossless="none")  # frames stored as they are, to damage one
     part = sorted(arch.glob("part-*.parquet"))[1]
     original = part.read_bytes()
     table = pq.read_table(part)
@@ -161,6 +161,25 @@ def test_flipped_byte_is_named_by_verify_and_refused_by_decompress(kv_source, tm
     part.write_bytes(bytes(outside))
     report = verify_archive(str(arch))
     assert not report.ok and any(part.name in e for e in report.errors), report.errors
+
+
+def test_a_flipped_byte_in_a_compressed_part_is_caught(kv_source, tmp_path):
+    """With the lossless stage (zstd by default) the frames are not in the file as they
+    are: damage anywhere is caught by the part's CRC-32C, and decompress leaves nothing."""
+    src, _ = kv_source
+    arch = tmp_path / "arch"
+    compress_archive(str(src), str(arch), part_bytes=PART)
+    assert read_manifest(*resolve(str(arch)))["lossless"] == "zstd:3"
+    assert pq.ParquetFile(sorted(arch.glob("part-*.parquet"))[0]).metadata.row_group(0).column(9).compression == "ZSTD"
+    part = sorted(arch.glob("part-*.parquet"))[0]
+    damaged = bytearray(part.read_bytes())
+    damaged[len(damaged) // 3] ^= 0x04  # inside the compressed frames
+    part.write_bytes(bytes(damaged))
+    report = verify_archive(str(arch))
+    assert not report.ok and any(part.name in e for e in report.errors), report.errors
+    with pytest.raises(CorruptArchiveError, match=part.name):
+        decompress_archive(str(arch), str(tmp_path / "out.safetensors"))
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_destination_and_source_errors(kv_source, tmp_path):
