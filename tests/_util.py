@@ -40,3 +40,19 @@ def kv_like(shape, dtype=torch.bfloat16, seed=0) -> torch.Tensor:
     mags = torch.exp2(torch.empty(shape).uniform_(-20, 12, generator=g)) if len(shape) else torch.tensor(1.5)
     signs = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
     return (mags * signs).to(dtype)
+
+
+def quant_worker_pids() -> list[int]:
+    """PIDs of the QuantWorkers of this test session's Ray: descendants of this process
+    (the embedded Ray's raylet is our child), never another Ray's on the machine."""
+    import os
+
+    import psutil
+
+    def cmdline(p) -> list[str]:
+        try:
+            return p.cmdline()
+        except psutil.Error:
+            return []
+
+    return sorted(p.pid for p in psutil.Process(os.getpid()).children(recursive=True) if (cmdline(p) or [""])[0].startswith("ray::QuantWorker"))

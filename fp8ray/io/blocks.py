@@ -31,7 +31,7 @@ import torch
 
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..errors import SourceError
-from .paths import printable, redact, resolve, temporary_name, uri_for
+from .paths import CompleteOrNothing, printable, redact, resolve, temporary_name, uri_for
 from .safetensors import SOURCE_DTYPES, read_file_header
 
 RAW_COLUMNS = ("key", "dtype", "shape", "data")
@@ -284,7 +284,7 @@ def dtype_name(t: torch.Tensor) -> str:
     return DTYPE_NAMES[t.dtype]
 
 
-class RawBlockParquetWriter:
+class RawBlockParquetWriter(CompleteOrNothing):
     """Write blocks as a raw-block Parquet file (``key``, ``dtype``, ``shape``, ``data``)
     with the given Arrow schema, streamed in row groups; written to a temporary name and
     renamed when complete. Use as a context manager."""
@@ -321,11 +321,3 @@ class RawBlockParquetWriter:
         self.stream.close()
         self.fs.delete_file(self.tmp)
 
-    def __enter__(self) -> RawBlockParquetWriter:
-        return self
-
-    def __exit__(self, exc_type, *_) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()

@@ -50,6 +50,27 @@ def temporary_name(path: str) -> str:
 TMP_MARK = ".tmp-"  # in every temporary name: a killed writer's leftovers are found by it
 
 
+class CompleteOrNothing:
+    """A writer whose output appears only when complete: ``close()`` renames it into
+    place, ``abort()`` deletes it. As a context manager it closes when the block ends
+    normally and aborts when it raises."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
 def write_atomic(fs: pafs.FileSystem, path: str, data) -> None:
     """Write ``data`` (bytes or an Arrow buffer) under a temporary name beside ``path``, then rename."""
     tmp = temporary_name(path)

@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 
 from ..codec.formats import DTYPES_BY_NAME
 from ..errors import SafetensorsFormatError, SourceError
-from .paths import redact, resolve, temporary_name
+from .paths import CompleteOrNothing, redact, resolve, temporary_name
 
 MAX_HEADER = 100_000_000  # the safetensors package's limit on the JSON header
 MAX_USIZE = 2**64 - 1
@@ -205,7 +205,7 @@ def build_body(tensors: list[tuple[str, str, tuple[int, ...], object]], metadata
     return b"".join([prefix, *views])
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(CompleteOrNothing):
     """Stream tensors into a safetensors file: the header (all offsets) first, then each
     tensor's bytes in order; written to a temporary name and renamed when complete.
 
@@ -252,14 +252,6 @@ class SafetensorsWriter:
         self.stream.close()
         self.fs.delete_file(self.tmp)
 
-    def __enter__(self) -> SafetensorsWriter:
-        return self
-
-    def __exit__(self, exc_type, *_) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 __all__ = [

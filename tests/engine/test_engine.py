@@ -16,13 +16,12 @@ import torch
 from safetensors.torch import load_file
 
 import fp8ray
+from _util import quant_worker_pids
 from fp8ray import Fp8Codec
-from fp8ray.errors import CorruptArchiveError
-from fp8ray.io.archive import read_manifest
-from fp8ray.errors import ArchiveExistsError
 from fp8ray.engine.archives import compress_archive, decompress_archive, verify_archive
 from fp8ray.engine.pool import QuantPool
-from fp8ray.errors import SourceError
+from fp8ray.errors import ArchiveExistsError, CorruptArchiveError, SourceError
+from fp8ray.io.archive import read_manifest
 from fp8ray.io.paths import resolve
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -216,27 +215,6 @@ def long_source(tmp_path_factory):
 LONG_PART = 200_000
 
 
-def _quant_worker_pids() -> list[int]:
-    """PIDs of the QuantWorkers of this test session's Ray: descendants of this process
-    (the embedded Ray's raylet is our child), never another Ray's on the machine."""
-    import psutil
-
-    return sorted(
-        p.pid
-        for p in psutil.Process(os.getpid()).children(recursive=True)
-        if (_cmdline(p) or [""])[0].startswith("ray::QuantWorker")
-    )
-
-
-def _cmdline(p) -> list[str]:
-    import psutil
-
-    try:
-        return p.cmdline()
-    except psutil.Error:
-        return []
-
-
 def test_sigkill_of_a_worker_mid_job_gives_identical_output(long_source, tmp_path):
     """One QuantWorker SIGKILLed once the job is under way: it is replaced, the shards it
     held are resubmitted, and the archive is byte-identical to an undisturbed run."""
@@ -250,7 +228,7 @@ def test_sigkill_of_a_worker_mid_job_gives_identical_output(long_source, tmp_pat
         deadline = time.time() + 120
         while time.time() < deadline and not killed:
             if faulty.exists() and any(faulty.glob("_part-*.json")):
-                pids = _quant_worker_pids()
+                pids = quant_worker_pids()
                 if pids:
                     os.kill(pids[0], signal.SIGKILL)
                     killed.append(pids[0])

@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from _util import quant_worker_pids
+
 import fp8ray
 from fp8ray import CodecOptions, Fp8Codec
 from fp8ray.engine.archives import compress_archive, decompress_archive, verify_archive
@@ -173,18 +175,6 @@ def test_overwrite_replaces_a_directory_only_when_complete(request_dir, tmp_path
     assert sorted(p.name for p in out.iterdir()) == sorted(files)
 
 
-def _quant_worker_pids() -> list[int]:
-    import psutil
-
-    def cmdline(p):
-        try:
-            return p.cmdline()
-        except psutil.Error:
-            return []
-
-    return sorted(p.pid for p in psutil.Process(os.getpid()).children(recursive=True) if (cmdline(p) or [""])[0].startswith("ray::QuantWorker"))
-
-
 @pytest.fixture(scope="module")
 def many_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("many") / "kv"
@@ -206,7 +196,7 @@ def test_sigkill_of_a_worker_mid_decompress_gives_identical_output(many_files, t
         deadline = time.time() + 120
         while time.time() < deadline and not killed:
             if any(tmp_path.glob(".faulty.tmp-*/*.safetensors")):
-                pids = _quant_worker_pids()
+                pids = quant_worker_pids()
                 if pids:
                     os.kill(pids[0], signal.SIGKILL)
                     killed.append(pids[0])
