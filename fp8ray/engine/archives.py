@@ -75,6 +75,7 @@ class DecompressReport:
     raw_bytes: int
     seconds: float  # the work, once the workers are up
     files: int
+    nodes: int = 0  # distinct Ray nodes that wrote files
 
     @property
     def output_gbps(self) -> float:
@@ -297,6 +298,7 @@ def decompress_archive(
     scratch = temporary_name(out_path)
     out_fs.create_dir(scratch)
     report = DecompressReport(redact(archive_uri), redact(output), 0, 0, 0.0, 0)
+    nodes = set()
     try:
         with _pool(pool, workers, gpus_per_worker, address) as running:
             start = time.perf_counter()
@@ -306,9 +308,11 @@ def decompress_archive(
                 report.files += result.files
                 report.blocks += result.blocks
                 report.raw_bytes += result.raw_bytes
+                nodes.add(result.node_id)
                 if progress:
                     progress(result.blocks)
             report.seconds = time.perf_counter() - start
+            report.nodes = len(nodes - {None})
         _clean_temporaries(out_fs, scratch)  # of workers killed mid-file; their files were rewritten
         if plan.container == "directory":
             replace_directory(out_fs, scratch, out_path)

@@ -76,11 +76,12 @@ class VerifyResult:
 
 @dataclass
 class RestoreResult:
-    """What one restore task wrote."""
+    """What one restore task wrote, and where it ran."""
 
     files: int = 0
     blocks: int = 0
     raw_bytes: int = 0
+    node_id: str | None = None
 
 
 class QuantWorker:
@@ -200,7 +201,7 @@ class QuantWorker:
         last_use = {p: i for i, f in enumerate(task.files) for p, *_ in f.blocks}
         frames: dict[int, list] = {}
         buffer = np.empty(0, np.uint8)  # reused: fresh pages for every block cost more than decoding
-        result = RestoreResult()
+        result = RestoreResult(node_id=_node_id())
         for i, f in enumerate(task.files):
             with f.writer(uri_for(directory, f"{out_dir}/{f.name}")) as writer:
                 for part, row, key, dtype, shape in f.blocks:
