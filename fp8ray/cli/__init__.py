@@ -19,6 +19,9 @@ from ..errors import Fp8rayError
 from . import archives, bench, demo, eval, serve, stores
 
 COMMAND_MODULES = (archives, stores, eval, serve, bench, demo)
+# Which extra brings a missing module (pyproject.toml [project.optional-dependencies]).
+EXTRAS = (("transformers", "models"), ("gguf", "models"), ("matplotlib", "models"), ("ray.serve", "serve"),
+          ("fastapi", "serve"), ("httpx", "serve"), ("lmcache", "lmcache"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except ImportError as exc:  # an optional extra that is not installed
-        print(f"fp8ray: error: {exc}; install fp8ray with its extras: pip install 'fp8ray[models,serve]'", file=sys.stderr)
+        extra = next((e for prefix, e in EXTRAS if (exc.name or "").startswith(prefix)), "models,serve,lmcache")
+        print(f"fp8ray: error: {exc}; install fp8ray with its extras: pip install 'fp8ray[{extra}]'", file=sys.stderr)
         return 1
     except (ValueError, TypeError, OSError, Fp8rayError) as exc:
         print(f"fp8ray: error: {exc}", file=sys.stderr)

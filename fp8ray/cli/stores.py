@@ -30,7 +30,8 @@ def add_commands(commands) -> None:
                 "fp8ray (scaled, checked frames; fp8ray.lmcache.register()) (default fp8)",
             )
             codec_arguments(parser, (*FRAME_OPTIONS, "nonfinite"))
-        parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+        parser.add_argument("--overwrite", action="store_true", help="replace an existing destination (only once the new store is complete)")
+        parser.add_argument("--parents", action="store_true", help="create the destination's missing parent directories")
         engine_arguments(parser)
         parser.set_defaults(handler=run_store_command)
 
@@ -69,6 +70,7 @@ def run_store_command(args) -> int:
         gpus_per_worker=args.gpus_per_worker,
         address=args.address,
         overwrite=args.overwrite,
+        parents=args.parents,
         progress=lambda n: state.get("update") and state["update"](n),
         on_scan=on_scan,
     )

@@ -24,11 +24,13 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 
+from pyarrow.fs import LocalFileSystem
+
 from ..codec import CodecOptions
 from ..codec.formats import get_format
 from ..errors import ArchiveExistsError, BadInputError, DestinationError, MismatchError, SourceError
 from ..io.lmcache_store import FORMS, FP8, FRAMES, RAW, ChunkFile, Layout, parse_layout, scan_store
-from ..io.paths import check_apart, temporary_name
+from ..io.paths import check_apart, prepare_parent, replace_directory, resolve, temporary_name
 from .pool import QuantPool
 from .store_files import StoreConversion
 
@@ -63,7 +65,7 @@ class StoreReport:
         return {**asdict(self), "input_gbps": self.input_gbps}
 
 
-def _check_paths(source: str, destination: str, overwrite: bool) -> tuple[str, str]:
+def _check_paths(source: str, destination: str, overwrite: bool, parents: bool) -> tuple[str, str]:
     src, dst = os.path.realpath(source), os.path.realpath(destination)
     if not os.path.isdir(src):
         raise SourceError(f"source {source} is not a directory")
@@ -73,6 +75,9 @@ def _check_paths(source: str, destination: str, overwrite: bool) -> tuple[str, s
             raise ArchiveExistsError(f"destination {destination} exists (pass --overwrite to replace it)")
         if not os.path.isdir(dst) or os.path.islink(destination):
             raise DestinationError(f"destination {destination} exists and is not a directory; not replacing it")
+    else:
+        fs, path = resolve(dst)
+        prepare_parent(fs, path, destination, parents)
     return src, dst
 
 
@@ -131,6 +136,7 @@ def convert_store(
     gpus_per_worker: float = 0,
     address: str | None = None,
     overwrite: bool = False,
+    parents: bool = False,
     progress=None,
     on_scan=None,
 ) -> StoreReport:
@@ -153,7 +159,7 @@ def convert_store(
     fmt = get_format(fp8)
     options = options if options is not None else CodecOptions(fp8=fmt.name)
     layout = parse_layout(layout) if isinstance(layout, str) else layout
-    src, dst = _check_paths(source, destination, overwrite)
+    src, dst = _check_paths(source, destination, overwrite, parents)
     scan = scan_store(src, layout)
     todo = [c for c in scan.chunks if c.form != target]
     if not todo:
@@ -162,7 +168,7 @@ def convert_store(
         on_scan(len(scan.chunks))
 
     scratch = temporary_name(dst)
-    os.makedirs(scratch)
+    os.mkdir(scratch)
     conversion = StoreConversion(src, scratch, layout, target, fmt.name, options)
     done = []
     try:
@@ -174,17 +180,7 @@ def convert_store(
                 if progress is not None:
                     progress(len(files))
             seconds = time.perf_counter() - start
-        if os.path.lexists(dst):  # --overwrite: swap the old one out only now
-            trash = f"{scratch}.old"
-            os.rename(dst, trash)
-            try:
-                os.rename(scratch, dst)
-            except BaseException:
-                os.rename(trash, dst)  # put the old store back
-                raise
-            shutil.rmtree(trash, ignore_errors=True)  # the new store is in place either way
-        else:
-            os.rename(scratch, dst)
+        replace_directory(LocalFileSystem(), scratch, dst)  # --overwrite: the old store goes only now
     except BaseException:
         _remove_tree(scratch)
         raise

@@ -27,7 +27,6 @@ from ..codec.metrics import error_metrics
 from ..errors import MismatchError, block_error
 from ..io import archive
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks, tensor_to_bytes
-from ..io.lmcache_store import Layout
 from ..io.paths import resolve, uri_for
 from ..io.restore import RestoreTask
 from .store_files import ConvertedFile, convert_files

@@ -105,6 +105,10 @@ def test_missing_parent_directories_are_named_not_created(kv_source, tmp_path, c
     src, _ = kv_source
     code, err = run(capsys, "compress", src, tmp_path / "no" / "such" / "arch")
     assert code == 1 and f"directory {tmp_path / 'no' / 'such'} does not exist" in err, err
+    store = tmp_path / "store"
+    store.mkdir()
+    code, err = run(capsys, "lmcache-compress", store, tmp_path / "no" / "such" / "fp8", "--layout", "bfloat16:2,2,16,64")
+    assert code == 1 and f"directory {tmp_path / 'no' / 'such'} does not exist" in err, err
     assert not (tmp_path / "no").exists()
     assert run(capsys, "compress", src, tmp_path / "no" / "such" / "arch", "--parents")[0] == 0
     arch = tmp_path / "no" / "such" / "arch"

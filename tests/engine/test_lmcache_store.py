@@ -446,9 +446,11 @@ def test_overwrite_keeps_the_old_store_if_the_swap_fails(store, tmp_path, monkey
     dst.mkdir()
     (dst / "keep").write_bytes(b"x")
     real_rename = os.rename
+    failed = []
 
     def failing_rename(a, b):
-        if str(b) == str(dst) and not str(a).endswith(".old"):  # the new store moving into place
+        if str(b) == str(dst) and not failed:  # the new store moving into place (the old one went aside first)
+            failed.append(a)
             raise OSError("simulated failure of the swap")
         return real_rename(a, b)
 
