@@ -28,6 +28,7 @@ from ..engine.archives import compress_archive, decompress_archive
 from ..engine.pool import QuantPool
 from ..engine.runtime import connect_ray, disconnect_ray
 from ..eval.sample import sample_kv_chunk
+from ..io.archive import DEFAULT_LOSSLESS
 from ..io.blocks import tensor_to_bytes
 from ..io.safetensors import SafetensorsWriter
 from .codec import describe_machine
@@ -73,11 +74,12 @@ def _size(path: str) -> int:
 
 def bench_pipeline(
     mib: int = 512, max_workers: int = 2, options: CodecOptions | None = None, repeat: int = 3,
-    lossless: str = "none", address: str | None = None,
+    lossless: str = DEFAULT_LOSSLESS, address: str | None = None, files: int = 8,
 ) -> str:
-    """The table of the module docstring, for 1..``max_workers`` workers."""
+    """The table of the module docstring, for 1..``max_workers`` workers, on a source of
+    ``files`` safetensors files (a directory, or one file for ``files=1``)."""
     options = options or CodecOptions()
-    chunks = max(1, mib * 2**20 // CHUNK_BYTES)
+    chunks = max(files, mib * 2**20 // CHUNK_BYTES)
     tensors = {f"chunk{i:04d}": sample_kv_chunk(seed=i) for i in range(chunks)}
     raw = chunks * CHUNK_BYTES
     codec = Fp8Codec(options=options)
@@ -86,8 +88,9 @@ def bench_pipeline(
     frames = [codec.encode(t) for t in blocks]
     decode_seconds = statistics.median(_timed(lambda: [decode(f) for f in frames]) for _ in range(repeat))
     buffer = bytearray(IO_PIECE)
+    where = "one safetensors file" if files == 1 else f"a directory of {files} safetensors files"
     lines = [
-        f"fp8ray bench pipeline: {chunks} x [2, 30, 256, 192] bfloat16 ({raw / 2**20:.0f} MiB) in one safetensors file; "
+        f"fp8ray bench pipeline: {chunks} x [2, 30, 256, 192] bfloat16 ({raw / 2**20:.0f} MiB) in {where}; "
         f"codec {options.label()}; lossless {lossless}; median of {repeat}",
         describe_machine(),
         "",
@@ -100,10 +103,7 @@ def bench_pipeline(
     owns = connect_ray(address, max(max_workers, os.cpu_count() or 1)) if address != "inline" else False
     tmp = tempfile.mkdtemp(prefix="fp8ray-bench-", dir=os.environ.get("FP8RAY_BENCH_DIR"))
     try:
-        source = os.path.join(tmp, "kv.safetensors")
-        with SafetensorsWriter(source, [(k, "bfloat16", tuple(t.shape)) for k, t in tensors.items()]) as writer:
-            for t in tensors.values():
-                writer.write(tensor_to_bytes(t))
+        source = _write_source(tmp, tensors, files)
         del frames
         store_row = None
         for workers in range(1, max_workers + 1):
@@ -112,7 +112,7 @@ def bench_pipeline(
                 pool_start = time.perf_counter() - start
                 runs = []
                 for _ in range(repeat):
-                    arch, out = os.path.join(tmp, "arch"), os.path.join(tmp, "out.safetensors")
+                    arch, out = os.path.join(tmp, "arch"), os.path.join(tmp, "out" if files > 1 else "out.safetensors")
                     # Each timed step starts with no dirty pages left by the one before: the
                     # kernel's write-back of earlier writes would otherwise land on it.
                     os.sync()
@@ -125,7 +125,7 @@ def bench_pipeline(
                     bound_d = _read_seconds(arch, buffer) + _write_seconds(tmp, _size(out), buffer)
                     runs.append((compressed.seconds, bound_c, restored.seconds, bound_d))
                     shutil.rmtree(arch)
-                    os.unlink(out)
+                    shutil.rmtree(out) if files > 1 else os.unlink(out)
                 c, bc, d, bd = (statistics.median(r[i] for r in runs) for i in range(4))
                 lines.append(
                     f"| {workers} | {pool_start:.1f} | {raw / c / 1e9:.2f} | {raw / bc / 1e9:.2f} | {bc / c:.2f} "
@@ -145,6 +145,20 @@ def bench_pipeline(
         if owns:
             disconnect_ray()
     return "\n".join(lines)
+
+
+def _write_source(tmp: str, tensors: dict, files: int) -> str:
+    """The chunks as one safetensors file, or spread over ``files`` files in a directory."""
+    keys = list(tensors)
+    groups = [keys[i::files] for i in range(files)] if files > 1 else [keys]
+    root = os.path.join(tmp, "kv") if files > 1 else tmp
+    os.makedirs(root, exist_ok=True)
+    for i, group in enumerate(groups):
+        path = os.path.join(root, f"kv{i:03d}.safetensors" if files > 1 else "kv.safetensors")
+        with SafetensorsWriter(path, [(k, "bfloat16", tuple(tensors[k].shape)) for k in group]) as writer:
+            for k in group:
+                writer.write(tensor_to_bytes(tensors[k]))
+    return root if files > 1 else os.path.join(tmp, "kv.safetensors")
 
 
 def _object_store(pool: QuantPool, blocks: list, options: CodecOptions, repeat: int) -> tuple[float, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..io.archive import DEFAULT_LOSSLESS
 from .common import codec_arguments, codec_options, given_codec_options, positive_float, positive_int
 from .serve import service_arguments, service_args
 
@@ -27,7 +28,8 @@ def add_commands(commands) -> None:
     pipeline.add_argument("--mib", type=positive_int, default=512, help="MiB of bf16 sample KV cache in one file (default 512)")
     pipeline.add_argument("--max-workers", type=positive_int, default=2, help="measure 1 to N workers (default 2)")
     codec_arguments(pipeline)
-    pipeline.add_argument("--lossless", default="none", metavar="CODEC[:LEVEL]", help="the archive's lossless stage (default none)")
+    pipeline.add_argument("--files", type=positive_int, default=8, help="safetensors files the source is spread over; 1: a single file (default 8)")
+    pipeline.add_argument("--lossless", default=DEFAULT_LOSSLESS, metavar="CODEC[:LEVEL]", help=f"the archive's lossless stage (default {DEFAULT_LOSSLESS})")
     pipeline.add_argument("--address", help="Ray cluster to join, or inline (default: RAY_ADDRESS, else an embedded local Ray)")
     pipeline.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is shown (default 3)")
     pipeline.set_defaults(handler=run_bench_pipeline)
@@ -89,7 +91,7 @@ def run_bench_codec(args) -> int:
 def run_bench_pipeline(args) -> int:
     from ..bench.pipeline import bench_pipeline
 
-    print(bench_pipeline(args.mib, args.max_workers, codec_options(args), args.repeat, args.lossless, args.address))
+    print(bench_pipeline(args.mib, args.max_workers, codec_options(args), args.repeat, args.lossless, args.address, args.files))
     return 0
 
 
