@@ -150,6 +150,33 @@ def _undo(dest: _Destination) -> None:
         archive.clean_scratch(dest.fs, dest.work)
 
 
+def _scan_compressible(source: str):
+    """The source's layout and blocks, refused before anything is written if it holds no
+    tensor, or one no frame can hold."""
+    layout, refs = scan_source(source)
+    if not refs:
+        raise SourceError(f"source {redact(source)} holds no tensors: there is nothing to compress")
+    for ref in refs:
+        try:
+            frame.check_shape(ref.shape)
+        except ValueError as exc:
+            raise block_error(ref.key, exc) from None
+    return layout, refs
+
+
+def _resumable_parts(fs: pafs.FileSystem, work: str, plan: dict, previous: dict | None, destination: str) -> dict[int, archive.PartInfo]:
+    """The parts an interrupted run of the same plan finished (none without one)."""
+    if previous is None:
+        return {}
+    if previous != plan:
+        raise ArchiveExistsError(
+            f"cannot resume {redact(destination)}: it was started from another source, options or plan "
+            f"({previous.get('source')}, {previous.get('codec')})"
+        )
+    infos = {i: archive.read_sidecar(fs, work, i) for i in range(len(plan["parts"]))}
+    return {i: info for i, info in infos.items() if info is not None}
+
+
 def compress_archive(
     source: str,
     destination: str,
@@ -189,31 +216,13 @@ def compress_archive(
     codec = CodecOptions.parse(codec_options, base=options)  # bad options fail before any work
     archive.parse_lossless(lossless)
     check_apart(source, destination)
-    layout, refs = scan_source(source)
-    if not refs:
-        raise SourceError(f"source {redact(source)} holds no tensors: there is nothing to compress")
-    for ref in refs:  # what no frame can hold is refused before anything is written
-        try:
-            frame.check_shape(ref.shape)
-        except ValueError as exc:
-            raise block_error(ref.key, exc) from None
+    layout, refs = _scan_compressible(source)
     parts = archive.plan_parts(refs, part_bytes)
     dest = _prepare_destination(destination, resume, overwrite, parents)
     fs, work = dest.fs, dest.work
     plan = archive.plan_record(source, codec.as_dict(), lossless, parts)
-    reused: dict[int, archive.PartInfo] = {}
     previous = archive.read_plan(fs, work) if resume and not dest.replacing else None
-    if previous is not None:
-        if previous != plan:
-            raise ArchiveExistsError(
-                f"cannot resume {redact(destination)}: it was started from another source, options or plan "
-                f"({previous.get('source')}, {previous.get('codec')})"
-            )
-        for i in range(len(parts)):
-            info = archive.read_sidecar(fs, work, i)
-            if info is not None:
-                reused[i] = info
-
+    reused = _resumable_parts(fs, work, plan, previous, destination)
     infos: dict[int, archive.PartInfo] = dict(reused)
     devices, nodes = set(), set()
     finished = 0
