@@ -141,6 +141,10 @@ def block_error(key: str, exc: Exception, where: str = "") -> Exception:
     with the key in front of its message; any other ``ValueError``, ``TypeError`` or
     ``OSError`` becomes a :class:`BlockError`."""
     message = f"block {key!r}{where}: {exc}"
+    if isinstance(exc, BadInputError):
+        return type(exc)(message, field=exc.field or key)
+    if isinstance(exc, RequestError):
+        return type(exc)(message, exc.status, exc.field)
     if isinstance(exc, Fp8rayError):
         try:
             return type(exc)(message)

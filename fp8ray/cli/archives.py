@@ -111,7 +111,7 @@ def run_verify(args) -> int:
     if not report.ok:
         for error in report.errors:
             warn(error)
-        warn(f"error: archive {args.archive} failed verification ({len(report.errors)} problem(s))")
+        warn(f"error: archive {report.archive} failed verification ({len(report.errors)} problem(s))")
         return 1
     return 0
 
@@ -119,13 +119,14 @@ def run_verify(args) -> int:
 def run_inspect(args) -> int:
     from ..engine.archives import inspect_archive
     from ..io.archive import manifest_codec
+    from ..io.paths import redact
 
     info = inspect_archive(args.archive)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
     print(
-        f"{args.archive}: {info['blocks']} blocks in {len(info['parts'])} parts, {manifest_codec(info).label()}; "
+        f"{redact(args.archive)}: {info['blocks']} blocks in {len(info['parts'])} parts, {manifest_codec(info).label()}; "
         f"{info['raw_bytes'] / 2**20:.1f} MiB -> {info['archive_bytes'] / 2**20:.1f} MiB ({info['ratio']:.2f}x); "
         f"fp8ray {info['fp8ray_version']}"
     )

@@ -24,7 +24,7 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not value > 0:
+    if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
@@ -34,7 +34,7 @@ def non_negative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}") from None
-    if not value >= 0:
+    if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 

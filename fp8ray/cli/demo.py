@@ -9,7 +9,6 @@ and layer; decompresses it; and reports sizes, error and throughput.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 from ..codec import CodecOptions
@@ -47,19 +46,15 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
             f"captured {report.model}'s KV cache over {report.tokens} tokens of {SHIPPED_TEXT.name}: "
             f"{report.layers} layers x K/V of [{report.kv_heads}, {report.tokens}, {report.head_dim}] {report.dtype} -> {source}"
         )
+    # A rerun replaces the last run's outputs only once its own are complete.
     archive, restored = out_dir / "kv_smollm2.fp8", out_dir / "restored.safetensors"
-    for old in (archive, restored):
-        if old.is_dir():
-            shutil.rmtree(old)
-        elif old.exists():
-            old.unlink()
 
     owns_ray = connect_ray("local", max(workers, os.cpu_count() or 1))  # one Ray for the three steps
     try:
         # Parts of 4 MiB, so that a small capture still spreads over every worker.
-        compressed = compress_archive(str(source), str(archive), options=options, workers=workers, part_bytes=4 << 20)
+        compressed = compress_archive(str(source), str(archive), options=options, workers=workers, part_bytes=4 << 20, overwrite=True)
         verified = verify_archive(str(archive), against=str(source), workers=workers)
-        decompressed = decompress_archive(str(archive), str(restored), workers=workers)
+        decompressed = decompress_archive(str(archive), str(restored), workers=workers, overwrite=True)
     finally:
         if owns_ray:
             disconnect_ray()

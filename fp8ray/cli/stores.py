@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from ..io.paths import printable
 from .common import codec_arguments, engine_arguments, given_codec_options, progress, warn
 
 FRAME_OPTIONS = ("scaling", "block_size", "scale_dtype", "scale_choice")  # only frames have them
@@ -34,12 +35,6 @@ def add_commands(commands) -> None:
         parser.add_argument("--parents", action="store_true", help="create the destination's missing parent directories")
         engine_arguments(parser)
         parser.set_defaults(handler=run_store_command)
-
-
-def printable(text: str) -> str:
-    """``text`` with control characters (and undecodable bytes) escaped: names on disk
-    come from the outside world and must not drive the terminal."""
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def run_store_command(args) -> int:

@@ -4,9 +4,9 @@ Ray Data's UDF convention: state (the codec) is built once in ``__init__``, on e
 actor, then each call takes a batch and returns one.
 
 - :class:`Fp8Encoder`: raw-block rows (``key``, ``dtype``, ``shape``, ``data``) to rows
-  of the archive part schema (:data:`fp8ray.io.archive.SCHEMA`: ``key``, ``dtype``,
-  ``shape``, ``fp8``, ``scaling``, ``block_size``, ``raw_bytes``, ``frame_bytes``,
-  ``frame``), each frame exactly ``Fp8Codec(options).encode`` of its block.
+  of the archive part schema (:data:`fp8ray.io.archive.SCHEMA`: ``file`` (empty here),
+  ``key``, ``dtype``, ``shape``, ``fp8``, ``scaling``, ``block_size``, ``raw_bytes``,
+  ``frame_bytes``, ``frame``), each frame exactly ``Fp8Codec(options).encode`` of its block.
 - :class:`Fp8Decoder`: rows with ``key`` and ``frame`` (an archive's parts, read with
   ``ray.data.read_parquet(ARCHIVE_DIR)``, or the encoder's output) back to raw-block
   rows (:data:`RAW_SCHEMA`), each block bit for bit ``fp8ray.decode`` of its frame.

@@ -22,8 +22,8 @@ class Fp8Encoder:
     Rows in: ``key`` (string), ``dtype`` (``"bfloat16"``, ``"float16"`` or ``"float32"``),
     ``shape`` (list of ints) and ``data`` (the block's raw little-endian bytes), the
     raw-block layout fp8ray reads as a source; other columns are dropped. Rows out: the
-    archive part schema :data:`fp8ray.io.archive.SCHEMA` (key, dtype, shape, fp8, scaling,
-    block_size, raw_bytes, frame_bytes, frame), as a ``pyarrow.Table`` whatever the
+    archive part schema :data:`fp8ray.io.archive.SCHEMA` (file, left empty; key, dtype,
+    shape, fp8, scaling, block_size, raw_bytes, frame_bytes, frame), as a ``pyarrow.Table`` whatever the
     ``batch_format``. Each frame is exactly ``Fp8Codec(options).encode`` of its block.
 
     >>> ds = ray.data.read_parquet("raw/")   # key, dtype, shape, data

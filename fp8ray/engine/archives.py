@@ -22,7 +22,17 @@ from ..errors import ArchiveExistsError, DestinationError, SourceError, block_er
 from ..io import archive
 from ..io.archive import DEFAULT_LOSSLESS, DEFAULT_PART_BYTES
 from ..io.blocks import scan_source
-from ..io.paths import TMP_MARK, check_apart, prepare_parent, redact, replace_directory, resolve, temporary_name, uri_for
+from ..io.paths import (
+    TMP_MARK,
+    check_apart,
+    prepare_parent,
+    redact,
+    remove_quietly,
+    replace_directory,
+    resolve,
+    temporary_name,
+    uri_for,
+)
 from ..io.restore import plan_restore
 from .pool import QuantPool
 
@@ -124,17 +134,25 @@ def _prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool)
     if info.type == pafs.FileType.File:
         raise ArchiveExistsError(f"destination {redact(uri)} exists and is a file")
     if info.type == pafs.FileType.Directory:
-        has_manifest = fs.get_file_info(f"{path}/{archive.MANIFEST_NAME}").type == pafs.FileType.File
-        entries = fs.get_file_info(pafs.FileSelector(path))
-        if overwrite and entries:
+        names = {e.base_name for e in fs.get_file_info(pafs.FileSelector(path))}
+        if not names:
+            return _Destination(fs, path, path, False)
+        # Only what fp8ray wrote is ever replaced or resumed: a directory of the user's
+        # own files is left alone, whatever the flags.
+        ours = archive.MANIFEST_NAME in names or archive.PLAN_NAME in names
+        if not ours:
+            raise DestinationError(
+                f"destination {redact(uri)} exists and is not empty, and is not an fp8ray archive: not writing into it"
+            )
+        if overwrite:
             work = temporary_name(path)
             fs.create_dir(work)
             return _Destination(fs, path, work, True)
-        if has_manifest and not overwrite:
+        if archive.MANIFEST_NAME in names:
             raise ArchiveExistsError(f"destination {redact(uri)} already holds an archive (pass --overwrite to replace it)")
-        if entries and not resume:
+        if not resume:
             raise ArchiveExistsError(
-                f"destination {redact(uri)} exists and is not empty (pass --resume to continue, --overwrite to replace)"
+                f"destination {redact(uri)} holds an interrupted compress (pass --resume to continue, --overwrite to replace)"
             )
         return _Destination(fs, path, path, False)
     prepare_parent(fs, path, uri, parents)
@@ -143,11 +161,15 @@ def _prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool)
 
 
 def _undo(dest: _Destination) -> None:
-    """Leave the destination as it was found, after a run in which no part finished."""
+    """Leave the destination as it was found, after a run in which no part finished
+    (quietly: an error here must not hide the one that caused it)."""
     if dest.created:
-        dest.fs.delete_dir(dest.work)
-    else:
+        remove_quietly(dest.fs, dest.work)
+        return
+    try:
         archive.clean_scratch(dest.fs, dest.work)
+    except OSError:
+        pass
 
 
 def _scan_compressible(source: str):
@@ -203,7 +225,8 @@ def compress_archive(
     destination that overlaps the source is refused before anything is touched;
     ``overwrite`` replaces an existing archive only once the new one is complete; a run
     that fails before any part is finished leaves the destination as it found it (one
-    that fails later keeps its finished parts for ``resume``). A missing parent directory
+    that fails later keeps its finished parts for ``resume``). A non-empty directory that
+    is not an fp8ray archive (or an interrupted compress) is never written into. A missing parent directory
     is created with ``parents``, else refused. ``pool``: a running :class:`QuantPool` to
     use (and leave running) instead of starting one for this call.
 
@@ -225,7 +248,11 @@ def compress_archive(
     reused = _resumable_parts(fs, work, plan, previous, destination)
     infos: dict[int, archive.PartInfo] = dict(reused)
     devices, nodes = set(), set()
-    finished = 0
+    finished = []  # parts written in this run, in whatever order they arrived
+
+    def count_finished(result) -> None:
+        finished.append(result)
+
     try:
         if previous is None:
             archive.write_plan(fs, work, plan)
@@ -236,9 +263,8 @@ def compress_archive(
         with _pool(pool, workers, gpus_per_worker, address) as running:
             start = time.perf_counter()
             tasks = ((parts[i], codec, work_uri, i, lossless) for i in todo)
-            for i, result in zip(todo, running.map("compress_part", tasks)):
+            for i, result in zip(todo, running.map("compress_part", tasks, on_result=count_finished)):
                 infos[i] = result.info
-                finished += 1
                 devices.add(result.device)
                 nodes.add(result.node_id)
                 if progress:
@@ -252,7 +278,7 @@ def compress_archive(
         archive.clean_scratch(fs, work)
     except BaseException:
         if dest.replacing:
-            fs.delete_dir(work)  # the old archive stays as it was
+            remove_quietly(fs, work)  # the old archive stays as it was
         elif not finished and not reused:
             _undo(dest)
         raise
@@ -327,12 +353,10 @@ def decompress_archive(
             replace_directory(out_fs, scratch, out_path)
         else:
             (only,) = plan.files
-            if out_fs.get_file_info(out_path).type == pafs.FileType.File:  # --overwrite, checked above
-                out_fs.delete_file(out_path)
-            out_fs.move(f"{scratch}/{only.name}", out_path)
+            out_fs.move(f"{scratch}/{only.name}", out_path)  # replaces an old file (--overwrite) in one step
             out_fs.delete_dir(scratch)
     except BaseException:
-        _remove_quietly(out_fs, scratch)
+        remove_quietly(out_fs, scratch)
         raise
     return report
 
@@ -365,19 +389,6 @@ def _clean_temporaries(fs: pafs.FileSystem, directory: str) -> None:
     for entry in fs.get_file_info(pafs.FileSelector(directory)):
         if TMP_MARK in entry.base_name:
             fs.delete_file(entry.path)
-
-
-def _remove_quietly(fs: pafs.FileSystem, directory: str) -> None:
-    """Remove a scratch directory after a failure; a worker being stopped may still be
-    finishing a file in it, so try for a while. Nothing of the user's is in it."""
-    for _ in range(50):
-        try:
-            fs.delete_dir(directory)
-        except OSError:
-            pass
-        if fs.get_file_info(directory).type == pafs.FileType.NotFound:
-            return
-        time.sleep(0.1)
 
 
 def verify_archive(

@@ -26,6 +26,7 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from ..codec import CodecOptions
+from ..codec.formats import DTYPE_NAMES
 from ..errors import PoolStartError, WorkerLostError
 from ..io.blocks import bytes_to_tensor, dtype_name, tensor_to_bytes
 from .runtime import connect_ray, disconnect_ray
@@ -83,7 +84,7 @@ class QuantPool:
     def __enter__(self) -> QuantPool:
         if self.inline:
             self._saved_threads = os.environ.get("FP8RAY_NUM_THREADS")
-            self.workers = [QuantWorker(max(1, int(self.cpus_per_worker))) for _ in range(self.num_workers)]
+            self.workers = [QuantWorker(max(1, int(self.cpus_per_worker)), reuse_buffers=False) for _ in range(self.num_workers)]
             self._threads = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="QuantWorker")
             return self
         embedded_cpus = max(int(self.num_workers * self.cpus_per_worker), os.cpu_count() or 1)
@@ -242,6 +243,9 @@ class QuantPool:
         overriding it; the default mode if none). ``batch_size``: blocks per task
         (default: about :data:`BATCH_BYTES` of input each)."""
         options = CodecOptions.parse(codec_options, base=options)
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.dtype not in DTYPE_NAMES:
+                raise TypeError(f"tensor {i}: expected a bfloat16, float16 or float32 torch.Tensor, got {getattr(t, 'dtype', type(t).__name__)}")
         blocks = [(str(i), dtype_name(t), tuple(t.shape), tensor_to_bytes(t.cpu())) for i, t in enumerate(tensors)]
         batches = ((batch, options) for batch in _batches(blocks, batch_size, lambda b: b[3].size))
         return [f for batch in self.map("encode_batch", batches) for f, _ in batch]

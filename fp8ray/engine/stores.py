@@ -19,7 +19,6 @@ anything failed. Nothing read is modified.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -30,7 +29,7 @@ from ..codec import CodecOptions
 from ..codec.formats import get_format
 from ..errors import ArchiveExistsError, BadInputError, DestinationError, MismatchError, SourceError
 from ..io.lmcache_store import FORMS, FP8, FRAMES, RAW, ChunkFile, Layout, parse_layout, scan_store
-from ..io.paths import check_apart, prepare_parent, replace_directory, resolve, temporary_name
+from ..io.paths import check_apart, prepare_parent, remove_quietly, replace_directory, resolve, temporary_name
 from .pool import QuantPool
 from .store_files import StoreConversion
 
@@ -79,16 +78,6 @@ def _check_paths(source: str, destination: str, overwrite: bool, parents: bool) 
         fs, path = resolve(dst)
         prepare_parent(fs, path, destination, parents)
     return src, dst
-
-
-def _remove_tree(path: str) -> None:
-    """Remove a scratch directory; a killed worker may still be finishing a write into it."""
-    for _ in range(20):
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.lexists(path):
-            return
-        time.sleep(0.1)
-    shutil.rmtree(path)  # raises, naming what is left
 
 
 def _plan_shards(chunks: list[ChunkFile], workers: int) -> list[list[ChunkFile]]:
@@ -182,7 +171,7 @@ def convert_store(
             seconds = time.perf_counter() - start
         replace_directory(LocalFileSystem(), scratch, dst)  # --overwrite: the old store goes only now
     except BaseException:
-        _remove_tree(scratch)
+        remove_quietly(LocalFileSystem(), scratch)
         raise
     converted = [f for f in done if not f.copied]
     copied = [f for f in done if f.copied]

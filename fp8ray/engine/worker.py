@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 import torch
+from pyarrow.fs import LocalFileSystem
 
 from ..codec import CodecOptions, Fp8Codec, decode, frame
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
@@ -26,7 +27,7 @@ from ..codec.bound import check_within_bound, element_scales
 from ..codec.metrics import error_metrics
 from ..errors import MismatchError, block_error
 from ..io import archive
-from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks, tensor_to_bytes
+from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
 from ..io.restore import RestoreTask
 from .store_files import ConvertedFile, convert_files
@@ -87,7 +88,7 @@ class QuantWorker:
     """Encode and decode shards of KV blocks. Create it through :class:`fp8ray.QuantPool`
     (or ``ray.remote(QuantWorker)``); every method takes and returns plain data."""
 
-    def __init__(self, threads: int = 1):
+    def __init__(self, threads: int = 1, reuse_buffers: bool = True):
         os.environ["FP8RAY_NUM_THREADS"] = str(max(1, int(threads)))
         gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
         self.device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
@@ -97,7 +98,9 @@ class QuantWorker:
         self._reader = BlockReader()
         self._frames = np.empty(0, np.uint8)
         self._results = np.empty(0, np.uint8)
-        self._in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+        # Results may live in a buffer reused from call to call only where Ray copies them
+        # out as a call ends (an actor); run inline, they are the caller's to keep.
+        self._reuse_results = reuse_buffers
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(os.getpid(), _node_id(), self.device)
@@ -126,7 +129,7 @@ class QuantWorker:
         Ray copies a task's return values into its object store as the task ends, and
         fresh pages for every batch cost more than encoding into them. Run inline (no
         Ray), the results are the caller's to keep: a new buffer."""
-        if not self._in_actor:
+        if not self._reuse_results:
             return np.empty(nbytes, np.uint8)
         if self._results.size < nbytes:
             self._results = np.empty(nbytes, np.uint8)
@@ -187,6 +190,8 @@ class QuantWorker:
     @staticmethod
     def _frame_size(codec: Fp8Codec, ref: BlockRef) -> int:
         try:
+            if ref.dtype not in DTYPES_BY_NAME:
+                raise TypeError(f"unsupported dtype {ref.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
             return codec.encoded_size(ref.shape, DTYPES_BY_NAME[ref.dtype])
         except (ValueError, TypeError) as exc:
             raise block_error(ref.key, exc) from exc
@@ -197,6 +202,9 @@ class QuantWorker:
         CRC-32C once). A damaged part or frame raises, naming the block."""
         fs, path = resolve(archive_uri)
         out_fs, out_dir = resolve(directory)
+        # A local file takes each block before the next is decoded into the same buffer;
+        # an object store's stream may still be uploading it in the background.
+        keep = (lambda data: data) if isinstance(out_fs, LocalFileSystem) else (lambda data: data.copy())
         last_use = {p: i for i, f in enumerate(task.files) for p, *_ in f.blocks}
         frames: dict[int, list] = {}
         buffer = np.empty(0, np.uint8)  # reused: fresh pages for every block cost more than decoding
@@ -215,7 +223,7 @@ class QuantWorker:
                         decode(frames[part][row], out=out)
                     except (ValueError, TypeError) as exc:
                         raise block_error(key, exc, f" in {parts[part]['name']}") from exc
-                    writer.write_block(key, dtype, shape, buffer[:nbytes])
+                    writer.write_block(key, dtype, shape, keep(buffer[:nbytes]))
                     result.blocks += 1
                     result.raw_bytes += nbytes
             result.files += 1
@@ -276,7 +284,7 @@ class QuantWorker:
                             f"relative error {stray[0]:.3%} against the source, where the codec's derived bound allows "
                             f"{stray[1]:.3%}: not the data this block was compressed from"
                         )
-            except (ValueError, TypeError) as exc:
+            except (ValueError, TypeError, RuntimeError) as exc:
                 block_errors += 1
                 result.errors.append(f"block {_label(ident, name_files)!r} in {part['name']}: {exc}")
         if part_error and not block_errors:

@@ -152,8 +152,12 @@ def read_plan(fs: pafs.FileSystem, directory: str) -> dict | None:
     path = f"{directory}/{PLAN_NAME}"
     if fs.get_file_info(path).type != pafs.FileType.File:
         return None
-    with fs.open_input_stream(path) as f:
-        return json.loads(f.read())
+    try:
+        with fs.open_input_stream(path) as f:
+            plan = json.loads(f.read())
+    except ValueError as exc:
+        raise CorruptArchiveError(f"{path}: unreadable plan ({exc}); pass --overwrite to start again") from None
+    return plan if isinstance(plan, dict) else {}
 
 
 def write_plan(fs: pafs.FileSystem, directory: str, plan: dict) -> None:
@@ -243,8 +247,11 @@ def read_sidecar(fs: pafs.FileSystem, directory: str, index: int) -> PartInfo | 
     path = f"{directory}/{sidecar_name(index)}"
     if fs.get_file_info(path).type != pafs.FileType.File:
         return None
-    with fs.open_input_stream(path) as f:
-        info = PartInfo(**json.loads(f.read()))
+    try:
+        with fs.open_input_stream(path) as f:
+            info = PartInfo(**json.loads(f.read()))
+    except (ValueError, TypeError):  # damaged, e.g. by a writer killed mid-way: redo the part
+        return None
     part = fs.get_file_info(f"{directory}/{info.name}")
     if part.type != pafs.FileType.File or part.size != info.file_bytes:
         return None
@@ -299,12 +306,32 @@ def read_manifest(fs: pafs.FileSystem, directory: str) -> dict:
             manifest = json.loads(f.read())
     except (OSError, ValueError) as exc:
         raise CorruptArchiveError(f"{path}: unreadable manifest: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise CorruptArchiveError(f"{path}: the manifest is a JSON {type(manifest).__name__}, not an object")
     if manifest.get("format") != ARCHIVE_FORMAT or manifest.get("version") not in READ_VERSIONS:
         raise CorruptArchiveError(
             f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
             f"expected {ARCHIVE_FORMAT!r} version {' or '.join(map(str, READ_VERSIONS))}"
         )
+    _check_manifest(manifest, path)
     return manifest
+
+
+# What every manifest holds, and of what type (the rest is checked where it is used).
+_MANIFEST_FIELDS = {"codec": dict, "blocks": int, "raw_bytes": int, "archive_bytes": int, "parts": list}
+_PART_FIELDS = {"name": str, "blocks": int, "file_bytes": int, "crc32c": int, "raw_bytes": int}
+
+
+def _check_manifest(manifest: dict, path: str) -> None:
+    for name, kind in _MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(name), kind):
+            raise CorruptArchiveError(f"{path}: the manifest's {name!r} is missing or not a {kind.__name__}")
+    for i, part in enumerate(manifest["parts"]):
+        bad = [n for n, kind in _PART_FIELDS.items() if not isinstance(part, dict) or not isinstance(part.get(n), kind)]
+        if bad:
+            raise CorruptArchiveError(f"{path}: part entry {i} lacks {bad}")
+        if "/" in part["name"] or not part["name"].startswith(PART_PREFIX):
+            raise CorruptArchiveError(f"{path}: part entry {i} names {part['name']!r}, not a part of this archive")
 
 
 def blocks_by_ident(
@@ -387,6 +414,7 @@ def iter_frames(table: pa.Table) -> Iterator[memoryview]:
     column = table.column("frame")
     for chunk in column.chunks:
         offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int64)[chunk.offset : chunk.offset + len(chunk) + 1]
-        data = memoryview(chunk.buffers()[2])
+        buffer = chunk.buffers()[2]
+        data = memoryview(buffer) if buffer is not None else memoryview(b"")  # every frame empty: no data buffer
         for i in range(len(chunk)):
             yield data[offsets[i] : offsets[i + 1]]

@@ -268,6 +268,8 @@ def _parquet_rows(fs: pafs.FileSystem, path: str, rows: list[int]) -> list[bytes
 def bytes_to_tensor(data: np.ndarray, dtype: str, shape) -> torch.Tensor:
     """A zero-copy tensor view of raw little-endian bytes (read-only buffers included:
     the codec never writes to its input)."""
+    if data.size == 0:  # torch cannot view an empty array of another itemsize
+        return torch.empty(tuple(shape), dtype=DTYPES_BY_NAME[dtype])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         flat = torch.from_numpy(data.view(np.uint8))

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import posixpath
+import time
 import uuid
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
@@ -29,8 +30,9 @@ def uri_for(uri: str, path: str) -> str:
     if parts.scheme in ("s3", "gs", "gcs"):  # pyarrow's path is "bucket/key"
         userinfo, _, _ = parts.netloc.rpartition("@")
         bucket, _, key = path.partition("/")
-        return urlunsplit((parts.scheme, f"{userinfo}@{bucket}" if userinfo else bucket, "/" + key, parts.query, ""))
-    return urlunsplit((parts.scheme, parts.netloc, "/" + path.lstrip("/"), parts.query, ""))
+        # pyarrow decodes %XX in a URI's path: a key holding '%', ' ', '?' or '#' must be quoted.
+        return urlunsplit((parts.scheme, f"{userinfo}@{bucket}" if userinfo else bucket, "/" + quote(key, safe="/"), parts.query, ""))
+    return urlunsplit((parts.scheme, parts.netloc, "/" + quote(path.lstrip("/"), safe="/"), parts.query, ""))
 
 
 def redact(uri: str) -> str:
@@ -109,7 +111,7 @@ def check_apart(source: str, destination: str) -> None:
 def printable(name: str) -> str:
     """A name from the outside world (a file name, a key) safe to print: control
     characters and escape codes shown as escapes, never sent to the terminal."""
-    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
+    return name if name.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in name)
 
 
 def prepare_parent(fs: pafs.FileSystem, path: str, uri: str, parents: bool) -> None:
@@ -150,9 +152,35 @@ def replace_directory(fs: pafs.FileSystem, new: str, old: str) -> None:
             raise
         fs.delete_dir(trash)
         return
-    if exists:
-        fs.delete_dir_contents(old)
-    for entry in fs.get_file_info(pafs.FileSelector(new, recursive=True)):
-        if entry.type == pafs.FileType.File:
-            fs.move(entry.path, old + entry.path[len(new):])
+    # No rename of a whole directory here: move file by file, names starting with "_"
+    # (an archive's manifest) last, so that the directory reads as complete only once it
+    # is; the old files the new ones do not replace go after every move succeeded.
+    new_files = sorted(
+        (e.path[len(new):] for e in fs.get_file_info(pafs.FileSelector(new, recursive=True)) if e.type == pafs.FileType.File),
+        key=lambda rel: (posixpath.basename(rel).startswith("_"), rel),
+    )
+    old_files = [e.path[len(old):] for e in fs.get_file_info(pafs.FileSelector(old, recursive=True))] if exists else []
+    for rel in old_files:
+        if posixpath.basename(rel).startswith("_"):
+            fs.delete_file(old + rel)  # the old manifest first: the old archive is no longer complete
+    for rel in new_files:
+        fs.move(new + rel, old + rel)
+    for rel in set(old_files) - set(new_files):
+        if fs.get_file_info(old + rel).type == pafs.FileType.File:
+            fs.delete_file(old + rel)
     fs.delete_dir(new)
+
+
+def remove_quietly(fs: pafs.FileSystem, directory: str, seconds: float = 5.0) -> None:
+    """Remove a scratch directory after a failure, without raising: a worker being
+    stopped may still be finishing a file in it, so try for a while. It holds nothing of
+    the user's, and an error here must not hide the one that caused the cleanup."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fs.delete_dir(directory)
+        except OSError:
+            pass
+        if fs.get_file_info(directory).type == pafs.FileType.NotFound or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)

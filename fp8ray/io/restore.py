@@ -6,8 +6,9 @@ order, each row naming its file. A :class:`RestoreFile` is one output file with 
 blocks in file order (part, row, key, dtype, shape); a :class:`RestoreTask` is a set of
 files and the parts that hold their blocks, closed under sharing a part, so that every
 file is written by exactly one worker and no two tasks write the same file. Parts follow
-the source's files (:func:`fp8ray.io.archive.plan_parts`), so a task is one part of
-whole files, or the parts of one large file.
+the source's files (:func:`fp8ray.io.archive.plan_parts`), so a task is usually one
+part of whole files, or the parts of one large file (with the small files that share its
+last part).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from ..errors import CorruptArchiveError, DestinationError
 from .archive import manifest_layout
 from .blocks import RawBlockParquetWriter, SourceLayout, parquet_schema
-from .paths import printable
+from .paths import TMP_MARK, printable
 from .safetensors import SafetensorsWriter
 
 SINGLE_FILE_METADATA_KEY = "fp8ray_archive"
@@ -93,9 +94,22 @@ def plan_restore(manifest: dict, columns: list[dict[str, list]], single_file_nam
     return RestorePlan(layout.container, _group(files))
 
 
+def _checked_name(name) -> str:
+    """A file name from a manifest, refused unless it is one plain name: never a path
+    that would write outside the output directory, nor a hidden or scratch name."""
+    if (
+        not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
+        or name.startswith((".", "_")) or TMP_MARK in name
+    ):
+        raise CorruptArchiveError(f"the archive names a source file {printable(str(name))!r}, which is not a plain file name")
+    return name
+
+
 def _layout_files(layout: SourceLayout, rows: list) -> list[RestoreFile]:
-    by_file: dict[str, list] = {f.name: [] for f in layout.files}
+    by_file: dict[str, list] = {_checked_name(f.name): [] for f in layout.files}
     for part, row, file, key, dtype, shape in rows:
+        if file not in by_file:
+            raise CorruptArchiveError(f"a block of part {part} names the file {printable(str(file))!r}, which the manifest does not list")
         by_file[file].append((part, row, key, dtype, shape))
     out = []
     for f in layout.files:

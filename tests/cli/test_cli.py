@@ -87,3 +87,10 @@ def test_a_missing_optional_extra_is_a_one_line_error(tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fp8ray: error: ") and "fp8ray[models]" in lines[0], result.stderr  # the extra that brings it
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1"])
+def test_sizes_must_be_finite_and_positive(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compress", "a.safetensors", "b", "--part-mb", value])
+    assert exc.value.code == 2 and "must be a positive number" in capsys.readouterr().err

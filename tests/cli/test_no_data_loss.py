@@ -57,6 +57,16 @@ def test_compress_into_a_folder_holding_the_source_is_refused(kvdir, tmp_path, c
     assert digests(nest) == before
 
 
+def test_overwrite_replaces_only_an_archive(kvdir, tmp_path, capsys):
+    docs = tmp_path / "mydocs"
+    docs.mkdir()
+    (docs / "thesis.txt").write_text("years of work")
+    for flags in ((), ("--overwrite",), ("--resume",)):
+        code, err = run(capsys, "compress", kvdir, docs, *flags)
+        assert code == 1 and "is not an fp8ray archive: not writing into it" in err, err
+    assert [p.name for p in docs.iterdir()] == ["thesis.txt"] and (docs / "thesis.txt").read_text() == "years of work"
+
+
 def test_decompress_into_its_archive_is_refused(kvdir, tmp_path, capsys):
     arch = tmp_path / "arch"
     assert run(capsys, "compress", kvdir, arch)[0] == 0

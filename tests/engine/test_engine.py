@@ -294,3 +294,19 @@ def test_inline_workers_write_the_same_archive_and_output(kv_source, tmp_path):
     with QuantPool(num_workers=2, address="inline") as pool, pytest.raises(fp8ray.NonFiniteError, match=r"block '1': 1 non-finite"):
         pool.encode_many(tensors, batch_size=1)
     assert os.environ.get("FP8RAY_NUM_THREADS") == threads  # the workers' thread setting is not left behind
+
+
+def test_empty_tensors_and_inline_results_that_are_their_own(tmp_path):
+    """Empty blocks round-trip through the object store and verify; inline workers hand
+    out results that later batches do not overwrite."""
+    tensors = [torch.zeros(0, 4, dtype=torch.bfloat16), torch.full((3, 8), 1.0), torch.full((3, 8), 2.0), torch.full((3, 8), 3.0)]
+    for address in (None, "inline"):
+        with QuantPool(num_workers=2, address=address) as pool:
+            back = pool.decode_many(pool.encode_many(tensors, batch_size=1, scale_choice="amax", scale_dtype="float32"), batch_size=1)
+        assert [t.shape for t in back] == [t.shape for t in tensors]
+        assert [float(t.max()) for t in back[1:]] == [1.0, 2.0, 3.0], address
+    from safetensors.torch import save_file
+
+    save_file({"empty": torch.zeros(0, 4, dtype=torch.bfloat16), "full": torch.ones(4, 4)}, str(tmp_path / "kv.safetensors"))
+    compress_archive(str(tmp_path / "kv.safetensors"), str(tmp_path / "arch"))
+    assert verify_archive(str(tmp_path / "arch"), against=str(tmp_path / "kv.safetensors")).ok

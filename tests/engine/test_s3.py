@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import socket
 
+import pyarrow.fs as pafs
 import pytest
 
 from fp8ray.engine.archives import compress_archive, decompress_archive, verify_archive
@@ -69,6 +70,23 @@ def test_compress_verify_decompress_on_s3(s3, kv_source, tmp_path):
     assert sorted(back) == sorted(tensors)
     for key, t in tensors.items():
         assert back[key].dtype == t.dtype and back[key].shape == t.shape
+
+    # --overwrite on an object store (no directory rename there): the new archive, whole.
+    again = compress_archive(s3("src/kv.safetensors"), s3("arch"), scaling="block", part_bytes=400_000, overwrite=True)
+    names = sorted(f.base_name for f in afs.get_file_info(pafs.FileSelector(apath)))
+    assert names == ["_manifest.json", *(f"part-{i:05d}.parquet" for i in range(again.parts))]
+    assert verify_archive(s3("arch"), against=s3("src/kv.safetensors")).ok
+    # the source file given back onto the object store (the worker streams it there)
+    decompress_archive(s3("arch"), s3("back/kv.safetensors"))
+    bfs, bpath = resolve(s3("back/kv.safetensors"))
+    with bfs.open_input_file(bpath) as f:
+        assert load_file_bytes(f.read()).keys() == back.keys()
+
+
+def load_file_bytes(data: bytes) -> dict:
+    from safetensors.torch import load
+
+    return load(data)
 
 
 def test_missing_s3_source_is_a_clear_error_without_credentials(s3):

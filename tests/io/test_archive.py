@@ -117,3 +117,32 @@ def test_scratch_is_named_and_cleaned(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     archive.clean_scratch(FS, str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["_manifest.json", "part-00001.parquet"]
+
+
+def test_a_manifest_cannot_name_files_outside_the_output(tmp_path):
+    """A crafted (or damaged, yet checksummed) manifest naming ../evil is refused before
+    anything is written."""
+    from fp8ray.io.restore import plan_restore
+
+    layout = SourceLayout("safetensors", "directory", (SourceFile("../evil.safetensors", 1),))
+    manifest = {"codec": CodecOptions().as_dict(), "layout": layout.as_dict(), "version": 2}
+    columns = [{"file": ["../evil.safetensors"], "key": ["k"], "dtype": ["bfloat16"], "shape": [[2]]}]
+    with pytest.raises(CorruptArchiveError, match="not a plain file name"):
+        plan_restore(manifest, columns)
+    manifest["layout"] = SourceLayout("safetensors", "directory", (SourceFile("a.safetensors", 1),)).as_dict()
+    with pytest.raises(CorruptArchiveError, match="names the file 'b.safetensors', which the manifest does not list"):
+        plan_restore(manifest, [{"file": ["b.safetensors"], "key": ["k"], "dtype": ["bfloat16"], "shape": [[2]]}])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[]", "not an object"),
+        ('{"format": "fp8ray-archive", "version": 2}', "'codec' is missing"),
+        ('{"format": "fp8ray-archive", "version": 2, "codec": {}, "blocks": 1, "raw_bytes": 1, "archive_bytes": 1, "parts": [{"name": "../x"}]}', "part entry 0 lacks"),
+    ],
+)
+def test_damaged_manifests_are_refused_by_name(tmp_path, text, message):
+    (tmp_path / archive.MANIFEST_NAME).write_text(text)
+    with pytest.raises(CorruptArchiveError, match=message):
+        archive.read_manifest(FS, str(tmp_path))

@@ -93,3 +93,12 @@ def test_service_options():
         ServiceOptions.from_args({"wokers": 2})
     with pytest.raises(InvalidOptionError, match="out of range"):
         ServiceOptions.from_args({"workers": 0})
+
+
+def test_a_block_error_keeps_its_class_and_field():
+    from fp8ray.errors import block_error
+
+    err = block_error("k0", InvalidOptionError("bad scaling", field="scaling"))
+    assert type(err) is InvalidOptionError and err.field == "scaling" and str(err).startswith("block 'k0': ")
+    assert refusal(block_error("k1", NonFiniteError("nan")))[0] == 422
+    assert block_error("k2", ValueError("no")).field == "k2"

@@ -305,7 +305,7 @@ def _finite_key(v):
 @njit(cache=True, error_model="numpy")
 def scale_from_amax(amax, divisor, mask):
     """``amax / divisor`` in fp32, at least 2**-126, and 1 for amax 0, then truncated to
-    the scale dtype by keeping the bits in ``mask`` (see fp8ray.formats)."""
+    the scale dtype by keeping the bits in ``mask`` (see fp8ray.codec.formats)."""
     scale = amax / divisor
     scale = np.float32(SMALLEST_NORMAL_SCALE) if scale < np.float32(SMALLEST_NORMAL_SCALE) else scale
     scale = np.float32(1.0) if amax == 0 else scale
