@@ -3,13 +3,15 @@
 Ray Data's UDF convention: state (the codec) is built once in ``__init__``, on each
 actor, then each call takes a batch and returns one.
 
-- :class:`Fp8Encoder`: raw-block rows (``key``, ``dtype``, ``shape``, ``data``) to rows
-  of the archive part schema (:data:`fp8ray.io.archive.SCHEMA`: ``file`` (empty here),
+- :class:`Fp8Encoder`: raw-block rows (``key``, ``dtype``, ``shape``, ``data``, and
+  optionally ``file``) to rows of the archive part schema
+  (:data:`fp8ray.io.archive.SCHEMA`: ``file`` (empty when not given),
   ``key``, ``dtype``, ``shape``, ``fp8``, ``scaling``, ``block_size``, ``raw_bytes``,
   ``frame_bytes``, ``frame``), each frame exactly ``Fp8Codec(options).encode`` of its block.
 - :class:`Fp8Decoder`: rows with ``key`` and ``frame`` (an archive's parts, read with
   ``ray.data.read_parquet(ARCHIVE_DIR)``, or the encoder's output) back to raw-block
-  rows (:data:`RAW_SCHEMA`), each block bit for bit ``fp8ray.decode`` of its frame.
+  rows (:data:`RAW_SCHEMA`; with ``with_file=True``, the rows' ``file`` column first,
+  :data:`RAW_FILE_SCHEMA`), each block bit for bit ``fp8ray.decode`` of its frame.
 
 Engine or Ray Data?
 
@@ -49,8 +51,8 @@ fp8ray's own classes (``except fp8ray.CorruptFrameError``) around the pipeline.
 Docs with a runnable example: docs/RAY_DATA.md.
 """
 
-from .batches import RAW_SCHEMA
+from .batches import RAW_FILE_SCHEMA, RAW_SCHEMA
 from .decoder import Fp8Decoder
 from .encoder import Fp8Encoder
 
-__all__ = ["RAW_SCHEMA", "Fp8Decoder", "Fp8Encoder"]
+__all__ = ["RAW_FILE_SCHEMA", "RAW_SCHEMA", "Fp8Decoder", "Fp8Encoder"]

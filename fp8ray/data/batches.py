@@ -30,6 +30,8 @@ RAW_SCHEMA = pa.schema(
         ("data", pa.large_binary()),
     ]
 )
+# Fp8Decoder's output when its rows name their source file: that column first, as in a part.
+RAW_FILE_SCHEMA = pa.schema([pa.field("file", pa.string()), *RAW_SCHEMA])
 
 
 def as_table(batch, columns: tuple[str, ...], who: str, optional: tuple[str, ...] = ()) -> pa.Table:
@@ -76,10 +78,20 @@ def _arrow_column(name: str, values, who: str) -> pa.Array:
 
 def keys(table: pa.Table) -> list[str]:
     """The ``key`` column: one string per row."""
-    values = table.column("key").to_pylist()
-    for row, key in enumerate(values):
-        if not isinstance(key, str):
-            raise BadInputError(f"column 'key': row {row} holds {key!r}, expected a string", field="key")
+    return _strings(table, "key")
+
+
+def files(table: pa.Table) -> list[str] | None:
+    """The ``file`` column (the source file a block came from, as in archive parts), or
+    ``None`` when the batch has none."""
+    return _strings(table, "file") if "file" in table.column_names else None
+
+
+def _strings(table: pa.Table, name: str) -> list[str]:
+    values = table.column(name).to_pylist()
+    for row, value in enumerate(values):
+        if not isinstance(value, str):
+            raise BadInputError(f"column {name!r}: row {row} holds {value!r}, expected a string", field=name)
     return values
 
 

@@ -14,7 +14,7 @@ from ..errors import CorruptDataError, MismatchError, block_error
 from ..io import archive
 from ..io.blocks import bytes_to_tensor
 from . import batches
-from .batches import RAW_SCHEMA
+from .batches import RAW_FILE_SCHEMA, RAW_SCHEMA
 from .runtime import choose_device, set_threads
 
 COLUMNS = ("key", "frame")
@@ -27,7 +27,10 @@ class Fp8Decoder:
     archive part (``ray.data.read_parquet(ARCHIVE_DIR)``) or ``Fp8Encoder``'s output;
     other columns are dropped. Rows out: ``key``, ``dtype``, ``shape``, ``data`` (the
     raw little-endian bytes, ``large_binary``), :data:`~fp8ray.data.RAW_SCHEMA`, as a
-    ``pyarrow.Table`` whatever the ``batch_format``. Each block is bit for bit
+    ``pyarrow.Table`` whatever the ``batch_format``: the raw-block layout ``fp8ray
+    compress`` reads. With ``with_file=True``, the rows' ``file`` column (archive parts
+    and ``Fp8Encoder``'s output have one) comes first (:data:`~fp8ray.data.RAW_FILE_SCHEMA`),
+    so blocks can be grouped by the file they came from. Each block is bit for bit
     :func:`fp8ray.decode` of its frame; frames describe themselves, so there are no options.
 
     >>> ds = ray.data.read_parquet("kv.fp8/", columns=["key", "dtype", "shape", "frame"])
@@ -41,19 +44,25 @@ class Fp8Decoder:
     Args:
         device: ``"cpu"``, ``"cuda"``, or ``None``: the GPU when Ray gave this actor one.
         threads: CPU kernel threads in this actor (match ``num_cpus``); ``None``: all CPUs.
+        with_file: keep the ``file`` column (the batch must have one). Off by default:
+            ``fp8ray compress`` refuses a raw-block source with columns it would not
+            archive, so such output is for grouping, not for compressing again as it is.
 
     Raises (from a batch): :class:`~fp8ray.errors.CorruptFrameError` naming the key of a
     corrupt or truncated frame; :class:`~fp8ray.errors.BadInputError` naming the column
     or key of any other bad input.
     """
 
-    def __init__(self, *, device: str | None = None, threads: int | None = None):
+    def __init__(self, *, device: str | None = None, threads: int | None = None, with_file: bool = False):
         self.device = choose_device(device)
+        self.with_file = with_file
         set_threads(threads)
 
     def __call__(self, batch) -> pa.Table:
-        table = batches.as_table(batch, COLUMNS, "Fp8Decoder", optional=("dtype", "shape"))
+        required = ("file", *COLUMNS) if self.with_file else COLUMNS
+        table = batches.as_table(batch, required, "Fp8Decoder", optional=("dtype", "shape"))
         keys = batches.keys(table)
+        files = batches.files(table) if self.with_file else None
         frames = [frame.as_byte_array(f) for f in batches.binary_values(table, "frame", keys)]
         if "dtype" in table.column_names and "shape" in table.column_names:
             dtypes = batches.dtypes(table, keys)
@@ -98,10 +107,10 @@ class Fp8Decoder:
                     ) from exc
                 raise block_error(key, exc) from exc
             start += size
-        return pa.table(
-            {"key": keys, "dtype": dtypes, "shape": [list(s) for s in shapes], "data": archive.frame_column(out, sizes)},
-            schema=RAW_SCHEMA,
-        )
+        columns = {"key": keys, "dtype": dtypes, "shape": [list(s) for s in shapes], "data": archive.frame_column(out, sizes)}
+        if files is None:
+            return pa.table(columns, schema=RAW_SCHEMA)
+        return pa.table({"file": files, **columns}, schema=RAW_FILE_SCHEMA)
 
 
 def _parse(key: str, f: np.ndarray) -> frame.FrameHeader:

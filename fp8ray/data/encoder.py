@@ -21,8 +21,9 @@ class Fp8Encoder:
 
     Rows in: ``key`` (string), ``dtype`` (``"bfloat16"``, ``"float16"`` or ``"float32"``),
     ``shape`` (list of ints) and ``data`` (the block's raw little-endian bytes), the
-    raw-block layout fp8ray reads as a source; other columns are dropped. Rows out: the
-    archive part schema :data:`fp8ray.io.archive.SCHEMA` (file, left empty; key, dtype,
+    raw-block layout fp8ray reads as a source, and optionally ``file`` (the name of the
+    source file the block belongs to); other columns are dropped. Rows out: the archive
+    part schema :data:`fp8ray.io.archive.SCHEMA` (file, empty when not given; key, dtype,
     shape, fp8, scaling, block_size, raw_bytes, frame_bytes, frame), as a ``pyarrow.Table`` whatever the
     ``batch_format``. Each frame is exactly ``Fp8Codec(options).encode`` of its block.
 
@@ -49,14 +50,18 @@ class Fp8Encoder:
         set_threads(threads)
 
     def __call__(self, batch) -> pa.Table:
-        table = batches.as_table(batch, COLUMNS, "Fp8Encoder")
+        table = batches.as_table(batch, COLUMNS, "Fp8Encoder", optional=("file",))
         keys = batches.keys(table)
+        files = batches.files(table) or [""] * len(keys)
         dtypes = batches.dtypes(table, keys)
         shapes = batches.shapes(table, keys)
         data = batches.binary_values(table, "data", keys)
         # part_rows reads only a ref's key, dtype, shape and size; the row index stands
         # in for where the bytes lie.
-        refs = [BlockRef(key, dtype, shape, "batch", "", row) for row, (key, dtype, shape) in enumerate(zip(keys, dtypes, shapes))]
+        refs = [
+            BlockRef(key, dtype, shape, "batch", "", row, file)
+            for row, (key, dtype, shape, file) in enumerate(zip(keys, dtypes, shapes, files))
+        ]
         sizes = []
         for ref, value in zip(refs, data):
             if len(value) != ref.nbytes:

@@ -160,13 +160,18 @@ def _prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool)
     return _Destination(fs, path, path, True)
 
 
-def _undo(dest: _Destination) -> None:
+def _undo(dest: _Destination, todo: list[int]) -> None:
     """Leave the destination as it was found, after a run in which no part finished
-    (quietly: an error here must not hide the one that caused it)."""
+    before the failure (parts that ended while the run settled are this run's too, and
+    go), quietly: an error here must not hide the one that caused it."""
     if dest.created:
         remove_quietly(dest.fs, dest.work)
         return
     try:
+        for i in todo:
+            path = f"{dest.work}/{archive.part_name(i)}"
+            if dest.fs.get_file_info(path).type == pafs.FileType.File:
+                dest.fs.delete_file(path)
         archive.clean_scratch(dest.fs, dest.work)
     except OSError:
         pass
@@ -249,6 +254,7 @@ def compress_archive(
     infos: dict[int, archive.PartInfo] = dict(reused)
     devices, nodes = set(), set()
     finished = []  # parts written in this run, in whatever order they arrived
+    todo = [i for i in range(len(parts)) if i not in reused]
 
     def count_finished(result) -> None:
         finished.append(result)
@@ -258,7 +264,6 @@ def compress_archive(
             archive.write_plan(fs, work, plan)
         if progress:
             progress(sum(info.blocks for info in reused.values()))
-        todo = [i for i in range(len(parts)) if i not in reused]
         work_uri = uri_for(destination, work)
         with _pool(pool, workers, gpus_per_worker, address) as running:
             start = time.perf_counter()
@@ -280,7 +285,7 @@ def compress_archive(
         if dest.replacing:
             remove_quietly(fs, work)  # the old archive stays as it was
         elif not finished and not reused:
-            _undo(dest)
+            _undo(dest, todo)
         raise
     if dest.replacing:
         replace_directory(fs, work, dest.path)

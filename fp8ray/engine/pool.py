@@ -33,6 +33,10 @@ from .runtime import connect_ray, disconnect_ray
 from .worker import QuantWorker, WorkerInfo
 
 INLINE = "inline"  # the address that runs the workers on this process's threads, without Ray
+# After a failure, how long map waits for the items already running to end: a worker
+# cannot be interrupted mid-item, and one still writing a part or a file after the caller
+# cleaned up would leave it behind.
+SETTLE_SECONDS = 120.0
 
 
 class QuantPool:
@@ -167,13 +171,16 @@ class QuantPool:
         finally:
             for future in running:
                 future.cancel()
+            wait(running, timeout=SETTLE_SECONDS)
 
     def map(self, method: str, items: Iterable[tuple], on_result: Callable[[Any], None] | None = None) -> Iterator[Any]:
         """Call ``QuantWorker.<method>(*item)`` for each item; yield results in input order.
 
         At most ``window`` items are in flight or waiting to be yielded, and each worker
         holds at most ``ceil(window / workers)`` of them. A worker that dies is
-        replaced and its items resubmitted; an item failing on its data raises at once.
+        replaced and its items resubmitted. An item failing on its data raises as soon
+        as the items already running have ended (at most ``SETTLE_SECONDS``), so that
+        nothing is written after the caller has cleaned up; queued items are dropped.
         """
         items = iter(items)
         if self.inline:
@@ -221,11 +228,17 @@ class QuantPool:
                     yield done.pop(next_out)
                     next_out += 1
         finally:
-            for ref in pending:  # the job failed or was abandoned: drop what is left
+            for ref in pending:  # the job failed or was abandoned: drop what is queued...
                 try:
                     ray.cancel(ref, force=False)
                 except (ValueError, TypeError):
                     pass
+            # ...and let what is running end before the caller cleans up. A cancelled
+            # ref resolves at once while its task runs on, so wait instead for a call
+            # queued behind it on each busy actor (an actor runs one call at a time).
+            busy = {w for _, w, _, _ in pending.values()}
+            if busy:
+                ray.wait([self.workers[w].info.remote() for w in busy], num_returns=len(busy), timeout=SETTLE_SECONDS)
 
     def _replace_if_dead(self, w: int) -> None:
         try:

@@ -17,7 +17,7 @@ from _util import kv_like
 
 import fp8ray
 from fp8ray import CodecOptions, Fp8Codec
-from fp8ray.data import RAW_SCHEMA, Fp8Decoder, Fp8Encoder
+from fp8ray.data import RAW_FILE_SCHEMA, RAW_SCHEMA, Fp8Decoder, Fp8Encoder
 from fp8ray.errors import BadInputError, CorruptFrameError, InvalidOptionError, MismatchError, NonFiniteError
 from fp8ray.io import archive
 from fp8ray.io.blocks import list_blocks, read_blocks
@@ -206,6 +206,26 @@ def test_direct_call_matches_the_codec_on_chunked_sliced_and_binary_columns():
     check_blocks(by_key(decoded.to_pylist()), frames)
     only_frames = pa.table({"key": out.column("key"), "frame": out.column("frame").cast(pa.binary())})
     assert Fp8Decoder()(only_frames.slice(3)).equals(decoded.slice(3))  # sized from the frames' headers
+
+
+def test_the_file_column_goes_through_both_ways():
+    """Blocks that name their source file keep it through encode and decode, so a
+    pipeline can group them by file; keys may repeat across files, as in a directory."""
+    blocks = sample_blocks()
+    table = raw_table(blocks)
+    names = [f"req-{row % 3}.safetensors" for row in range(table.num_rows)]
+    with_files = table.add_column(0, "file", pa.array(names))
+    out = Fp8Encoder(**MODE)(with_files)
+    assert out.column("file").to_pylist() == names
+    assert out.drop_columns(["file"]).equals(Fp8Encoder(**MODE)(table).drop_columns(["file"]))
+    back = Fp8Decoder(with_file=True)(out)
+    assert back.schema.equals(RAW_FILE_SCHEMA) and back.column("file").to_pylist() == names
+    assert back.drop_columns(["file"]).equals(Fp8Decoder()(out))  # without it, the raw-block layout
+    with pytest.raises(BadInputError, match=r"lacks \['file'\]"):
+        Fp8Decoder(with_file=True)(out.drop_columns(["file"]))
+    with pytest.raises(BadInputError, match=r"column 'file': row 0 holds 7") as info:
+        Fp8Encoder()(table.add_column(0, "file", pa.array([7] * table.num_rows)))
+    assert info.value.field == "file"
 
 
 def test_empty_batch():

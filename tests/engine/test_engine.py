@@ -310,3 +310,24 @@ def test_empty_tensors_and_inline_results_that_are_their_own(tmp_path):
     save_file({"empty": torch.zeros(0, 4, dtype=torch.bfloat16), "full": torch.ones(4, 4)}, str(tmp_path / "kv.safetensors"))
     compress_archive(str(tmp_path / "kv.safetensors"), str(tmp_path / "arch"))
     assert verify_archive(str(tmp_path / "arch"), against=str(tmp_path / "kv.safetensors")).ok
+
+
+@pytest.mark.parametrize("address", [None, "inline"])
+def test_a_failed_compress_waits_for_running_parts_before_cleaning_up(tmp_path, address):
+    """A part that fails ends the run while another worker is still writing its part:
+    the run returns only once that part has ended, so the clean-up that follows leaves
+    the (existing, empty) destination as it was found, even on a pool that outlives it."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"bad": torch.tensor([[1.0, float("nan")]])}, str(src / "a.safetensors"))  # part 0: fails at once
+    save_file({"big": torch.randn(32, 1 << 20, dtype=torch.bfloat16)}, str(src / "b.safetensors"))  # part 1: slow
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    with QuantPool(num_workers=2, address=address) as pool:
+        with pytest.raises(fp8ray.NonFiniteError):
+            compress_archive(str(src), str(dst), part_bytes=1 << 20, pool=pool)
+        pool.worker_info()  # on actors, this call waits behind anything still running
+        inside = sorted(os.listdir(dst))
+    assert inside == [] and sorted(os.listdir(dst)) == []  # on leaving, inline threads are joined
