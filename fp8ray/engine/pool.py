@@ -49,7 +49,8 @@ class QuantPool:
         address: a cluster to join; ``None`` means ``RAY_ADDRESS`` if set, else an
             embedded local Ray (``"local"``). ``"inline"``: no Ray at all, the workers
             are ``QuantWorker`` objects run on threads of this process (the kernels,
-            file I/O and Parquet release the GIL): no start-up cost, for local jobs.
+            file I/O and Parquet release the GIL): no start-up cost, for local jobs;
+            with ``gpus_per_worker > 0`` they all use this process's CUDA device.
         window: shards in flight at most (default two per worker); bounds the driver's memory.
         max_attempts: times a shard is tried when its worker dies.
         start_timeout: seconds to wait for the actors to start before failing (a
@@ -87,8 +88,14 @@ class QuantPool:
 
     def __enter__(self) -> QuantPool:
         if self.inline:
+            # Inline workers share this process's GPU when asked for one (Ray is not
+            # there to hand out devices).
+            device = "cuda" if self.gpus_per_worker > 0 else "cpu"
+            if device == "cuda" and not torch.cuda.is_available():
+                raise PoolStartError(f"gpus_per_worker={self.gpus_per_worker} with inline workers, but this torch sees no CUDA device")
             self._saved_threads = os.environ.get("FP8RAY_NUM_THREADS")
-            self.workers = [QuantWorker(max(1, int(self.cpus_per_worker)), reuse_buffers=False) for _ in range(self.num_workers)]
+            threads = max(1, int(self.cpus_per_worker))
+            self.workers = [QuantWorker(threads, reuse_buffers=False, device=device) for _ in range(self.num_workers)]
             self._threads = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="QuantWorker")
             return self
         embedded_cpus = max(int(self.num_workers * self.cpus_per_worker), os.cpu_count() or 1)

@@ -88,10 +88,18 @@ class QuantWorker:
     """Encode and decode shards of KV blocks. Create it through :class:`fp8ray.QuantPool`
     (or ``ray.remote(QuantWorker)``); every method takes and returns plain data."""
 
-    def __init__(self, threads: int = 1, reuse_buffers: bool = True):
+    def __init__(self, threads: int = 1, reuse_buffers: bool = True, device: str | None = None):
+        """``device``: ``None`` for the GPU Ray gave this actor, if any, else the CPU;
+        ``"cpu"`` or ``"cuda"`` to choose (workers run inline, where Ray assigns none)."""
+        if device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but this torch sees no CUDA device")
         os.environ["FP8RAY_NUM_THREADS"] = str(max(1, int(threads)))
-        gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
-        self.device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
+        if device is None:
+            gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+            device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
+        self.device = device
         # Kernels are compiled (or loaded from numba's cache) on first use, only those a
         # job needs: loading all of them up front cost every worker about a second.
         self._codecs: dict[CodecOptions, Fp8Codec] = {}

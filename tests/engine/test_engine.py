@@ -20,7 +20,7 @@ from _util import quant_worker_pids
 from fp8ray import Fp8Codec
 from fp8ray.engine.archives import compress_archive, decompress_archive, verify_archive
 from fp8ray.engine.pool import QuantPool
-from fp8ray.errors import ArchiveExistsError, CorruptArchiveError, SourceError
+from fp8ray.errors import ArchiveExistsError, CorruptArchiveError, PoolStartError, SourceError
 from fp8ray.io.archive import read_manifest
 from fp8ray.io.paths import resolve
 
@@ -294,6 +294,24 @@ def test_inline_workers_write_the_same_archive_and_output(kv_source, tmp_path):
     with QuantPool(num_workers=2, address="inline") as pool, pytest.raises(fp8ray.NonFiniteError, match=r"block '1': 1 non-finite"):
         pool.encode_many(tensors, batch_size=1)
     assert os.environ.get("FP8RAY_NUM_THREADS") == threads  # the workers' thread setting is not left behind
+
+
+def test_inline_workers_take_the_gpu_asked_for(kv_source, tmp_path):
+    """Inline, gpus_per_worker puts every worker on this process's CUDA device, or fails
+    at start naming what is missing; it is never silently the CPU."""
+    if not torch.cuda.is_available():
+        with pytest.raises(PoolStartError, match="inline workers, but this torch sees no CUDA device"):
+            QuantPool(num_workers=1, gpus_per_worker=1, address="inline").__enter__()
+        with pytest.raises(ValueError, match="device must be None, 'cpu' or 'cuda', got 'gpu'"):
+            fp8ray.QuantWorker(device="gpu")
+        return
+    src, _ = kv_source
+    with QuantPool(num_workers=2, gpus_per_worker=0.5, address="inline") as pool:
+        assert {info.device for info in pool.worker_info()} == {"cuda"}
+        report = compress_archive(str(src), str(tmp_path / "gpu"), part_bytes=PART, pool=pool)
+    assert report.devices == ["cuda"]
+    compress_archive(str(src), str(tmp_path / "cpu"), part_bytes=PART, address="inline")
+    assert part_bytes(tmp_path / "gpu") == part_bytes(tmp_path / "cpu")
 
 
 def test_empty_tensors_and_inline_results_that_are_their_own(tmp_path):
