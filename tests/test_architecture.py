@@ -80,3 +80,20 @@ def test_io_and_codec_load_without_ray():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_an_inline_compress_never_imports_ray(tmp_path):
+    """Inline workers need no Ray, and a one-shot command does not pay for importing it."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"k": torch.ones(4, 64, dtype=torch.bfloat16)}, str(tmp_path / "kv.safetensors"))
+    code = (
+        "import sys; from fp8ray.cli import main; "
+        f"code = main(['compress', {str(tmp_path / 'kv.safetensors')!r}, {str(tmp_path / 'arch')!r}, '--address', 'inline']); "
+        "print(code, [m for m in sys.modules if m == 'ray' or m.startswith('ray.')])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "0 []"
+    assert (tmp_path / "arch/_manifest.json").exists()

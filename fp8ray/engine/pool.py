@@ -21,18 +21,17 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
-import ray
 import torch
-from ray.exceptions import RayActorError, RayTaskError
 
 from ..codec import CodecOptions
 from ..codec.formats import DTYPE_NAMES
 from ..errors import PoolStartError, WorkerLostError
 from ..io.blocks import bytes_to_tensor, dtype_name, tensor_to_bytes
-from .runtime import connect_ray, disconnect_ray
 from .worker import QuantWorker, WorkerInfo
 
-INLINE = "inline"  # the address that runs the workers on this process's threads, without Ray
+# The address that runs the workers on this process's threads, without Ray; Ray is then
+# never imported (a third of a second of a one-shot command), so it is imported where used.
+INLINE = "inline"
 # After a failure, how long map waits for the items already running to end: a worker
 # cannot be interrupted mid-item, and one still writing a part or a file after the caller
 # cleaned up would leave it behind.
@@ -98,6 +97,10 @@ class QuantPool:
             self.workers = [QuantWorker(threads, reuse_buffers=False, device=device) for _ in range(self.num_workers)]
             self._threads = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="QuantWorker")
             return self
+        import ray
+
+        from .runtime import connect_ray
+
         embedded_cpus = max(int(self.num_workers * self.cpus_per_worker), os.cpu_count() or 1)
         self._owns_ray = connect_ray(self.address, embedded_cpus)
         self._actor_class = ray.remote(QuantWorker).options(
@@ -125,6 +128,10 @@ class QuantPool:
                 os.environ["FP8RAY_NUM_THREADS"] = self._saved_threads
             self.workers = []
             return
+        import ray
+
+        from .runtime import disconnect_ray
+
         for w in self.workers:
             ray.kill(w)
         self.workers = []
@@ -137,12 +144,18 @@ class QuantPool:
     def worker_info(self) -> list[WorkerInfo]:
         if self.inline:
             return [w.info() for w in self.workers]
+        import ray
+
         return ray.get([w.info.remote() for w in self.workers])
 
     def share(self, value):
         """``value`` as the workers should receive it when every item passes it: put in
         Ray's object store once (or as it is, inline)."""
-        return value if self.inline else ray.put(value)
+        if self.inline:
+            return value
+        import ray
+
+        return ray.put(value)
 
     def _map_inline(self, method: str, items: Iterator[tuple], on_result) -> Iterator[Any]:
         """:meth:`map` on this process's threads: the same window and order; each worker
@@ -193,6 +206,9 @@ class QuantPool:
         if self.inline:
             yield from self._map_inline(method, items, on_result)
             return
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
         per_worker = -(-self.window // self.num_workers)
         load = [0] * self.num_workers
         pending: dict[ray.ObjectRef, tuple[int, int, int, tuple]] = {}  # ref -> (index, worker, attempt, item)
@@ -248,9 +264,12 @@ class QuantPool:
                 ray.wait([self.workers[w].info.remote() for w in busy], num_returns=len(busy), timeout=SETTLE_SECONDS)
 
     def _replace_if_dead(self, w: int) -> None:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
         try:
             ray.get(self.workers[w].info.remote(), timeout=30)
-        except (RayActorError, ray.exceptions.GetTimeoutError):
+        except (RayActorError, GetTimeoutError):
             ray.kill(self.workers[w])
             self.workers[w] = self._new_worker()
             self.replaced += 1
@@ -305,7 +324,7 @@ def _batches(items: list, batch_size: int | None, nbytes) -> Iterator[list]:
         yield batch
 
 
-def _cause(exc: RayTaskError) -> BaseException:
+def _cause(exc) -> BaseException:
     """The exception a worker raised, as its own class (fp8ray's, with its message),
     rather than Ray's wrapper with the remote traceback in its text."""
     cause = getattr(exc, "cause", None)

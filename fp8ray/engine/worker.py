@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
-import ray
 import torch
 from pyarrow.fs import LocalFileSystem
 
@@ -97,7 +97,8 @@ class QuantWorker:
             raise ValueError("device 'cuda' asked for, but this torch sees no CUDA device")
         os.environ["FP8RAY_NUM_THREADS"] = str(max(1, int(threads)))
         if device is None:
-            gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+            ray = _connected_ray()
+            gpu_ids = ray.get_gpu_ids() if ray else []
             device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
         self.device = device
         # Kernels are compiled (or loaded from numba's cache) on first use, only those a
@@ -315,4 +316,13 @@ def _label(ident: tuple[str, str], name_files: bool) -> str:
 
 
 def _node_id() -> str | None:
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    ray = _connected_ray()
+    return ray.get_runtime_context().get_node_id() if ray else None
+
+
+def _connected_ray():
+    """The ray module when this process is connected to Ray (an actor, or a driver that
+    joined), else None. A worker run inline never imports Ray (0.3 s of a one-shot command):
+    if nothing imported it, nothing connected."""
+    ray = sys.modules.get("ray")
+    return ray if ray is not None and ray.is_initialized() else None
