@@ -161,20 +161,24 @@ def _prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool)
 
 
 def _undo(dest: _Destination, todo: list[int]) -> None:
-    """Leave the destination as it was found, after a run in which no part finished
-    before the failure (parts that ended while the run settled are this run's too, and
-    go), quietly: an error here must not hide the one that caused it."""
+    """After a run in which no part finished before the failure, remove what it wrote
+    (parts that ended while the run settled are its too): a directory it created goes
+    whole; in one it found, its parts and the scratch files go. Quietly: an error here
+    must not hide the one that caused it."""
     if dest.created:
         remove_quietly(dest.fs, dest.work)
         return
+    ours = {archive.part_name(i) for i in todo}
     try:
-        for i in todo:
-            path = f"{dest.work}/{archive.part_name(i)}"
-            if dest.fs.get_file_info(path).type == pafs.FileType.File:
-                dest.fs.delete_file(path)
-        archive.clean_scratch(dest.fs, dest.work)
+        entries = dest.fs.get_file_info(pafs.FileSelector(dest.work))
     except OSError:
-        pass
+        return
+    for entry in entries:
+        if entry.base_name in ours or archive.is_scratch(entry.base_name):
+            try:
+                dest.fs.delete_file(entry.path)
+            except OSError:
+                pass
 
 
 def _scan_compressible(source: str):

@@ -9,8 +9,9 @@
 [(2, 16, 64), (2, 16, 64), (2, 16, 64)]
 
 Scheduling keeps a bounded window of shards in flight (``ray.wait``), gathers results
-in input order, replaces a worker that dies and resubmits its shards, and fails fast,
-with the block's key, when a shard fails on its data.
+in input order, replaces a worker that dies and resubmits its shards, and fails with
+the block's key when a shard fails on its data, once the shards already running have
+ended (so that nothing is written after the caller cleans up).
 """
 
 from __future__ import annotations
@@ -259,9 +260,12 @@ class QuantPool:
             # ...and let what is running end before the caller cleans up. A cancelled
             # ref resolves at once while its task runs on, so wait instead for a call
             # queued behind it on each busy actor (an actor runs one call at a time).
-            busy = {w for _, w, _, _ in pending.values()}
-            if busy:
-                ray.wait([self.workers[w].info.remote() for w in busy], num_returns=len(busy), timeout=SETTLE_SECONDS)
+            busy = {w for _, w, _, _ in pending.values() if w < len(self.workers)}
+            try:
+                if busy:
+                    ray.wait([self.workers[w].info.remote() for w in busy], num_returns=len(busy), timeout=SETTLE_SECONDS)
+            except Exception:  # Ray gone or leaving: nothing left to wait for; keep the real error
+                pass
 
     def _replace_if_dead(self, w: int) -> None:
         import ray
