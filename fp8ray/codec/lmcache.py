@@ -19,13 +19,24 @@ per kernel group of its object group (``layout_desc.shapes``/``dtypes``, read th
   NaN, and +-inf as +-inf in e5m2 or NaN in e4m3fn).
 - :class:`Fp8FrameSerializer` / :class:`Fp8FrameDeserializer`: fp8ray's scaled,
   self-describing, checksummed frame (docs/FORMAT.md), one per tensor. The estimate is
-  exactly what ``serialize`` writes; ``deserialize`` verifies each frame (checksum,
-  length, dtype and shape against ``dst``) and raises on any mismatch, so LMCache's task
-  fails (a cache miss) instead of handing back a wrong tensor.
+  exactly what ``serialize`` writes (``serialize`` also narrows ``dst`` to it with
+  ``dst.set_used_size(n)`` where the object has that method); ``deserialize`` verifies
+  each frame (checksum, length, dtype and shape against ``dst``) and raises on any
+  mismatch, so LMCache's task fails (a cache miss) instead of handing back a wrong
+  tensor. Any KV shape is taken: ``[2, L, T, H]``, vLLM's blocks-first fused
+  ``[1, L, T, 2H]``, or K and V as separate objects of a group (a tuple, as LMCache's
+  ``MultiSerializer``/``MultiDeserializer`` pass them; :class:`Fp8FrameMultiSerializer`
+  / :class:`Fp8FrameMultiDeserializer` fix the group's size). A source that is already
+  one byte per element (vLLM's ``fp8`` KV cache, as uint8 or a float8 dtype) is refused
+  with an error naming its dtype, unless ``fp8_input="passthrough"`` asks to store its
+  bytes as they are.
 - :func:`register` makes the frame pair LMCache's serde type ``"fp8ray"``: an L2 adapter's
   ``{"serde": {"type": "fp8ray", ...}}`` then builds an ``AsyncSerdeProcessor`` over it
-  (:func:`make_serde_processor`). ``lmcache`` is imported only there, so this module
-  loads without it.
+  (:func:`make_serde_processor`). Where the installed LMCache's ``register_serde_factory``
+  takes a ``size_contract`` (LMCache after 0.5.6), the serde is registered with
+  ``SerdeSizeContract.EXACT``, so every L2 adapter (S3 and Valkey too) accepts it; on
+  0.5.6, which has no contract, it is registered as before. ``lmcache`` is imported only
+  there, so this module loads without it.
 
 CPU tensors go through fp8ray's numba kernels; CUDA tensors through the torch ops the
 kernels equal bit for bit, with the frame bytes staged in host memory.
@@ -33,15 +44,17 @@ kernels equal bit for bit, with the frame bytes staged in host memory.
 
 from __future__ import annotations
 
+import inspect
 import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ..errors import CorruptDataError, CorruptFrameError, InvalidOptionError, MismatchError
+from ..errors import BadInputError, CorruptDataError, CorruptFrameError, InvalidOptionError, MismatchError
 from . import cpu, frame, reference
 from .formats import (
     DTYPES,
@@ -208,37 +221,116 @@ def make_fp8_serde(kwargs: dict | None = None) -> tuple[Fp8QuantizationSerialize
 # --- the frame pair: fp8ray's scaled, checked frames --------------------------------
 
 
-class Fp8FrameSerializer:
-    """Encode a KV object as fp8ray frames, one per tensor, into a byte buffer.
+FP8_INPUT_POLICIES = ("refuse", "passthrough")  # what the frame pair does with 1-byte sources
 
-    Takes :class:`~fp8ray.codec.options.CodecOptions` (default: the default mode).
-    """
 
-    def __init__(self, options: CodecOptions | None = None):
+def _is_group(obj) -> bool:
+    """Whether ``obj`` is a group of objects (LMCache's ``MemoryObjGroup`` or
+    ``LayoutDescGroup``: a tuple, one slot per object, e.g. K then V)."""
+    return isinstance(obj, (tuple, list))
+
+
+def _check_group(group, group_size: int | None, role: str) -> None:
+    if group_size is not None and len(group) != group_size:
+        raise ValueError(f"the {role} group has {len(group)} slots; this serde takes groups of {group_size}")
+
+
+def _one_byte(dtype: torch.dtype) -> bool:
+    return dtype != torch.bool and dtype.itemsize == 1
+
+
+class _FramePair:
+    def __init__(self, options: CodecOptions | None = None, fp8_input: str = "refuse", group_size: int | None = None):
+        if fp8_input not in FP8_INPUT_POLICIES:
+            raise InvalidOptionError(
+                f"fp8_input must be one of {list(FP8_INPUT_POLICIES)}, got {fp8_input!r}", field="fp8_input"
+            )
+        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+            raise ValueError(f"group_size must be a positive integer or None, got {group_size!r}")
         self.codec = Fp8Codec(options=options or CodecOptions())
+        self.fp8_input = fp8_input
+        self._group_size = group_size
 
     @property
     def options(self) -> CodecOptions:
         return self.codec.options
 
+    def _size(self, shape, dtype: torch.dtype) -> int:
+        """The bytes one tensor takes: its frame, or its own bytes when it is 1-byte."""
+        if _one_byte(dtype):  # passed through, or refused by serialize: never an estimate error
+            return math.prod(int(d) for d in shape)
+        return self.codec.encoded_size(shape, dtype)
+
+
+class Fp8FrameSerializer(_FramePair):
+    """Encode a KV object (or a group of them) as fp8ray frames, one per tensor, into a
+    byte buffer.
+
+    Takes :class:`~fp8ray.codec.options.CodecOptions` (default: the default mode), and
+    ``fp8_input``: ``"refuse"`` (default) fails on a source that is already one byte per
+    element (uint8 or a float8 dtype, as vLLM's ``fp8`` KV cache), naming its dtype;
+    ``"passthrough"`` stores such a tensor's bytes as they are, unframed and unchecked.
+    ``group_size``: None takes single objects and groups of any size; a number (see
+    :class:`Fp8FrameMultiSerializer`) takes only groups of that size.
+    """
+
     def frame_sizes(self, layout_desc) -> list[int]:
-        """The exact size of each tensor's frame for an object of this layout."""
-        return [self.codec.encoded_size(shape, dtype) for shape, dtype in _layout_pairs(layout_desc)]
+        """The exact size of each tensor's frame for an object (or a group) of this layout."""
+        if _is_group(layout_desc):
+            _check_group(layout_desc, self._group_size, "layout")
+            sizes = []
+            for i, member in enumerate(layout_desc):
+                if member is None:
+                    raise ValueError(f"slot {i} of the layout group is None: the fp8ray frame serde stores every slot")
+                sizes += [self._size(shape, dtype) for shape, dtype in _layout_pairs(member)]
+            return sizes
+        if self._group_size is not None:
+            raise ValueError(f"this serde takes groups of {self._group_size} layouts, got one layout")
+        return [self._size(shape, dtype) for shape, dtype in _layout_pairs(layout_desc)]
 
     def estimate_serialized_size(self, layout_desc) -> int:
         """Exactly the bytes :meth:`serialize` writes for an object of this layout (the
         sum of its tensors' frame sizes): LMCache's adapters store the buffer sized by
-        this estimate, so any margin would be stored too."""
+        this estimate, so any margin would be stored too. A group of layouts (one per
+        slot) gives the sum over its slots."""
         return sum(self.frame_sizes(layout_desc))
 
-    def serialize(self, src, dst, key=None) -> int:
-        """Write one frame per tensor of ``src``, one after the other, to the start of
-        ``dst.tensor``; return the bytes written. ``key`` is ignored."""
-        tensors = _kv_tensors(src)
-        for t in tensors:
+    def _source_tensors(self, src) -> list[torch.Tensor]:
+        if not _is_group(src):
+            if self._group_size is not None:
+                raise ValueError(f"this serde takes groups of {self._group_size} objects, got one object")
+            return _kv_tensors(src)
+        _check_group(src, self._group_size, "src")
+        tensors = []
+        for i, member in enumerate(src):
+            if member is None:
+                raise ValueError(f"slot {i} of the src group is None: the fp8ray frame serde stores every slot")
+            tensors += _kv_tensors(member)
+        return tensors
+
+    def _check_source(self, tensors: list[torch.Tensor]) -> None:
+        for i, t in enumerate(tensors):
+            if _one_byte(t.dtype):
+                if self.fp8_input == "passthrough":
+                    continue
+                which = f"src tensor {i + 1} of {len(tensors)}" if len(tensors) > 1 else "src tensor"
+                raise BadInputError(
+                    f"{which} is {t.dtype} {list(t.shape)}: already one byte per element (vLLM's fp8 KV cache?); "
+                    f"the fp8ray serde encodes bfloat16, float16 or float32, and stores nothing for this object. "
+                    f'Set the serde option "fp8_input": "passthrough" to store its bytes as they are',
+                    field="fp8_input",
+                )
             _check_dtype(t)
+
+    def serialize(self, src, dst, key=None) -> int:
+        """Write one frame per tensor of ``src`` (an object, or a group of objects slot
+        by slot), one after the other, to the start of ``dst.tensor``; narrow ``dst`` to
+        them (``dst.set_used_size``, where it has it) and return the bytes written.
+        ``key`` is ignored."""
+        tensors = self._source_tensors(src)
+        self._check_source(tensors)
         target = _byte_tensor(dst, "dst")
-        sizes = [self.codec.encoded_size(t.shape, t.dtype) for t in tensors]
+        sizes = [self._size(t.shape, t.dtype) for t in tensors]
         total = sum(sizes)
         if target.numel() < total:
             raise ValueError(f"dst holds {target.numel()} bytes but the frames of src need {total}")
@@ -247,53 +339,113 @@ class Fp8FrameSerializer:
         host = target[:total].numpy() if target.device.type == "cpu" else np.empty(total, dtype=np.uint8)
         offset = 0
         for t, size in zip(tensors, sizes):
-            self.codec.encode(t, out=host[offset : offset + size])
+            if _one_byte(t.dtype):  # passthrough (refused above otherwise)
+                host[offset : offset + size] = t.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
+            else:
+                self.codec.encode(t, out=host[offset : offset + size])
             offset += size
         if target.device.type != "cpu":
             target[:total].copy_(torch.from_numpy(host))
+        set_used_size = getattr(dst, "set_used_size", None)
+        if callable(set_used_size):
+            set_used_size(total)
         return total
 
 
-class Fp8FrameDeserializer:
-    """Decode fp8ray frames straight into a KV object's tensors, checking each.
+class Fp8FrameDeserializer(_FramePair):
+    """Decode fp8ray frames straight into a KV object's tensors (or a group's), checking each.
 
     The frames describe themselves (format, scaling, scales); the options given are
     used only to know each frame's length, so they must be the serializer's (LMCache
-    sizes the buffer it loads by the same estimate).
+    sizes the buffer it loads by the same estimate). ``fp8_input`` and ``group_size``
+    must be the serializer's too: with ``"passthrough"``, a 1-byte destination tensor
+    gets its bytes copied back as they were stored.
     """
 
-    def __init__(self, options: CodecOptions | None = None):
-        self.codec = Fp8Codec(options=options or CodecOptions())
+    def _destination_tensors(self, dst) -> list[torch.Tensor | None]:
+        """``dst``'s tensors in order; for a group, ``None`` for a slot left out (one frame)."""
+        if not _is_group(dst):
+            if self._group_size is not None:
+                raise ValueError(f"this serde takes groups of {self._group_size} objects, got one object")
+            return list(_kv_tensors(dst))
+        _check_group(dst, self._group_size, "dst")
+        tensors: list[torch.Tensor | None] = []
+        for member in dst:
+            tensors += [None] if member is None else _kv_tensors(member)
+        return tensors
 
     def deserialize(self, src, dst, key=None) -> None:
         """Decode the frames at the start of ``src.tensor`` into ``dst``'s tensors.
 
-        Raises :class:`~fp8ray.errors.CorruptFrameError` for a corrupt or truncated frame
-        and :class:`~fp8ray.errors.MismatchError` when a frame holds another dtype or
-        shape than its tensor. ``key`` is ignored.
+        ``dst`` may be a group of objects (LMCache's ``MultiDeserializer``): a ``None``
+        slot is left untouched and its frame (one per slot) skipped. Raises
+        :class:`~fp8ray.errors.CorruptFrameError` for a corrupt or truncated frame and
+        :class:`~fp8ray.errors.MismatchError` when a frame holds another dtype or shape
+        than its tensor. ``key`` is ignored.
         """
-        tensors = _kv_tensors(dst)
+        tensors = self._destination_tensors(dst)
         src_bytes = _byte_tensor(src, "src")
         if src_bytes.device.type != "cpu":  # frames are parsed and checked on the host
             src_bytes = src_bytes.cpu()
         data = src_bytes.numpy()
         offset = 0
         for i, t in enumerate(tensors):
-            size = self.codec.encoded_size(t.shape, t.dtype)
             where = f"frame {i + 1} of {len(tensors)}" if len(tensors) > 1 else "frame"
+            if t is None:  # a slot the caller does not want: skip its frame by its header
+                header = read_frame_header(data[offset:])
+                if header is None:
+                    raise CorruptFrameError(f"{where} (a skipped slot) does not start with a frame header at offset {offset}")
+                offset += header.frame_size
+                continue
+            if _one_byte(t.dtype) and self.fp8_input != "passthrough":
+                raise MismatchError(
+                    f"{where}: dst tensor is {t.dtype}, one byte per element; the fp8ray serde decodes into "
+                    f'bfloat16, float16 or float32 unless "fp8_input" is "passthrough"'
+                )
+            size = self._size(t.shape, t.dtype)
             if offset + size > data.size:
                 raise CorruptFrameError(
                     f"{where} truncated: src holds {data.size - offset} bytes from offset {offset}, "
                     f"a {tuple(t.shape)} {t.dtype} tensor's frame has {size}"
                 )
             chunk = data[offset : offset + size]
-            try:
-                decode(chunk, out=t)
-            except CorruptDataError as exc:
-                raise CorruptFrameError(f"{where}: {exc}") from None
-            except ValueError as exc:  # a sound frame of another dtype or shape
-                raise MismatchError(f"{where}: {exc}") from None
+            if _one_byte(t.dtype):  # passthrough: the bytes as they were stored
+                t.copy_(torch.from_numpy(chunk.copy()).view(t.dtype).reshape(t.shape).to(t.device))
+            else:
+                try:
+                    decode(chunk, out=t)
+                except CorruptDataError as exc:
+                    raise CorruptFrameError(f"{where}: {exc}") from None
+                except ValueError as exc:  # a sound frame of another dtype or shape
+                    raise MismatchError(f"{where}: {exc}") from None
             offset += size
+
+
+class Fp8FrameMultiSerializer(Fp8FrameSerializer):
+    """:class:`Fp8FrameSerializer` for groups of exactly ``group_size`` objects (default
+    2: slot 0 = K, slot 1 = V, each an LMCache ``MemoryObj``), the shape of LMCache's
+    ``MultiSerializer``: every slot is required; the frames of slot 0's tensors come
+    first, then slot 1's."""
+
+    def __init__(self, options: CodecOptions | None = None, fp8_input: str = "refuse", group_size: int = 2):
+        super().__init__(options, fp8_input, group_size)
+
+    @property
+    def group_size(self) -> int:
+        return self._group_size
+
+
+class Fp8FrameMultiDeserializer(Fp8FrameDeserializer):
+    """:class:`Fp8FrameDeserializer` for groups of exactly ``group_size`` destination
+    objects (LMCache's ``MultiDeserializer``): a ``None`` slot is left untouched, its
+    frame skipped (each slot is taken to hold one tensor when it is skipped)."""
+
+    def __init__(self, options: CodecOptions | None = None, fp8_input: str = "refuse", group_size: int = 2):
+        super().__init__(options, fp8_input, group_size)
+
+    @property
+    def group_size(self) -> int:
+        return self._group_size
 
 
 def read_frame_header(prefix) -> frame.FrameHeader | None:
@@ -331,14 +483,23 @@ def read_frame_header(prefix) -> frame.FrameHeader | None:
 
 # --- the registered LMCache serde type ----------------------------------------------
 
-SERDE_KWARGS = (*CodecOptions.names(), "max_workers")
+SERDE_KWARGS = (*CodecOptions.names(), "max_workers", "fp8_input")
 
 
-def serde_options(kwargs: Mapping[str, object] | None = None) -> tuple[CodecOptions, int]:
-    """The codec options and ``max_workers`` from an adapter's ``"serde"`` kwargs (the
-    JSON object less its ``"type"``). None given: the default mode and one worker
-    thread, as LMCache's own serdes. An unknown key or a bad value raises
-    :class:`~fp8ray.errors.InvalidOptionError` (a ``ValueError``) naming it."""
+class SerdeSettings(NamedTuple):
+    """What an adapter's ``"serde"`` kwargs ask of the registered type."""
+
+    options: CodecOptions
+    max_workers: int = 1
+    fp8_input: str = "refuse"
+
+
+def serde_options(kwargs: Mapping[str, object] | None = None) -> SerdeSettings:
+    """The codec options, ``max_workers`` and ``fp8_input`` from an adapter's ``"serde"``
+    kwargs (the JSON object less its ``"type"``). None given: the default mode, one
+    worker thread, as LMCache's own serdes, and 1-byte sources refused. An unknown key
+    or a bad value raises :class:`~fp8ray.errors.InvalidOptionError` (a ``ValueError``)
+    naming it."""
     values = dict(kwargs or {})
     for name in values:
         if name not in SERDE_KWARGS:
@@ -350,7 +511,12 @@ def serde_options(kwargs: Mapping[str, object] | None = None) -> tuple[CodecOpti
         max_workers = int(max_workers)
     if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
         raise InvalidOptionError(f"max_workers must be a positive integer, got {max_workers!r}", field="max_workers")
-    return CodecOptions.parse(values), max_workers
+    fp8_input = values.pop("fp8_input", "refuse")
+    if fp8_input not in FP8_INPUT_POLICIES:
+        raise InvalidOptionError(
+            f"fp8_input must be one of {list(FP8_INPUT_POLICIES)}, got {fp8_input!r}", field="fp8_input"
+        )
+    return SerdeSettings(CodecOptions.parse(values), max_workers, fp8_input)
 
 
 def _lmcache_serde():
@@ -368,6 +534,7 @@ def _lmcache_serde():
 
 
 _CLASSES: tuple[type, type] | None = None
+_MULTI_CLASSES: tuple[type, type] | None = None
 
 
 def lmcache_serde_classes() -> tuple[type, type]:
@@ -387,17 +554,77 @@ def lmcache_serde_classes() -> tuple[type, type]:
     return _CLASSES
 
 
+def lmcache_multi_serde_classes() -> tuple[type, type]:
+    """The group pair (:class:`Fp8FrameMultiSerializer`, :class:`Fp8FrameMultiDeserializer`)
+    as subclasses of LMCache's ``MultiSerializer`` and ``MultiDeserializer``; an
+    ``ImportError`` where the installed LMCache has no multi serde interface."""
+    global _MULTI_CLASSES
+    if _MULTI_CLASSES is None:
+        serde = _lmcache_serde()
+        multi_ser, multi_de = getattr(serde, "MultiSerializer", None), getattr(serde, "MultiDeserializer", None)
+        if multi_ser is None or multi_de is None:
+            raise ImportError("fp8ray's group serde needs LMCache's MultiSerializer, which the installed lmcache lacks")
+
+        class LMCacheFp8FrameMultiSerializer(Fp8FrameMultiSerializer, multi_ser):
+            """:class:`Fp8FrameMultiSerializer`, an LMCache ``MultiSerializer``."""
+
+        class LMCacheFp8FrameMultiDeserializer(Fp8FrameMultiDeserializer, multi_de):
+            """:class:`Fp8FrameMultiDeserializer`, an LMCache ``MultiDeserializer``."""
+
+        _MULTI_CLASSES = (LMCacheFp8FrameMultiSerializer, LMCacheFp8FrameMultiDeserializer)
+    return _MULTI_CLASSES
+
+
 def make_serde_processor(kwargs: Mapping[str, object] | None = None):
     """LMCache serde factory: an ``AsyncSerdeProcessor`` over the frame pair, from the
     adapter's ``"serde"`` kwargs (:func:`serde_options`)."""
-    options, max_workers = serde_options(kwargs)  # refuse bad options before anything starts
+    settings = serde_options(kwargs)  # refuse bad options before anything starts
     serializer, deserializer = lmcache_serde_classes()
     serde = _lmcache_serde()
-    return serde.AsyncSerdeProcessor(serializer(options), deserializer(options), max_workers=max_workers)
+    return serde.AsyncSerdeProcessor(
+        serializer(settings.options, settings.fp8_input),
+        deserializer(settings.options, settings.fp8_input),
+        max_workers=settings.max_workers,
+    )
 
 
-def register(name: str = SERDE_TYPE) -> None:
+def exact_size_contract(serde=None):
+    """What to pass as ``size_contract`` to the installed LMCache's
+    ``register_serde_factory``: its ``SerdeSizeContract.EXACT`` where the function takes
+    that keyword (LMCache after 0.5.6), else ``None`` (0.5.6: no contract to declare).
+    Detected by feature, not by version: ``serde`` is LMCache's serde package (or an
+    object shaped like it), imported when not given."""
+    serde = serde if serde is not None else _lmcache_serde()
+    contract = getattr(serde, "SerdeSizeContract", None)
+    if contract is None:
+        contract = getattr(getattr(serde, "base", None), "SerdeSizeContract", None)
+    exact = getattr(contract, "EXACT", None)
+    if exact is None:
+        return None
+    try:
+        params = inspect.signature(serde.register_serde_factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: do not guess
+        return None
+    if any((p.name == "size_contract" and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD for p in params):
+        return exact
+    return None
+
+
+def _registered_factory(serde, name: str):
+    registry = getattr(getattr(serde, "factory", None), "_SERDE_FACTORY_REGISTRY", None)
+    if registry is None:
+        registry = getattr(serde, "_SERDE_FACTORY_REGISTRY", {})
+    return registry.get(name)
+
+
+def register(name: str = SERDE_TYPE):
     """Register the frame serde with LMCache as serde type ``name`` (``register_serde_factory``).
+
+    Where the installed LMCache's ``register_serde_factory`` takes ``size_contract``, the
+    serde is declared ``SerdeSizeContract.EXACT`` (its estimate is what it writes), so
+    LMCache accepts it with every L2 adapter, not only ``fs``; on LMCache 0.5.6 it is
+    registered without one, as that version has none. Returns the contract declared, or
+    ``None`` where the installed LMCache has none.
 
     Call it in the LMCache process before its L2 adapters are built (docs/LMCACHE.md);
     a second call with the same name is a no-op. Raises ``ImportError`` naming the
@@ -407,23 +634,32 @@ def register(name: str = SERDE_TYPE) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError(f"a serde type name must be a non-empty string, got {name!r}")
     serde = _lmcache_serde()
+    contract = exact_size_contract(serde)
     if name in serde.get_registered_serde_types():
-        from lmcache.v1.distributed.serde import factory
-
-        registered = getattr(factory, "_SERDE_FACTORY_REGISTRY", {}).get(name)
+        registered = _registered_factory(serde, name)
         if getattr(registered, "__module__", None) == __name__ and getattr(registered, "__name__", None) == "make_serde_processor":
-            return  # ours already (a second call, or this module loaded again)
+            return contract  # ours already (a second call, or this module loaded again)
         raise ValueError(f"LMCache serde type {name!r} is already registered by another factory; choose another name")
-    serde.register_serde_factory(name, make_serde_processor)
+    if contract is None:
+        serde.register_serde_factory(name, make_serde_processor)
+    else:
+        serde.register_serde_factory(name, make_serde_processor, size_contract=contract)
+    return contract
 
 
 __all__ = [
+    "FP8_INPUT_POLICIES",
     "SERDE_TYPE",
     "Fp8FrameDeserializer",
+    "Fp8FrameMultiDeserializer",
+    "Fp8FrameMultiSerializer",
     "Fp8FrameSerializer",
     "Fp8QuantizationDeserializer",
     "Fp8QuantizationSerializer",
     "MemoryLayoutDesc",
+    "SerdeSettings",
+    "exact_size_contract",
+    "lmcache_multi_serde_classes",
     "lmcache_serde_classes",
     "make_fp8_serde",
     "make_serde_processor",

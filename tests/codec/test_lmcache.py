@@ -6,6 +6,7 @@ The same classes inside the real lmcache package: tests/codec/test_lmcache_packa
 
 from __future__ import annotations
 
+import enum
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -17,9 +18,11 @@ from _util import DTYPES, kv_like
 
 import fp8ray
 from fp8ray.codec import CodecOptions, Fp8Codec, frame
-from fp8ray.errors import CorruptFrameError, InvalidOptionError, MismatchError, NonFiniteError
+from fp8ray.errors import BadInputError, CorruptFrameError, InvalidOptionError, MismatchError, NonFiniteError
 from fp8ray.lmcache import (
     Fp8FrameDeserializer,
+    Fp8FrameMultiDeserializer,
+    Fp8FrameMultiSerializer,
     Fp8FrameSerializer,
     Fp8QuantizationDeserializer,
     Fp8QuantizationSerializer,
@@ -273,15 +276,17 @@ def test_read_frame_header_gives_the_header_without_the_checksum():
 
 
 def test_serde_options_default_to_the_default_mode_and_name_what_is_wrong():
-    assert serde_options({}) == serde_options(None) == (CodecOptions(), 1)
-    assert serde_options({"scaling": "token", "block_size": 64, "max_workers": 4}) == (CodecOptions(scaling="token", block_size=64), 4)
-    assert serde_options({"fp8": "float8_e5m2", "max_workers": "2"}) == (CodecOptions(fp8="e5m2"), 2)
+    assert serde_options({}) == serde_options(None) == (CodecOptions(), 1, "refuse")
+    assert serde_options({"scaling": "token", "block_size": 64, "max_workers": 4}) == (CodecOptions(scaling="token", block_size=64), 4, "refuse")
+    assert serde_options({"fp8": "float8_e5m2", "max_workers": "2"}) == (CodecOptions(fp8="e5m2"), 2, "refuse")
+    assert serde_options({"fp8_input": "passthrough"}).fp8_input == "passthrough"
     bad = {
         "fp8_dtype": {"fp8_dtype": "float8_e4m3fn"},  # the plain fp8 serde's option: here it is "fp8"
         "scaling": {"scaling": "row"},
         "block_size": {"block_size": 0},
         "scale_choice": {"scaling": "tensor", "scale_choice": "mse"},
         "max_workers": {"max_workers": 0},
+        "fp8_input": {"fp8_input": "keep"},
     }
     for field, kwargs in bad.items():
         with pytest.raises(InvalidOptionError) as info:
@@ -323,3 +328,148 @@ def test_cuda_tensors_take_the_cuda_path_with_the_cpu_paths_bytes(dst_device):
         out = torch.empty(src.shape, dtype=src.dtype, device="cuda")
         de.deserialize(obj(buf), obj(out), KEY)
         assert torch.equal(out.cpu(), expected)
+
+
+# --- LMCache after 0.5.6: fused layouts, K/V groups, 1-byte sources, used size, size contract ---
+
+
+class ByteBuffer(SimpleNamespace):
+    """A byte buffer with LMCache's ``set_used_size`` (MemoryObj), recording the calls."""
+
+    def __init__(self, size):
+        super().__init__(tensor=torch.full((size,), 0xAB, dtype=torch.uint8), used=[])
+
+    def set_used_size(self, n):
+        self.used.append(n)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 16, 64), (1, 3, 16, 128)], ids=["split-2LTH", "fused-1LT2H"])
+def test_frame_pair_takes_split_and_fused_kv_layouts(shape):
+    src = kv_like(shape, torch.bfloat16, seed=11)
+    ser, de = Fp8FrameSerializer(), Fp8FrameDeserializer()
+    size = ser.estimate_serialized_size(MemoryLayoutDesc([src.shape], [src.dtype]))
+    buf = torch.empty(size, dtype=torch.uint8)
+    assert ser.serialize(obj(src), obj(buf), KEY) == size
+    assert bytes(buf.numpy()) == bytes(Fp8Codec().encode(src))
+    out = torch.empty_like(src)
+    de.deserialize(obj(buf), obj(out), KEY)
+    assert torch.equal(out, fp8ray.decode(buf))
+
+
+def test_frame_serializer_narrows_dst_to_what_it_wrote():
+    src = kv_like((2, 3, 16, 64), torch.float16, seed=12)
+    size = Fp8FrameSerializer().estimate_serialized_size(MemoryLayoutDesc([src.shape], [src.dtype]))
+    dst = ByteBuffer(size + 100)  # a buffer larger than the estimate
+    assert Fp8FrameSerializer().serialize(obj(src), dst, KEY) == size
+    assert dst.used == [size]
+
+
+def test_frame_pair_takes_k_and_v_groups_and_skips_a_none_destination_slot():
+    k, v = kv_like((3, 16, 64), torch.bfloat16, seed=13), kv_like((3, 16, 64), torch.float16, seed=14)
+    layouts = (MemoryLayoutDesc([k.shape], [k.dtype]), MemoryLayoutDesc([v.shape], [v.dtype]))
+    for ser, de in ((Fp8FrameSerializer(), Fp8FrameDeserializer()), (Fp8FrameMultiSerializer(), Fp8FrameMultiDeserializer())):
+        size = ser.estimate_serialized_size(layouts)
+        assert size == Fp8Codec().encoded_size(k.shape, k.dtype) + Fp8Codec().encoded_size(v.shape, v.dtype)
+        buf = torch.empty(size, dtype=torch.uint8)
+        assert ser.serialize((obj(k), obj(v)), obj(buf), KEY) == size
+        assert bytes(buf.numpy()) == bytes(Fp8Codec().encode(k)) + bytes(Fp8Codec().encode(v))
+        k_out, v_out = torch.empty_like(k), torch.empty_like(v)
+        de.deserialize(obj(buf), (obj(k_out), obj(v_out)), KEY)
+        assert torch.equal(k_out, fp8ray.decode(bytes(Fp8Codec().encode(k)))) and torch.equal(v_out, fp8ray.decode(bytes(Fp8Codec().encode(v))))
+        v_only = torch.zeros_like(v)
+        de.deserialize(obj(buf), (None, obj(v_only)), KEY)  # V-only retrieval: K's frame is skipped
+        assert torch.equal(v_only, v_out)
+        with pytest.raises(ValueError, match="slot 1 of the src group is None"):
+            ser.serialize((obj(k), None), obj(buf), KEY)
+        with pytest.raises(ValueError, match="slot 0 of the layout group is None"):
+            ser.estimate_serialized_size((None, layouts[1]))
+    multi = Fp8FrameMultiSerializer()
+    assert multi.group_size == Fp8FrameMultiDeserializer().group_size == 2
+    with pytest.raises(ValueError, match="has 3 slots; this serde takes groups of 2"):
+        multi.serialize((obj(k), obj(v), obj(v)), obj(buf))
+    with pytest.raises(ValueError, match="takes groups of 2 objects, got one object"):
+        multi.serialize(obj(k), obj(buf))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_one_byte_source_is_refused_naming_its_dtype_unless_passed_through(dtype):
+    codes = torch.randint(0, 120, (1, 3, 16, 128), dtype=torch.uint8).view(dtype)  # vLLM's fp8 KV, fused
+    layout = MemoryLayoutDesc([codes.shape], [codes.dtype])
+    ser = Fp8FrameSerializer()
+    assert ser.estimate_serialized_size(layout) == codes.numel()  # an estimate, never an error (LMCache sizes buffers by it)
+    dst = ByteBuffer(codes.numel())
+    with pytest.raises(BadInputError, match=rf"src tensor is {dtype} \[1, 3, 16, 128\]: already one byte per element") as info:
+        ser.serialize(obj(codes), dst, KEY)
+    assert info.value.field == "fp8_input" and '"fp8_input": "passthrough"' in str(info.value)
+    assert dst.used == [] and bool((dst.tensor == 0xAB).all())  # nothing written, no size reported
+    with pytest.raises(MismatchError, match=f"dst tensor is {dtype}"):
+        Fp8FrameDeserializer().deserialize(obj(codes.view(torch.uint8).reshape(-1)), obj(torch.empty_like(codes)))
+    # passthrough: the bytes as they are, exactly the estimate; K bf16 framed beside an fp8 V
+    k = kv_like((3, 16, 64), torch.bfloat16, seed=15)
+    ser, de = Fp8FrameSerializer(fp8_input="passthrough"), Fp8FrameDeserializer(fp8_input="passthrough")
+    size = ser.estimate_serialized_size((MemoryLayoutDesc([k.shape], [k.dtype]), layout))
+    dst = ByteBuffer(size)
+    assert ser.serialize((obj(k), obj(codes)), dst, KEY) == size == Fp8Codec().encoded_size(k.shape, k.dtype) + codes.numel()
+    assert dst.used == [size] and bytes(dst.tensor[-codes.numel() :].numpy()) == bytes(codes.view(torch.uint8).reshape(-1).numpy())
+    k_out, v_out = torch.empty_like(k), torch.empty_like(codes)
+    de.deserialize(dst, (obj(k_out), obj(v_out)), KEY)
+    assert torch.equal(v_out.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(k_out, fp8ray.decode(bytes(Fp8Codec().encode(k))))
+    with pytest.raises(InvalidOptionError, match="fp8_input must be one of"):
+        Fp8FrameSerializer(fp8_input="keep")
+
+
+# --- registration: the size contract, detected by what the installed LMCache's registry takes ---
+
+
+class FakeContract(enum.Enum):
+    EXACT = "exact"
+    UPPER_BOUND = "upper_bound"
+
+
+def fake_serde(takes_size_contract: bool, has_enum: bool = True):
+    """A stand-in for ``lmcache.v1.distributed.serde``: LMCache main's registry
+    (``register_serde_factory(name, factory, *, size_contract=UPPER_BOUND)``) or 0.5.6's
+    (``register_serde_factory(name, factory)``), recording what each name was given."""
+    registry, contracts = {}, {}
+    if takes_size_contract:
+
+        def register_serde_factory(name, factory, *, size_contract=FakeContract.UPPER_BOUND):
+            if name in registry:
+                raise ValueError(f"Serde type already registered: {name!r}")
+            registry[name], contracts[name] = factory, size_contract
+
+    else:
+
+        def register_serde_factory(name, factory):
+            if name in registry:
+                raise ValueError(f"Serde type already registered: {name!r}")
+            registry[name], contracts[name] = factory, None
+
+    ns = SimpleNamespace(
+        register_serde_factory=register_serde_factory,
+        get_registered_serde_types=lambda: list(registry),
+        factory=SimpleNamespace(_SERDE_FACTORY_REGISTRY=registry),
+        contracts=contracts,
+    )
+    if has_enum:
+        ns.SerdeSizeContract = FakeContract
+    return ns
+
+
+@pytest.mark.parametrize(
+    "takes, has_enum, expected",
+    [(True, True, FakeContract.EXACT), (False, False, None), (False, True, None)],
+    ids=["main-takes-size_contract", "0.5.6-no-contract", "enum-but-registry-without-the-keyword"],
+)
+def test_register_declares_the_exact_size_contract_where_the_registry_takes_one(monkeypatch, takes, has_enum, expected):
+    import fp8ray.codec.lmcache as module
+
+    serde = fake_serde(takes, has_enum)
+    monkeypatch.setattr(module, "_lmcache_serde", lambda: serde)
+    assert module.exact_size_contract(serde) is expected
+    assert module.register() is expected
+    assert serde.contracts == {"fp8ray": expected} and serde.factory._SERDE_FACTORY_REGISTRY["fp8ray"] is module.make_serde_processor
+    assert module.register() is expected and list(serde.contracts) == ["fp8ray"]  # a second call is a no-op
+    serde.register_serde_factory("taken", lambda kwargs: None)
+    with pytest.raises(ValueError, match="'taken' is already registered by another factory"):
+        module.register("taken")
