@@ -110,7 +110,7 @@ def quantize(
     if len(candidates) == 1:
         tasks = [lambda s=s, e=e: kernels.quantize_groups(src, codes, scales, group, s, e, tag, mask) for s, e in spans]
     else:
-        divisors = kernels.pad_candidates(candidates)
+        divisors = kernels.pad_candidates(candidates, fmt.max)
         tasks = [
             lambda s=s, e=e: kernels.quantize_groups_search(src, codes, scales, group, s, e, tag, mask, divisors)
             for s, e in spans

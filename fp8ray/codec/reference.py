@@ -55,46 +55,56 @@ def amax_to_scale(
     return scale
 
 
-def _qdq(groups: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """fp32(fp8(clamp(x / scale)) * scale), per row of ``groups``: what a decoder computes before its output rounding."""
-    return (groups / scales[:, None]).clamp(-fmt.max, fmt.max).to(fmt.dtype).float() * scales[:, None]
+SEARCH_LANES = 16  # partial sums per candidate in the mse search
 
 
-def _sum_left_to_right(terms: torch.Tensor) -> torch.Tensor:
-    """Row sums added strictly in column order, so any implementation can reproduce them
-    bit for bit (torch's CPU cumsum is a sequential loop; elsewhere, one add per column)."""
-    if terms.shape[1] == 0:
-        return torch.zeros(terms.shape[0], dtype=terms.dtype, device=terms.device)
-    if terms.device.type == "cpu":
-        return terms.cumsum(dim=1)[:, -1]
-    total = terms[:, 0].clone()
-    for j in range(1, terms.shape[1]):
-        total = total + terms[:, j]
-    return total
+def lane_sums(terms: torch.Tensor) -> torch.Tensor:
+    """Row sums of fp32 ``terms`` in the search's fixed order, so that any implementation
+    can reproduce them bit for bit with vector adds: the row is zero-padded to a multiple
+    of SEARCH_LANES; lane ``j`` adds the terms ``j, j + 16, j + 32, ...`` in that order;
+    then ``lane[j] += lane[j + w]`` for w = 8, 4, 2, 1, and lane 0 is the sum."""
+    pad = (-terms.shape[1]) % SEARCH_LANES
+    chunks = torch.nn.functional.pad(terms, (0, pad)).reshape(terms.shape[0], -1, SEARCH_LANES)
+    lanes = torch.zeros(terms.shape[0], SEARCH_LANES, dtype=terms.dtype, device=terms.device)
+    for m in range(chunks.shape[1]):
+        lanes = lanes + chunks[:, m]
+    w = SEARCH_LANES // 2
+    while w:
+        lanes = lanes[:, :w] + lanes[:, w : 2 * w]
+        w //= 2
+    return lanes[:, 0]
+
+
+def search_error(magnitudes: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """The mse search's error of each row of ``magnitudes`` (|x|, non-finite as 0) under
+    its scale, in fp64: ``scale**2 * lane_sums((fp8(min(q, max)) - q)**2)`` with
+    ``q = |x| * (1 / scale)``, every step in fp32 until the product by ``scale**2``.
+
+    It measures in units of the scale, through a reciprocal product, so that a vector unit
+    computes it fast; the codes are still ``x / scale`` (see :func:`quantize`).
+    """
+    q = magnitudes * (torch.ones_like(scales) / scales)[:, None]
+    d = q.clamp_max(fmt.max).to(fmt.dtype).float() - q
+    wide = scales.double()
+    return lane_sums(d * d).double() * (wide * wide)
 
 
 def choose_scales(groups: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format, scale_dtype: str, scale_choice: str) -> torch.Tensor:
     """One scale per row of ``groups`` (fp32, padded with zeros), as :mod:`fp8ray.codec.formats` specifies.
 
-    Under ``"mse"``: for each candidate divisor ``c`` in turn, the squared error
-    ``sum_i (qdq(x_i) - x_i)**2`` over the finite ``x_i``, each term and the sum in fp64,
-    added left to right; a later candidate replaces the best only if strictly smaller.
+    Under ``"mse"``: each candidate divisor ``c`` in turn gives the scales
+    ``amax_to_scale(amax, c)`` and their :func:`search_error`; a later candidate
+    replaces the best only if its error is strictly smaller.
     """
     candidates = scale_candidates(fmt, scale_choice)
     best = amax_to_scale(amax, fmt, candidates[0], scale_dtype)
     if len(candidates) == 1:
         return best
-    x = groups.double()
-    finite = torch.isfinite(groups)
-
-    def error(scales):
-        diff = _qdq(groups, scales, fmt).double() - x
-        return _sum_left_to_right(torch.where(finite, diff * diff, torch.zeros((), dtype=x.dtype, device=x.device)))
-
-    best_error = error(best)
+    magnitudes = torch.where(torch.isfinite(groups), groups.abs(), torch.zeros((), device=groups.device))
+    best_error = search_error(magnitudes, best, fmt)
     for c in candidates[1:]:
         scales = amax_to_scale(amax, fmt, c, scale_dtype)
-        err = error(scales)
+        err = search_error(magnitudes, scales, fmt)
         better = err < best_error
         best = torch.where(better, scales, best)
         best_error = torch.where(better, err, best_error)

@@ -154,18 +154,91 @@ def test_scale_search_ties_keep_the_first_candidate(fmt_name, scale_dtype):
     assert scales[0] == scales[1] == 1.0
 
 
-def test_reference_error_sums_add_left_to_right():
-    """The search's sums are defined in element order (the kernels add them so); the
-    reference's CPU shortcut, torch's cumsum, must give those very bits. Terms of widely
-    spread magnitudes make any other association round differently."""
+def test_reference_lane_sums_follow_the_defined_order():
+    """The search's sums are defined lane by lane, then halved (reference.lane_sums); the
+    kernels add them so. Terms of widely spread magnitudes make any other association
+    round differently, and rows whose length is not a multiple of the lanes are padded."""
     rng = np.random.default_rng(4)
-    terms = torch.from_numpy(np.exp2(rng.uniform(-60, 60, size=(64, 300))) * rng.random((64, 300)))
-    expected = terms[:, 0].clone()
+    for width in (1, 15, 16, 32, 300):
+        terms = torch.from_numpy(np.exp2(rng.uniform(-60, 60, size=(64, width))) * rng.random((64, width))).float()
+        expected = []
+        for row in terms.tolist():
+            lanes = [np.float32(0.0)] * 16
+            for i, t in enumerate(row):
+                lanes[i % 16] = np.float32(lanes[i % 16] + np.float32(t))
+            w = 8
+            while w:
+                lanes = [np.float32(lanes[j] + lanes[j + w]) for j in range(w)]
+                w //= 2
+            expected.append(lanes[0])
+        got = reference.lane_sums(terms)
+        assert torch.equal(got, torch.tensor(expected, dtype=torch.float32)), width
+    sequential = terms[:, 0].clone()
     for j in range(1, terms.shape[1]):
-        expected = expected + terms[:, j]
-    assert torch.equal(reference._sum_left_to_right(terms).view(torch.int64), expected.view(torch.int64))
-    pairwise = terms.sum(dim=1)  # torch's own reduction associates differently: the check can fail
-    assert not torch.equal(pairwise, expected)
+        sequential = sequential + terms[:, j]
+    assert not torch.equal(sequential, reference.lane_sums(terms))  # the order matters: the check can fail
+
+
+ADVERSARIAL_GROUPS = {
+    "zeros": lambda fmt: torch.zeros(37),
+    "one huge element": lambda fmt: torch.cat([torch.full((1,), 3e38), torch.full((40,), 1e-3)]),
+    "all equal": lambda fmt: torch.full((48,), 0.3),
+    "fp8 grid values": lambda fmt: torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float().nan_to_num(0, 0, 0)[:64],
+    "fp32 subnormals": lambda fmt: torch.tensor([2.0**-149 * k for k in range(1, 34)]),
+    "fp8 subnormal quotients": lambda fmt: torch.cat([torch.ones(1), torch.linspace(0, 2.0**-14, 47)]),
+    "ties at grid midpoints": lambda fmt: torch.tensor([fmt.max] + [1.0 + (2 * k + 1) * 2.0 ** -(fmt.mantissa_bits + 1) for k in range(31)]),
+    "signs mixed": lambda fmt: torch.tensor([(-1.0) ** k * (k + 0.5) for k in range(70)]),
+}
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+@pytest.mark.parametrize("group", ADVERSARIAL_GROUPS)
+def test_scale_search_matches_reference_on_adversarial_groups(fmt_name, dtype, scale_dtype, group):
+    """Groups chosen to break a search: zeros, a lone huge value, equal values (ties
+    between candidates), the fp8 grid itself, fp32 subnormals, quotients in fp8's
+    subnormal range, rounding ties, alternating signs; as token rows and as blocks of 16,
+    32 and 37 (rows that do not fill the 16 lanes, and a short last block)."""
+    fmt = FORMATS[fmt_name]
+    x = ADVERSARIAL_GROUPS[group](fmt)
+    if dtype != torch.float32:
+        x = x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+    x = x.to(dtype)
+    for scaling, block in (("token", 0), ("block", 16), ("block", 32), ("block", 37)):
+        codes, scales, _ = fast_quantize(x, fmt, scaling, block, scale_dtype, "mse")
+        ref_codes, ref_scales, _ = reference.quantize(x, fmt, scaling, block, False, scale_dtype, "mse")
+        assert torch.equal(codes, ref_codes), (scaling, block)
+        assert_same_bits(scales, ref_scales)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_scale_search_matches_reference_on_every_bf16_value(fmt_name):
+    """Every finite bf16 value, shuffled into blocks of 32 under each scale dtype: every
+    exponent the search's rounding meets, in groups of every spread."""
+    fmt = FORMATS[fmt_name]
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x[torch.isfinite(x)][torch.randperm(int(torch.isfinite(x).sum()), generator=torch.Generator().manual_seed(0))]
+    for scale_dtype in SCALE_DTYPES:
+        codes, scales, _ = fast_quantize(x, fmt, "block", 32, scale_dtype, "mse")
+        ref_codes, ref_scales, _ = reference.quantize(x, fmt, "block", 32, False, scale_dtype, "mse")
+        assert torch.equal(codes, ref_codes)
+        assert_same_bits(scales, ref_scales)
+
+
+def test_frames_written_by_the_first_search_decode_unchanged():
+    """A frame the first mse search (fp64 errors, summed in element order) wrote, and what
+    it decoded to then: the search is the encoder's choice, not part of the format."""
+    from pathlib import Path
+
+    from fp8ray.codec import decode
+
+    data = Path(__file__).parent / "data"
+    frame = (data / "mse_search_v1_frame.bin").read_bytes()
+    expected = torch.frombuffer(bytearray((data / "mse_search_v1_decoded.bf16").read_bytes()), dtype=torch.bfloat16)
+    out = decode(frame)
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (2, 2, 16, 64)
+    assert_same_bits(out.reshape(-1), expected)
 
 
 @pytest.mark.parametrize("scaling, scale_dtype, choice", ALL_MODES)

@@ -1,86 +1,145 @@
 """The scale search of ``scale_choice="mse"``: per group, the candidate scale with the
-least squared error, then the group's codes under it."""
+least squared error (as :func:`fp8ray.codec.reference.choose_scales` defines it), then
+the group's codes under it.
+
+The search is one LLVM intrinsic over explicit 16-lane vectors: numba's loops over the
+candidates and the lanes did not vectorise (a loop over an array of sums is a chain of
+loads and stores, and the definition's order of additions may not be changed by the
+compiler). Per 16 elements and candidate it costs nine vector operations: a product by
+the candidate's reciprocal, the rounding to the fp8 grid by adding and subtracting a
+power of two (three integer operations find it), the difference, its square and the
+lane's sum. On CPUs with 8-lane vectors LLVM splits each in two.
+"""
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from .bits import _bits_to_f32, _decode_params, _encode_params, _fp8_code, _fp8_to_f32, _load, scale_from_amax
+from ..formats import SMALLEST_NORMAL_SCALE
+from .bits import _F32, _I32, _bits_to_f32, _encode_params, _i32, _load
 from .encode import _quantize_span, _span_key
 
-# Scale search (scale_choice="mse"). Per candidate, the squared errors of up to
-# _SEARCH_CHUNK elements are made in one vectorised loop; then each candidate's fp64 sum
-# takes them strictly in element order, as the reference adds them. LLVM may not reorder
-# such a sum, so each is a chain of dependent adds: SEARCH_WIDTH of them side by side in
-# registers overlap in the pipeline (a loop over an array of sums ran 1.4x slower).
-_SEARCH_CHUNK = 64
 SEARCH_WIDTH = 8  # candidates per search: e4m3fn's 8; fewer are padded (see pad_candidates)
+LANES = 16  # partial sums per candidate (the reference's lane count)
+_VF = ir.VectorType(_F32, LANES)
+_VI = ir.VectorType(_I32, LANES)
+_WF = ir.VectorType(_F32, SEARCH_WIDTH)
+_WI = ir.VectorType(_I32, SEARCH_WIDTH)
+_WD = ir.VectorType(ir.DoubleType(), SEARCH_WIDTH)
 
 
-def pad_candidates(divisors: tuple[float, ...]) -> np.ndarray:
+def pad_candidates(divisors: tuple[float, ...], fmax: float) -> np.ndarray:
     """The search's SEARCH_WIDTH divisors: ``divisors`` then repeats of its last one. A
     repeat has its original's error and comes after it, so it never wins the strict
-    comparison: the choice is that of ``divisors`` alone."""
-    if not 0 < len(divisors) <= SEARCH_WIDTH:
-        raise ValueError(f"the scale search takes 1 to {SEARCH_WIDTH} candidates, got {len(divisors)}")
+    comparison: the choice is that of ``divisors`` alone.
+
+    Every divisor must be at most ``fmax``: then no quotient needs the clamp. ``|x| /
+    scale`` exceeds the divisor by less than 2**-6 relative (the bfloat16 truncation of
+    the scale, under 2**-7, and three fp32 roundings), and the grid rounds anything that
+    close above finfo.max back to it (the next fp8 binade's spacing is 2**-3 of it or more).
+    """
+    if not 0 < len(divisors) <= SEARCH_WIDTH or not all(0 < d <= fmax for d in divisors):
+        raise ValueError(f"the scale search takes 1 to {SEARCH_WIDTH} divisors in (0, {fmax}], got {divisors}")
     return np.array(divisors + divisors[-1:] * (SEARCH_WIDTH - len(divisors)), dtype=np.float32)
 
 
-@njit(inline="always", error_model="numpy")
-def _squared_errors(x, scale, p, dp, sq):
-    """sq[i] = (fp32(fp8(x_i / scale) * scale) - x_i)**2 in fp64; 0 for a non-finite x_i
-    (replaced by 0 before the arithmetic: a select, where masking the result would be a
-    branch that stops the loop from vectorising)."""
-    inf = np.float32(np.inf)
-    for i in range(x.size):
-        v = _load(x, i)
-        v = v if abs(v) < inf else np.float32(0.0)
-        e = np.float64(_fp8_to_f32(_fp8_code(v, scale, p), dp) * scale) - np.float64(v)
-        sq[i] = e * e
+def _splat(builder, value, vector_type):
+    undef = ir.Constant(vector_type, ir.Undefined)
+    one = builder.insert_element(undef, value, _i32(0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
 
 
-@njit(inline="always", error_model="numpy")
-def _search_scale(xs, amax, divisors, mask, p, dp, sq, candidates):
-    """The first of the candidate scales ``amax / divisors[k]`` with the least squared error."""
-    for k in range(SEARCH_WIDTH):
-        candidates[k] = scale_from_amax(amax, divisors[k], mask)
-    e0 = e1 = e2 = e3 = e4 = e5 = e6 = e7 = 0.0
-    for c0 in range(0, xs.size, _SEARCH_CHUNK):
-        chunk = xs[c0 : min(c0 + _SEARCH_CHUNK, xs.size)]
+def _halve_to_first(builder, v, count):
+    """v[0] after ``v[j] += v[j + w]`` for w = count/2, ..., 1: the reference's tree."""
+    undef = ir.Constant(v.type, ir.Undefined)
+    w = count // 2
+    while w:
+        v = builder.fadd(v, builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, count), [(j + w) % count for j in range(count)])))
+        w //= 2
+    return builder.extract_element(v, _i32(0))
+
+
+@intrinsic
+def _best_scale(typingctx, magnitudes, amax, divisors, mask, p):
+    """The first of the scales ``amax / divisors[k]`` with the least error over
+    ``magnitudes`` (|x| of the group, non-finite as 0, zero-padded to a multiple of LANES)."""
+    if not (isinstance(magnitudes, types.Array) and magnitudes.dtype == types.float32 and amax == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        mags, amax, divs, mask, params = args
+        mag_array = context.make_array(signature.args[0])(context, builder, mags)
+        div_array = context.make_array(signature.args[2])(context, builder, divs)
+        # The candidate scales, as scale_from_amax computes each, and their reciprocals.
+        amaxes = _splat(builder, amax, _WF)
+        scales = builder.fdiv(amaxes, builder.load(builder.bitcast(div_array.data, _WF.as_pointer()), align=4))
+        smallest = ir.Constant(_WF, [SMALLEST_NORMAL_SCALE] * SEARCH_WIDTH)
+        scales = builder.select(builder.fcmp_ordered("<", scales, smallest), smallest, scales)
+        zero_group = builder.fcmp_ordered("==", amaxes, ir.Constant(_WF, [0.0] * SEARCH_WIDTH))
+        scales = builder.select(zero_group, ir.Constant(_WF, [1.0] * SEARCH_WIDTH), scales)
+        scales = builder.bitcast(builder.and_(builder.bitcast(scales, _WI), _splat(builder, builder.trunc(mask, _I32), _WI)), _WF)
+        reciprocals = builder.fdiv(ir.Constant(_WF, [1.0] * SEARCH_WIDTH), scales)
+
+        exponent_to_magic = _splat(builder, builder.shl(builder.trunc(builder.extract_value(params, 1), _I32), _i32(23)), _VI)
+        subnormal_magic = _splat(builder, builder.trunc(builder.extract_value(params, 4), _I32), _VI)
+        exponent_mask = _splat(builder, _i32(0x7F800000), _VI)
+        r = [_splat(builder, builder.extract_element(reciprocals, _i32(k)), _VF) for k in range(SEARCH_WIDTH)]
+        # Sums start at -0.0, which LLVM may drop from the first addition (+0.0 it may not,
+        # as -0.0 + +0.0 is +0.0); the terms are squares, so the sums are the same.
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(_VF, [-0.0] * LANES)) for _ in range(SEARCH_WIDTH)]
+        data = builder.bitcast(mag_array.data, _VF.as_pointer())
+        count = builder.udiv(builder.extract_value(mag_array.shape, 0), ir.Constant(ir.IntType(64), LANES))
+        with cgutils.for_range(builder, count) as loop:
+            x = builder.load(builder.gep(data, [loop.index]), align=4)
+            for k in range(SEARCH_WIDTH):
+                q = builder.fmul(x, r[k])  # no clamp needed: see pad_candidates
+                # q rounded to the fp8 grid: a + m - m, m the power of two whose fp32 ulp is
+                # the grid's spacing at q (2**shift times q's binade; the subnormal magic below it).
+                m = builder.add(builder.and_(builder.bitcast(q, _VI), exponent_mask), exponent_to_magic)
+                m = builder.bitcast(builder.select(builder.icmp_signed(">", m, subnormal_magic), m, subnormal_magic), _VF)
+                d = builder.fsub(builder.fsub(builder.fadd(q, m), m), q)
+                builder.store(builder.fadd(builder.load(sums[k]), builder.fmul(d, d)), sums[k])
+        totals = ir.Constant(_WF, ir.Undefined)
         for k in range(SEARCH_WIDTH):
-            _squared_errors(chunk, candidates[k], p, dp, sq[k])
-        for i in range(chunk.size):
-            e0 += sq[0, i]
-            e1 += sq[1, i]
-            e2 += sq[2, i]
-            e3 += sq[3, i]
-            e4 += sq[4, i]
-            e5 += sq[5, i]
-            e6 += sq[6, i]
-            e7 += sq[7, i]
-    errors = (e0, e1, e2, e3, e4, e5, e6, e7)
-    best = 0
-    for k in range(1, SEARCH_WIDTH):
-        best = k if errors[k] < errors[best] else best
-    return candidates[best]
+            totals = builder.insert_element(totals, _halve_to_first(builder, builder.load(sums[k]), LANES), _i32(k))
+        # Errors in x's units: the sum of squares (in units of the scale) times scale**2, in fp64.
+        wide = builder.fpext(scales, _WD)
+        errors = builder.fmul(builder.fpext(totals, _WD), builder.fmul(wide, wide))
+        best_error = builder.extract_element(errors, _i32(0))
+        best = builder.extract_element(scales, _i32(0))
+        for k in range(1, SEARCH_WIDTH):
+            error = builder.extract_element(errors, _i32(k))
+            better = builder.fcmp_ordered("<", error, best_error)
+            best_error = builder.select(better, error, best_error)
+            best = builder.select(better, builder.extract_element(scales, _i32(k)), best)
+        return best
+
+    return types.float32(magnitudes, amax, divisors, mask, p), codegen
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def quantize_groups_search(x, codes, scales, group, group_start, group_stop, tag, mask, divisors):
-    """:func:`quantize_groups` with each group's scale chosen by :func:`_search_scale`
+    """:func:`quantize_groups` with each group's scale chosen by :func:`_best_scale`
     among the SEARCH_WIDTH ``divisors`` (see :func:`pad_candidates`)."""
     p = _encode_params(tag)
-    dp = _decode_params(tag)
     n = x.size
-    sq = np.empty((SEARCH_WIDTH, _SEARCH_CHUNK), dtype=np.float64)
-    candidates = np.empty(SEARCH_WIDTH, dtype=np.float32)
+    inf = np.float32(np.inf)
+    magnitudes = np.zeros(-(-group // LANES) * LANES, dtype=np.float32)
     bad = 0
     for g in range(group_start, group_stop):
         start = g * group
         stop = min(start + group, n)
         xs = x[start:stop]
-        scale = _search_scale(xs, _bits_to_f32(np.int64(_span_key(xs))), divisors, mask, p, dp, sq, candidates)
+        for i in range(xs.size):
+            v = abs(_load(xs, i))
+            magnitudes[i] = v if v < inf else np.float32(0.0)
+        if xs.size < group:  # the last, short group: zeros add nothing to a sum
+            magnitudes[xs.size :] = 0
+        scale = _best_scale(magnitudes, _bits_to_f32(np.int64(_span_key(xs))), divisors, mask, p)
         scales[g] = scale
         bad += _quantize_span(xs, codes[start:stop], scale, p)
     return bad
