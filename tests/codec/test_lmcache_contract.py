@@ -168,3 +168,21 @@ def test_lmcaches_fs_adapter_stores_no_file_for_an_fp8_source_unless_passed_thro
         assert adapter.query_load_result(task).test(0) and torch.equal(out.tensor, codes)
     finally:
         adapter.close()
+
+
+def test_the_lmcache_extra_brings_what_the_server_line_of_docs_lmcache_imports():
+    """docs/LMCACHE.md's ``lmcache server`` line on a CPU install (lmcache with --no-deps)
+    needs msgspec, pyzmq and blake3: the ``lmcache`` extra lists them, and with them the
+    module the server command runs imports."""
+    import re
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    extra = pyproject["project"]["optional-dependencies"]["lmcache"]
+    assert {"msgspec", "pyzmq", "blake3"} <= {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0] for r in extra}
+    code = "import fp8ray.lmcache as m; m.register(); import lmcache.v1.multiprocess.http_server"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
