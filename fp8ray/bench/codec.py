@@ -11,11 +11,14 @@ memory copy, all measured in the same run. Figures are GB/s of bytes read plus w
 
 A default run covers every scaling with the default mode's other options (bfloat16
 scales, chosen by least squared error where the scaling allows it); ``--scale-choice
-amax`` and ``--scale-dtype float32`` measure the plain modes.
+amax`` and ``--scale-dtype float32`` measure the plain modes. Each mode with the scale
+search is measured beside its plain twin (the same options with amax scales), and the
+table ends with what the search costs: its encode over the twin's, in the same run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -28,11 +31,15 @@ from ..eval.sample import sample_kv_chunk
 
 @dataclass
 class Row:
-    mode: str  # the mode's label
+    options: CodecOptions
     direction: str
     fast_gbps: float
     reference_gbps: float
     copy_gbps: float
+
+    @property
+    def mode(self) -> str:
+        return self.options.label()
 
     @property
     def vs_reference(self) -> float:
@@ -70,7 +77,7 @@ def bench_codec(modes: list[CodecOptions], dtype: torch.dtype = torch.bfloat16, 
     # first "new tensor" rows would time page faults rather than the codec.
     torch.empty(4 * in_bytes, dtype=torch.uint8)
     rows = []
-    for mode in dict.fromkeys(modes):  # each once, in order
+    for mode in dict.fromkeys(with_plain_twins(modes)):  # each once, in order
         codec = Fp8Codec(options=mode)
         frame = codec.encode(x)
         moved = in_bytes + len(frame)  # read plus written, either way
@@ -86,11 +93,39 @@ def bench_codec(modes: list[CodecOptions], dtype: torch.dtype = torch.bfloat16, 
             lambda: reference.dequantize(codes, scales, codec.fmt, mode.scaling, tuple(x.shape), dtype, mode.block_size),
             max(1, repeat // 2),
         )
-        label = mode.label()
-        rows.append(Row(label, "encode", moved / t_fast_enc / 1e9, moved / t_ref_enc / 1e9, copy))
-        rows.append(Row(label, "decode", moved / t_fast_dec / 1e9, moved / t_ref_dec / 1e9, copy))
-        rows.append(Row(label, "decode, new tensor", moved / t_fast_dec_new / 1e9, moved / t_ref_dec / 1e9, copy))
+        rows.append(Row(mode, "encode", moved / t_fast_enc / 1e9, moved / t_ref_enc / 1e9, copy))
+        rows.append(Row(mode, "decode", moved / t_fast_dec / 1e9, moved / t_ref_dec / 1e9, copy))
+        rows.append(Row(mode, "decode, new tensor", moved / t_fast_dec_new / 1e9, moved / t_ref_dec / 1e9, copy))
     return rows
+
+
+def plain_twin(mode: CodecOptions) -> CodecOptions:
+    """The same options with amax scales: what the scale search is measured against."""
+    return dataclasses.replace(mode, scale_choice="amax")
+
+
+def with_plain_twins(modes: list[CodecOptions]) -> list[CodecOptions]:
+    """``modes``, each searched one followed by its :func:`plain_twin`."""
+    out = []
+    for mode in modes:
+        out.append(mode)
+        if mode.scale_choice != "amax":
+            out.append(plain_twin(mode))
+    return out
+
+
+def search_costs(rows: list[Row]) -> list[str]:
+    """One line per searched mode: its encode against its plain twin's, from ``rows``."""
+    encode = {r.options: r for r in rows if r.direction == "encode"}
+    lines = []
+    for options, row in encode.items():
+        twin = encode.get(plain_twin(options))
+        if twin is not None and twin is not row:
+            lines.append(
+                f"search cost: {row.mode} encodes at {row.fast_gbps / twin.fast_gbps:.2f} of its plain twin "
+                f"({row.fast_gbps:.2f} against {twin.fast_gbps:.2f} GB/s; {row.vs_copy:.2f} and {twin.vs_copy:.2f} of the copy)"
+            )
+    return lines
 
 
 def format_table(rows: list[Row], title: str) -> str:
@@ -105,7 +140,8 @@ def format_table(rows: list[Row], title: str) -> str:
             f"| {r.mode} | {r.direction} | {r.fast_gbps:.2f} | {r.reference_gbps:.3f} | {r.copy_gbps:.1f} "
             f"| {r.vs_reference:.1f}x | {r.vs_copy:.2f} |"
         )
-    return "\n".join(lines)
+    costs = search_costs(rows)
+    return "\n".join(lines + ([""] + costs if costs else []))
 
 
 def describe_machine() -> str:

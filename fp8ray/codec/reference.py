@@ -63,8 +63,9 @@ def lane_sums(terms: torch.Tensor) -> torch.Tensor:
     can reproduce them bit for bit with vector adds: the row is zero-padded to a multiple
     of SEARCH_LANES; lane ``j`` adds the terms ``j, j + 16, j + 32, ...`` in that order;
     then ``lane[j] += lane[j + w]`` for w = 8, 4, 2, 1, and lane 0 is the sum."""
-    pad = (-terms.shape[1]) % SEARCH_LANES
-    chunks = torch.nn.functional.pad(terms, (0, pad)).reshape(terms.shape[0], -1, SEARCH_LANES)
+    count = -(-terms.shape[1] // SEARCH_LANES)
+    padded = torch.nn.functional.pad(terms, (0, count * SEARCH_LANES - terms.shape[1]))
+    chunks = padded.reshape(terms.shape[0], count, SEARCH_LANES)
     lanes = torch.zeros(terms.shape[0], SEARCH_LANES, dtype=terms.dtype, device=terms.device)
     for m in range(chunks.shape[1]):
         lanes = lanes + chunks[:, m]
