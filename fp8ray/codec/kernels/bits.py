@@ -102,35 +102,54 @@ def _f32_to_bf16(typingctx, value):
     return types.uint16(types.float32), codegen
 
 
+def _i32_constants(value_type):
+    """A maker of i32 constants shaped like values of ``value_type``: scalars, or vectors of its width."""
+    if isinstance(value_type, ir.VectorType):
+        return lambda c: ir.Constant(ir.VectorType(_I32, value_type.count), [c & 0xFFFFFFFF] * value_type.count)
+    return _i32
+
+
+def emit_fp8_code(builder, q, v, fields):
+    """IR for the fp8 code of the clamped quotient ``q`` (round to nearest even, c10's
+    algorithm), replaced by the NaN/inf code when the input ``v`` is not finite; ``q`` and
+    ``v`` are fp32 scalars or vectors, ``fields`` the i32 values (of their shape) of
+    :func:`format_params` 1 to 7. Returns i32 codes of their shape."""
+    c = _i32_constants(q.type)
+    int_type = ir.VectorType(_I32, q.type.count) if isinstance(q.type, ir.VectorType) else _I32
+    float_type = q.type
+    shift, norm_add, min_normal, denorm_bits, nan_code, posinf_code, neginf_code = fields
+    b = builder.bitcast(q, int_type)
+    sign = builder.and_(b, c(_SIGN_BIT))
+    a = builder.xor(b, sign)
+    magic = builder.bitcast(denorm_bits, float_type)
+    subnormal = builder.sub(builder.bitcast(builder.fadd(builder.bitcast(a, float_type), magic), int_type), denorm_bits)
+    odd = builder.and_(builder.lshr(a, shift), c(1))
+    normal = builder.lshr(builder.add(builder.add(a, norm_add), odd), shift)
+    code = builder.select(builder.icmp_unsigned("<", a, min_normal), subnormal, normal)
+    code = builder.or_(code, builder.lshr(sign, c(24)))
+    vb = builder.bitcast(v, int_type)
+    key = builder.and_(vb, c(_ABS_MASK))
+    inf = builder.select(builder.icmp_signed("<", vb, c(0)), neginf_code, posinf_code)
+    special = builder.select(builder.icmp_unsigned(">", key, c(_INF_BITS)), nan_code, inf)
+    nonfinite = builder.icmp_unsigned(">=", key, c(_INF_BITS))
+    return builder.select(nonfinite, special, code)
+
+
+def code_fields(builder, params):
+    """The i32 fields of :func:`format_params` that :func:`emit_fp8_code` takes."""
+    return [builder.trunc(builder.extract_value(params, k), _I32) for k in range(1, 8)]
+
+
 @intrinsic
 def _fp8_code_bits(typingctx, q, v, p):
-    """The fp8 code of the clamped quotient ``q`` (round to nearest even, c10's algorithm),
-    replaced by the NaN/inf code when the input ``v`` is not finite. 32-bit LLVM IR, for
-    the reason given in :func:`_f32_to_bf16`."""
+    """The fp8 code of the clamped quotient ``q`` (see :func:`emit_fp8_code`). 32-bit LLVM
+    IR, for the reason given in :func:`_f32_to_bf16`."""
     if q != types.float32 or v != types.float32:
         return None
 
     def codegen(context, builder, signature, args):
         q, v, params = args
-        fields = [builder.extract_value(params, k) for k in range(1, 8)]
-        shift, norm_add, min_normal, denorm_bits, nan_code, posinf_code, neginf_code = (
-            builder.trunc(f, _I32) for f in fields
-        )
-        b = builder.bitcast(q, _I32)
-        sign = builder.and_(b, _i32(_SIGN_BIT))
-        a = builder.xor(b, sign)
-        magic = builder.bitcast(denorm_bits, _F32)
-        subnormal = builder.sub(builder.bitcast(builder.fadd(builder.bitcast(a, _F32), magic), _I32), denorm_bits)
-        odd = builder.and_(builder.lshr(a, shift), _i32(1))
-        normal = builder.lshr(builder.add(builder.add(a, norm_add), odd), shift)
-        code = builder.select(builder.icmp_unsigned("<", a, min_normal), subnormal, normal)
-        code = builder.or_(code, builder.lshr(sign, _i32(24)))
-        vb = builder.bitcast(v, _I32)
-        key = builder.and_(vb, _i32(_ABS_MASK))
-        inf = builder.select(builder.icmp_signed("<", vb, _i32(0)), neginf_code, posinf_code)
-        special = builder.select(builder.icmp_unsigned(">", key, _i32(_INF_BITS)), nan_code, inf)
-        nonfinite = builder.icmp_unsigned(">=", key, _i32(_INF_BITS))
-        return builder.select(nonfinite, special, code)
+        return emit_fp8_code(builder, q, v, code_fields(builder, params))
 
     return types.int32(q, v, p), codegen
 
@@ -165,29 +184,40 @@ def _fp8_to_f32(typingctx, code, dp):
     return types.float32(code, dp), codegen
 
 
+def emit_f16_bits_to_f32(builder, bits):
+    """IR: IEEE half bits (i16, scalar or vector) to fp32, exactly, without touching fp32
+    denormals: normals by rebiasing the bits, subnormals by an exact int-to-float product."""
+    vector = isinstance(bits.type, ir.VectorType)
+    int_type = ir.VectorType(_I32, bits.type.count) if vector else _I32
+    float_type = ir.VectorType(_F32, bits.type.count) if vector else _F32
+    if _NATIVE_HALF:
+        half = ir.VectorType(ir.HalfType(), bits.type.count) if vector else ir.HalfType()
+        return builder.fpext(builder.bitcast(bits, half), float_type)
+    c = _i32_constants(bits.type)
+    h = builder.zext(bits, int_type)
+    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+    exp_mant = builder.and_(h, c(0x7FFF))
+    exponent = builder.and_(h, c(0x7C00))
+    shifted = builder.shl(exp_mant, c(13))
+    normal = builder.or_(builder.add(shifted, c(112 << 23)), sign)
+    special = builder.or_(builder.or_(shifted, c(_INF_BITS)), sign)
+    unit = ir.Constant(float_type, [2.0**-24] * bits.type.count) if vector else ir.Constant(_F32, 2.0**-24)
+    sub = builder.fmul(builder.uitofp(exp_mant, float_type), unit)
+    sub = builder.or_(builder.bitcast(sub, int_type), sign)
+    is_special = builder.icmp_unsigned("==", exponent, c(0x7C00))
+    is_sub = builder.icmp_unsigned("==", exponent, c(0))
+    result = builder.select(is_sub, sub, builder.select(is_special, special, normal))
+    return builder.bitcast(result, float_type)
+
+
 @intrinsic
 def _f16_bits_to_f32(typingctx, bits):
-    """IEEE half (bits in an int16) to float32, exactly, without touching fp32 denormals:
-    normals by rebiasing the bits, subnormals by an exact int-to-float product."""
+    """IEEE half (bits in an int16) to float32, exactly (see :func:`emit_f16_bits_to_f32`)."""
     if bits != types.int16:
         return None
 
     def codegen(context, builder, signature, args):
-        if _NATIVE_HALF:
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
-        h = builder.zext(args[0], _I32)
-        sign = builder.shl(builder.and_(h, _i32(0x8000)), _i32(16))
-        exp_mant = builder.and_(h, _i32(0x7FFF))
-        exponent = builder.and_(h, _i32(0x7C00))
-        shifted = builder.shl(exp_mant, _i32(13))
-        normal = builder.or_(builder.add(shifted, _i32(112 << 23)), sign)
-        special = builder.or_(builder.or_(shifted, _i32(_INF_BITS)), sign)
-        sub = builder.fmul(builder.uitofp(exp_mant, _F32), ir.Constant(_F32, 2.0**-24))
-        sub = builder.or_(builder.bitcast(sub, _I32), sign)
-        is_special = builder.icmp_unsigned("==", exponent, _i32(0x7C00))
-        is_sub = builder.icmp_unsigned("==", exponent, _i32(0))
-        result = builder.select(is_sub, sub, builder.select(is_special, special, normal))
-        return builder.bitcast(result, _F32)
+        return emit_f16_bits_to_f32(builder, args[0])
 
     return types.float32(types.int16), codegen
 
