@@ -287,6 +287,12 @@ cpu.dequantize(c.numpy(), scales.numpy(), E4M3FN, "token", (64, 256), 0, out)
 expected = reference.dequantize(c, scales, E4M3FN, "token", (64, 256), torch.float16, 0)
 nan = torch.isnan(expected)
 assert torch.equal(out[~nan], expected[~nan]) and torch.isnan(out[nan]).all()
+finite = x[torch.isfinite(x)][:61440]  # the scale search's vector path on fp16, blocks of 32
+codes = np.empty(finite.numel(), np.uint8)
+scales = np.empty(finite.numel() // 32, np.float32)
+cpu.quantize(finite, E4M3FN, "block", 32, codes, scales, "bfloat16", "mse")
+ref, ref_scales, _ = reference.quantize(finite, E4M3FN, "block", 32, False, "bfloat16", "mse")
+assert np.array_equal(codes, ref.numpy()) and np.array_equal(scales, ref_scales.numpy())
 print("portable half ok")
 """
 
