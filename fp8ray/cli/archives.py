@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 
 from ..io.archive import DEFAULT_LOSSLESS
-from .common import codec_arguments, codec_options, engine_arguments, json_argument, positive_float, progress, warn
+from .common import codec_arguments, codec_options, engine_arguments, positive_float, progress, warn
 
 
 def add_commands(commands) -> None:
     compress = commands.add_parser("compress", help="compress a safetensors file/directory or raw-block Parquet into an archive")
-    compress.add_argument("source", help="a .safetensors file, a directory of them, or raw-block Parquet; local or s3://")
+    compress.add_argument(
+        "source", help="a .safetensors file, a directory tree of them (subfolders too), or raw-block Parquet; local or s3://"
+    )
     compress.add_argument("destination", help="the archive directory to create (local or s3://)")
     codec_arguments(compress)
     compress.add_argument("--part-mb", type=positive_float, default=64.0, help="input MiB per Parquet part (default 64)")
@@ -20,6 +22,11 @@ def add_commands(commands) -> None:
     )
     compress.add_argument("--parents", action="store_true", help="create the destination's missing parent directories")
     compress.add_argument("--resume", action="store_true", help="keep the parts an interrupted run finished")
+    compress.add_argument(
+        "--strict", action="store_true",
+        help="refuse a source directory holding anything compress does not take (other files, hidden names, "
+        "links to folders, empty folders), which it otherwise names as skipped",
+    )
     compress.add_argument(
         "--overwrite", action="store_true", help="replace an existing destination (never one that overlaps the source)"
     )
@@ -32,7 +39,14 @@ def add_commands(commands) -> None:
         "output", help="where the source comes back: a directory for a directory source, else the file to write"
     )
     decompress.add_argument("--single-file", action="store_true", help="every block into OUTPUT as one .safetensors file (keys must be unique)")
-    decompress.add_argument("--overwrite", action="store_true", help="replace an existing output of the same kind")
+    decompress.add_argument(
+        "--overwrite", action="store_true",
+        help="replace an existing output of the same kind that holds only files the archive describes",
+    )
+    decompress.add_argument(
+        "--force-replace", action="store_true",
+        help="replace an existing output directory even if it holds other files, deleting them (named first)",
+    )
     decompress.add_argument("--parents", action="store_true", help="create the output's missing parent directories")
     engine_arguments(decompress)
     decompress.set_defaults(handler=run_decompress)
@@ -45,7 +59,7 @@ def add_commands(commands) -> None:
 
     inspect = commands.add_parser("inspect", help="print an archive's manifest summary")
     inspect.add_argument("archive", help="an fp8ray archive directory")
-    json_argument(inspect)
+    inspect.add_argument("--json", action="store_true", help="print the manifest as JSON, with the ratio and any problems")
     inspect.set_defaults(handler=run_inspect)
 
 
@@ -64,15 +78,30 @@ def run_compress(args) -> int:
     report = compress_archive(
         args.source, args.destination, options=options,
         workers=args.workers, gpus_per_worker=args.gpus_per_worker, address=args.address,
-        resume=args.resume, overwrite=args.overwrite, parents=args.parents, part_bytes=int(args.part_mb * 2**20),
-        lossless=args.lossless, progress=update,
+        resume=args.resume, overwrite=args.overwrite, parents=args.parents, strict=args.strict,
+        part_bytes=int(args.part_mb * 2**20), lossless=args.lossless, progress=update,
     )
     _finish(args, bar, report, (
         f"compressed {report.blocks} blocks into {report.parts} parts ({report.parts_reused} reused): "
         f"{report.raw_bytes / 2**20:.1f} MiB -> {report.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x), "
         f"{report.input_gbps:.2f} GB/s of input on {report.workers} workers ({', '.join(report.devices) or 'no new parts'})"
+        + skipped_summary(report.skipped)
     ))
     return 0
+
+
+def skipped_summary(skipped: list[dict]) -> str:
+    """``"; skipped 2 files: README.txt, tenant_b/index.json"`` (folders end in ``/``), or
+    nothing when a source tree was taken whole. Every one is in ``--json`` and the
+    manifest, with why."""
+    from ..io.paths import name_list
+
+    if not skipped:
+        return ""
+    folders = sum(s["name"].endswith("/") for s in skipped)
+    files = len(skipped) - folders
+    counts = [f"{n} {word}{'' if n == 1 else 's'}" for n, word in ((files, "file"), (folders, "folder")) if n]
+    return f"; skipped {' and '.join(counts)}: {name_list([s['name'] for s in skipped])}"
 
 
 def _manifest_blocks(uri: str) -> int:
@@ -88,8 +117,8 @@ def run_decompress(args) -> int:
     bar, update = progress(args, lambda: _manifest_blocks(args.archive))
     report = decompress_archive(
         args.archive, args.output, single_file=args.single_file, workers=args.workers,
-        gpus_per_worker=args.gpus_per_worker, address=args.address, overwrite=args.overwrite, parents=args.parents,
-        progress=update,
+        gpus_per_worker=args.gpus_per_worker, address=args.address, overwrite=args.overwrite,
+        force_replace=args.force_replace, parents=args.parents, progress=update, announce=warn,
     )
     _finish(args, bar, report, (
         f"decompressed {report.blocks} blocks ({report.raw_bytes / 2**20:.1f} MiB) into {report.files} file(s) at {report.output}, "
@@ -124,10 +153,16 @@ def run_inspect(args) -> int:
     info = inspect_archive(args.archive)
     if args.json:
         print(json.dumps(info, indent=1))
-        return 0
-    print(
-        f"{redact(args.archive)}: {info['blocks']} blocks in {len(info['parts'])} parts, {manifest_codec(info).label()}; "
-        f"{info['raw_bytes'] / 2**20:.1f} MiB -> {info['archive_bytes'] / 2**20:.1f} MiB ({info['ratio']:.2f}x); "
-        f"fp8ray {info['fp8ray_version']}"
-    )
+    else:
+        skipped = (info.get("layout") or {}).get("skipped") or []
+        print(
+            f"{redact(args.archive)}: {info['blocks']} blocks in {len(info['parts'])} parts, {manifest_codec(info).label()}; "
+            f"{info['raw_bytes'] / 2**20:.1f} MiB -> {info['archive_bytes'] / 2**20:.1f} MiB ({info['ratio']:.2f}x); "
+            f"fp8ray {info['fp8ray_version']}" + skipped_summary(skipped).replace("; skipped", "; the source's tree skipped")
+        )
+    if info["problems"]:
+        for problem in info["problems"]:
+            warn(problem)
+        warn(f"error: archive {redact(args.archive)} failed inspection ({len(info['problems'])} problem(s))")
+        return 1
     return 0

@@ -36,8 +36,8 @@ def add_commands(commands) -> None:
 
     lossless = kinds.add_parser("lossless", help="archive size and speed of each lossless stage on a real KV cache")
     lossless.add_argument(
-        "--source", default="out/kv_smollm2.safetensors",
-        help="a KV cache in safetensors (default out/kv_smollm2.safetensors, captured from the shipped model if missing)",
+        "--source", default="out/demo/kv_smollm2.safetensors",
+        help="a KV cache in safetensors (default out/demo/kv_smollm2.safetensors, which fp8ray demo writes; captured from the shipped model if missing)",
     )
     lossless.add_argument("--stages", default="none,lz4,zstd:1,zstd:3,zstd:6", help="comma-separated (default none,lz4,zstd:1,zstd:3,zstd:6)")
     codec_arguments(lossless)

@@ -18,13 +18,17 @@ from .. import __version__
 from ..codec import CodecOptions
 from ..codec import frame
 from ..codec.bound import bound_constants
-from ..errors import ArchiveExistsError, DestinationError, SourceError, block_error
+from ..errors import ArchiveExistsError, DestinationError, Fp8rayError, SourceError, block_error
 from ..io import archive
 from ..io.archive import DEFAULT_LOSSLESS, DEFAULT_PART_BYTES
 from ..io.blocks import scan_source
 from ..io.paths import (
     TMP_MARK,
     check_apart,
+    list_tree,
+    name_list,
+    os_reason,
+    printable,
     prepare_parent,
     redact,
     remove_quietly,
@@ -64,6 +68,7 @@ class CompressReport:
     workers_replaced: int
     devices: list[str]
     nodes: int  # distinct Ray nodes that wrote parts in this run
+    skipped: list[dict] = field(default_factory=list)  # what a source tree holds that was not taken: name, reason
 
     @property
     def ratio(self) -> float:
@@ -86,6 +91,7 @@ class DecompressReport:
     seconds: float  # the work, once the workers are up
     files: int
     nodes: int = 0  # distinct Ray nodes that wrote files
+    deleted: list[str] = field(default_factory=list)  # what --force-replace deleted that the archive does not describe
 
     @property
     def output_gbps(self) -> float:
@@ -181,10 +187,15 @@ def _undo(dest: _Destination, todo: list[int]) -> None:
                 pass
 
 
-def _scan_compressible(source: str):
+def _scan_compressible(source: str, strict: bool = False):
     """The source's layout and blocks, refused before anything is written if it holds no
-    tensor, or one no frame can hold."""
+    tensor, or one no frame can hold, or (``strict``) anything it does not take."""
     layout, refs = scan_source(source)
+    if strict and layout.skipped:
+        raise SourceError(
+            f"source {redact(source)} holds {len(layout.skipped)} entr{'y' if len(layout.skipped) == 1 else 'ies'} "
+            f"compress does not take (--strict): " + name_list([f"{s.name} ({s.reason})" for s in layout.skipped])
+        )
     if not refs:
         raise SourceError(f"source {redact(source)} holds no tensors: there is nothing to compress")
     for ref in refs:
@@ -219,6 +230,7 @@ def compress_archive(
     resume: bool = False,
     overwrite: bool = False,
     parents: bool = False,
+    strict: bool = False,
     part_bytes: int = DEFAULT_PART_BYTES,
     lossless: str = DEFAULT_LOSSLESS,
     progress: Progress | None = None,
@@ -239,6 +251,11 @@ def compress_archive(
     is created with ``parents``, else refused. ``pool``: a running :class:`QuantPool` to
     use (and leave running) instead of starting one for this call.
 
+    A directory source is a tree: every ``.safetensors`` (or ``.parquet``) file in it,
+    subfolders too, under its relative path. What else it holds (other files, hidden
+    names, symbolic links to folders, empty folders) is named in the report's and the
+    manifest's ``skipped``; with ``strict`` it is an error instead, before any work.
+
     Codec options: ``options`` (default: the default mode), then any of
     :class:`~fp8ray.codec.CodecOptions`' fields as keywords (``scaling="token"``), each
     overriding only itself. All of them are recorded in the manifest, with ``lossless``
@@ -248,7 +265,7 @@ def compress_archive(
     codec = CodecOptions.parse(codec_options, base=options)  # bad options fail before any work
     archive.parse_lossless(lossless)
     check_apart(source, destination)
-    layout, refs = _scan_compressible(source)
+    layout, refs = _scan_compressible(source, strict)
     parts = archive.plan_parts(refs, part_bytes)
     dest = _prepare_destination(destination, resume, overwrite, parents)
     fs, work = dest.fs, dest.work
@@ -292,7 +309,7 @@ def compress_archive(
             _undo(dest, todo)
         raise
     if dest.replacing:
-        replace_directory(fs, work, dest.path)
+        replace_directory(fs, work, dest.path, destination)
     return CompressReport(
         source=redact(source),
         archive=redact(destination),
@@ -307,6 +324,7 @@ def compress_archive(
         workers_replaced=replaced,
         devices=sorted(devices),
         nodes=len(nodes - {None}),
+        skipped=[asdict(entry) for entry in layout.skipped],
     )
 
 
@@ -319,9 +337,11 @@ def decompress_archive(
     gpus_per_worker: float = 0,
     address: str | None = None,
     overwrite: bool = False,
+    force_replace: bool = False,
     parents: bool = False,
     progress: Progress | None = None,
     pool: QuantPool | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> DecompressReport:
     """Give back what was compressed: the source's own files at ``output`` (a directory of
     the same files, keys, order and metadata; a single file; a raw-block Parquet file with
@@ -330,18 +350,29 @@ def decompress_archive(
     written before the layout was recorded), every block into one ``.safetensors`` file.
 
     The destination is checked before any work; the output appears by rename only when
-    complete, and a damaged part or frame leaves nothing behind.
+    complete, and a damaged part or frame leaves nothing behind. Nothing decompress did
+    not write is removed: ``overwrite`` replaces an output holding only what the archive
+    describes (an earlier decompress of it); ``force_replace`` replaces one holding other
+    files too, calling ``announce`` with what it will delete before any work.
     """
     fs, path = resolve(archive_uri)
-    manifest = archive.read_manifest(fs, path)
+    manifest = archive.read_manifest(fs, path, archive_uri)
     check_apart(archive_uri, output)
-    columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key", "dtype", "shape"])
+    columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key", "dtype", "shape"], archive_uri)
     out_fs, out_path = resolve(output)
     plan = plan_restore(manifest, columns, posixpath.basename(out_path) if single_file else None)
-    _check_output(out_fs, out_path, output, plan, overwrite, parents)
+    foreign = _check_output(out_fs, out_path, output, plan, overwrite or force_replace, force_replace, parents)
+    if foreign and announce:
+        announce(
+            f"--force-replace: replacing {redact(output)} deletes {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
+            f"the archive does not describe: {name_list(foreign)}"
+        )
     scratch = temporary_name(out_path)
-    out_fs.create_dir(scratch)
-    report = DecompressReport(redact(archive_uri), redact(output), 0, 0, 0.0, 0)
+    try:
+        out_fs.create_dir(scratch)
+    except OSError as exc:
+        raise DestinationError(f"cannot write output {redact(output)}: {os_reason(exc)}") from None
+    report = DecompressReport(redact(archive_uri), redact(output), 0, 0, 0.0, 0, deleted=foreign)
     nodes = set()
     try:
         with _pool(pool, workers, gpus_per_worker, address) as running:
@@ -359,19 +390,27 @@ def decompress_archive(
             report.nodes = len(nodes - {None})
         _clean_temporaries(out_fs, scratch)  # of workers killed mid-file; their files were rewritten
         if plan.container == "directory":
-            replace_directory(out_fs, scratch, out_path)
+            replace_directory(out_fs, scratch, out_path, output)
         else:
             (only,) = plan.files
             out_fs.move(f"{scratch}/{only.name}", out_path)  # replaces an old file (--overwrite) in one step
             out_fs.delete_dir(scratch)
+    except OSError as exc:
+        remove_quietly(out_fs, scratch)
+        if isinstance(exc, Fp8rayError):
+            raise
+        # pyarrow names the scratch directory, and twice: name what the user typed, once.
+        raise DestinationError(f"cannot write output {redact(output)}: {os_reason(exc)}") from None
     except BaseException:
         remove_quietly(out_fs, scratch)
         raise
     return report
 
 
-def _check_output(fs: pafs.FileSystem, path: str, uri: str, plan, overwrite: bool, parents: bool) -> None:
-    """Refuse, before any work, an output decompress cannot write as asked."""
+def _check_output(fs: pafs.FileSystem, path: str, uri: str, plan, overwrite: bool, force_replace: bool, parents: bool) -> list[str]:
+    """Refuse, before any work, an output decompress cannot write as asked. Returns what
+    an existing output directory holds that the archive does not describe (to be
+    replaced only with ``force_replace``)."""
     wanted = "directory" if plan.container == "directory" else "file"
     if wanted == "file":
         if uri.endswith("/"):
@@ -386,17 +425,31 @@ def _check_output(fs: pafs.FileSystem, path: str, uri: str, plan, overwrite: boo
     kind = fs.get_file_info(path).type
     if kind == pafs.FileType.NotFound:
         prepare_parent(fs, path, uri, parents)
-        return
+        return []
     have = "directory" if kind == pafs.FileType.Directory else "file"
     if not overwrite:
         raise ArchiveExistsError(f"output {redact(uri)} exists (pass --overwrite to replace it with the archive's {wanted})")
     if have != wanted:
         raise DestinationError(f"output {redact(uri)} is a {have}, and the archive gives back a {wanted}: not replacing it")
+    if have == "file":
+        return []
+    described = {f.name for f in plan.files}
+    try:
+        foreign = [e.name for e in list_tree(fs, path) if not (e.kind == "file" and e.name in described)]
+    except OSError as exc:
+        raise DestinationError(f"output {redact(uri)} cannot be listed: {os_reason(exc)}") from None
+    if foreign and not force_replace:
+        raise DestinationError(
+            f"output {redact(uri)} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} the archive does not "
+            f"describe ({name_list(foreign)}): --overwrite replaces only the archive's own files; "
+            "pass --force-replace to delete them too"
+        )
+    return foreign
 
 
 def _clean_temporaries(fs: pafs.FileSystem, directory: str) -> None:
-    for entry in fs.get_file_info(pafs.FileSelector(directory)):
-        if TMP_MARK in entry.base_name:
+    for entry in fs.get_file_info(pafs.FileSelector(directory, recursive=True)):
+        if TMP_MARK in entry.base_name and entry.type == pafs.FileType.File:
             fs.delete_file(entry.path)
 
 
@@ -414,10 +467,13 @@ def verify_archive(
     (a source that is not the one compressed fails). Damage is reported, naming the block
     (or the part where it lies outside every block), not raised."""
     fs, path = resolve(archive_uri)
-    manifest = archive.read_manifest(fs, path)
+    manifest = archive.read_manifest(fs, path, archive_uri)
     layout = archive.manifest_layout(manifest)
     name_files = layout is not None and len(layout.files) > 1
-    refs = archive.blocks_by_ident(layout, *scan_source(against), against) if against else None
+    refs = source_layout = None
+    if against:
+        source_layout, source_refs = scan_source(against)
+        refs = archive.blocks_by_ident(layout, source_layout, source_refs, against)
     codec = archive.manifest_codec(manifest)
     bound = manifest.get("error_bound") or bound_constants(codec.fmt, codec.scaling)
     report = VerifyReport(redact(archive_uri), 0, len(manifest["parts"]))
@@ -436,14 +492,41 @@ def verify_archive(
     if report.blocks != manifest["blocks"] and not report.errors:
         report.errors.append(f"the manifest records {manifest['blocks']} blocks, the parts hold {report.blocks}")
     if refs is not None:
-        missing = sorted(set(refs) - seen)
-        if missing:
-            report.errors.append(f"{len(missing)} source block(s) are not in the archive, e.g. {missing[0][1]!r}")
+        report.errors += _compare_files(layout, source_layout, refs, seen, against)
     return report
 
 
+def _compare_files(layout, source_layout, refs: dict, seen: set, against: str) -> list[str]:
+    """What a source holds that the archive does not, by file: a whole file, or blocks of
+    one; and the archive's files the source lacks."""
+    errors = []
+    file_of = archive.source_file_names(layout, source_layout)
+    in_archive = {f.name for f in layout.files} if layout is not None else None
+    missing: dict[str, list[str]] = {}
+    for ident in sorted(set(refs) - seen):
+        missing.setdefault(refs[ident].file, []).append(ident[1])
+    for f in source_layout.files:
+        name = printable(f.name)
+        if in_archive is not None and file_of[f.name] not in in_archive:
+            errors.append(f"source file {name} ({f.blocks} blocks) is not in the archive")
+        elif f.name in missing:
+            keys = missing[f.name]
+            errors.append(f"{len(keys)} block(s) of source file {name} are not in the archive, e.g. {keys[0]!r}")
+    if in_archive is not None:
+        errors += [
+            f"file {printable(name)} of the archive is not in {redact(against)}"
+            for name in sorted(in_archive - set(file_of.values()))
+        ]
+    return errors
+
+
 def inspect_archive(archive_uri: str) -> dict:
-    """The manifest, with the compression ratio; no part is read."""
+    """The manifest, with the compression ratio, and ``problems``: each part missing, or
+    of another size than the manifest records (checked without reading any part)."""
     fs, path = resolve(archive_uri)
-    manifest = archive.read_manifest(fs, path)
-    return {**manifest, "ratio": manifest["raw_bytes"] / manifest["archive_bytes"] if manifest["archive_bytes"] else 0.0}
+    manifest = archive.read_manifest(fs, path, archive_uri)
+    return {
+        **manifest,
+        "ratio": manifest["raw_bytes"] / manifest["archive_bytes"] if manifest["archive_bytes"] else 0.0,
+        "problems": archive.part_problems(fs, path, manifest, archive_uri),
+    }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 import sys
 from dataclasses import dataclass, field
 
@@ -219,10 +220,12 @@ class QuantWorker:
         buffer = np.empty(0, np.uint8)  # reused: fresh pages for every block cost more than decoding
         result = RestoreResult(node_id=_node_id())
         for i, f in enumerate(task.files):
+            if "/" in f.name and isinstance(out_fs, LocalFileSystem):  # a file in a subfolder of the source
+                out_fs.create_dir(posixpath.dirname(f"{out_dir}/{f.name}"), recursive=True)
             with f.writer(uri_for(directory, f"{out_dir}/{f.name}")) as writer:
                 for part, row, key, dtype, shape in f.blocks:
                     if part not in frames:
-                        table = archive.read_part(fs, path, parts[part], columns=["frame"])
+                        table = archive.read_part(fs, path, parts[part], columns=["frame"], uri=archive_uri)
                         frames[part] = list(archive.iter_frames(table))
                     nbytes = math.prod(shape) * DTYPES_BY_NAME[dtype].itemsize
                     if buffer.size < nbytes:
@@ -251,12 +254,12 @@ class QuantWorker:
         fs, path = resolve(directory)
         result = VerifyResult(part["name"])
         try:
-            archive.check_part(fs, path, part)
+            archive.check_part(fs, path, part, directory)
             part_error = None
         except archive.CorruptArchiveError as exc:
             part_error = str(exc)
         try:  # read even a damaged part, to name the blocks the damage lies in
-            table = archive.read_part(fs, path, part, check=False)
+            table = archive.read_part(fs, path, part, check=False, uri=directory)
         except archive.CorruptArchiveError as exc:
             result.errors.append(str(exc))
             return result

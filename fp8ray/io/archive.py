@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from ..codec.options import CodecOptions
 from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
 from .blocks import BlockRef, SourceLayout
-from .paths import TMP_MARK, redact, write_atomic
+from .paths import TMP_MARK, os_reason, redact, write_atomic
 
 ARCHIVE_FORMAT = "fp8ray-archive"
 # Version 2 added the source's layout to the manifest and the "file" column to parts;
@@ -294,18 +294,30 @@ def write_manifest(fs: pafs.FileSystem, directory: str, manifest: dict) -> None:
     write_atomic(fs, f"{directory}/{MANIFEST_NAME}", (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
 
 
-def read_manifest(fs: pafs.FileSystem, directory: str) -> dict:
-    path = f"{directory}/{MANIFEST_NAME}"
-    info = fs.get_file_info(directory)
-    if info.type == pafs.FileType.NotFound:
-        raise CorruptArchiveError(f"archive {directory} does not exist")
-    if fs.get_file_info(path).type != pafs.FileType.File:
-        raise CorruptArchiveError(f"{directory} has no {MANIFEST_NAME}: not a complete fp8ray archive")
+def _shown(directory: str, uri: str | None) -> str:
+    """The archive as messages name it: as the user gave it, where known."""
+    return redact(uri) if uri is not None else directory
+
+
+def read_manifest(fs: pafs.FileSystem, directory: str, uri: str | None = None) -> dict:
+    """The checked manifest of the archive in ``directory`` (``uri``: the archive as the
+    user gave it, for messages)."""
+    shown = _shown(directory, uri)
+    path = f"{shown.rstrip('/')}/{MANIFEST_NAME}"
     try:
-        with fs.open_input_stream(path) as f:
-            manifest = json.loads(f.read())
-    except (OSError, ValueError) as exc:
-        raise CorruptArchiveError(f"{path}: unreadable manifest: {exc}") from exc
+        info = fs.get_file_info(directory)
+        if info.type == pafs.FileType.NotFound:
+            raise CorruptArchiveError(f"archive {shown} does not exist")
+        if fs.get_file_info(f"{directory}/{MANIFEST_NAME}").type != pafs.FileType.File:
+            raise CorruptArchiveError(f"{shown} has no {MANIFEST_NAME}: not a complete fp8ray archive")
+        with fs.open_input_stream(f"{directory}/{MANIFEST_NAME}") as f:
+            text = f.read()
+    except OSError as exc:
+        raise CorruptArchiveError(f"{path} cannot be read: {os_reason(exc)}") from None
+    try:
+        manifest = json.loads(text)
+    except ValueError as exc:
+        raise CorruptArchiveError(f"{path}: unreadable manifest: {exc}") from None
     if not isinstance(manifest, dict):
         raise CorruptArchiveError(f"{path}: the manifest is a JSON {type(manifest).__name__}, not an object")
     if manifest.get("format") != ARCHIVE_FORMAT or manifest.get("version") not in READ_VERSIONS:
@@ -334,18 +346,24 @@ def _check_manifest(manifest: dict, path: str) -> None:
             raise CorruptArchiveError(f"{path}: part entry {i} names {part['name']!r}, not a part of this archive")
 
 
+def source_file_names(layout: SourceLayout | None, source_layout: SourceLayout) -> dict[str, str]:
+    """Each file of a source by the name the archive gives it: a single file matches a
+    single-file archive whatever its name (and a lone file of a directory); files of a
+    directory match by their path in it; an archive from before the layout was recorded
+    names no file (``""``)."""
+    if layout is None:
+        return dict.fromkeys((f.name for f in source_layout.files), "")
+    if len(layout.files) == 1 and len(source_layout.files) == 1 and "file" in (layout.container, source_layout.container):
+        return {source_layout.files[0].name: layout.files[0].name}
+    return {f.name: f.name for f in source_layout.files}
+
+
 def blocks_by_ident(
     layout: SourceLayout | None, source_layout: SourceLayout, refs: list[BlockRef], source: str
 ) -> dict[tuple[str, str], BlockRef]:
-    """A source's blocks by ``(file, key)`` as an archive names them, to compare the two:
-    a single file matches a single-file archive whatever its name; an archive from before
-    the layout was recorded names blocks by key alone (file ``""``)."""
-    if layout is None:
-        file_of = dict.fromkeys((f.name for f in source_layout.files), "")
-    elif len(layout.files) == 1 and len(source_layout.files) == 1:
-        file_of = {source_layout.files[0].name: layout.files[0].name}
-    else:
-        file_of = {f.name: f.name for f in source_layout.files}
+    """A source's blocks by ``(file, key)`` as an archive names them, to compare the two
+    (:func:`source_file_names`)."""
+    file_of = source_file_names(layout, source_layout)
     blocks: dict[tuple[str, str], BlockRef] = {}
     for r in refs:
         ident = (file_of[r.file], r.key)
@@ -360,48 +378,101 @@ def manifest_layout(manifest: dict) -> SourceLayout | None:
     return SourceLayout.from_dict(manifest["layout"]) if "layout" in manifest else None
 
 
-def check_part(fs: pafs.FileSystem, directory: str, info: dict) -> None:
+def _missing(info: dict, shown: str) -> CorruptArchiveError:
+    """A part the manifest lists that is not there at all: missing, not damaged."""
+    return CorruptArchiveError(
+        f"part {info['name']} is missing from {shown} (the manifest records it, {info['file_bytes']} bytes)"
+    )
+
+
+def part_problems(fs: pafs.FileSystem, directory: str, manifest: dict, uri: str | None = None) -> list[str]:
+    """Whether every part is there with the size its manifest entry records, without
+    reading any: one message per part missing or of another size."""
+    shown = _shown(directory, uri)
+    problems = []
+    for part in manifest["parts"]:
+        try:
+            info = fs.get_file_info(f"{directory}/{part['name']}")
+        except OSError as exc:
+            problems.append(f"part {part['name']} of {shown} cannot be read: {os_reason(exc)}")
+            continue
+        if info.type == pafs.FileType.NotFound:
+            problems.append(str(_missing(part, shown)))
+        elif info.type != pafs.FileType.File:
+            problems.append(f"part {part['name']} of {shown} is damaged: it is not a file")
+        elif info.size != part["file_bytes"]:
+            problems.append(f"part {part['name']} of {shown} is damaged: {info.size} bytes, the manifest records {part['file_bytes']}")
+    return problems
+
+
+def _open_part(fs: pafs.FileSystem, path: str, info: dict, shown: str):
+    """The part's file open for reading; raises :func:`_missing`'s error if it is gone."""
+    try:
+        if fs.get_file_info(path).type == pafs.FileType.NotFound:
+            raise _missing(info, shown)
+        return fs.open_input_file(path)
+    except OSError as exc:
+        raise CorruptArchiveError(f"part {info['name']} of {shown} cannot be read: {os_reason(exc)}") from None
+
+
+def check_part(fs: pafs.FileSystem, directory: str, info: dict, uri: str | None = None) -> None:
     """Check a part's presence, size and CRC-32C against its manifest entry."""
+    shown = _shown(directory, uri)
     path = f"{directory}/{info['name']}"
-    if fs.get_file_info(path).type != pafs.FileType.File:
-        raise CorruptArchiveError(f"part {info['name']} is missing from {directory}")
-    crc, size = file_crc32c(fs, path)
-    _check_crc(info, crc, size)
+    with _open_part(fs, path, info, shown):
+        pass
+    try:
+        crc, size = file_crc32c(fs, path)
+    except OSError as exc:
+        raise CorruptArchiveError(f"part {info['name']} of {shown} cannot be read: {os_reason(exc)}") from None
+    _check_crc(info, crc, size, shown)
 
 
-def _check_crc(info: dict, crc: int, size: int) -> None:
+def _check_crc(info: dict, crc: int, size: int, shown: str) -> None:
     if size != info["file_bytes"] or crc != info["crc32c"]:
         raise CorruptArchiveError(
-            f"part {info['name']}: {size} bytes with crc32c {crc:#010x}, "
+            f"part {info['name']} of {shown} is damaged: {size} bytes with crc32c {crc:#010x}, "
             f"the manifest records {info['file_bytes']} bytes with crc32c {info['crc32c']:#010x}"
         )
 
 
-def read_part(fs: pafs.FileSystem, directory: str, info: dict, columns: list[str] | None = None, check: bool = True) -> pa.Table:
+def read_part(
+    fs: pafs.FileSystem, directory: str, info: dict, columns: list[str] | None = None, check: bool = True, uri: str | None = None
+) -> pa.Table:
     """Read a part, checked against its manifest entry's size and CRC-32C unless ``check``
     is false (to read a damaged part anyway and name the blocks the damage lies in). A
-    checked part is read once, into memory, and parsed from there."""
+    checked part is read once, into memory, and parsed from there. A part that is not
+    there raises :class:`CorruptArchiveError` saying it is missing; one that is there
+    but damaged, saying that (``uri``: the archive as the user gave it, for messages)."""
+    shown = _shown(directory, uri)
     path = f"{directory}/{info['name']}"
-    try:
-        if not check:
-            return pq.read_table(path, filesystem=fs, columns=columns)
-        if fs.get_file_info(path).type != pafs.FileType.File:
-            raise CorruptArchiveError(f"part {info['name']} is missing from {directory}")
-        with fs.open_input_file(path) as f:
+    with _open_part(fs, path, info, shown) as f:
+        try:
+            if not check:
+                return pq.read_table(f, columns=columns)
             data = f.read_buffer()
-        _check_crc(info, crc32c.crc32c(memoryview(data)), data.size)
+        except OSError as exc:
+            if getattr(exc, "errno", None):
+                raise CorruptArchiveError(f"part {info['name']} of {shown} cannot be read: {os_reason(exc)}") from None
+            raise CorruptArchiveError(f"part {info['name']} of {shown} is damaged: not readable as Parquet ({exc})") from None
+        except pa.ArrowException as exc:
+            raise CorruptArchiveError(f"part {info['name']} of {shown} is damaged: not readable as Parquet ({exc})") from None
+    _check_crc(info, crc32c.crc32c(memoryview(data)), data.size, shown)
+    try:
         return pq.read_table(pa.BufferReader(data), columns=columns)
     except (OSError, pa.ArrowException) as exc:
-        raise CorruptArchiveError(f"part {info['name']} is unreadable: {exc}") from exc
+        raise CorruptArchiveError(f"part {info['name']} of {shown} is damaged: not readable as Parquet ({exc})") from None
 
 
-def read_metadata_columns(fs: pafs.FileSystem, directory: str, manifest: dict, columns: list[str]) -> list[dict[str, list]]:
+def read_metadata_columns(
+    fs: pafs.FileSystem, directory: str, manifest: dict, columns: list[str], uri: str | None = None
+) -> list[dict[str, list]]:
     """For each part, the given small metadata columns (never the frames) as lists. A
     version 1 archive has no ``file`` column: its blocks read as from one file, ``""``."""
     wanted = [c for c in columns if c != "file" or manifest["version"] >= 2]
     out = []
     for part in manifest["parts"]:
-        table = read_part(fs, directory, part, columns=wanted, check=False)
+        table = read_part(fs, directory, part, columns=wanted, check=False, uri=uri)
         cols = {name: table.column(name).to_pylist() for name in wanted}
         if "file" in columns and "file" not in cols:
             cols["file"] = [""] * table.num_rows

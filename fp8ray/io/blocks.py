@@ -5,8 +5,10 @@ key, dtype, shape, where the bytes lie); a worker then reads just the blocks of 
 shard. Paths are local or any URI ``pyarrow.fs`` knows (``s3://...``), so that on
 shared storage the driver moves only metadata.
 
-Sources: a ``.safetensors`` file, a directory of them, or a raw-block Parquet file
-(columns ``key``, ``dtype``, ``shape``, ``data``, nothing else) or a directory of those.
+Sources: a ``.safetensors`` file, a directory tree of them (files in subfolders too,
+named by their path relative to the source; what else the tree holds is named, not
+dropped), or a raw-block Parquet file (columns ``key``, ``dtype``, ``shape``, ``data``,
+nothing else) or a directory tree of those.
 Keys need be unique only within a file, as in safetensors itself: a block is named by
 its file (relative to the source) and its key. :func:`scan_source` also returns the
 :class:`SourceLayout`, what ``decompress`` needs to give the source back (file names,
@@ -31,7 +33,7 @@ import torch
 
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..errors import SourceError
-from .paths import CompleteOrNothing, printable, redact, resolve, temporary_name, uri_for
+from .paths import CompleteOrNothing, TreeEntry, list_tree, os_reason, printable, redact, resolve, temporary_name, uri_for
 from .safetensors import SOURCE_DTYPES, read_file_header
 
 RAW_COLUMNS = ("key", "dtype", "shape", "data")
@@ -72,19 +74,34 @@ class SourceFile:
 
 
 @dataclass(frozen=True)
+class SkippedEntry:
+    """Something under a source directory that compress does not take, and why."""
+
+    name: str  # relative to the source, "/" between parts; a folder's ends in "/"
+    reason: str
+
+
+@dataclass(frozen=True)
 class SourceLayout:
-    """The shape of a source: a single file or a directory of files, of one kind."""
+    """The shape of a source: a single file or a directory tree of files, of one kind,
+    and what the tree holds besides them (``skipped``: named, never left out silently)."""
 
     kind: str  # "safetensors" | "parquet"
     container: str  # "file" | "directory"
     files: tuple[SourceFile, ...]
+    skipped: tuple[SkippedEntry, ...] = ()
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "container": self.container, "files": [asdict(f) for f in self.files]}
+        return {
+            "kind": self.kind, "container": self.container, "files": [asdict(f) for f in self.files],
+            "skipped": [asdict(s) for s in self.skipped],
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> SourceLayout:
-        return cls(d["kind"], d["container"], tuple(SourceFile(**f) for f in d["files"]))
+        """Read back; a manifest written before ``skipped`` was recorded has none."""
+        skipped = tuple(SkippedEntry(**s) for s in d.get("skipped") or ())
+        return cls(d["kind"], d["container"], tuple(SourceFile(**f) for f in d["files"]), skipped)
 
 
 def list_blocks(uri: str) -> list[BlockRef]:
@@ -92,40 +109,79 @@ def list_blocks(uri: str) -> list[BlockRef]:
     return scan_source(uri)[1]
 
 
+SUFFIXES = {".safetensors": "safetensors", ".parquet": "parquet"}
+# Why a tree entry that is not a file compress could take is left, by its kind (paths.list_tree).
+_NOT_TAKEN = {
+    "folder link": "symbolic link to a folder, not followed",
+    "broken link": "broken symbolic link",
+    "empty folder": "empty folder",
+    "hidden folder": "hidden folder",
+    "special": "not a regular file",
+}
+
+
+def select_files(entries: list[TreeEntry], uri: str) -> tuple[str, list[str], list[SkippedEntry]]:
+    """From everything under a source directory: its kind, the files compress takes (every
+    ``.safetensors``, or every ``.parquet``, file in any folder, by relative name, sorted;
+    a symbolic link to a file counts as the file), and every other entry with why it is
+    left (hidden names, other files, links to folders, empty folders). Refuses a tree
+    holding both kinds, or neither."""
+    candidates: dict[str, list[str]] = {"safetensors": [], "parquet": []}
+    skipped: list[SkippedEntry] = []
+    others: list[str] = []
+    for e in entries:
+        if e.kind in _NOT_TAKEN:
+            skipped.append(SkippedEntry(e.name, _NOT_TAKEN[e.kind]))
+        elif any(part.startswith(".") for part in e.name.split("/")):
+            skipped.append(SkippedEntry(e.name, "hidden file"))
+        elif os.path.splitext(e.name)[1] in SUFFIXES:
+            candidates[SUFFIXES[os.path.splitext(e.name)[1]]].append(e.name)
+        else:
+            others.append(e.name)
+    st, pq_files = candidates["safetensors"], candidates["parquet"]
+    if st and pq_files:
+        raise SourceError(
+            f"source {redact(uri)} mixes .safetensors files ({printable(st[0])}, ...) and .parquet files "
+            f"({printable(pq_files[0])}, ...): compress one kind at a time"
+        )
+    if not st and not pq_files:
+        raise SourceError(f"source {redact(uri)} holds no .safetensors or .parquet files, in any folder")
+    kind, files = ("safetensors", st) if st else ("parquet", pq_files)
+    skipped += [SkippedEntry(name, f"not a .{kind} file") for name in others]
+    return kind, files, sorted(skipped, key=lambda s: s.name)
+
+
 def scan_source(uri: str) -> tuple[SourceLayout, list[BlockRef]]:
     """The layout of a source and every block of it, in a deterministic order (files
-    sorted by name, then each file's own order). A key may repeat across files, not
-    within one."""
+    sorted by relative name, then each file's own order). A directory is read as a tree:
+    files in every folder, named by their path relative to it; what it holds besides is
+    listed in the layout's ``skipped``. A key may repeat across files, not within one."""
     fs, path = resolve(uri)
-    info = fs.get_file_info(path)
+    try:
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.Directory:
+            entries = list_tree(fs, path)
+    except OSError as exc:
+        raise SourceError(f"source {redact(uri)} cannot be read: {os_reason(exc)}") from None
+    skipped: list[SkippedEntry] = []
     if info.type == pafs.FileType.NotFound:
         raise SourceError(f"source {redact(uri)} does not exist")
     if info.type == pafs.FileType.Directory:
         container = "directory"
-        files = sorted(
-            f.path
-            for f in fs.get_file_info(pafs.FileSelector(path, recursive=False))
-            if f.type == pafs.FileType.File and not os.path.basename(f.path).startswith((".", "_"))
-        )
-        st = [f for f in files if f.endswith(".safetensors")]
-        pq_files = [f for f in files if f.endswith(".parquet")]
-        if st and pq_files:
-            raise SourceError(f"source {redact(uri)} mixes .safetensors and .parquet files")
-        if not st and not pq_files:
-            raise SourceError(f"source {redact(uri)} holds no .safetensors or .parquet files")
-        kind, files = ("safetensors", st) if st else ("parquet", pq_files)
+        kind, names, skipped = select_files(entries, uri)
+        files = [(f"{path.rstrip('/')}/{name}", name) for name in names]
     elif path.endswith((".safetensors", ".parquet")):
-        container, files = "file", [path]
+        container, files = "file", [(path, os.path.basename(path))]
         kind = "safetensors" if path.endswith(".safetensors") else "parquet"
     else:
         raise SourceError(f"source {redact(uri)}: unknown format (expected .safetensors, .parquet or a directory of them)")
     read = _safetensors_blocks if kind == "safetensors" else _parquet_blocks
     layout_files, refs = [], []
-    for f in files:
-        source_file, file_refs = read(fs, f, uri_for(uri, f), os.path.basename(f))
+    for f, name in files:
+        source_file, file_refs = read(fs, f, uri_for(uri, f), name)
         layout_files.append(source_file)
         refs += file_refs
-    return SourceLayout(kind, container, tuple(layout_files)), refs
+    return SourceLayout(kind, container, tuple(layout_files), tuple(skipped)), refs
 
 
 def _check_unique(refs: list[BlockRef], uri: str) -> None:
@@ -149,8 +205,12 @@ def _parquet_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tupl
     try:
         table = pq.read_table(path, filesystem=fs, columns=["key", "dtype", "shape"])
         schema = pq.read_schema(path, filesystem=fs)
-    except (OSError, pa.ArrowException) as exc:
-        raise SourceError(f"{redact(uri)}: unreadable Parquet file: {exc}") from exc
+    except OSError as exc:
+        if getattr(exc, "errno", None):
+            raise SourceError(f"{redact(uri)} cannot be read: {os_reason(exc)}") from None
+        raise SourceError(f"{redact(uri)}: not a readable Parquet file: {exc}") from None
+    except pa.ArrowException as exc:
+        raise SourceError(f"{redact(uri)}: not a readable Parquet file: {exc}") from None
     missing = [c for c in RAW_COLUMNS if c not in schema.names]
     if missing:
         raise SourceError(f"{redact(uri)}: a raw-block Parquet source needs columns {list(RAW_COLUMNS)}; missing {missing}")
@@ -186,14 +246,22 @@ class BlockReader:
 
     def __init__(self):
         self._buffer = np.empty(0, np.uint8)
+        self._path = ""
 
     def read(self, refs: list[BlockRef]) -> list[np.ndarray]:
+        try:
+            return self._read(refs)
+        except OSError as exc:
+            raise SourceError(f"source file {redact(self._path)} cannot be read: {os_reason(exc)}") from None
+
+    def _read(self, refs: list[BlockRef]) -> list[np.ndarray]:
         total = sum(r.nbytes for r in refs if r.kind == "safetensors")
         if self._buffer.size < total:
             self._buffer = np.empty(total, np.uint8)
         result: list[np.ndarray | None] = [None] * len(refs)
         position = 0
         for path, indices in _by_file(refs).items():
+            self._path = path  # for the message, should it fail
             fs, fpath = resolve(path)
             if refs[indices[0]].kind != "safetensors":
                 for i, value in zip(indices, _parquet_rows(fs, fpath, [refs[i].offset for i in indices])):

@@ -7,6 +7,7 @@ import os
 import posixpath
 import time
 import uuid
+from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
@@ -114,6 +115,13 @@ def printable(name: str) -> str:
     return name if name.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in name)
 
 
+def name_list(names: list[str], limit: int = 10) -> str:
+    """Names for a message, printable and comma-separated: the first ``limit``, then how
+    many more."""
+    shown = ", ".join(printable(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def prepare_parent(fs: pafs.FileSystem, path: str, uri: str, parents: bool) -> None:
     """Make sure the directory that will hold ``path`` exists: create it (and its own
     parents) with ``parents``, else refuse naming it. Object stores have no directories
@@ -134,10 +142,11 @@ def prepare_parent(fs: pafs.FileSystem, path: str, uri: str, parents: bool) -> N
     fs.create_dir(parent, recursive=True)
 
 
-def replace_directory(fs: pafs.FileSystem, new: str, old: str) -> None:
+def replace_directory(fs: pafs.FileSystem, new: str, old: str, uri: str | None = None) -> None:
     """Put the complete directory ``new`` in the place of ``old`` (which may not exist),
     deleted only once ``new`` is in place (locally by renames; on object stores, which
-    have no directories to rename, file by file)."""
+    have no directories to rename, file by file). ``uri``: ``old`` as the user gave it,
+    for messages."""
     exists = fs.get_file_info(old).type != pafs.FileType.NotFound
     if isinstance(fs, pafs.LocalFileSystem):
         if not exists:
@@ -150,7 +159,13 @@ def replace_directory(fs: pafs.FileSystem, new: str, old: str) -> None:
         except BaseException:
             os.rename(trash, old)  # put the old one back
             raise
-        fs.delete_dir(trash)
+        try:
+            fs.delete_dir(trash)
+        except OSError as exc:
+            raise DestinationError(
+                f"{redact(uri or old)} is in place, but what it replaced could not be deleted ({os_reason(exc)}): "
+                f"it is left at {trash}"
+            ) from None
         return
     # No rename of a whole directory here: move file by file, names starting with "_"
     # (an archive's manifest) last, so that the directory reads as complete only once it
@@ -184,3 +199,81 @@ def remove_quietly(fs: pafs.FileSystem, directory: str, seconds: float = 5.0) ->
         if fs.get_file_info(directory).type == pafs.FileType.NotFound or time.monotonic() > deadline:
             return
         time.sleep(0.1)
+
+
+def os_reason(exc: OSError) -> str:
+    """What went wrong, in the system's own words and once (``Permission denied``):
+    pyarrow's messages repeat the cause and name the path they were given, which may be
+    an internal temporary one; the caller names the path the user gave."""
+    if getattr(exc, "errno", None):
+        return os.strerror(exc.errno)
+    return str(exc)
+
+
+@dataclass(frozen=True)
+class TreeEntry:
+    """One thing found under a directory. ``name`` is relative, with ``/`` between its
+    parts; a folder's ends in ``/``. ``kind``: ``file``, ``file link`` (a symbolic link
+    to a file), ``folder link`` (to a folder: not followed), ``broken link``, ``empty
+    folder``, ``hidden folder`` (its name starts with ``.``: not entered) or ``special``
+    (a socket, a device, a pipe)."""
+
+    name: str
+    kind: str
+
+
+def list_tree(fs: pafs.FileSystem, path: str) -> list[TreeEntry]:
+    """Everything under the directory ``path``, sorted by name: every file in every
+    folder, and what is not entered (symbolic links to folders, hidden folders), and
+    empty folders. Locally, symbolic links are told apart and never followed into a
+    folder; object stores have no links."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        entries = _list_local(path, "")
+    else:
+        entries = _list_store(fs, path)
+    return sorted(entries, key=lambda e: e.name)
+
+
+def _list_local(root: str, prefix: str) -> list[TreeEntry]:
+    out: list[TreeEntry] = []
+    with os.scandir(os.path.join(root, prefix) if prefix else root) as it:
+        children = list(it)
+    if not children and prefix:
+        return [TreeEntry(prefix, "empty folder")]
+    for child in children:
+        rel = prefix + child.name
+        if child.is_symlink():
+            if child.is_dir(follow_symlinks=True):
+                out.append(TreeEntry(rel + "/", "folder link"))
+            elif child.is_file(follow_symlinks=True):
+                out.append(TreeEntry(rel, "file link"))
+            else:
+                out.append(TreeEntry(rel, "broken link" if not os.path.exists(child.path) else "special"))
+        elif child.is_dir(follow_symlinks=False):
+            if child.name.startswith("."):
+                out.append(TreeEntry(rel + "/", "hidden folder"))
+            else:
+                out += _list_local(root, rel + "/")
+        elif child.is_file(follow_symlinks=False):
+            out.append(TreeEntry(rel, "file"))
+        else:
+            out.append(TreeEntry(rel, "special"))
+    return out
+
+
+def _list_store(fs: pafs.FileSystem, path: str) -> list[TreeEntry]:
+    base = path.rstrip("/") + "/"
+    infos = [(e.path[len(base):], e.type) for e in fs.get_file_info(pafs.FileSelector(path, recursive=True))]
+    folders = {rel for rel, kind in infos if kind == pafs.FileType.Directory}
+    parents = {posixpath.dirname(rel) for rel, _ in infos}
+    out: dict[str, TreeEntry] = {}
+    for rel, kind in infos:
+        hidden = next((i for i, part in enumerate(rel.split("/")) if part.startswith(".")), None)
+        if hidden is not None and (hidden < rel.count("/") or kind == pafs.FileType.Directory):
+            name = "/".join(rel.split("/")[: hidden + 1]) + "/"
+            out[name] = TreeEntry(name, "hidden folder")
+        elif kind == pafs.FileType.File:
+            out[rel] = TreeEntry(rel, "file")
+        elif rel in folders and rel not in parents:
+            out[rel + "/"] = TreeEntry(rel + "/", "empty folder")
+    return list(out.values())

@@ -95,13 +95,15 @@ def plan_restore(manifest: dict, columns: list[dict[str, list]], single_file_nam
 
 
 def _checked_name(name) -> str:
-    """A file name from a manifest, refused unless it is one plain name: never a path
-    that would write outside the output directory, nor a hidden or scratch name."""
+    """A file name from a manifest, refused unless it is a plain relative path (parts
+    separated by ``/``, as a source tree's files are named): never one that would write
+    outside the output directory, nor a hidden or scratch name."""
+    parts = name.split("/") if isinstance(name, str) else []
     if (
-        not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
-        or name.startswith((".", "_")) or TMP_MARK in name
+        not parts or "\\" in name or "\0" in name or TMP_MARK in name
+        or any(not part or part in (".", "..") or part.startswith(".") for part in parts)
     ):
-        raise CorruptArchiveError(f"the archive names a source file {printable(str(name))!r}, which is not a plain file name")
+        raise CorruptArchiveError(f"the archive names a source file {printable(str(name))!r}, which is not a plain relative file name")
     return name
 
 

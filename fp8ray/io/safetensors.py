@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 
 from ..codec.formats import DTYPES_BY_NAME
 from ..errors import SafetensorsFormatError, SourceError
-from .paths import CompleteOrNothing, redact, resolve, temporary_name
+from .paths import CompleteOrNothing, os_reason, redact, resolve, temporary_name
 
 MAX_HEADER = 100_000_000  # the safetensors package's limit on the JSON header
 MAX_USIZE = 2**64 - 1
@@ -62,9 +62,11 @@ def header_length(first8: bytes, total: int, what: str) -> int:
     if total < 8:
         raise SafetensorsFormatError(f"{what}: {total} bytes is too short for safetensors (at least 8)", "header")
     (n,) = struct.unpack("<Q", first8)
-    if n > MAX_HEADER:
+    if n > MAX_HEADER:  # text, an archive, anything else: no header is this long
+        noun = "body" if what == "safetensors body" else "file"
         raise SafetensorsFormatError(
-            f"{what}: header length {n} exceeds the safetensors limit of {MAX_HEADER} bytes", "header"
+            f"{what}: not a safetensors {noun} (its first 8 bytes are not a header length): they read as {n}, "
+            f"the format allows at most {MAX_HEADER}", "header"
         )
     if 8 + n > total:
         raise SafetensorsFormatError(f"{what}: header length {n} runs past the end ({total} bytes in all)", "header")
@@ -163,7 +165,7 @@ def read_file_header(fs: pafs.FileSystem, path: str, uri: str, allowed: tuple[st
             n = header_length(first8, size, what)
             raw = f.read_at(n, 8)
     except OSError as exc:
-        raise SourceError(f"{what}: unreadable safetensors file: {exc}") from exc
+        raise SourceError(f"{what} cannot be read: {os_reason(exc)}") from None
     entries, metadata = parse_header(raw, size - 8 - n, what, allowed)
     return entries, metadata, 8 + n
 

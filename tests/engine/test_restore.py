@@ -167,11 +167,18 @@ def test_overwrite_replaces_a_directory_only_when_complete(request_dir, tmp_path
     bad[len(bad) // 2] ^= 0xFF
     part.write_bytes(bytes(bad))
     with pytest.raises(CorruptArchiveError, match=part.name):
-        decompress_archive(str(arch), str(out), overwrite=True)
+        decompress_archive(str(arch), str(out), force_replace=True)
     assert [p.name for p in out.iterdir()] == ["old"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     part.write_bytes(good)
-    decompress_archive(str(arch), str(out), overwrite=True)
+    # "old" is not the archive's: --overwrite alone leaves it, --force-replace says it deletes it, then does.
+    with pytest.raises(DestinationError, match=r"holds 1 entry the archive does not describe \(old\)"):
+        decompress_archive(str(arch), str(out), overwrite=True)
+    said = []
+    back = decompress_archive(str(arch), str(out), force_replace=True, announce=said.append)
+    assert said == [f"--force-replace: replacing {out} deletes 1 entry the archive does not describe: old"]
+    assert back.deleted == ["old"] and sorted(p.name for p in out.iterdir()) == sorted(files)
+    decompress_archive(str(arch), str(out), overwrite=True)  # its own output: replaced without a word
     assert sorted(p.name for p in out.iterdir()) == sorted(files)
 
 

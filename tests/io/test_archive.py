@@ -87,7 +87,7 @@ def test_a_part_is_written_described_and_checked(tmp_path):
     data = bytearray((tmp_path / info.name).read_bytes())
     data[len(data) // 2] ^= 0x01
     (tmp_path / info.name).write_bytes(bytes(data))
-    with pytest.raises(CorruptArchiveError, match=r"part part-00007.parquet: \d+ bytes with crc32c"):
+    with pytest.raises(CorruptArchiveError, match=r"part part-00007.parquet of .* is damaged: \d+ bytes with crc32c"):
         archive.check_part(FS, str(tmp_path), entry)
 
 
@@ -127,7 +127,7 @@ def test_a_manifest_cannot_name_files_outside_the_output(tmp_path):
     layout = SourceLayout("safetensors", "directory", (SourceFile("../evil.safetensors", 1),))
     manifest = {"codec": CodecOptions().as_dict(), "layout": layout.as_dict(), "version": 2}
     columns = [{"file": ["../evil.safetensors"], "key": ["k"], "dtype": ["bfloat16"], "shape": [[2]]}]
-    with pytest.raises(CorruptArchiveError, match="not a plain file name"):
+    with pytest.raises(CorruptArchiveError, match="not a plain relative file name"):
         plan_restore(manifest, columns)
     manifest["layout"] = SourceLayout("safetensors", "directory", (SourceFile("a.safetensors", 1),)).as_dict()
     with pytest.raises(CorruptArchiveError, match="names the file 'b.safetensors', which the manifest does not list"):
