@@ -17,6 +17,7 @@ import sys
 from .. import __version__
 from ..errors import Fp8rayError
 from . import archives, bench, demo, eval, serve, stores
+from .common import interrupted_state, interrupts
 
 COMMAND_MODULES = (archives, stores, eval, serve, bench, demo)
 # Which extra brings a missing module (pyproject.toml [project.optional-dependencies]).
@@ -35,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # As the program itself (argv from the command line), an interrupt that comes once the
+    # command has ended is ignored: the process is only exiting, its work done.
+    with interrupts(exiting=argv is None):
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         return args.handler(args)
     except ImportError as exc:  # an optional extra that is not installed
@@ -44,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError, Fp8rayError) as exc:
         print(f"fp8ray: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # SIGINT or SIGTERM (common.interrupts), once the clean-up has run
+        print(f"fp8ray: interrupted: {interrupted_state(args)}", file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
         if not type(exc).__module__.startswith("ray."):

@@ -104,13 +104,18 @@ class QuantPool:
 
         embedded_cpus = max(int(self.num_workers * self.cpus_per_worker), os.cpu_count() or 1)
         self._owns_ray = connect_ray(self.address, embedded_cpus)
-        self._actor_class = ray.remote(QuantWorker).options(
-            num_cpus=self.cpus_per_worker,
-            num_gpus=self.gpus_per_worker,
-            scheduling_strategy="SPREAD",
-        )
-        self.workers = [self._new_worker() for _ in range(self.num_workers)]
-        ready, _ = ray.wait([w.info.remote() for w in self.workers], num_returns=self.num_workers, timeout=self.start_timeout)
+        try:  # an interrupt or failure while the workers start stops them (and the Ray started)
+            self._actor_class = ray.remote(QuantWorker).options(
+                num_cpus=self.cpus_per_worker,
+                num_gpus=self.gpus_per_worker,
+                scheduling_strategy="SPREAD",
+            )
+            for _ in range(self.num_workers):
+                self.workers.append(self._new_worker())
+            ready, _ = ray.wait([w.info.remote() for w in self.workers], num_returns=self.num_workers, timeout=self.start_timeout)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         if len(ready) < self.num_workers:
             self.__exit__(None, None, None)
             raise PoolStartError(
@@ -133,11 +138,14 @@ class QuantPool:
 
         from .runtime import disconnect_ray
 
-        for w in self.workers:
-            ray.kill(w)
-        self.workers = []
-        if self._owns_ray:
-            disconnect_ray()
+        try:
+            for w in self.workers:
+                ray.kill(w)
+        finally:
+            self.workers = []
+            if self._owns_ray:
+                self._owns_ray = False
+                disconnect_ray()
 
     def _new_worker(self):
         return self._actor_class.remote(max(1, int(self.cpus_per_worker)))

@@ -5,51 +5,136 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
+import tempfile
+import threading
 
+import psutil
 import ray
 
-# The session directory of the embedded Ray this process started, removed when it stops.
-_started_session: str | None = None
+# What the embedded Ray this process started left on the machine, removed when it stops:
+# its temporary directory (the session's logs and sockets) and the processes it started.
+_started_dir: str | None = None
+_before: set[int] = set()  # this process's children before the embedded Ray started
+# How long the embedded Ray's processes get to end after ray.shutdown before they are told
+# to (its agents otherwise linger for a minute or two once the raylet has gone), and then
+# before they are killed.
+STOP_SECONDS = 0.5
+KILL_SECONDS = 3.0
 
 
 def connect_ray(address: str | None, num_cpus: int | None) -> bool:
     """Connect to Ray, or start an embedded one. Returns whether this call started it.
 
     ``address`` ``None`` means ``RAY_ADDRESS`` if set, else an embedded local Ray
-    (``"local"``) with ``num_cpus`` CPUs, no dashboard and Ray's auth mode pinned
-    (``FP8RAY_RAY_AUTH_MODE``, default ``disabled``) so a later ``ray start`` cannot
-    disagree with it.
+    (``"local"``) with ``num_cpus`` CPUs, no dashboard, its own temporary directory (under
+    ``RAY_TMPDIR`` or the system's) and Ray's auth mode pinned (``FP8RAY_RAY_AUTH_MODE``,
+    default ``disabled``) so a later ``ray start`` cannot disagree with it.
+
+    The process's SIGINT and SIGTERM handlers are kept as they were (``ray.init``
+    installs its own). SIGINT or SIGTERM while Ray starts is held until it has started;
+    then Ray is stopped (an embedded one removed) and the signal delivered.
     """
-    global _started_session
+    global _started_dir, _before
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or "local"
-    if address == "local":
-        os.environ["RAY_AUTH_MODE"] = os.environ.get("FP8RAY_RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-        _started_session = _session_dir()
-    else:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    handlers = _signal_handlers()
+    # An interrupt inside ray.init leaves a driver half connected that ray.shutdown does
+    # not stop, and whose threads crash the process as it exits (SIGSEGV): one that comes
+    # while Ray starts is held until it has started, then Ray is stopped and it is delivered.
+    held: list[int] = []
+    for sig, handler in (handlers or {}).items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, _: held.append(signum))
+    try:
+        if address == "local":
+            os.environ["RAY_AUTH_MODE"] = os.environ.get("FP8RAY_RAY_AUTH_MODE", "disabled")
+            _before = _children()
+            # Short, own and removed whole: Ray's socket paths are limited to ~100 bytes.
+            _started_dir = tempfile.mkdtemp(prefix="fp8ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
+            try:
+                ray.init(
+                    address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                    logging_level=logging.WARNING, _temp_dir=_started_dir,
+                )
+            except BaseException:
+                disconnect_ray()
+                raise
+        else:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        if held:
+            disconnect_ray()
+    finally:
+        _restore_signal_handlers(handlers)
+    if held:
+        signal.raise_signal(held[0])  # the caller's handler runs now (SIGINT: KeyboardInterrupt)
+        raise KeyboardInterrupt  # a handler that returned: still, Ray is not connected
     return True
 
 
 def disconnect_ray() -> None:
-    """Shut down the Ray that :func:`connect_ray` started; an embedded one's session
-    directory (its logs and sockets, under Ray's temp directory) goes with it."""
-    global _started_session
-    ray.shutdown()
-    session, _started_session = _started_session, None
-    if session and os.path.basename(session).startswith("session_"):
-        latest = os.path.join(os.path.dirname(session), "session_latest")
-        if os.path.islink(latest) and os.path.realpath(latest) == os.path.realpath(session):
-            os.unlink(latest)
-        shutil.rmtree(session, ignore_errors=True)
+    """Shut down the Ray that :func:`connect_ray` started. An embedded one goes whole:
+    the processes it started (terminated if they linger, then killed)
+    and its temporary directory."""
+    global _started_dir, _before
+    started, _started_dir = _started_dir, None
+    ours = _children() - _before if started else set()
+    family = _with_descendants(ours)
+    handlers = _signal_handlers()
+    try:
+        if handlers is not None:  # an interrupt must not cut the clean-up short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            ray.shutdown()
+        finally:
+            if started:
+                _end(family)
+                shutil.rmtree(started, ignore_errors=True)
+    finally:
+        _restore_signal_handlers(handlers)
 
 
-def _session_dir() -> str | None:
-    try:  # Ray has no public accessor for it
-        from ray._private import worker
-
-        return worker._global_node.get_session_dir_path()
-    except (ImportError, AttributeError):
+def _signal_handlers():
+    if threading.current_thread() is not threading.main_thread():
         return None
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_signal_handlers(handlers) -> None:
+    for sig, handler in (handlers or {}).items():
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
+def _children() -> set[int]:
+    try:
+        return {p.pid for p in psutil.Process().children()}
+    except psutil.Error:
+        return set()
+
+
+def _with_descendants(pids: set[int]) -> list[psutil.Process]:
+    family = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            family += [p, *p.children(recursive=True)]
+        except psutil.Error:
+            pass
+    return family
+
+
+def _end(family: list[psutil.Process]) -> None:
+    """End the embedded Ray's processes that ``ray.shutdown`` left (only those: children
+    of this process that it started, and their descendants)."""
+    _, alive = psutil.wait_procs(family, timeout=STOP_SECONDS)
+    for stop in (psutil.Process.terminate, psutil.Process.kill):
+        for p in alive:
+            try:
+                stop(p)
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=KILL_SECONDS)
+        if not alive:
+            return
