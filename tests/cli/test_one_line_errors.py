@@ -108,3 +108,50 @@ def test_version_and_help_on_every_argument():
     assert missing == []
     serve = next(p for n, p in parsers(build_parser()) if n == "fp8ray serve")
     assert "default 8000" in serve.format_help()
+
+
+def test_a_text_file_named_safetensors_is_not_a_safetensors_file(tmp_path):
+    (tmp_path / "notes.safetensors").write_text("these are my notes, not tensors\n")
+    result = fp8ray("compress", tmp_path / "notes.safetensors", tmp_path / "arch", "--address", "inline")
+    assert_one_line(result, f"{tmp_path / 'notes.safetensors'}: not a safetensors file (its first 8 bytes are not a header length)")
+    assert not (tmp_path / "arch").exists()
+
+
+def test_a_source_it_may_not_read_is_named_once(tmp_path):
+    """Permission denied, said once, naming the file: as root through another user."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="fp8ray-perm-"))  # pytest's tmp_path is root's alone
+    try:
+        base.chmod(0o777)
+        src = base / "kv.safetensors"
+        save_file({"a": torch.ones(4, 64, dtype=torch.bfloat16)}, str(src))
+        src.chmod(0)
+        argv = ["compress", src, base / "arch", "--address", "inline"]
+        if os.geteuid() == 0:
+            if not shutil.which("setpriv"):
+                pytest.skip("running as root without setpriv: every file is readable")
+            env = dict(os.environ, RAY_AUTH_MODE="disabled", NUMBA_CACHE_DIR=str(base / "numba"))
+            cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(FP8RAY), *map(str, argv)]
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        else:
+            result = fp8ray(*argv)
+        assert_one_line(result, f"{src} cannot be read: Permission denied")
+        assert result.stderr.count("Permission denied") == 1 and result.stderr.count(str(src)) == 1
+        assert not (base / "arch").exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_inspect_json_help_says_nothing_of_a_progress_bar():
+    result = fp8ray("inspect", "--json", "--help")
+    assert result.returncode == 0 and "--json" in result.stdout and "progress" not in result.stdout.lower()
+
+
+def test_bench_lossless_reads_by_default_what_the_demo_writes():
+    from fp8ray.cli import build_parser
+
+    parser = build_parser()
+    demo_capture = parser.parse_args(["demo"]).out / "kv_smollm2.safetensors"  # cli/demo.py: out_dir / "kv_smollm2.safetensors"
+    assert Path(parser.parse_args(["bench", "lossless"]).source) == demo_capture
