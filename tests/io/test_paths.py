@@ -86,3 +86,40 @@ def test_overlapping_destinations_are_refused(tmp_path, source, destination, mes
 )
 def test_separate_destinations_pass(tmp_path, source, destination):
     check_apart(source.format(t=tmp_path), destination.format(t=tmp_path))
+
+
+def test_a_tree_is_listed_alike_on_a_local_disk_and_on_a_store_without_folders(tmp_path):
+    """list_tree: every file in every folder, empty and hidden folders named once (a
+    hidden one not entered), the same whether the filesystem has real folders or only
+    keys (pyarrow's mock filesystem stands in for an object store)."""
+    import pyarrow.fs as pafs
+
+    from fp8ray.io.paths import TreeEntry, list_tree
+
+    names = ["a.safetensors", "sub/b.safetensors", "sub/deep/c.txt", ".cache/x/y.bin", ".h.safetensors"]
+    mock = pafs._MockFileSystem()
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+        mock.create_dir(f"root/{name}".rsplit("/", 1)[0], recursive=True)
+        with mock.open_output_stream(f"root/{name}") as f:
+            f.write(b"x")
+    (tmp_path / "empty" / "inner").mkdir(parents=True)
+    mock.create_dir("root/empty/inner", recursive=True)
+    expected = [
+        TreeEntry(".cache/", "hidden folder"),
+        TreeEntry(".h.safetensors", "file"),
+        TreeEntry("a.safetensors", "file"),
+        TreeEntry("empty/inner/", "empty folder"),
+        TreeEntry("sub/b.safetensors", "file"),
+        TreeEntry("sub/deep/c.txt", "file"),
+    ]
+    assert list_tree(pafs.LocalFileSystem(), str(tmp_path)) == expected
+    assert list_tree(mock, "root") == expected
+    (tmp_path / "link").symlink_to(tmp_path / "sub")
+    (tmp_path / "file_link").symlink_to(tmp_path / "a.safetensors")
+    (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
+    local = list_tree(pafs.LocalFileSystem(), str(tmp_path))
+    assert [e for e in local if e not in expected] == [
+        TreeEntry("broken", "broken link"), TreeEntry("file_link", "file link"), TreeEntry("link/", "folder link")
+    ]
