@@ -4,6 +4,7 @@ environment (`. .venv/bin/activate && ray start --head`), then `ray job submit`.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,25 +67,43 @@ def ray_head():
                 pass
 
 
+def readme_submit_lines(address: str) -> list[str]:
+    """The README's `ray job submit` commands for the local cluster, continuation lines
+    joined, its address replaced by the test cluster's."""
+    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.startswith("ray job submit --address http://127.0.0.1:8265 ")]
+    assert lines, "the README shows no ray job submit line for a local cluster"
+    return [line.replace("http://127.0.0.1:8265", address) for line in lines]
+
+
 @pytest.mark.slow
-def test_compress_then_decompress_jobs_succeed(ray_head, kv_source, tmp_path):
-    """`ray job submit --working-dir . -- python jobs/...` typed as the README shows it."""
+def test_the_readme_job_lines_work_as_typed_from_outside_the_checkout(ray_head, kv_source, tmp_path):
+    """The README's submit lines, typed in a directory outside the repository that holds
+    kv/ (FP8RAY_JOBS set as the README sets it); then decompress the same way, and a
+    relative path refused in one line showing the absolute form."""
     src, tensors = kv_source
+    (tmp_path / "kv").mkdir()
+    shutil.copy(src, tmp_path / "kv" / "a.safetensors")
+    env = dict(user_env(), FP8RAY_JOBS=str(REPO / "jobs"))
 
-    def submit(entrypoint: str) -> str:
-        cmd = f"{ACTIVATE} && ray job submit --address {ray_head} --working-dir . -- {entrypoint}"
-        result = subprocess.run(["bash", "-c", cmd], cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0 and "succeeded" in result.stdout, (result.stdout + result.stderr)[-3000:]
-        return result.stdout
+    def submit(line: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f"{ACTIVATE} && {line}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
-    arch, out = tmp_path / "arch", tmp_path / "out.safetensors"
-    logs = submit(f"python jobs/compress_archive.py {src} {arch} --workers 2 --scaling token --json")
-    assert '"blocks": 12' in logs
-    assert (arch / "_manifest.json").exists()
-    submit(f"python jobs/verify_archive.py {arch} --against {src}")
-    submit(f"python jobs/decompress_archive.py {arch} {out}")
-    back = load_file(str(out))
+    for line in readme_submit_lines(ray_head):  # compress, then verify
+        result = submit(line)
+        assert result.returncode == 0 and "succeeded" in result.stdout, (line, (result.stdout + result.stderr)[-3000:])
+    assert (tmp_path / "kv.fp8" / "_manifest.json").exists()
+    base = f'ray job submit --address {ray_head} --working-dir "$FP8RAY_JOBS" -- python'
+    result = submit(f'{base} decompress_archive.py "$PWD/kv.fp8" "$PWD/back"')
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    back = load_file(str(tmp_path / "back" / "a.safetensors"))
     assert set(back) == set(tensors) and all(back[k].shape == t.shape for k, t in tensors.items())
+
+    result = submit(f"{base} compress_archive.py kv/ kv2.fp8")
+    assert result.returncode != 0 and not (tmp_path / "kv2.fp8").exists()
+    errors = {line for line in result.stdout.splitlines() if line.startswith("fp8ray: error:")}  # Ray shows the log twice
+    (error,) = errors
+    assert "'kv/' (type \"$PWD/kv/\")" in error and "'kv2.fp8' (type \"$PWD/kv2.fp8\")" in error, result.stdout[-3000:]
 
 
 def test_a_job_run_by_a_python_without_fp8ray_says_so_in_one_line(tmp_path):
