@@ -267,7 +267,13 @@ def compress_archive(
     check_apart(source, destination)
     layout, refs = _scan_compressible(source, strict)
     parts = archive.plan_parts(refs, part_bytes)
-    dest = _prepare_destination(destination, resume, overwrite, parents)
+    try:
+        dest = _prepare_destination(destination, resume, overwrite, parents)
+    except OSError as exc:
+        if isinstance(exc, Fp8rayError):
+            raise
+        # pyarrow's text repeats its cause and may name a scratch directory: name what was typed, once.
+        raise DestinationError(f"cannot write destination {redact(destination)}: {os_reason(exc)}") from None
     fs, work = dest.fs, dest.work
     plan = archive.plan_record(source, codec.as_dict(), lossless, parts)
     previous = archive.read_plan(fs, work) if resume and not dest.replacing else None

@@ -244,3 +244,13 @@ def test_a_permission_error_names_the_output_typed_once(tree, tmp_path, capsys):
     assert err.startswith(f"fp8ray: error: cannot write output {out}: ") and ".tmp-" not in err
     reason = err.rstrip("\n").rpartition(": ")[2]
     assert reason in ("Operation not permitted", "Permission denied") and err.count(reason) == 1
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs a /sys nobody may write in")
+def test_a_destination_it_may_not_create_is_named_once(tree, tmp_path, capsys):
+    dst = "/sys/kernel/fp8ray-arch"
+    code, _, err = run(capsys, "compress", tree, dst, *INLINE)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"fp8ray: error: cannot write destination {dst}: ") and err.count(dst) == 1
+    reason = err.rstrip("\n").rpartition(": ")[2]
+    assert reason in ("Operation not permitted", "Permission denied") and err.count(reason) == 1
