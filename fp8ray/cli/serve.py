@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -47,6 +48,7 @@ def _check_port(host: str, port: int) -> None:
 
 
 def run_serve(args) -> int:
+    import ray
     from ray import serve
 
     from ..engine.runtime import connect_ray, disconnect_ray
@@ -57,6 +59,9 @@ def run_serve(args) -> int:
     if not (args.address or os.environ.get("RAY_ADDRESS")):
         _check_port(args.host, args.port)  # an embedded Ray's proxy binds here, on this machine
     owns_ray = connect_ray(args.address, None)
+    # Serve's own lines (started, "Connecting to existing Serve app ... will not be
+    # applied" from its second start inside serve.run, ready) say nothing ours does not.
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     deployed = False
     try:
         if APP_NAME in serve.status().applications:
@@ -64,18 +69,23 @@ def run_serve(args) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(options), name=APP_NAME, route_prefix="/")
         deployed = True
-        # After Ray's start, which installs its own SIGTERM handler (that ends the process).
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         where = f"http://{args.host}:{args.port}" if owns_ray else "the cluster's Serve HTTP address (its first start set it)"
-        print(f"fp8ray serve: listening on {where} with {args.workers} QuantWorkers; SIGINT or SIGTERM stops it", flush=True)
+        ray_address = ray.get_runtime_context().gcs_address
+        print(
+            f"fp8ray serve: listening on {where} with {args.workers} QuantWorkers; Serve handles join "
+            f"RAY_ADDRESS={ray_address} (serve.get_app_handle({APP_NAME!r})); SIGINT or SIGTERM stops it",
+            flush=True,
+        )
         stop.wait()
         print("fp8ray serve: shutting down", flush=True)
     finally:
-        if owns_ray:
-            serve.shutdown()
-            disconnect_ray()
-        elif deployed:  # a shared cluster: remove only what this run deployed
+        # Only what this run deployed; an embedded Ray then goes whole, Serve's controller
+        # with it (serve.shutdown would have it kill itself mid-call: "graceful_shutdown failed").
+        if deployed:
             serve.delete(APP_NAME)
+        if owns_ray:
+            disconnect_ray()
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -399,6 +400,13 @@ def serve_worker_info(ray) -> list[dict]:
     return [ray.get(ray.get_actor(a["name"], namespace=a["namespace"]).info.remote()) for a in names]
 
 
+def readme_handle_snippet() -> str:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    (snippet,) = [b for b in blocks if "get_app_handle" in b]
+    return snippet
+
+
 @pytest.mark.slow
 def test_fp8ray_serve_command_serves_until_sigterm(tmp_path):
     """`fp8ray serve` starts its own Ray, answers on 127.0.0.1, and on SIGTERM shuts
@@ -419,12 +427,21 @@ def test_fp8ray_serve_command_serves_until_sigterm(tmp_path):
         t = torch.randn(4, 64)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/encode", params=encode_params(t), content=tensor_to_bytes(t).tobytes(), timeout=60)
         assert r.status_code == 200 and digest(r.content) == digest(service_codec().encode(t))
+        # The README's Serve-handle snippet, as written, in the Ray the command printed.
+        address = re.search(r"RAY_ADDRESS=(\S+)", (tmp_path / "serve.log").read_text())[1]
+        (tmp_path / "handle.py").write_text(readme_handle_snippet() + "\nassert tensor.shape == (2, 30, 256, 192)\n")
+        client = subprocess.run([sys.executable, "handle.py"], cwd=tmp_path, env={**env, "RAY_ADDRESS": address},
+                                capture_output=True, text=True, timeout=180)
+        assert client.returncode == 0, client.stderr[-3000:]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # only the group this test started
         log.close()
-    assert "shutting down" in (tmp_path / "serve.log").read_text()
+    text = (tmp_path / "serve.log").read_text()
+    assert "shutting down" in text
+    # Nothing but fp8ray's own lines: no Serve start-up chatter, no failed shutdown call.
+    assert [line for line in text.splitlines() if not line.startswith("fp8ray serve: ")] == [], text[-3000:]
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
