@@ -45,6 +45,8 @@ from .requests import OCTET_STREAM, SAFETENSORS, codec_options, is_safetensors, 
 WORKER_PREFIX = "quant-worker-"
 STATS_ACTOR = "service-stats"
 HEALTH_TIMEOUT_S = 10.0
+# The __metadata__ key that marks a safetensors body of frames, beside the body's own keys.
+FRAMES_MARK = "fp8ray"
 
 
 class ServiceStats:
@@ -211,11 +213,14 @@ class Fp8Service:
                 if name in params:
                     raise RequestError(f"{name} comes from the safetensors header, not the query", 400, name)
             options = codec_options(params)
-            entries, _ = parse_body(body, tuple(SOURCE_DTYPES))
+            entries, metadata = parse_body(body, tuple(SOURCE_DTYPES))
+            if FRAMES_MARK in metadata:  # it would be overwritten by the mark: refuse, not lose it
+                raise RequestError(f"__metadata__ key {FRAMES_MARK!r} is fp8ray's own (it marks a body of frames)", 400, "__metadata__")
             blocks = [(e.key, e.fp8ray_dtype, e.shape, data) for e, data in entries]
             results = await self._map("encode_batch", blocks, options)
             frames = [(meta.key, "uint8", (len(f),), f) for f, meta in results]
-            return Response(build_body(frames, {"fp8ray": "frames"}), media_type=SAFETENSORS)
+            # The body's own __metadata__ travels with its frames, and comes back on decode.
+            return Response(build_body(frames, {**metadata, FRAMES_MARK: "frames"}), media_type=SAFETENSORS)
         options = codec_options(params, ignore=("dtype", "shape"))
         dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
         [(f, meta)] = await self._call("encode_batch", [("body", dtype, shape, np.frombuffer(body, dtype=np.uint8))], options)
@@ -226,10 +231,11 @@ class Fp8Service:
             name = next(iter(request.query_params))
             raise RequestError(f"unknown option {name!r}: a frame describes itself", 400, name)
         if is_safetensors(request.headers.get("content-type")):
-            entries, _ = parse_body(body, (FRAME_DTYPE,))
+            entries, metadata = parse_body(body, (FRAME_DTYPE,))
             results = await self._map("decode_batch", [(e.key, data) for e, data in entries])
             tensors = [(meta.key, meta.dtype, meta.shape, raw) for raw, meta in results]
-            return Response(build_body(tensors), media_type=SAFETENSORS)
+            kept = {k: v for k, v in metadata.items() if k != FRAMES_MARK}
+            return Response(build_body(tensors, kept or None), media_type=SAFETENSORS)
         [(raw, meta)] = await self._call("decode_batch", [("body", np.frombuffer(body, dtype=np.uint8))])
         headers = {"X-Fp8ray-Dtype": meta.dtype, "X-Fp8ray-Shape": ",".join(map(str, meta.shape)), "X-Fp8ray-Device": meta.device}
         return Response(raw.tobytes(), media_type=OCTET_STREAM, headers=headers)

@@ -99,18 +99,18 @@ def test_http_round_trip_equals_the_codec(service, dtype, options):
 def test_safetensors_bodies_carry_many_blocks(service):
     client, _ = service
     blocks = {f"chunk{i}": sample_kv_chunk(layers=2, tokens=16, seed=i, dtype=dt) for i, dt in enumerate([torch.bfloat16, torch.float16, torch.float32] * 2)}
-    body = build_safetensors([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_to_bytes(t)) for k, t in blocks.items()])
+    body = build_safetensors([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_to_bytes(t)) for k, t in blocks.items()], {"a": "b"})
     r = client.post("/v1/encode", params={"scaling": "token"}, content=body, headers={"Content-Type": "application/x-safetensors"})
     assert r.status_code == 200, r.text
     frames, metadata = parse_safetensors(r.content, ("U8",))
-    assert metadata == {"fp8ray": "frames"} and [k for k, *_ in frames] == list(blocks)
+    assert metadata == {"a": "b", "fp8ray": "frames"} and [k for k, *_ in frames] == list(blocks)
     codec = service_codec(scaling="token")
     for key, dtype, shape, data in frames:
         assert dtype == "uint8" and digest(data) == digest(codec.encode(blocks[key])), key
     back = client.post("/v1/decode", content=r.content, headers={"Content-Type": "application/x-safetensors"})
     assert back.status_code == 200, back.text
-    tensors, _ = parse_safetensors(back.content, ("BF16", "F16", "F32"))
-    assert [k for k, *_ in tensors] == list(blocks)
+    tensors, metadata = parse_safetensors(back.content, ("BF16", "F16", "F32"))
+    assert [k for k, *_ in tensors] == list(blocks) and metadata == {"a": "b"}  # the file's own __metadata__ back
     for key, dtype, shape, data in tensors:
         expected = decode(codec.encode(blocks[key]))
         assert (dtype, shape) == (str(expected.dtype).removeprefix("torch."), tuple(expected.shape))
@@ -203,24 +203,25 @@ def expected_answer(route: str, params: dict, body: bytes, safetensors_body: boo
             if params:
                 return None
             if safetensors_body:
-                entries, _ = parse_body(body, ("U8",))
+                entries, metadata = parse_body(body, ("U8",))
                 if not entries:
                     return None
                 decoded = [(e.key, decode(data)) for e, data in entries]
-                return build_safetensors([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_to_bytes(t)) for k, t in decoded])
+                kept = {k: v for k, v in metadata.items() if k != "fp8ray"} or None
+                return build_safetensors([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_to_bytes(t)) for k, t in decoded], kept)
             return tensor_to_bytes(decode(body)).tobytes()
         if safetensors_body:
             if "dtype" in params or "shape" in params:
                 return None
             codec = Fp8Codec(options=codec_options(params))
-            entries, _ = parse_body(body, ("BF16", "F16", "F32"))
-            if not entries:
+            entries, metadata = parse_body(body, ("BF16", "F16", "F32"))
+            if not entries or "fp8ray" in metadata:
                 return None
             frames = []
             for e, data in entries:
                 t = torch.frombuffer(bytearray(data), dtype=getattr(torch, e.fp8ray_dtype)).reshape(e.shape)
                 frames.append((e.key, "uint8", None, bytes(codec.encode(t))))
-            return build_safetensors([(k, d, (len(f),), f) for k, d, _, f in frames], {"fp8ray": "frames"})
+            return build_safetensors([(k, d, (len(f),), f) for k, d, _, f in frames], {**metadata, "fp8ray": "frames"})
         codec = Fp8Codec(options=codec_options(params, ignore=("dtype", "shape")))
         dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
         t = torch.frombuffer(bytearray(body), dtype=getattr(torch, dtype)).reshape(shape) if body else torch.empty(shape, dtype=getattr(torch, dtype))
