@@ -195,33 +195,36 @@ ADVERSARIAL_GROUPS = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
 @pytest.mark.parametrize("group", ADVERSARIAL_GROUPS)
-def test_scale_search_matches_reference_on_adversarial_groups(fmt_name, dtype, scale_dtype, group):
+@pytest.mark.parametrize("choice", SCALE_CHOICES)
+def test_group_kernels_match_reference_on_adversarial_groups(fmt_name, dtype, scale_dtype, group, choice):
     """Groups chosen to break a search: zeros, a lone huge value, equal values (ties
     between candidates), the fp8 grid itself, fp32 subnormals, quotients in fp8's
     subnormal range, rounding ties, alternating signs; as token rows and as blocks of 16,
-    32 and 37 (rows that do not fill the 16 lanes, and a short last block)."""
+    32 and 37 (the whole-group vector path, rows that do not fill the 16 lanes, and a
+    short last block); under the search and under amax scales."""
     fmt = FORMATS[fmt_name]
     x = ADVERSARIAL_GROUPS[group](fmt)
     if dtype != torch.float32:
         x = x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
     x = x.to(dtype)
     for scaling, block in (("token", 0), ("block", 16), ("block", 32), ("block", 37)):
-        codes, scales, _ = fast_quantize(x, fmt, scaling, block, scale_dtype, "mse")
-        ref_codes, ref_scales, _ = reference.quantize(x, fmt, scaling, block, False, scale_dtype, "mse")
+        codes, scales, bad = fast_quantize(x, fmt, scaling, block, scale_dtype, choice)
+        ref_codes, ref_scales, ref_bad = reference.quantize(x, fmt, scaling, block, False, scale_dtype, choice)
         assert torch.equal(codes, ref_codes), (scaling, block)
+        assert bad == ref_bad
         assert_same_bits(scales, ref_scales)
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)
-def test_scale_search_matches_reference_on_every_bf16_value(fmt_name):
+def test_group_kernels_match_reference_on_every_bf16_value(fmt_name):
     """Every finite bf16 value, shuffled into blocks of 32 under each scale dtype: every
     exponent the search's rounding meets, in groups of every spread."""
     fmt = FORMATS[fmt_name]
     x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     x = x[torch.isfinite(x)][torch.randperm(int(torch.isfinite(x).sum()), generator=torch.Generator().manual_seed(0))]
-    for scale_dtype in SCALE_DTYPES:
-        codes, scales, _ = fast_quantize(x, fmt, "block", 32, scale_dtype, "mse")
-        ref_codes, ref_scales, _ = reference.quantize(x, fmt, "block", 32, False, scale_dtype, "mse")
+    for scale_dtype, choice in [(d, c) for d in SCALE_DTYPES for c in SCALE_CHOICES]:
+        codes, scales, _ = fast_quantize(x, fmt, "block", 32, scale_dtype, choice)
+        ref_codes, ref_scales, _ = reference.quantize(x, fmt, "block", 32, False, scale_dtype, choice)
         assert torch.equal(codes, ref_codes)
         assert_same_bits(scales, ref_scales)
 

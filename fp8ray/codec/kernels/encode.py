@@ -6,6 +6,7 @@ import numpy as np
 from numba import njit
 
 from .bits import _bits_to_f32, _encode_params, _finite_key, _fp8_code, _load, scale_from_amax
+from .vectors import LANES, encode_group_amax
 
 
 @njit(inline="always", error_model="numpy")
@@ -78,7 +79,8 @@ def quantize_uniform(x, codes, start, stop, scale, tag):
 def quantize_groups(x, codes, scales, group, group_start, group_stop, tag, mask):
     """Per-group amax, scale and codes for contiguous groups of ``group`` elements.
 
-    One read of each group from memory: the second pass over a group hits the cache.
+    One read of each group from memory: the second pass over a group hits the cache. A
+    group of a multiple of 16 elements is encoded in vectors whole (:mod:`.vectors`).
     """
     p = _encode_params(tag)
     n = x.size
@@ -88,6 +90,11 @@ def quantize_groups(x, codes, scales, group, group_start, group_stop, tag, mask)
         start = g * group
         stop = min(start + group, n)
         xs = x[start:stop]
+        if xs.size % LANES == 0:
+            scale, count = encode_group_amax(xs, codes[start:stop], mask, p)
+            scales[g] = scale
+            bad += count
+            continue
         scale = scale_from_amax(_bits_to_f32(np.int64(_span_key(xs))), fmax, mask)
         scales[g] = scale
         bad += _quantize_span(xs, codes[start:stop], scale, p)

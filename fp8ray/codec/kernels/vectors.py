@@ -1,0 +1,143 @@
+"""Whole groups in explicit 16-lane vectors: numba's own loops run a group of 32
+elements in their scalar remainder (LLVM unrolls its 16-lane loops 4 times), so block
+scaling's groups are encoded here in LLVM IR, one chunk of 16 elements at a time: the
+finite amax, the scale (amax's, or the search's, :mod:`.search`), and the codes
+(``x / scale``, as :func:`fp8ray.codec.kernels.bits._fp8_code`). On CPUs with 8-lane
+vectors LLVM splits each vector in two.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..formats import SMALLEST_NORMAL_SCALE
+from .bits import _F32, _I32, _i32, code_fields, emit_f16_bits_to_f32, emit_fp8_code
+
+LANES = 16  # elements per vector
+VF = ir.VectorType(_F32, LANES)
+VI = ir.VectorType(_I32, LANES)
+_ABS_MASK = 0x7FFFFFFF
+INF_BITS = 0x7F800000
+SOURCE_DTYPES = (types.float32, types.uint16, types.int16)  # fp32, bfloat16 bits, float16 bits
+
+
+def splat(builder, value, vector_type):
+    """A vector of ``vector_type`` holding ``value`` in every lane."""
+    undef = ir.Constant(vector_type, ir.Undefined)
+    one = builder.insert_element(undef, value, _i32(0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
+
+
+def vi(value):
+    """An i32 constant in every lane."""
+    return ir.Constant(VI, [value & 0xFFFFFFFF] * LANES)
+
+
+def halve(builder, v, combine):
+    """Lane 0 after ``v[j] = combine(v[j], v[j + w])`` for w = count/2, ..., 1."""
+    count = v.type.count
+    undef = ir.Constant(v.type, ir.Undefined)
+    w = count // 2
+    while w:
+        v = combine(v, builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, count), [(j + w) % count for j in range(count)])))
+        w //= 2
+    return builder.extract_element(v, _i32(0))
+
+
+def candidate_scales(builder, amax, divisors, mask):
+    """The scales ``amax / divisors`` (a vector) as scale_from_amax computes each: at least
+    2**-126, 1 for amax 0, truncated by ``mask`` (i64) to the scale dtype."""
+    width = divisors.type.count
+    amaxes = splat(builder, amax, divisors.type)
+    scales = builder.fdiv(amaxes, divisors)
+    smallest = ir.Constant(divisors.type, [SMALLEST_NORMAL_SCALE] * width)
+    scales = builder.select(builder.fcmp_ordered("<", scales, smallest), smallest, scales)
+    zero_group = builder.fcmp_ordered("==", amaxes, ir.Constant(divisors.type, [0.0] * width))
+    scales = builder.select(zero_group, ir.Constant(divisors.type, [1.0] * width), scales)
+    int_type = ir.VectorType(_I32, width)
+    return builder.bitcast(builder.and_(builder.bitcast(scales, int_type), splat(builder, builder.trunc(mask, _I32), int_type)), divisors.type)
+
+
+def _chunk_loader(context, builder, array_type, array):
+    """``load(i)``: chunk ``i`` (16 elements) of a bf16, fp16 or fp32 source as fp32 values."""
+    data = context.make_array(array_type)(context, builder, array).data
+    if array_type.dtype == types.float32:
+        ptr = builder.bitcast(data, VF.as_pointer())
+        return lambda i: builder.load(builder.gep(ptr, [i]), align=4)
+    ptr = builder.bitcast(data, ir.VectorType(ir.IntType(16), LANES).as_pointer())
+    if array_type.dtype == types.uint16:  # bfloat16: fp32's top half
+        return lambda i: builder.bitcast(builder.shl(builder.zext(builder.load(builder.gep(ptr, [i]), align=2), VI), vi(16)), VF)
+    return lambda i: emit_f16_bits_to_f32(builder, builder.load(builder.gep(ptr, [i]), align=2))
+
+
+ENCODED = types.Tuple((types.float32, types.int64))  # (the group's scale, its non-finite inputs)
+
+
+def emit_encode_group(context, builder, signature, args, choose_scale):
+    """IR encoding the group ``args[0]`` (a multiple of 16 elements) into the codes
+    ``args[1]``: ``choose_scale(amax, chunks, load_magnitudes)`` gives its scale (fp32
+    scalar IR), ``args[-1]`` is the format's :func:`~fp8ray.codec.kernels.bits.format_params`.
+    Returns :data:`ENCODED`."""
+    xsv, codesv, params = args[0], args[1], args[-1]
+    load = _chunk_loader(context, builder, signature.args[0], xsv)
+    codes_array = context.make_array(signature.args[1])(context, builder, codesv)
+    codes_ptr = builder.bitcast(codes_array.data, ir.VectorType(ir.IntType(8), LANES).as_pointer())
+    n = builder.extract_value(context.make_array(signature.args[0])(context, builder, xsv).shape, 0)
+    chunks = builder.udiv(n, ir.Constant(ir.IntType(64), LANES))
+
+    def finite_keys(i):  # |x|'s bits, 0 where x is not finite: ordered like |x|
+        keys = builder.and_(builder.bitcast(load(i), VI), vi(_ABS_MASK))
+        return builder.select(builder.icmp_signed("<", keys, vi(INF_BITS)), keys, vi(0))
+
+    def larger(a, b):
+        return builder.select(builder.icmp_signed(">", a, b), a, b)
+
+    largest = cgutils.alloca_once_value(builder, vi(0))
+    with cgutils.for_range(builder, chunks) as loop:
+        builder.store(larger(finite_keys(loop.index), builder.load(largest)), largest)
+    amax = builder.bitcast(halve(builder, builder.load(largest), larger), _F32)
+    scale = choose_scale(amax, chunks, lambda i: builder.bitcast(finite_keys(i), VF))
+
+    scales = splat(builder, scale, VF)
+    fmax = splat(builder, builder.extract_value(params, 0), VF)
+    neg_fmax = builder.fneg(fmax)
+    fields = [splat(builder, f, VI) for f in code_fields(builder, params)]
+    nonfinite = cgutils.alloca_once_value(builder, vi(0))
+    with cgutils.for_range(builder, chunks) as loop:
+        x = load(loop.index)
+        q = builder.fdiv(x, scales)
+        q = builder.select(builder.fcmp_ordered(">", q, fmax), fmax, q)
+        q = builder.select(builder.fcmp_ordered("<", q, neg_fmax), neg_fmax, q)
+        code = emit_fp8_code(builder, q, x, fields)
+        builder.store(builder.trunc(code, ir.VectorType(ir.IntType(8), LANES)), builder.gep(codes_ptr, [loop.index]), align=1)
+        bad = builder.icmp_unsigned(">=", builder.and_(builder.bitcast(x, VI), vi(_ABS_MASK)), vi(INF_BITS))
+        builder.store(builder.add(builder.load(nonfinite), builder.zext(bad, VI)), nonfinite)
+    count = halve(builder, builder.load(nonfinite), builder.add)
+    return context.make_tuple(builder, ENCODED, [scale, builder.zext(count, ir.IntType(64))])
+
+
+def is_source(array) -> bool:
+    return isinstance(array, types.Array) and array.dtype in SOURCE_DTYPES
+
+
+@intrinsic
+def encode_group_amax(typingctx, xs, codes, mask, p):
+    """A group of a multiple of 16 elements under its amax scale (``amax / finfo.max``,
+    as :func:`fp8ray.codec.kernels.bits.scale_from_amax`): (scale, non-finite inputs)."""
+    if not (is_source(xs) and isinstance(codes, types.Array)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        mask, params = args[2], args[3]
+
+        def choose(amax, chunks, load_magnitudes):
+            fmax = builder.extract_value(params, 0)
+            divisor = builder.insert_element(ir.Constant(ir.VectorType(_F32, 1), ir.Undefined), fmax, _i32(0))
+            return builder.extract_element(candidate_scales(builder, amax, divisor, mask), _i32(0))
+
+        return emit_encode_group(context, builder, signature, args, choose)
+
+    return ENCODED(xs, codes, mask, p), codegen
