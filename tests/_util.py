@@ -56,3 +56,15 @@ def quant_worker_pids() -> list[int]:
             return []
 
     return sorted(p.pid for p in psutil.Process(os.getpid()).children(recursive=True) if (cmdline(p) or [""])[0].startswith("ray::QuantWorker"))
+
+
+def wait_for_lmcache_fd(fd: int) -> None:
+    """Wait (2 minutes at most) for LMCache's adapter to signal completion on its event fd, then consume it."""
+    import select
+
+    from lmcache.v1.platform import consume_fd
+
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    assert poller.poll(120_000), "LMCache's adapter did not signal completion"
+    consume_fd(fd)

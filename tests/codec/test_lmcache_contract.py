@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 
 import pytest
 import torch
-from _util import kv_like
+from _util import kv_like, wait_for_lmcache_fd
 
 import fp8ray
 from fp8ray.bench.lmcache import byte_obj, kv_obj, memory_obj, run_task
@@ -122,15 +121,6 @@ def test_an_fp8_source_fails_the_serialize_task_naming_its_dtype():
         processor.close()
 
 
-def wait(fd: int) -> None:
-    from lmcache.v1.platform import consume_fd
-
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    assert poller.poll(120_000), "LMCache's adapter did not signal completion"
-    consume_fd(fd)
-
-
 @pytest.mark.parametrize("fp8_input", ["refuse", "passthrough"])
 def test_lmcaches_fs_adapter_stores_no_file_for_an_fp8_source_unless_passed_through(tmp_path, fp8_input):
     """LMCache's own fs adapter behind its serde wrapper (as ``--l2-adapter`` builds it):
@@ -154,7 +144,7 @@ def test_lmcaches_fs_adapter_stores_no_file_for_an_fp8_source_unless_passed_thro
         obj.tensor.copy_(codes)
         l1.finish_write_and_reserve_read(keys, tag="test")
         task = adapter.submit_store_task(keys, [obj])
-        wait(adapter.get_store_event_fd())
+        wait_for_lmcache_fd(adapter.get_store_event_fd())
         stored = adapter.pop_completed_store_tasks()[task].is_successful()
         files = sorted(p for p in store.rglob("*") if p.is_file()) if store.exists() else []
         if fp8_input == "refuse":
@@ -164,7 +154,7 @@ def test_lmcaches_fs_adapter_stores_no_file_for_an_fp8_source_unless_passed_thro
         out = l1.reserve_write([ObjectKey(os.urandom(8), "load", 1)], [True], layout_of(codes), tag="load")
         (out,) = [o[1] for o in out.values()]
         task = adapter.submit_load_task(keys, [out])
-        wait(adapter.get_load_event_fd())
+        wait_for_lmcache_fd(adapter.get_load_event_fd())
         assert adapter.query_load_result(task).test(0) and torch.equal(out.tensor, codes)
     finally:
         adapter.close()

@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import time
 
 import pytest
 import torch
-from _util import DTYPES, element_scales, error_bound, kv_like
+from _util import DTYPES, element_scales, error_bound, kv_like, wait_for_lmcache_fd
 
 import fp8ray
 from fp8ray.bench.lmcache import byte_obj, capture_chunks, keys_for, kv_obj, memory_obj, run_task
@@ -223,15 +222,6 @@ def test_a_flipped_truncated_or_mismatched_buffer_fails_the_deserialize_task(rea
 # --- end to end: LMCache's filesystem L2 adapter with its serde wrapper ---------------------
 
 
-def wait(fd: int) -> None:
-    from lmcache.v1.platform import consume_fd
-
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    assert poller.poll(120_000), "LMCache's adapter did not signal completion"
-    consume_fd(fd)
-
-
 def test_lmcaches_fs_adapter_stores_and_loads_fp8ray_frames(real_chunks, tmp_path):
     """The path an LMCache server takes for ``--l2-adapter '{"type": "fs", ..., "serde":
     {"type": "fp8ray"}}'`` (StorageManager._build_l2_adapter): LMCache parses the JSON,
@@ -257,7 +247,7 @@ def test_lmcaches_fs_adapter_stores_and_loads_fp8ray_frames(real_chunks, tmp_pat
             obj.tensor.copy_(x)
             l1.finish_write_and_reserve_read(keys, tag="test")
             task = adapter.submit_store_task(keys, [obj])
-            wait(adapter.get_store_event_fd())
+            wait_for_lmcache_fd(adapter.get_store_event_fd())
             result = adapter.pop_completed_store_tasks()[task]
             assert result.is_successful()
             expected[keys[0]] = x
@@ -273,7 +263,7 @@ def test_lmcaches_fs_adapter_stores_and_loads_fp8ray_frames(real_chunks, tmp_pat
             outs = [l1.reserve_write([ObjectKey(os.urandom(8), "load", 1)], [True], layout_of(expected[k]), tag="load") for k in keys]
             objs = [next(iter(o.values()))[1] for o in outs]
             task = adapter.submit_load_task(keys, objs)
-            wait(adapter.get_load_event_fd())
+            wait_for_lmcache_fd(adapter.get_load_event_fd())
             bitmap = adapter.query_load_result(task)
             return [bitmap.test(i) for i in range(len(keys))], objs
 
