@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 # them on first use only.
 _LAZY = {
     "QuantPool": "fp8ray.engine.pool",
+    "PoolSettings": "fp8ray.engine.pool",
     "QuantWorker": "fp8ray.engine.worker",
     "compress_archive": "fp8ray.engine.archives",
     "decompress_archive": "fp8ray.engine.archives",

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..codec import CodecOptions, Fp8Codec
-from ..io.blocks import tensor_to_bytes
+from ..codec.blocks import Block, tensor_to_bytes
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 ROW = 1024  # bf16 elements per row of a bench block
@@ -49,7 +49,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _direct(workers: list, block: tuple, options: CodecOptions, requests: int, concurrency: int, expected: str) -> tuple[float, list[float]]:
+def _direct(workers: list, block: Block, options: CodecOptions, requests: int, concurrency: int, expected: str) -> tuple[float, list[float]]:
     """``encode_batch`` on the actors from the driver, ``concurrency`` calls in flight."""
     import ray
 
@@ -124,7 +124,7 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
             raw = tensor_to_bytes(t)
             expected = _digest(codec.encode(t))
             requests = max(16, min(2000, bytes_per_size // raw.nbytes))
-            block = ("bench", "bfloat16", tuple(t.shape), raw)
+            block = Block("bench", "bfloat16", tuple(t.shape), raw)
             _direct(workers, block, options, min(requests, 2 * concurrency), concurrency, expected)  # warm up
             d_time, d_lat = _direct(workers, block, options, requests, concurrency, expected)
             params = {"dtype": "bfloat16", "shape": f"{rows},{ROW}", **query}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ..io.archive import DEFAULT_LOSSLESS
-from .common import codec_arguments, codec_options, engine_arguments, positive_float, progress, warn
+from .common import codec_arguments, codec_options, engine_arguments, pool_settings, positive_float, progress, warn
 
 
 def add_commands(commands) -> None:
@@ -77,7 +77,7 @@ def run_compress(args) -> int:
     bar, update = progress(args, lambda: len(list_blocks(args.source)))
     report = compress_archive(
         args.source, args.destination, options=options,
-        workers=args.workers, gpus_per_worker=args.gpus_per_worker, address=args.address,
+        pool=pool_settings(args),
         resume=args.resume, overwrite=args.overwrite, parents=args.parents, strict=args.strict,
         part_bytes=int(args.part_mb * 2**20), lossless=args.lossless, progress=update,
     )
@@ -116,8 +116,8 @@ def run_decompress(args) -> int:
 
     bar, update = progress(args, lambda: _manifest_blocks(args.archive))
     report = decompress_archive(
-        args.archive, args.output, single_file=args.single_file, workers=args.workers,
-        gpus_per_worker=args.gpus_per_worker, address=args.address, overwrite=args.overwrite,
+        args.archive, args.output, single_file=args.single_file, pool=pool_settings(args),
+        overwrite=args.overwrite,
         force_replace=args.force_replace, parents=args.parents, progress=update, announce=warn,
     )
     _finish(args, bar, report, (
@@ -131,7 +131,7 @@ def run_verify(args) -> int:
     from ..engine.archives import verify_archive
 
     bar, update = progress(args, lambda: _manifest_blocks(args.archive))
-    report = verify_archive(args.archive, against=args.against, workers=args.workers, address=args.address, progress=update)
+    report = verify_archive(args.archive, against=args.against, pool=pool_settings(args), progress=update)
     summary = f"{report.blocks} blocks in {report.parts} parts: " + ("ok" if report.ok else f"{len(report.errors)} problem(s)")
     if report.metrics:
         worst = max(report.metrics.items(), key=lambda kv: kv[1]["rel_fro"])

@@ -30,6 +30,7 @@ def add_commands(commands) -> None:
 def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options: CodecOptions | None = None) -> str:
     """Capture (or reuse), compress, verify, measure and decompress; return the report's lines."""
     from ..engine.archives import compress_archive, decompress_archive, verify_archive
+    from ..engine.pool import QuantPool
     from ..engine.runtime import connect_ray, disconnect_ray
     from ..eval.capture import capture
     from ..eval.fidelity import fidelity_report
@@ -49,12 +50,13 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
     # A rerun replaces the last run's outputs only once its own are complete.
     archive, restored = out_dir / "kv_smollm2.fp8", out_dir / "restored.safetensors"
 
-    owns_ray = connect_ray("local", max(workers, os.cpu_count() or 1))  # one Ray for the three steps
+    owns_ray = connect_ray("local", max(workers, os.cpu_count() or 1))
     try:
         # Parts of 4 MiB, so that a small capture still spreads over every worker.
-        compressed = compress_archive(str(source), str(archive), options=options, workers=workers, part_bytes=4 << 20, overwrite=True)
-        verified = verify_archive(str(archive), against=str(source), workers=workers)
-        decompressed = decompress_archive(str(archive), str(restored), workers=workers, overwrite=True)
+        with QuantPool(num_workers=workers) as pool:  # one set of workers for the three steps
+            compressed = compress_archive(str(source), str(archive), options=options, pool=pool, part_bytes=4 << 20, overwrite=True)
+            verified = verify_archive(str(archive), against=str(source), pool=pool)
+            decompressed = decompress_archive(str(archive), str(restored), pool=pool, overwrite=True)
     finally:
         if owns_ray:
             disconnect_ray()

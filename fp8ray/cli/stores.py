@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ..io.paths import printable
-from .common import codec_arguments, engine_arguments, given_codec_options, progress, warn
+from .common import codec_arguments, engine_arguments, given_codec_options, pool_settings, progress, warn
 
 FRAME_OPTIONS = ("scaling", "block_size", "scale_dtype", "scale_choice")  # only frames have them
 
@@ -59,11 +59,8 @@ def run_store_command(args) -> int:
         args.destination,
         args.layout,
         target,
-        fp8=args.fp8,
         options=options,
-        workers=args.workers,
-        gpus_per_worker=args.gpus_per_worker,
-        address=args.address,
+        pool=pool_settings(args),
         overwrite=args.overwrite,
         parents=args.parents,
         progress=lambda n: state.get("update") and state["update"](n),

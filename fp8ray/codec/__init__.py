@@ -8,6 +8,7 @@
 - :mod:`~fp8ray.codec.kernels`: the numba CPU kernels, bit-identical to the reference.
 - :mod:`~fp8ray.codec.cpu`: runs the kernels on a thread pool.
 - :mod:`~fp8ray.codec.fp8codec`: :class:`Fp8Codec` and :func:`decode`.
+- :mod:`~fp8ray.codec.blocks`: blocks, and the one batch path (``encode_into``, ``decode_into``).
 - :mod:`~fp8ray.codec.metrics`: error metrics of a round trip.
 - :mod:`~fp8ray.codec.lmcache`: LMCache's serializer/deserializer interface over the codec.
 """

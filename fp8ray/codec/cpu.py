@@ -2,7 +2,8 @@
 
 The kernels release the GIL, so plain Python threads run them in parallel; this keeps
 the backend safe to call from many threads at once (numba's own parallel layer is not)
-and lets ``FP8RAY_NUM_THREADS`` bound the threads, as a Ray actor with one CPU wants.
+and lets each call say how many threads it may use (``threads``: a Ray actor with one
+CPU wants one); ``FP8RAY_NUM_THREADS`` sets the process's default.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from .formats import SCALE_MASKS, Fp8Format, scale_candidates
 # to balance two to a few dozen cores.
 CHUNK_ELEMENTS = 1 << 20
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}  # by thread count
+_pools_lock = threading.Lock()
 
 
 def num_threads() -> int:
@@ -33,15 +34,17 @@ def num_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _run(tasks: list) -> list:
-    """Run zero-argument callables, on the pool when there is more than one."""
-    global _pool
-    if len(tasks) <= 1 or num_threads() == 1:
+def _run(tasks: list, threads: int | None) -> list:
+    """Run zero-argument callables, on ``threads`` threads (default :func:`num_threads`)
+    when there is more than one task."""
+    threads = threads or num_threads()
+    if len(tasks) <= 1 or threads == 1:
         return [task() for task in tasks]
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=num_threads(), thread_name_prefix="fp8ray-cpu")
-    return [f.result() for f in [_pool.submit(task) for task in tasks]]
+    with _pools_lock:
+        if threads not in _pools:
+            _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fp8ray-cpu")
+        pool = _pools[threads]
+    return [f.result() for f in [pool.submit(task) for task in tasks]]
 
 
 def _spans(count: int, per_task: int) -> list[tuple[int, int]]:
@@ -72,6 +75,7 @@ def quantize(
     scales: np.ndarray,
     scale_dtype: str = "float32",
     scale_choice: str = "amax",
+    threads: int | None = None,
 ) -> int:
     """Fill ``codes`` (uint8, numel) and ``scales`` (fp32, values of ``scale_dtype``) for
     contiguous CPU ``x``; ``scale_choice`` applies to token and block scaling.
@@ -88,19 +92,19 @@ def quantize(
         spans = _spans(n, CHUNK_ELEMENTS)
         scale = np.float32(1.0)
         if scaling == "tensor":
-            amax = max(_run([lambda s=s, e=e: kernels.amax_span(src, s, e) for s, e in spans]))
+            amax = max(_run([lambda s=s, e=e: kernels.amax_span(src, s, e) for s, e in spans], threads))
             scale = np.float32(kernels.scale_from_amax(np.float32(amax), fmax, mask))
             scales[0] = scale
-        return sum(_run([lambda s=s, e=e: kernels.quantize_uniform(src, codes, s, e, scale, tag) for s, e in spans]))
+        return sum(_run([lambda s=s, e=e: kernels.quantize_uniform(src, codes, s, e, scale, tag) for s, e in spans], threads))
     if scaling == "channel":
         columns = shape[-1] if shape else 1
         rows = n // columns if columns else 0
         spans = _spans(rows, CHUNK_ELEMENTS // max(columns, 1))
-        partial = _run([lambda s=s, e=e: _column_amax(src, columns, s, e) for s, e in spans])
+        partial = _run([lambda s=s, e=e: _column_amax(src, columns, s, e) for s, e in spans], threads)
         amax = np.maximum.reduce(partial) if len(partial) > 1 else partial[0]
         kernels.amax_to_scales(amax, fmax, mask, scales)
         return sum(
-            _run([lambda s=s, e=e: kernels.quantize_columns(src, codes, scales, columns, s, e, tag) for s, e in spans])
+            _run([lambda s=s, e=e: kernels.quantize_columns(src, codes, scales, columns, s, e, tag) for s, e in spans], threads)
         )
     # token and block: contiguous groups, amax (and scale search) and cast fused per group.
     group = (shape[-1] if shape else 1) if scaling == "token" else block_size
@@ -115,7 +119,7 @@ def quantize(
             lambda s=s, e=e: kernels.quantize_groups_search(src, codes, scales, group, s, e, tag, mask, divisors)
             for s, e in spans
         ]
-    return sum(_run(tasks))
+    return sum(_run(tasks, threads))
 
 
 def _column_amax(src: np.ndarray, columns: int, row_start: int, row_stop: int) -> np.ndarray:
@@ -132,6 +136,7 @@ def dequantize(
     shape: tuple[int, ...],
     block_size: int,
     out: torch.Tensor,
+    threads: int | None = None,
 ) -> None:
     """Decode ``codes`` with ``scales`` into the contiguous CPU tensor ``out``."""
     dst = as_flat_array(out)
@@ -142,13 +147,13 @@ def dequantize(
         # One scale: decode the 256 codes once, then every element is a table lookup.
         table = np.empty(_TABLE_SIZE, dtype=dst.dtype)
         kernels.dequantize_uniform(_ALL_CODES, tag, scale, table, 0, _TABLE_SIZE)
-        _run([lambda s=s, e=e: kernels.lookup(codes, table, dst, s, e) for s, e in _spans(n, CHUNK_ELEMENTS)])
+        _run([lambda s=s, e=e: kernels.lookup(codes, table, dst, s, e) for s, e in _spans(n, CHUNK_ELEMENTS)], threads)
     elif scaling == "channel":
         columns = shape[-1] if shape else 1
         rows = n // columns if columns else 0
         spans = _spans(rows, CHUNK_ELEMENTS // max(columns, 1))
-        _run([lambda s=s, e=e: kernels.dequantize_columns(codes, tag, scales, columns, dst, s, e) for s, e in spans])
+        _run([lambda s=s, e=e: kernels.dequantize_columns(codes, tag, scales, columns, dst, s, e) for s, e in spans], threads)
     else:
         group = (shape[-1] if shape else 1) if scaling == "token" else block_size
         spans = _spans(scales.size, CHUNK_ELEMENTS // max(group, 1))
-        _run([lambda s=s, e=e: kernels.dequantize_groups(codes, tag, scales, group, dst, s, e) for s, e in spans])
+        _run([lambda s=s, e=e: kernels.dequantize_groups(codes, tag, scales, group, dst, s, e) for s, e in spans], threads)

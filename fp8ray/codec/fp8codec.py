@@ -118,13 +118,15 @@ class Fp8Codec:
             raise TypeError(f"unsupported dtype {dtype}; expected one of {sorted(DTYPE_NAMES.values())}")
         return self._header(shape, dtype).frame_size
 
-    def encode(self, tensor, out: np.ndarray | None = None) -> memoryview:
+    def encode(self, tensor, out: np.ndarray | None = None, *, threads: int | None = None) -> memoryview:
         """Encode a tensor of any rank (0-d and empty included), contiguous or not.
 
         Returns a read-write ``memoryview`` over one freshly allocated buffer holding the
         whole frame (``bytes(frame)`` copies it; ``np.frombuffer(frame, np.uint8)`` does not),
         or over ``out``, a writable 1-D uint8 array of exactly :meth:`encoded_size` bytes
-        (to lay many frames end to end in one buffer).
+        (to lay many frames end to end in one buffer). ``threads``: how many threads the
+        CPU kernels may use for this call (default ``FP8RAY_NUM_THREADS``, else every CPU
+        this process may use).
         """
         x = _check_tensor(tensor)
         header = self._header(x.shape, x.dtype)
@@ -142,7 +144,7 @@ class Fp8Codec:
         codes = frame.codes_of(buf, header)
         options = (self.scale_dtype, self.scale_choice)
         if x.device.type == "cpu":
-            nonfinite = cpu.quantize(x.contiguous(), self.fmt, self.scaling, self.block_size, codes, scales, *options)
+            nonfinite = cpu.quantize(x.contiguous(), self.fmt, self.scaling, self.block_size, codes, scales, *options, threads)
         else:
             ref_codes, ref_scales, nonfinite = reference.quantize(
                 x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep", *options
@@ -156,12 +158,12 @@ class Fp8Codec:
         frame.seal(buf)
         return memoryview(buf)
 
-    def decode(self, data, *, out: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    def decode(self, data, *, out: torch.Tensor | None = None, device=None, threads: int | None = None) -> torch.Tensor:
         """Decode a frame; the same as :func:`fp8ray.decode` (frames describe themselves)."""
-        return decode(data, out=out, device=device)
+        return decode(data, out=out, device=device, threads=threads)
 
 
-def decode(data, *, out: torch.Tensor | None = None, device=None) -> torch.Tensor:
+def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int | None = None) -> torch.Tensor:
     """Decode any fp8ray frame to a tensor of its original dtype and shape.
 
     Args:
@@ -170,6 +172,7 @@ def decode(data, *, out: torch.Tensor | None = None, device=None) -> torch.Tenso
         out: optional tensor of the frame's shape and dtype to decode into.
         device: where to decode (default CPU, or ``out``'s device); on CUDA the codes
             travel to the GPU and are decoded there.
+        threads: how many threads the CPU kernels may use (as for :meth:`Fp8Codec.encode`).
 
     Raises:
         CorruptFrameError: the frame is truncated, malformed or fails its checksum.
@@ -190,7 +193,7 @@ def decode(data, *, out: torch.Tensor | None = None, device=None) -> torch.Tenso
         target = torch.device(device) if device is not None else torch.device("cpu")
     if target.type == "cpu":
         result = out if out is not None and out.is_contiguous() else torch.empty(header.shape, dtype=header.dtype)
-        cpu.dequantize(codes, scales, header.fmt, header.scaling, header.shape, header.block_size, result)
+        cpu.dequantize(codes, scales, header.fmt, header.scaling, header.shape, header.block_size, result, threads)
     else:
         result = reference.dequantize(
             torch.from_numpy(codes.copy()).to(target),

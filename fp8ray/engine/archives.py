@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import posixpath
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import pyarrow.fs as pafs
@@ -38,19 +37,10 @@ from ..io.paths import (
     uri_for,
 )
 from ..io.restore import plan_restore
-from .pool import QuantPool
+from .pool import PoolSettings, QuantPool, use_pool
+from .worker import QuantWorker
 
 Progress = Callable[[int], None]  # called with the number of blocks just finished
-
-
-@contextmanager
-def _pool(pool: QuantPool | None, workers: int, gpus_per_worker: float, address: str | None) -> Iterator[QuantPool]:
-    """The pool given (kept running: the caller's), or a new one for this operation."""
-    if pool is not None:
-        yield pool
-    else:
-        with QuantPool(num_workers=workers, gpus_per_worker=gpus_per_worker, address=address) as new:
-            yield new
 
 
 @dataclass
@@ -224,9 +214,6 @@ def compress_archive(
     destination: str,
     *,
     options: CodecOptions | None = None,
-    workers: int = 2,
-    gpus_per_worker: float = 0,
-    address: str | None = None,
     resume: bool = False,
     overwrite: bool = False,
     parents: bool = False,
@@ -234,7 +221,7 @@ def compress_archive(
     part_bytes: int = DEFAULT_PART_BYTES,
     lossless: str = DEFAULT_LOSSLESS,
     progress: Progress | None = None,
-    pool: QuantPool | None = None,
+    pool: QuantPool | PoolSettings | None = None,
     **codec_options,
 ) -> CompressReport:
     """Compress a safetensors file, a directory of them or a raw-block Parquet archive
@@ -249,7 +236,8 @@ def compress_archive(
     that fails later keeps its finished parts for ``resume``). A non-empty directory that
     is not an fp8ray archive (or an interrupted compress) is never written into. A missing parent directory
     is created with ``parents``, else refused. ``pool``: a running :class:`QuantPool` to
-    use (and leave running) instead of starting one for this call.
+    use (and leave running), or the :class:`PoolSettings` of one to start for this call
+    (default: ``PoolSettings()``).
 
     A directory source is a tree: every ``.safetensors`` (or ``.parquet``) file in it,
     subfolders too, under its relative path. What else it holds (other files, hidden
@@ -292,16 +280,17 @@ def compress_archive(
         if progress:
             progress(sum(info.blocks for info in reused.values()))
         work_uri = uri_for(destination, work)
-        with _pool(pool, workers, gpus_per_worker, address) as running:
+        with use_pool(pool) as running:
             start = time.perf_counter()
             tasks = ((parts[i], codec, work_uri, i, lossless) for i in todo)
-            for i, result in zip(todo, running.map("compress_part", tasks, on_result=count_finished)):
+            for i, result in zip(todo, running.map(QuantWorker.compress_part, tasks, on_result=count_finished)):
                 infos[i] = result.info
                 devices.add(result.device)
                 nodes.add(result.node_id)
                 if progress:
                     progress(result.info.blocks)
             replaced = running.replaced
+            workers = running.num_workers
         seconds = time.perf_counter() - start
         bound = bound_constants(codec.fmt, codec.scaling)
         entries = [infos[i] for i in range(len(parts))]
@@ -339,14 +328,11 @@ def decompress_archive(
     output: str,
     *,
     single_file: bool = False,
-    workers: int = 2,
-    gpus_per_worker: float = 0,
-    address: str | None = None,
     overwrite: bool = False,
     force_replace: bool = False,
     parents: bool = False,
     progress: Progress | None = None,
-    pool: QuantPool | None = None,
+    pool: QuantPool | PoolSettings | None = None,
     announce: Callable[[str], None] | None = None,
 ) -> DecompressReport:
     """Give back what was compressed: the source's own files at ``output`` (a directory of
@@ -359,7 +345,8 @@ def decompress_archive(
     complete, and a damaged part or frame leaves nothing behind. Nothing decompress did
     not write is removed: ``overwrite`` replaces an output holding only what the archive
     describes (an earlier decompress of it); ``force_replace`` replaces one holding other
-    files too, calling ``announce`` with what it will delete before any work.
+    files too, calling ``announce`` with what it will delete before any work. ``pool``:
+    as for :func:`compress_archive`.
     """
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path, archive_uri)
@@ -381,11 +368,11 @@ def decompress_archive(
     report = DecompressReport(redact(archive_uri), redact(output), 0, 0, 0.0, 0, deleted=foreign)
     nodes = set()
     try:
-        with _pool(pool, workers, gpus_per_worker, address) as running:
+        with use_pool(pool) as running:
             start = time.perf_counter()
             scratch_uri = uri_for(output, scratch)
             tasks = ((archive_uri, {i: manifest["parts"][i] for i in t.parts}, t, scratch_uri) for t in plan.tasks)
-            for result in running.map("restore_files", tasks):
+            for result in running.map(QuantWorker.restore_files, tasks):
                 report.files += result.files
                 report.blocks += result.blocks
                 report.raw_bytes += result.raw_bytes
@@ -463,15 +450,14 @@ def verify_archive(
     archive_uri: str,
     *,
     against: str | None = None,
-    workers: int = 2,
-    address: str | None = None,
     progress: Progress | None = None,
-    pool: QuantPool | None = None,
+    pool: QuantPool | PoolSettings | None = None,
 ) -> VerifyReport:
     """Check every part's CRC-32C and every frame; with ``against``, error metrics per
     block against the original source, each block held to the codec's derived error bound
     (a source that is not the one compressed fails). Damage is reported, naming the block
-    (or the part where it lies outside every block), not raised."""
+    (or the part where it lies outside every block), not raised. ``pool``: as for
+    :func:`compress_archive`."""
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path, archive_uri)
     layout = archive.manifest_layout(manifest)
@@ -484,11 +470,11 @@ def verify_archive(
     bound = manifest.get("error_bound") or bound_constants(codec.fmt, codec.scaling)
     report = VerifyReport(redact(archive_uri), 0, len(manifest["parts"]))
     seen: set[tuple[str, str]] = set()
-    with _pool(pool, workers, 0, address) as running:
+    with use_pool(pool) as running:
         # The source's block map goes to the object store once, not with every part.
         shared_refs = running.share(refs)
         tasks = ((archive_uri, part, shared_refs, bound, name_files) for part in manifest["parts"])
-        for part_result in running.map("verify_part", tasks):
+        for part_result in running.map(QuantWorker.verify_part, tasks):
             report.blocks += part_result.blocks
             report.errors += part_result.errors
             report.metrics.update(part_result.metrics)

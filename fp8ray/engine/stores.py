@@ -26,12 +26,12 @@ from dataclasses import asdict, dataclass
 from pyarrow.fs import LocalFileSystem
 
 from ..codec import CodecOptions
-from ..codec.formats import get_format
-from ..errors import ArchiveExistsError, BadInputError, DestinationError, MismatchError, SourceError
+from ..errors import ArchiveExistsError, BadInputError, InvalidOptionError, DestinationError, MismatchError, SourceError
 from ..io.lmcache_store import FORMS, FP8, FRAMES, RAW, ChunkFile, Layout, parse_layout, scan_store
 from ..io.paths import check_apart, prepare_parent, remove_quietly, replace_directory, resolve, temporary_name
-from .pool import QuantPool
+from .pool import PoolSettings, QuantPool, use_pool
 from .store_files import StoreConversion
+from .worker import QuantWorker
 
 SHARD_BYTES = 64 << 20  # input bytes per worker call
 SERDES = (FP8, FRAMES)  # the forms compress_store writes: LMCache's serde types
@@ -119,11 +119,8 @@ def convert_store(
     layout: Layout | str,
     target: str,
     *,
-    fp8: str = "e4m3fn",
     options: CodecOptions | None = None,
-    workers: int = 2,
-    gpus_per_worker: float = 0,
-    address: str | None = None,
+    pool: QuantPool | PoolSettings | None = None,
     overwrite: bool = False,
     parents: bool = False,
     progress=None,
@@ -132,21 +129,22 @@ def convert_store(
     """Write every chunk file of the LMCache FS store ``source`` in the ``target`` form
     (``"raw"``, ``"fp8"`` or ``"fp8ray"``) into the new directory ``destination``.
 
-    ``fp8`` is the format of plain fp8 files; ``options`` the codec options of the frames
-    written (default: the default mode with format ``fp8``), whose ``nonfinite`` applies
-    to plain fp8 files too. Entries of no form are skipped and reported; files already
-    in the target form are copied and listed. A store with nothing to convert (every
-    file in the target form, or none of the layout: a wrong ``layout``) raises and
-    creates nothing. A file that fails (non-finite values, a damaged frame) aborts the
+    ``options`` are the codec options of the frames written (default: the default mode);
+    their format (``fp8``) and ``nonfinite`` apply to plain fp8 files too. Entries of no
+    form are skipped and reported; files already in the target form are copied and
+    listed. A store with nothing to convert (every file in the target form, or none of
+    the layout: a wrong ``layout``) raises and creates nothing. A file that fails (non-finite values, a damaged frame) aborts the
     whole run with an error naming it, leaving no destination.
 
     ``progress(n)`` is called with the files just written; ``on_scan(n)`` with the
-    number of files to write, before the work starts.
+    number of files to write, before the work starts. ``pool``: a running
+    :class:`QuantPool` to use (and leave running), or the :class:`PoolSettings` of one to
+    start for this call (default: ``PoolSettings()``).
     """
     if target not in FORMS:
-        raise ValueError(f"target form must be one of {list(FORMS)}, got {target!r}")
-    fmt = get_format(fp8)
-    options = options if options is not None else CodecOptions(fp8=fmt.name)
+        raise InvalidOptionError(f"target form must be one of {list(FORMS)}, got {target!r}", field="target")
+    options = options if options is not None else CodecOptions()
+    fmt = options.fmt
     layout = parse_layout(layout) if isinstance(layout, str) else layout
     src, dst = _check_paths(source, destination, overwrite, parents)
     scan = scan_store(src, layout)
@@ -161,10 +159,11 @@ def convert_store(
     conversion = StoreConversion(src, scratch, layout, target, fmt.name, options)
     done = []
     try:
-        with QuantPool(num_workers=workers, gpus_per_worker=gpus_per_worker, address=address) as pool:
+        with use_pool(pool) as running:
             start = time.perf_counter()  # the conversion itself, once the workers are up
+            workers = running.num_workers
             items = ((conversion, shard) for shard in _plan_shards(scan.chunks, workers))
-            for files in pool.map("convert_store_files", items):
+            for files in running.map(QuantWorker.convert_store_files, items):
                 done.extend(files)
                 if progress is not None:
                     progress(len(files))
@@ -198,7 +197,7 @@ def convert_store(
 def compress_store(source: str, destination: str, layout: Layout | str, serde: str = FP8, **options) -> StoreReport:
     """An LMCache store -> the files LMCache's ``serde`` (``"fp8"`` or ``"fp8ray"``) writes."""
     if serde not in SERDES:
-        raise ValueError(f"serde must be one of {list(SERDES)}, got {serde!r}")
+        raise InvalidOptionError(f"serde must be one of {list(SERDES)}, got {serde!r}", field="serde")
     return convert_store(source, destination, layout, serde, **options)
 
 

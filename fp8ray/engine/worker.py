@@ -23,10 +23,11 @@ import torch
 from pyarrow.fs import LocalFileSystem
 
 from ..codec import CodecOptions, Fp8Codec, decode, frame
+from ..codec.blocks import Block, BlockSpec, decode_into, encode_into, frame_sizes, read_headers
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..codec.bound import check_within_bound, element_scales
 from ..codec.metrics import error_metrics
-from ..errors import MismatchError, block_error
+from ..errors import InvalidOptionError, MismatchError, block_error
 from ..io import archive
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
@@ -90,13 +91,14 @@ class QuantWorker:
     (or ``ray.remote(QuantWorker)``); every method takes and returns plain data."""
 
     def __init__(self, threads: int = 1, reuse_buffers: bool = True, device: str | None = None):
-        """``device``: ``None`` for the GPU Ray gave this actor, if any, else the CPU;
+        """``threads``: the CPU kernels' threads in each call (an actor's CPUs).
+        ``device``: ``None`` for the GPU Ray gave this actor, if any, else the CPU;
         ``"cpu"`` or ``"cuda"`` to choose (workers run inline, where Ray assigns none)."""
         if device not in (None, "cpu", "cuda"):
-            raise ValueError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
+            raise InvalidOptionError(f"device must be None, 'cpu' or 'cuda', got {device!r}", field="device")
         if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' asked for, but this torch sees no CUDA device")
-        os.environ["FP8RAY_NUM_THREADS"] = str(max(1, int(threads)))
+            raise InvalidOptionError("device 'cuda' asked for, but this torch sees no CUDA device", field="device")
+        self.threads = max(1, int(threads))
         if device is None:
             ray = _connected_ray()
             gpu_ids = ray.get_gpu_ids() if ray else []
@@ -122,18 +124,6 @@ class QuantWorker:
             self._codecs[options] = Fp8Codec(options=options)
         return self._codecs[options]
 
-    def _encode(self, codec: Fp8Codec, key: str, dtype: str, shape, data: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, BlockMeta]:
-        try:
-            if dtype not in DTYPES_BY_NAME:
-                raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
-            tensor = bytes_to_tensor(data, dtype, shape)
-            if self.device == "cuda":
-                tensor = tensor.cuda()
-            f = np.frombuffer(codec.encode(tensor, out=out), dtype=np.uint8)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            raise block_error(key, exc) from exc
-        return f, BlockMeta(key, dtype, tuple(shape), self.device, int(data.size), int(f.size))
-
     def _results_buffer(self, nbytes: int) -> np.ndarray:
         """Where a batch's results go. In a Ray actor, one buffer reused from call to call:
         Ray copies a task's return values into its object store as the task ends, and
@@ -145,39 +135,27 @@ class QuantWorker:
             self._results = np.empty(nbytes, np.uint8)
         return self._results[:nbytes]
 
-    def encode_batch(self, blocks: list[tuple], options: CodecOptions) -> list[tuple[np.ndarray, BlockMeta]]:
-        """``blocks``: ``(key, dtype, shape, uint8 array)`` tuples. Returns ``(frame, metadata)`` per block."""
+    def encode_batch(self, blocks: list[Block], options: CodecOptions) -> list[tuple[np.ndarray, BlockMeta]]:
+        """Encode ``blocks``; returns ``(frame, metadata)`` per block, in order."""
         codec = self._codec(options)
-        sizes = [self._frame_size(codec, BlockRef(key, dtype, tuple(shape), "", "", 0)) for key, dtype, shape, _ in blocks]
-        buffer, start, out = self._results_buffer(sum(sizes)), 0, []
-        for block, size in zip(blocks, sizes):
-            out.append(self._encode(codec, *block, out=buffer[start : start + size]))
-            start += size
-        return out
+        sizes = frame_sizes(codec, blocks)
+        buffer = self._results_buffer(sum(sizes))
+        encode_into(codec, blocks, buffer, sizes, device=self.device, threads=self.threads)
+        return [
+            (f, BlockMeta(b.key, b.dtype, b.shape, self.device, b.nbytes, size))
+            for b, f, size in zip(blocks, _split(buffer, sizes), sizes)
+        ]
 
     def decode_batch(self, frames: list[tuple[str, np.ndarray]]) -> list[tuple[np.ndarray, BlockMeta]]:
         """``frames``: ``(key, frame)`` pairs. Returns ``(raw little-endian bytes, metadata)`` per block."""
-        headers = []
-        for key, f in frames:
-            try:
-                headers.append(frame.parse(frame.as_byte_array(f)))
-            except (ValueError, TypeError) as exc:
-                raise block_error(key, exc) from exc
-        sizes = [h.numel * h.dtype.itemsize for h in headers]
-        buffer, start, out = self._results_buffer(sum(sizes)), 0, []
-        for (key, f), header, size in zip(frames, headers, sizes):
-            raw = buffer[start : start + size]
-            start += size
-            target = bytes_to_tensor(raw, DTYPE_NAMES[header.dtype], header.shape)
-            try:
-                if self.device == "cuda":
-                    target.copy_(decode(f, device="cuda").cpu())
-                else:
-                    decode(f, out=target)
-            except (ValueError, TypeError) as exc:
-                raise block_error(key, exc) from exc
-            out.append((raw, BlockMeta(key, DTYPE_NAMES[header.dtype], header.shape, self.device, size, len(f))))
-        return out
+        specs = [BlockSpec(key, DTYPE_NAMES[h.dtype], h.shape) for (key, _), h in zip(frames, read_headers(frames))]
+        sizes = [spec.nbytes for spec in specs]
+        buffer = self._results_buffer(sum(sizes))
+        decode_into(frames, buffer, specs, device=self.device, threads=self.threads)
+        return [
+            (raw, BlockMeta(spec.key, spec.dtype, spec.shape, self.device, spec.nbytes, len(f)))
+            for spec, raw, (_, f) in zip(specs, _split(buffer, sizes), frames)
+        ]
 
     def compress_part(self, refs: list[BlockRef], options: CodecOptions, directory: str, index: int, lossless: str = "none") -> PartResult:
         """Read ``refs`` from their source, encode them, write part ``index`` of the archive
@@ -185,26 +163,15 @@ class QuantWorker:
         codec = self._codec(options)
         # The frames are encoded end to end into one buffer that becomes the Arrow column
         # as it is: no copy between the codec and the Parquet writer.
-        sizes = [self._frame_size(codec, ref) for ref in refs]
+        sizes = frame_sizes(codec, refs)
         if self._frames.size < sum(sizes):
             self._frames = np.empty(sum(sizes), dtype=np.uint8)
         frames = self._frames[: sum(sizes)]  # reused, as the reader's buffer is: the part is written before the next
-        start = 0
-        for ref, data, size in zip(refs, self._reader.read(refs), sizes):
-            self._encode(codec, ref.key, ref.dtype, ref.shape, data, out=frames[start : start + size])
-            start += size
+        blocks = [Block(ref.key, ref.dtype, ref.shape, data) for ref, data in zip(refs, self._reader.read(refs))]
+        encode_into(codec, blocks, frames, sizes, device=self.device, threads=self.threads)
         rows = archive.part_rows(refs, options, sizes, archive.frame_column(frames, sizes))
         fs, path = resolve(directory)
         return PartResult(archive.write_part(fs, path, index, rows, lossless), self.device, _node_id())
-
-    @staticmethod
-    def _frame_size(codec: Fp8Codec, ref: BlockRef) -> int:
-        try:
-            if ref.dtype not in DTYPES_BY_NAME:
-                raise TypeError(f"unsupported dtype {ref.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
-            return codec.encoded_size(ref.shape, DTYPES_BY_NAME[ref.dtype])
-        except (ValueError, TypeError) as exc:
-            raise block_error(ref.key, exc) from exc
 
     def restore_files(self, archive_uri: str, parts: dict[int, dict], task: RestoreTask, directory: str) -> RestoreResult:
         """Write the files of ``task`` into ``directory`` (local path or URI), decoding
@@ -232,7 +199,7 @@ class QuantWorker:
                         buffer = np.empty(nbytes, np.uint8)
                     out = bytes_to_tensor(buffer[:nbytes], dtype, shape)
                     try:
-                        decode(frames[part][row], out=out)
+                        decode(frames[part][row], out=out, threads=self.threads)
                     except (ValueError, TypeError) as exc:
                         raise block_error(key, exc, f" in {parts[part]['name']}") from exc
                     writer.write_block(key, dtype, shape, keep(buffer[:nbytes]))
@@ -310,6 +277,12 @@ class QuantWorker:
         ``StoreConversion``) says: the job of :mod:`fp8ray.engine.stores`, done by
         :func:`fp8ray.engine.store_files.convert_files`."""
         return convert_files(conversion, chunks)
+
+
+def _split(buffer: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """``buffer`` cut into consecutive pieces of ``sizes`` bytes (views)."""
+    ends = np.cumsum(sizes, dtype=np.int64)
+    return [buffer[end - size : end] for size, end in zip(sizes, ends.tolist())]
 
 
 def _label(ident: tuple[str, str], name_files: bool) -> str:

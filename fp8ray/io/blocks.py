@@ -20,18 +20,16 @@ a Parquet schema Arrow's own IPC bytes.
 from __future__ import annotations
 
 import base64
-import math
 import os
-import warnings
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import torch
 
-from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
+from ..codec.blocks import BlockSpec, bytes_to_tensor, dtype_name, tensor_to_bytes  # noqa: F401 (used by this layer's callers)
+from ..codec.formats import DTYPES_BY_NAME
 from ..errors import SourceError
 from .paths import CompleteOrNothing, TreeEntry, list_tree, os_reason, printable, redact, resolve, temporary_name, uri_for
 from .safetensors import SOURCE_DTYPES, read_file_header
@@ -40,22 +38,15 @@ RAW_COLUMNS = ("key", "dtype", "shape", "data")
 
 
 @dataclass(frozen=True)
-class BlockRef:
-    """Where one block's raw bytes lie. ``path`` is the file's local path or URI, ``file``
-    its name relative to the source; ``offset`` is a byte offset into a safetensors file,
-    or a row index into a Parquet file."""
+class BlockRef(BlockSpec):
+    """Where one block's raw bytes lie (its key, dtype and shape are the :class:`BlockSpec`'s).
+    ``path`` is the file's local path or URI, ``file`` its name relative to the source;
+    ``offset`` is a byte offset into a safetensors file, or a row index into a Parquet file."""
 
-    key: str
-    dtype: str  # "bfloat16" | "float16" | "float32"
-    shape: tuple[int, ...]
     kind: str  # "safetensors" | "parquet"
     path: str
     offset: int
     file: str = ""
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES_BY_NAME[self.dtype].itemsize
 
     @property
     def ident(self) -> tuple[str, str]:
@@ -331,27 +322,6 @@ def _parquet_rows(fs: pafs.FileSystem, path: str, rows: list[int]) -> list[bytes
     begins = dict(zip(groups, np.cumsum([0, *(sizes[g] for g in groups)])))
     picks = [int(begins[g] + row - starts[g]) for row, g in zip(rows, row_groups.tolist())]
     return table.column("data").take(picks).to_pylist()
-
-
-def bytes_to_tensor(data: np.ndarray, dtype: str, shape) -> torch.Tensor:
-    """A zero-copy tensor view of raw little-endian bytes (read-only buffers included:
-    the codec never writes to its input)."""
-    if data.size == 0:  # torch cannot view an empty array of another itemsize
-        return torch.empty(tuple(shape), dtype=DTYPES_BY_NAME[dtype])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        flat = torch.from_numpy(data.view(np.uint8))
-    return flat.view(DTYPES_BY_NAME[dtype]).reshape(tuple(shape))
-
-
-def tensor_to_bytes(t: torch.Tensor) -> np.ndarray:
-    """The raw little-endian bytes of a contiguous CPU tensor, as a uint8 array view."""
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def dtype_name(t: torch.Tensor) -> str:
-    """fp8ray's name of a tensor's dtype (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
-    return DTYPE_NAMES[t.dtype]
 
 
 class RawBlockParquetWriter(CompleteOrNothing):

@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import ray
@@ -34,10 +35,11 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.serve.config import DeploymentActorConfig
 from ray.util import metrics
 
+from ..codec.blocks import Block, bytes_to_tensor
 from ..codec.formats import DTYPE_NAMES
+from ..engine.backends import worker_exception
 from ..engine.worker import QuantWorker
 from ..errors import RequestError, WorkersUnavailableError
-from ..io.blocks import bytes_to_tensor, tensor_to_bytes
 from ..io.safetensors import SOURCE_DTYPES, FRAME_DTYPE, build_body, parse_body
 from .options import ServiceOptions
 from .requests import OCTET_STREAM, SAFETENSORS, codec_options, is_safetensors, raw_layout, refusal, response_limit, split
@@ -108,9 +110,9 @@ class Fp8Service:
                 return None
         return self._handles[index]
 
-    async def _call(self, method: str, *args):
-        """``QuantWorker.<method>(*args)`` on the next worker; if that worker is dead, once
-        more on another. Data errors come back as :class:`BlockError`."""
+    async def _call(self, method: Callable, *args):
+        """``method(*args)`` (a ``QuantWorker`` method) on the next worker; if that worker is
+        dead, once more on another. Data errors come back as the worker raised them."""
         first = next(self._next) % self.num_workers
         order = [first] + ([(first + 1) % self.num_workers] if self.num_workers > 1 else [first])
         for attempt, index in enumerate(order):
@@ -118,18 +120,16 @@ class Fp8Service:
             if handle is None:
                 continue
             try:
-                return await getattr(handle, method).remote(*args)
+                return await getattr(handle, method.__name__).remote(*args)
             except (RayActorError, ActorUnavailableError):
                 self._handles.pop(index, None)  # look it up again next time
                 if attempt == 0:
                     self._record(retries=1)
             except RayTaskError as exc:
-                # The worker raises fp8ray's own classes for bad data: raise that, not Ray's wrapper.
-                cause = getattr(exc, "cause", None)
-                raise (cause if isinstance(cause, Exception) else exc) from None
-        raise WorkersUnavailableError(f"no QuantWorker answered {method} (tried workers {sorted(set(order))})")
+                raise worker_exception(exc) from None
+        raise WorkersUnavailableError(f"no QuantWorker answered {method.__name__} (tried workers {sorted(set(order))})")
 
-    async def _map(self, method: str, items: list, *extra) -> list:
+    async def _map(self, method: Callable, items: list, *extra) -> list:
         """Spread ``items`` over the workers in contiguous groups; results in order."""
         groups = split(items, self.num_workers)
         results = await asyncio.gather(*(self._call(method, group, *extra) for group in groups))
@@ -216,14 +216,14 @@ class Fp8Service:
             entries, metadata = parse_body(body, tuple(SOURCE_DTYPES))
             if FRAMES_MARK in metadata:  # it would be overwritten by the mark: refuse, not lose it
                 raise RequestError(f"__metadata__ key {FRAMES_MARK!r} is fp8ray's own (it marks a body of frames)", 400, "__metadata__")
-            blocks = [(e.key, e.fp8ray_dtype, e.shape, data) for e, data in entries]
-            results = await self._map("encode_batch", blocks, options)
+            blocks = [Block(e.key, e.fp8ray_dtype, e.shape, data) for e, data in entries]
+            results = await self._map(QuantWorker.encode_batch, blocks, options)
             frames = [(meta.key, "uint8", (len(f),), f) for f, meta in results]
             # The body's own __metadata__ travels with its frames, and comes back on decode.
             return Response(build_body(frames, {**metadata, FRAMES_MARK: "frames"}), media_type=SAFETENSORS)
         options = codec_options(params, ignore=("dtype", "shape"))
         dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
-        [(f, meta)] = await self._call("encode_batch", [("body", dtype, shape, np.frombuffer(body, dtype=np.uint8))], options)
+        [(f, meta)] = await self._call(QuantWorker.encode_batch, [Block("body", dtype, shape, np.frombuffer(body, dtype=np.uint8))], options)
         return Response(f.tobytes(), media_type=OCTET_STREAM, headers={"X-Fp8ray-Device": meta.device})
 
     async def _decode_body(self, request: Request, body: bytes) -> Response:
@@ -232,11 +232,11 @@ class Fp8Service:
             raise RequestError(f"unknown option {name!r}: a frame describes itself", 400, name)
         if is_safetensors(request.headers.get("content-type")):
             entries, metadata = parse_body(body, (FRAME_DTYPE,))
-            results = await self._map("decode_batch", [(e.key, data) for e, data in entries])
+            results = await self._map(QuantWorker.decode_batch, [(e.key, data) for e, data in entries])
             tensors = [(meta.key, meta.dtype, meta.shape, raw) for raw, meta in results]
             kept = {k: v for k, v in metadata.items() if k != FRAMES_MARK}
             return Response(build_body(tensors, kept or None), media_type=SAFETENSORS)
-        [(raw, meta)] = await self._call("decode_batch", [("body", np.frombuffer(body, dtype=np.uint8))])
+        [(raw, meta)] = await self._call(QuantWorker.decode_batch, [("body", np.frombuffer(body, dtype=np.uint8))])
         headers = {"X-Fp8ray-Dtype": meta.dtype, "X-Fp8ray-Shape": ",".join(map(str, meta.shape)), "X-Fp8ray-Device": meta.device}
         return Response(raw.tobytes(), media_type=OCTET_STREAM, headers=headers)
 
@@ -277,13 +277,12 @@ class Fp8Service:
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_NAMES:
             raise TypeError(f"expected a bfloat16/float16/float32 tensor or array, got {getattr(tensor, 'dtype', type(tensor).__name__)}")
         options = codec_options({k: str(v) for k, v in codec_options_kw.items()})
-        block = ("tensor", DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), tensor_to_bytes(tensor.detach().cpu()))
-        [(f, _)] = await self._call("encode_batch", [block], options)
+        [(f, _)] = await self._call(QuantWorker.encode_batch, [Block.of("tensor", tensor.detach())], options)
         return f.tobytes()
 
     async def decode(self, frame) -> torch.Tensor:
         """Decode a frame (bytes, memoryview or uint8 array); returns the tensor."""
-        [(raw, meta)] = await self._call("decode_batch", [("frame", np.frombuffer(frame, dtype=np.uint8))])
+        [(raw, meta)] = await self._call(QuantWorker.decode_batch, [("frame", np.frombuffer(frame, dtype=np.uint8))])
         return bytes_to_tensor(raw, meta.dtype, meta.shape).clone()  # owns its memory
 
 

@@ -117,7 +117,7 @@ def test_encoder_and_decoder_take_pandas_and_numpy_batches(ray_session, raw_sour
 def test_decoder_reads_an_archive_written_by_compress_archive(ray_session, kv_source, tmp_path):
     src, tensors = kv_source
     arch = tmp_path / "arch"
-    fp8ray.compress_archive(str(src), str(arch), workers=1, part_bytes=200_000)
+    fp8ray.compress_archive(str(src), str(arch), part_bytes=200_000, pool=fp8ray.PoolSettings(num_workers=1))
     assert (arch / "_manifest.json").exists() and len(list(arch.glob("part-*.parquet"))) > 1
     ds = ray_data.read_parquet(str(arch)).map_batches(Fp8Decoder, batch_format="pyarrow", batch_size=5, **ACTORS)
     rows = by_key(ds.take_all())

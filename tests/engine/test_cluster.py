@@ -14,7 +14,7 @@ import hashlib, json, os, shutil, sys
 from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
-from fp8ray import QuantPool, compress_archive, decompress_archive
+from fp8ray import PoolSettings, QuantPool, compress_archive, decompress_archive
 
 src, out, files = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
@@ -25,10 +25,10 @@ try:
         nodes = {i.node_id for i in pool.worker_info()}
     with QuantPool(num_workers=1, gpus_per_worker=0.5) as pool:
         gpu_worker = pool.worker_info()[0]
-    report = compress_archive(src, str(out), part_bytes=200_000, workers=2)
+    report = compress_archive(src, str(out), part_bytes=200_000, pool=PoolSettings(num_workers=2))
     digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("part-*.parquet"))}
-    compress_archive(str(files), str(out) + "-files", workers=2, part_bytes=2_000_000)  # a part per file
-    restored = decompress_archive(str(out) + "-files", str(out) + "-back", workers=2)
+    compress_archive(str(files), str(out) + "-files", part_bytes=2_000_000, pool=PoolSettings(num_workers=2))  # a part per file
+    restored = decompress_archive(str(out) + "-files", str(out) + "-back", pool=PoolSettings(num_workers=2))
     back = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(str(out) + "-back").iterdir())}
     print(json.dumps({"nodes": len(nodes), "report_nodes": report.nodes, "gpu_worker_device": gpu_worker.device,
                       "digests": digests, "restore_nodes": restored.nodes, "restored": back}))

@@ -103,8 +103,8 @@ def test_scale_options_round_trip_through_an_archive(kv_source, tmp_path):
 
 def test_parts_are_identical_whatever_the_number_of_workers(kv_source, tmp_path):
     src, _ = kv_source
-    compress_archive(str(src), str(tmp_path / "one"), workers=1, part_bytes=PART)
-    compress_archive(str(src), str(tmp_path / "two"), workers=2, part_bytes=PART)
+    compress_archive(str(src), str(tmp_path / "one"), part_bytes=PART, pool=fp8ray.PoolSettings(num_workers=1))
+    compress_archive(str(src), str(tmp_path / "two"), part_bytes=PART, pool=fp8ray.PoolSettings(num_workers=2))
     one, two = part_bytes(tmp_path / "one"), part_bytes(tmp_path / "two")
     assert len(one) > 1 and one == two
     assert (tmp_path / "one/_manifest.json").read_bytes() == (tmp_path / "two/_manifest.json").read_bytes()
@@ -281,13 +281,13 @@ def test_inline_workers_write_the_same_archive_and_output(kv_source, tmp_path):
     """address="inline": QuantWorker objects on this process's threads, no Ray: the same
     parts, manifest and restored file as Ray's actors write, and errors as their own class."""
     src, _ = kv_source
-    compress_archive(str(src), str(tmp_path / "ray"), part_bytes=PART, workers=2)
-    compress_archive(str(src), str(tmp_path / "inline"), part_bytes=PART, workers=2, address="inline")
+    compress_archive(str(src), str(tmp_path / "ray"), part_bytes=PART, pool=fp8ray.PoolSettings(num_workers=2))
+    compress_archive(str(src), str(tmp_path / "inline"), part_bytes=PART, pool=fp8ray.PoolSettings(num_workers=2, address="inline"))
     assert part_bytes(tmp_path / "inline") == part_bytes(tmp_path / "ray")
     assert (tmp_path / "inline/_manifest.json").read_bytes() == (tmp_path / "ray/_manifest.json").read_bytes()
-    assert verify_archive(str(tmp_path / "inline"), against=str(src), address="inline").ok
+    assert verify_archive(str(tmp_path / "inline"), against=str(src), pool=fp8ray.PoolSettings(address="inline")).ok
     decompress_archive(str(tmp_path / "ray"), str(tmp_path / "a.safetensors"))
-    decompress_archive(str(tmp_path / "inline"), str(tmp_path / "b.safetensors"), address="inline")
+    decompress_archive(str(tmp_path / "inline"), str(tmp_path / "b.safetensors"), pool=fp8ray.PoolSettings(address="inline"))
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
     threads = os.environ.get("FP8RAY_NUM_THREADS")
     tensors = [torch.ones(4, 8), torch.tensor([[1.0, float("nan")]])]
@@ -310,7 +310,7 @@ def test_inline_workers_take_the_gpu_asked_for(kv_source, tmp_path):
         assert {info.device for info in pool.worker_info()} == {"cuda"}
         report = compress_archive(str(src), str(tmp_path / "gpu"), part_bytes=PART, pool=pool)
     assert report.devices == ["cuda"]
-    compress_archive(str(src), str(tmp_path / "cpu"), part_bytes=PART, address="inline")
+    compress_archive(str(src), str(tmp_path / "cpu"), part_bytes=PART, pool=fp8ray.PoolSettings(address="inline"))
     assert part_bytes(tmp_path / "gpu") == part_bytes(tmp_path / "cpu")
 
 

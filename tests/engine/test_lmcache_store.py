@@ -216,7 +216,7 @@ def test_compress_writes_exactly_the_fp8_serde_files_and_decompress_restores_wit
     src, tensors, skipped = store
     before = digests(src)
     dst = tmp_path / "store.fp8"
-    report = compress_store(str(src), str(dst), LAYOUT, workers=2)
+    report = compress_store(str(src), str(dst), LAYOUT, pool=fp8ray.PoolSettings(num_workers=2))
 
     assert digests(src) == before  # the source is never touched
     assert sorted(os.listdir(dst)) == sorted(tensors)  # same names; skipped files are not copied
@@ -232,7 +232,7 @@ def test_compress_writes_exactly_the_fp8_serde_files_and_decompress_restores_wit
             assert sha(written) == sha(t.to(torch.float8_e4m3fn).view(torch.uint8).numpy().tobytes()), name
 
     back = tmp_path / "store.bf16"
-    report = decompress_store(str(dst), str(back), LAYOUT, workers=2)
+    report = decompress_store(str(dst), str(back), LAYOUT, pool=fp8ray.PoolSettings(num_workers=2))
     assert report.files == len(tensors) and report.skipped == [] and report.bytes_after == len(tensors) * RAW
     assert sorted(os.listdir(back)) == sorted(tensors)
     for name, x in tensors.items():
@@ -271,7 +271,7 @@ def test_every_form_converts_to_every_other_as_lmcaches_serializers_write(store,
     src, tensors, _ = store
     options = CodecOptions(scaling="token", scale_dtype="float32")
     frames = tmp_path / "frames"
-    report = compress_store(str(src), str(frames), LAYOUT, serde="fp8ray", options=options, workers=2)
+    report = compress_store(str(src), str(frames), LAYOUT, serde="fp8ray", options=options, pool=fp8ray.PoolSettings(num_workers=2))
     assert report.target == "fp8ray" and report.codec == options.as_dict() and report.files == len(tensors)
     for name, x in tensors.items():
         assert (frames / name).read_bytes() == bytes(Fp8Codec(options=options).encode(x)), name
@@ -303,7 +303,7 @@ def test_a_mixed_store_converts_what_needs_it_and_copies_what_is_already_convert
         (src / name).write_bytes(data)
         forms[name] = (form, data)
     dst = tmp_path / "out"
-    report = compress_store(str(src), str(dst), LAYOUT, serde="fp8ray", workers=1)
+    report = compress_store(str(src), str(dst), LAYOUT, serde="fp8ray", pool=fp8ray.PoolSettings(num_workers=1))
     assert report.converted_from == {"raw": 2, "fp8": 2} and report.files == 4
     assert report.unchanged == [n for n, (f, _) in sorted(forms.items()) if f == "fp8ray"]
     for name, (form, data) in forms.items():
@@ -318,11 +318,11 @@ def test_a_mixed_store_converts_what_needs_it_and_copies_what_is_already_convert
 def test_a_store_already_in_the_target_form_is_reported_not_converted_again(store, tmp_path):
     src, tensors, _ = store
     with pytest.raises(BadInputError, match=rf"every chunk file .* \({len(tensors)}\) is already in the target form 'raw'"):
-        decompress_store(str(src), str(tmp_path / "raw"), LAYOUT, workers=1)
+        decompress_store(str(src), str(tmp_path / "raw"), LAYOUT, pool=fp8ray.PoolSettings(num_workers=1))
     frames = tmp_path / "frames"
     write_frames(src, frames)
     with pytest.raises(BadInputError, match="already in the target form 'fp8ray'"):
-        compress_store(str(frames), str(tmp_path / "twice"), LAYOUT, serde="fp8ray", workers=1)
+        compress_store(str(frames), str(tmp_path / "twice"), LAYOUT, serde="fp8ray", pool=fp8ray.PoolSettings(num_workers=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["frames", "store"]  # nothing else created
 
 
@@ -366,10 +366,10 @@ def test_a_damaged_frame_fails_the_run_naming_it_and_leaves_nothing(store, tmp_p
     data[len(data) // 2] ^= 0x20
     (frames / bad).write_bytes(bytes(data))
     with pytest.raises(CorruptFrameError, match=rf"{bad}.*checksum mismatch"):
-        decompress_store(str(frames), str(tmp_path / "out"), LAYOUT, workers=1)
+        decompress_store(str(frames), str(tmp_path / "out"), LAYOUT, pool=fp8ray.PoolSettings(num_workers=1))
     (frames / format_chunk_name(ChunkName("m", 1, 0, b"\x01"))).write_bytes(tensor_bytes(chunk_tensor(0)))  # a raw one
     with pytest.raises(CorruptFrameError, match=bad):  # a copy is checked too: nothing damaged is passed on
-        compress_store(str(frames), str(tmp_path / "out"), LAYOUT, serde="fp8ray", workers=1)
+        compress_store(str(frames), str(tmp_path / "out"), LAYOUT, serde="fp8ray", pool=fp8ray.PoolSettings(num_workers=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["frames", "store"]
 
 
@@ -390,7 +390,7 @@ def test_non_finite_source_fails_naming_the_file_and_leaves_no_destination(store
     (src / bad).write_bytes(tensor_bytes(x))
     dst = tmp_path / "out"
     with pytest.raises(NonFiniteError, match=rf"{bad}.*1 non-finite value"):
-        compress_store(str(src), str(dst), LAYOUT, workers=2)
+        compress_store(str(src), str(dst), LAYOUT, pool=fp8ray.PoolSettings(num_workers=2))
     assert not dst.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no scratch left
 
@@ -526,12 +526,12 @@ def test_stores_of_lmcaches_fs_adapter_with_the_fp8ray_serde_convert_both_ways(t
     assert sorted(os.listdir(written)) == names
 
     raw = tmp_path / "raw"
-    assert decompress_store(str(written), str(raw), LAYOUT, workers=1).converted_from == {"fp8ray": len(names)}
+    assert decompress_store(str(written), str(raw), LAYOUT, pool=fp8ray.PoolSettings(num_workers=1)).converted_from == {"fp8ray": len(names)}
     for name in names:
         assert torch.equal(from_raw((raw / name).read_bytes()), fp8ray.decode((written / name).read_bytes()))
 
     back = tmp_path / "back"
-    assert compress_store(str(raw), str(back), LAYOUT, serde="fp8ray", workers=1).files == len(names)
+    assert compress_store(str(raw), str(back), LAYOUT, serde="fp8ray", pool=fp8ray.PoolSettings(num_workers=1)).files == len(names)
     adapter, l1 = lmcache_fs_adapter(back, {"type": "fp8ray"})
     try:
         dsts = l1.reserve_write([object_key(ChunkName("load", 1, 0, bytes([i]))) for i in range(len(names))],

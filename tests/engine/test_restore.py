@@ -75,7 +75,7 @@ def test_a_directory_comes_back_file_by_file(request_dir, tmp_path):
     report = compress_archive(str(src), str(arch), options=OPTIONS, part_bytes=20_000)
     assert report.blocks == 24 and report.parts > 1
     assert verify_archive(str(arch), against=str(src)).ok
-    back = decompress_archive(str(arch), str(out), workers=2)
+    back = decompress_archive(str(arch), str(out), pool=fp8ray.PoolSettings(num_workers=2))
     assert back.files == 5 and back.blocks == 24
     assert sorted(p.name for p in out.iterdir()) == sorted(files)
     for name, tensors in files.items():

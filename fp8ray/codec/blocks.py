@@ -1,0 +1,177 @@
+"""Blocks, and the one batch path: many blocks encoded into one buffer, many frames decoded
+into one buffer.
+
+A block is a tensor as it travels between processes: a key, a dtype name, a shape and
+its raw little-endian bytes (a uint8 array, zero-copy out of Ray's object store or a
+file). :func:`encode_into` lays the frames of a batch end to end in a caller's buffer
+and :func:`decode_into` the raw bytes of a batch of frames: the worker, the Ray Data
+UDFs and the LMCache serde all call these, so a block that fails is named the same way
+everywhere (its key first in the message, fp8ray's own exception class).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import BlockError, block_error
+from . import frame
+from .fp8codec import Fp8Codec, decode
+from .formats import DTYPE_NAMES, DTYPES_BY_NAME
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """What a block is, without its bytes: enough to size its frame."""
+
+    key: str
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES_BY_NAME[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class Block(BlockSpec):
+    """A block with its raw little-endian bytes (``data``: a 1-D uint8 array of ``nbytes``).
+    Checked as it is made, so a bad block fails where it is built, naming its key."""
+
+    data: np.ndarray
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES_BY_NAME:
+            raise BlockError(f"block {self.key!r}: unsupported dtype {self.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}", field=self.key)
+        if not isinstance(self.data, np.ndarray) or self.data.dtype != np.uint8 or self.data.ndim != 1:
+            raise BlockError(f"block {self.key!r}: data must be a 1-D uint8 array, got {type(self.data).__name__}", field=self.key)
+        if self.data.size != self.nbytes:
+            raise BlockError(
+                f"block {self.key!r}: {self.data.size} bytes of data, its shape {list(self.shape)} {self.dtype} needs {self.nbytes}",
+                field=self.key,
+            )
+
+    @classmethod
+    def of(cls, key: str, tensor: torch.Tensor) -> Block:
+        """The block of a bf16/fp16/fp32 tensor (its bytes copied to the CPU if needed)."""
+        return cls(key, dtype_name(tensor), tuple(tensor.shape), tensor_to_bytes(tensor.cpu()))
+
+    def tensor(self) -> torch.Tensor:
+        """A zero-copy CPU tensor view of the block's bytes."""
+        return bytes_to_tensor(self.data, self.dtype, self.shape)
+
+
+def bytes_to_tensor(data: np.ndarray, dtype: str, shape) -> torch.Tensor:
+    """A zero-copy tensor view of raw little-endian bytes (read-only buffers included:
+    the codec never writes to its input)."""
+    if data.size == 0:  # torch cannot view an empty array of another itemsize
+        return torch.empty(tuple(shape), dtype=DTYPES_BY_NAME[dtype])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        flat = torch.from_numpy(data.view(np.uint8))
+    return flat.view(DTYPES_BY_NAME[dtype]).reshape(tuple(shape))
+
+
+def tensor_to_bytes(t: torch.Tensor) -> np.ndarray:
+    """The raw little-endian bytes of a contiguous CPU tensor, as a uint8 array view."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    """fp8ray's name of a tensor's dtype (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
+    return DTYPE_NAMES[t.dtype]
+
+
+def frame_sizes(codec: Fp8Codec, blocks: Sequence[BlockSpec]) -> list[int]:
+    """The exact frame size of each block (anything with ``key``, ``dtype`` and ``shape``)."""
+    sizes = []
+    for b in blocks:
+        try:
+            if b.dtype not in DTYPES_BY_NAME:
+                raise TypeError(f"unsupported dtype {b.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
+            sizes.append(codec.encoded_size(b.shape, DTYPES_BY_NAME[b.dtype]))
+        except (ValueError, TypeError) as exc:
+            raise block_error(b.key, exc) from exc
+    return sizes
+
+
+def encode_into(
+    codec: Fp8Codec,
+    blocks: Sequence[Block],
+    out: np.ndarray,
+    sizes: Sequence[int] | None = None,
+    *,
+    device: str = "cpu",
+    threads: int | None = None,
+) -> list[int]:
+    """Encode each block's frame, end to end from the start of ``out`` (a writable 1-D uint8
+    array); returns the frame sizes (``sizes``, when the caller already has them from
+    :func:`frame_sizes`). ``device``: where to encode (``"cuda"``: the block goes to the
+    GPU first; the frame is the same bytes). ``threads``: the CPU kernels' threads.
+    A block that fails raises naming its key."""
+    sizes = list(sizes) if sizes is not None else frame_sizes(codec, blocks)
+    if sum(sizes) > out.size:
+        raise ValueError(f"out holds {out.size} bytes, the frames of {len(blocks)} blocks need {sum(sizes)}")
+    start = 0
+    for block, size in zip(blocks, sizes, strict=True):
+        try:
+            tensor = block.tensor()
+            if device != "cpu":
+                tensor = tensor.to(device)
+            codec.encode(tensor, out=out[start : start + size], threads=threads)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise block_error(block.key, exc) from exc
+        start += size
+    return sizes
+
+
+def read_headers(frames: Sequence[tuple[str, object]]) -> list[frame.FrameHeader]:
+    """Each ``(key, frame)``'s parsed and checked header; a damaged frame raises naming its key."""
+    headers = []
+    for key, f in frames:
+        try:
+            headers.append(frame.parse(frame.as_byte_array(f)))
+        except (ValueError, TypeError) as exc:
+            raise block_error(key, exc) from exc
+    return headers
+
+
+def decode_into(
+    frames: Sequence[tuple[str, object]],
+    out: np.ndarray,
+    specs: Sequence[BlockSpec] | None = None,
+    *,
+    device: str = "cpu",
+    threads: int | None = None,
+) -> list[BlockSpec]:
+    """Decode each ``(key, frame)`` to its raw little-endian bytes, end to end from the start
+    of ``out`` (a writable 1-D uint8 array); returns each block's spec. ``specs``: what the
+    caller expects each frame to hold (a frame that holds another dtype or shape fails);
+    without them each frame's header is read first (one more pass of its checksum).
+    ``device``: where to decode (``"cuda"``: on the GPU, then copied back). A frame that
+    fails raises naming its key."""
+    if specs is None:
+        specs = [BlockSpec(key, DTYPE_NAMES[h.dtype], h.shape) for (key, _), h in zip(frames, read_headers(frames))]
+    sizes = [spec.nbytes for spec in specs]
+    if sum(sizes) > out.size:
+        raise ValueError(f"out holds {out.size} bytes, the blocks of {len(frames)} frames need {sum(sizes)}")
+    start = 0
+    for (key, f), spec, size in zip(frames, specs, sizes, strict=True):
+        try:
+            target = bytes_to_tensor(out[start : start + size], spec.dtype, spec.shape)
+            if device == "cpu":
+                decode(f, out=target, threads=threads)
+            else:
+                result = decode(f, device=device)
+                if (result.dtype, tuple(result.shape)) != (target.dtype, tuple(target.shape)):  # copy_ would convert or broadcast
+                    raise ValueError(f"the frame holds {list(result.shape)} {result.dtype}, not {list(spec.shape)} {spec.dtype}")
+                target.copy_(result)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise block_error(key, exc) from exc
+        start += size
+    return list(specs)

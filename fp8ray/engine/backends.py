@@ -1,0 +1,150 @@
+"""Where a :class:`~fp8ray.engine.pool.QuantPool`'s workers run: Ray actors, or objects on
+this process's threads. The pool's one scheduling loop drives either through the same
+five calls (submit, wait for one, take its result, replace a dead worker, settle).
+
+A worker runs one call at a time and queues the rest, as a Ray actor does: inline, each
+worker object has a thread of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from ..errors import PoolStartError
+from .worker import QuantWorker, WorkerInfo
+
+# After a failure, how long the pool waits for the calls already running to end: a worker
+# cannot be interrupted mid-call, and one still writing a part or a file after the caller
+# cleaned up would leave it behind.
+SETTLE_SECONDS = 120.0
+
+
+class WorkerDied(Exception):
+    """A call's worker died under it (a Ray actor lost): the call may be tried again."""
+
+
+class InlineBackend:
+    """``QuantWorker`` objects on threads of this process, one thread each, without Ray
+    (the kernels, file I/O and Parquet release the GIL)."""
+
+    def __init__(self, num_workers: int, threads: int, device: str):
+        self.workers = [QuantWorker(threads, reuse_buffers=False, device=device) for _ in range(num_workers)]
+        self._threads = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="QuantWorker") for _ in self.workers]
+
+    def submit(self, worker: int, method: Callable, args: tuple) -> Future:
+        return self._threads[worker].submit(method, self.workers[worker], *args)
+
+    def wait_one(self, running: Collection[Future]) -> Future:
+        finished, _ = wait(running, return_when=FIRST_COMPLETED)
+        return next(iter(finished))
+
+    def result(self, call: Future) -> Any:
+        return call.result()  # the worker's own exception, if any; an object cannot die
+
+    def replace_if_dead(self, worker: int) -> bool:
+        return False
+
+    def settle(self, running: dict[Future, int]) -> None:
+        for call in running:
+            call.cancel()
+        wait(running, timeout=SETTLE_SECONDS)
+
+    def info(self) -> list[WorkerInfo]:
+        return [w.info() for w in self.workers]
+
+    def close(self) -> None:
+        for executor in self._threads:
+            executor.shutdown(wait=True, cancel_futures=True)
+        self.workers = []
+
+
+class RayBackend:
+    """``QuantWorker`` Ray actors, spread across the cluster's nodes. Ray must be
+    connected (:func:`fp8ray.engine.runtime.connect_ray`)."""
+
+    def __init__(self, num_workers: int, cpus: float, gpus: float, start_timeout: float):
+        import ray
+
+        self._ray = ray
+        self._actor_class = ray.remote(QuantWorker).options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy="SPREAD")
+        self._threads = max(1, int(cpus))
+        self.workers: list = []
+        try:  # an interrupt or failure while the workers start stops those started
+            for _ in range(num_workers):
+                self.workers.append(self._actor_class.remote(self._threads))
+            ready, _ = ray.wait([w.info.remote() for w in self.workers], num_returns=num_workers, timeout=start_timeout)
+        except BaseException:
+            self.close()
+            raise
+        if len(ready) < num_workers:
+            self.close()
+            raise PoolStartError(
+                f"only {len(ready)} of {num_workers} QuantWorkers started within {start_timeout:.0f} s: "
+                f"the cluster lacks {cpus} CPU(s) and {gpus} GPU(s) per worker (it has {ray.cluster_resources()})"
+            )
+
+    def submit(self, worker: int, method: Callable, args: tuple):
+        # The actor's method of the same function: `method` is QuantWorker's own.
+        return getattr(self.workers[worker], method.__name__).remote(*args)
+
+    def wait_one(self, running: Collection):
+        [ref], _ = self._ray.wait(list(running), num_returns=1)
+        return ref
+
+    def result(self, ref) -> Any:
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return self._ray.get(ref)
+        except RayActorError as exc:
+            raise WorkerDied(str(exc)) from exc
+        except RayTaskError as exc:
+            raise worker_exception(exc) from None
+
+    def replace_if_dead(self, worker: int) -> bool:
+        """Replace the worker if it no longer answers; returns whether it was replaced."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            self._ray.get(self.workers[worker].info.remote(), timeout=30)
+            return False
+        except (RayActorError, GetTimeoutError):
+            self._ray.kill(self.workers[worker])
+            self.workers[worker] = self._actor_class.remote(self._threads)
+            return True
+
+    def settle(self, running: dict[Any, int]) -> None:
+        """Drop the calls still queued, and let those running end."""
+        for ref in running:
+            try:
+                self._ray.cancel(ref, force=False)
+            except (ValueError, TypeError):
+                pass
+        # A cancelled ref resolves at once while its call runs on, so wait instead for a
+        # call queued behind it on each busy actor (an actor runs one call at a time).
+        busy = {w for w in running.values() if w < len(self.workers)}
+        try:
+            if busy:
+                self._ray.wait([self.workers[w].info.remote() for w in busy], num_returns=len(busy), timeout=SETTLE_SECONDS)
+        except Exception:  # Ray gone or leaving: nothing left to wait for; keep the real error
+            pass
+
+    def info(self) -> list[WorkerInfo]:
+        return self._ray.get([w.info.remote() for w in self.workers])
+
+    def close(self) -> None:
+        try:
+            for w in self.workers:
+                self._ray.kill(w)
+        finally:
+            self.workers = []
+
+
+def worker_exception(exc) -> BaseException:
+    """The exception a worker raised (a ``RayTaskError``'s cause), as its own class
+    (fp8ray's, with its message), rather than Ray's wrapper with the remote traceback
+    in its text."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, Exception) else exc.as_instanceof_cause()
