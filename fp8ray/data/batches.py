@@ -10,7 +10,6 @@ so the encoder and decoder have one code path, and reads the large binary column
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Mapping
 
@@ -124,11 +123,6 @@ def _dimension(d) -> int:
     if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) or d < 0:
         raise ValueError(d)
     return int(d)
-
-
-def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    """Bytes of a ``shape`` block of ``dtype`` (Python integers: a bad shape cannot overflow)."""
-    return math.prod(shape) * DTYPES_BY_NAME[dtype].itemsize
 
 
 def binary_values(table: pa.Table, name: str, row_keys: list[str]) -> list[memoryview]:

@@ -8,14 +8,14 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from ..codec import decode, frame
+from ..codec import frame
+from ..codec.blocks import BlockSpec, decode_into
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
-from ..errors import CorruptDataError, MismatchError, block_error
+from ..errors import BadInputError, CorruptDataError, MismatchError, block_error
 from ..io import archive
-from ..io.blocks import bytes_to_tensor
 from . import batches
 from .batches import RAW_FILE_SCHEMA, RAW_SCHEMA
-from .runtime import choose_device, set_threads
+from .runtime import check_threads, choose_device
 
 COLUMNS = ("key", "frame")
 
@@ -56,7 +56,7 @@ class Fp8Decoder:
     def __init__(self, *, device: str | None = None, threads: int | None = None, with_file: bool = False):
         self.device = choose_device(device)
         self.with_file = with_file
-        set_threads(threads)
+        self.threads = check_threads(threads)
 
     def __call__(self, batch) -> pa.Table:
         required = ("file", *COLUMNS) if self.with_file else COLUMNS
@@ -81,32 +81,27 @@ class Fp8Decoder:
             headers = [_parse(key, f) for key, f in zip(keys, frames)]
             dtypes = [DTYPE_NAMES[h.dtype] for h in headers]
             shapes = [h.shape for h in headers]
-        sizes = [batches.nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes)]
+        specs = [BlockSpec(key, dtype, tuple(shape)) for key, dtype, shape in zip(keys, dtypes, shapes)]
+        sizes = [spec.nbytes for spec in specs]
         # Blocks are decoded end to end into one buffer that becomes the data column.
         out = np.empty(sum(sizes), dtype=np.uint8)
-        start = 0
-        for key, f, dtype, shape, size in zip(keys, frames, dtypes, shapes, sizes):
-            target = bytes_to_tensor(out[start : start + size], dtype, shape)
-            try:
-                if self.device == "cpu":
-                    decode(f, out=target)
-                else:  # decoded on the GPU, then copied into the buffer
-                    result = decode(f, device=self.device)
-                    if (result.dtype, tuple(result.shape)) != (target.dtype, tuple(target.shape)):
-                        raise ValueError("the frame holds another dtype or shape")  # copy_ would convert or broadcast
-                    target.copy_(result)
-            except CorruptDataError as exc:
-                raise block_error(key, exc) from exc
-            except (ValueError, TypeError, RuntimeError) as exc:
-                held = _parse(key, f)  # the frame is sound: it disagrees with the row's columns
-                if (held.dtype, held.shape) != (DTYPES_BY_NAME[dtype], tuple(shape)):
-                    raise MismatchError(
-                        f"block {key!r}: columns 'dtype' and 'shape' say {list(shape)} {dtype}, "
-                        f"its frame holds {list(held.shape)} {DTYPE_NAMES[held.dtype]}",
-                        field=key,
-                    ) from exc
-                raise block_error(key, exc) from exc
-            start += size
+        try:
+            decode_into(list(zip(keys, frames)), out, specs, device=self.device, threads=self.threads)
+        except CorruptDataError:
+            raise  # named by its key
+        except BadInputError as exc:  # a sound frame that disagrees with its row's columns?
+            index = keys.index(exc.field) if exc.field in keys else None
+            if index is None:
+                raise
+            held = _parse(keys[index], frames[index])
+            spec = specs[index]
+            if (held.dtype, held.shape) != (DTYPES_BY_NAME[spec.dtype], spec.shape):
+                raise MismatchError(
+                    f"block {spec.key!r}: columns 'dtype' and 'shape' say {list(spec.shape)} {spec.dtype}, "
+                    f"its frame holds {list(held.shape)} {DTYPE_NAMES[held.dtype]}",
+                    field=spec.key,
+                ) from exc
+            raise
         columns = {"key": keys, "dtype": dtypes, "shape": [list(s) for s in shapes], "data": archive.frame_column(out, sizes)}
         if files is None:
             return pa.table(columns, schema=RAW_SCHEMA)

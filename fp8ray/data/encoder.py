@@ -6,12 +6,12 @@ import numpy as np
 import pyarrow as pa
 
 from ..codec import CodecOptions, Fp8Codec
-from ..codec.formats import DTYPES_BY_NAME
-from ..errors import BadInputError, block_error
+from ..codec.blocks import Block, encode_into, frame_sizes
+from ..errors import BadInputError
 from ..io import archive
-from ..io.blocks import BlockRef, bytes_to_tensor
+from ..io.blocks import BlockRef
 from . import batches
-from .runtime import choose_device, set_threads
+from .runtime import check_threads, choose_device
 
 COLUMNS = ("key", "dtype", "shape", "data")
 
@@ -47,7 +47,7 @@ class Fp8Encoder:
         self.options = CodecOptions.parse(codec_options, base=options)
         self.codec = Fp8Codec(options=self.options)
         self.device = choose_device(device)
-        set_threads(threads)
+        self.threads = check_threads(threads)
 
     def __call__(self, batch) -> pa.Table:
         table = batches.as_table(batch, COLUMNS, "Fp8Encoder", optional=("file",))
@@ -56,13 +56,12 @@ class Fp8Encoder:
         dtypes = batches.dtypes(table, keys)
         shapes = batches.shapes(table, keys)
         data = batches.binary_values(table, "data", keys)
-        # part_rows reads only a ref's key, dtype, shape and size; the row index stands
+        # part_rows reads only a ref's key, dtype, shape and file; the row index stands
         # in for where the bytes lie.
         refs = [
             BlockRef(key, dtype, shape, "batch", "", row, file)
             for row, (key, dtype, shape, file) in enumerate(zip(keys, dtypes, shapes, files))
         ]
-        sizes = []
         for ref, value in zip(refs, data):
             if len(value) != ref.nbytes:
                 raise BadInputError(
@@ -70,22 +69,11 @@ class Fp8Encoder:
                     f"{ref.dtype} needs {ref.nbytes}",
                     field=ref.key,
                 )
-            try:
-                sizes.append(self.codec.encoded_size(ref.shape, DTYPES_BY_NAME[ref.dtype]))
-            except ValueError as exc:  # a shape no frame can hold
-                raise block_error(ref.key, exc) from exc
+        blocks = [Block(ref.key, ref.dtype, ref.shape, np.frombuffer(value, dtype=np.uint8)) for ref, value in zip(refs, data)]
         # Frames are encoded end to end into one buffer that becomes the Arrow column
         # as it is, as a worker writes a part.
+        sizes = frame_sizes(self.codec, blocks)
         frames = np.empty(sum(sizes), dtype=np.uint8)
-        start = 0
-        for ref, value, size in zip(refs, data, sizes):
-            try:
-                tensor = bytes_to_tensor(np.frombuffer(value, dtype=np.uint8), ref.dtype, ref.shape)
-                if self.device != "cpu":
-                    tensor = tensor.to(self.device)
-                self.codec.encode(tensor, out=frames[start : start + size])
-            except (ValueError, TypeError, RuntimeError) as exc:
-                raise block_error(ref.key, exc) from exc
-            start += size
+        encode_into(self.codec, blocks, frames, sizes, device=self.device, threads=self.threads)
         rows = archive.part_rows(refs, self.options, sizes, archive.frame_column(frames, sizes))
         return pa.table(rows, schema=archive.SCHEMA)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import ray
 import torch
 
@@ -27,13 +25,11 @@ def choose_device(device: str | None) -> str:
     return device
 
 
-def set_threads(threads: int | None) -> None:
-    """Bound the CPU kernels' threads in this process (the actor's) to ``threads``: set it
+def check_threads(threads: int | None) -> int | None:
+    """``threads`` checked: the CPU kernels' threads in each call of this actor. Set it
     to the CPUs given to ``map_batches`` so that actors on one node do not oversubscribe
-    it. ``None`` leaves the default (``FP8RAY_NUM_THREADS``, else every CPU the process may
-    use). Takes effect before the process's first encode or decode."""
-    if threads is None:
-        return
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    it. ``None`` leaves the default (``FP8RAY_NUM_THREADS``, else every CPU the process
+    may use)."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise InvalidOptionError(f"threads must be a positive integer or None, got {threads!r}", field="threads")
-    os.environ["FP8RAY_NUM_THREADS"] = str(threads)
+    return threads

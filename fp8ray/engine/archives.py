@@ -37,7 +37,7 @@ from ..io.paths import (
     uri_for,
 )
 from ..io.restore import plan_restore
-from .pool import PoolSettings, QuantPool, use_pool
+from .pool import PoolSettings, QuantPool, check_pool, use_pool
 from .worker import QuantWorker
 
 Progress = Callable[[int], None]  # called with the number of blocks just finished
@@ -251,6 +251,7 @@ def compress_archive(
     layout (to give it back) and the codec's error bound (to verify against).
     """
     codec = CodecOptions.parse(codec_options, base=options)  # bad options fail before any work
+    check_pool(pool)
     archive.parse_lossless(lossless)
     check_apart(source, destination)
     layout, refs = _scan_compressible(source, strict)
@@ -348,6 +349,7 @@ def decompress_archive(
     files too, calling ``announce`` with what it will delete before any work. ``pool``:
     as for :func:`compress_archive`.
     """
+    check_pool(pool)
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path, archive_uri)
     check_apart(archive_uri, output)
@@ -458,6 +460,7 @@ def verify_archive(
     (a source that is not the one compressed fails). Damage is reported, naming the block
     (or the part where it lies outside every block), not raised. ``pool``: as for
     :func:`compress_archive`."""
+    check_pool(pool)
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path, archive_uri)
     layout = archive.manifest_layout(manifest)

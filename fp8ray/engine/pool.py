@@ -252,13 +252,18 @@ def use_pool(pool: QuantPool | PoolSettings | None) -> Iterator[QuantPool]:
     """What an engine operation runs on: the running pool given (left running: the
     caller's), or a new one started from ``pool``'s settings (default :class:`PoolSettings`)
     for the operation and stopped after it."""
-    if isinstance(pool, QuantPool):
+    if isinstance(check_pool(pool), QuantPool):
         yield pool
         return
-    if pool is not None and not isinstance(pool, PoolSettings):
-        raise TypeError(f"pool must be a running QuantPool, PoolSettings or None, got {type(pool).__name__}")
     with QuantPool(pool) as started:
         yield started
+
+
+def check_pool(pool: QuantPool | PoolSettings | None) -> QuantPool | PoolSettings | None:
+    """``pool`` as :func:`use_pool` takes it, checked: operations call this before any work."""
+    if pool is not None and not isinstance(pool, (QuantPool, PoolSettings)):
+        raise TypeError(f"pool must be a running QuantPool, PoolSettings or None, got {type(pool).__name__}")
+    return pool
 
 
 # Input bytes per task of encode_many/decode_many: enough to amortise a task's cost

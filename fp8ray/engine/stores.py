@@ -29,7 +29,7 @@ from ..codec import CodecOptions
 from ..errors import ArchiveExistsError, BadInputError, InvalidOptionError, DestinationError, MismatchError, SourceError
 from ..io.lmcache_store import FORMS, FP8, FRAMES, RAW, ChunkFile, Layout, parse_layout, scan_store
 from ..io.paths import check_apart, prepare_parent, remove_quietly, replace_directory, resolve, temporary_name
-from .pool import PoolSettings, QuantPool, use_pool
+from .pool import PoolSettings, QuantPool, check_pool, use_pool
 from .store_files import StoreConversion
 from .worker import QuantWorker
 
@@ -145,6 +145,7 @@ def convert_store(
         raise InvalidOptionError(f"target form must be one of {list(FORMS)}, got {target!r}", field="target")
     options = options if options is not None else CodecOptions()
     fmt = options.fmt
+    check_pool(pool)
     layout = parse_layout(layout) if isinstance(layout, str) else layout
     src, dst = _check_paths(source, destination, overwrite, parents)
     scan = scan_store(src, layout)

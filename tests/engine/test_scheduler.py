@@ -1,0 +1,86 @@
+"""QuantPool's one scheduling loop, on both backends: calls are QuantWorker's own methods,
+checked on the driver; order, window and per-worker load; settings checked at once."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import fp8ray
+from fp8ray import CodecOptions, PoolSettings, QuantPool, QuantWorker
+from fp8ray.codec.blocks import Block
+from fp8ray.errors import InvalidOptionError
+
+
+def _batches(n: int):
+    return [([Block.of(str(i), torch.full((2, 32), float(i)))], CodecOptions(scaling="tensor")) for i in range(n)]
+
+
+@pytest.mark.parametrize("address", ["inline", None])
+def test_a_wrong_call_fails_on_the_driver_before_anything_is_submitted(address, request):
+    if address is None:
+        request.getfixturevalue("ray_session")
+    with QuantPool(num_workers=2, address=address) as pool:
+        with pytest.raises(TypeError, match=r"QuantPool.map runs QuantWorker's methods"):
+            next(pool.map(np.sum, [(1,)]))
+        with pytest.raises(TypeError, match=r"QuantPool.map runs QuantWorker's methods"):
+            next(pool.map("encode_batch", [(1,)]))  # a name is not a method
+        with pytest.raises(TypeError, match=r"QuantWorker.encode_batch\(self, blocks.*missing a required argument: 'options'"):
+            next(pool.map(QuantWorker.encode_batch, [([],)]))
+        with pytest.raises(TypeError, match=r"each call of QuantWorker.decode_batch is a tuple of arguments, got list"):
+            next(pool.map(QuantWorker.decode_batch, [[("k", b"")]]))
+        # The pool is still usable: nothing was submitted.
+        results = list(pool.map(QuantWorker.encode_batch, _batches(5)))
+    assert [meta.key for [(_, meta)] in results] == ["0", "1", "2", "3", "4"]
+
+
+def test_inline_calls_keep_order_and_no_worker_runs_two_at_once():
+    """Inline, each worker object runs one call at a time, as an actor does: its buffers
+    are never shared by two calls; the window bounds what is in flight."""
+    active: dict[int, int] = {}
+    most = {"per_worker": 0, "in_flight": 0}
+    lock = threading.Lock()
+    real = QuantWorker.encode_batch
+
+    def watched(self, blocks, options):
+        with lock:
+            active[id(self)] = active.get(id(self), 0) + 1
+            most["per_worker"] = max(most["per_worker"], active[id(self)])
+            most["in_flight"] = max(most["in_flight"], sum(active.values()))
+        try:
+            threading.Event().wait(0.01)
+            return real(self, blocks, options)
+        finally:
+            with lock:
+                active[id(self)] -= 1
+
+    watched.__name__ = "encode_batch"
+    QuantWorker.encode_batch = watched
+    try:
+        with QuantPool(num_workers=3, address="inline", window=4) as pool:
+            results = list(pool.map(QuantWorker.encode_batch, _batches(20)))
+    finally:
+        QuantWorker.encode_batch = real
+    assert [meta.key for [(_, meta)] in results] == [str(i) for i in range(20)]
+    assert most["per_worker"] == 1
+    assert 1 < most["in_flight"] <= 3
+
+
+def test_settings_are_checked_when_made_and_taken_by_every_operation(tmp_path):
+    with pytest.raises(InvalidOptionError, match="num_workers must be a positive integer, got 0"):
+        PoolSettings(num_workers=0)
+    with pytest.raises(InvalidOptionError, match="cpus_per_worker > 0"):
+        QuantPool(cpus_per_worker=0)
+    with pytest.raises(InvalidOptionError, match="window must be at least 1"):
+        PoolSettings(window=0)
+    with pytest.raises(TypeError, match="pool must be a running QuantPool, PoolSettings or None, got int"):
+        fp8ray.compress_archive(str(tmp_path / "none.safetensors"), str(tmp_path / "a"), pool=4)
+    with pytest.raises(InvalidOptionError, match="unknown codec option 'workers'"):  # pool=PoolSettings(num_workers=4)
+        fp8ray.compress_archive(str(tmp_path / "none.safetensors"), str(tmp_path / "a"), workers=4)
+    pool = QuantPool(PoolSettings(num_workers=3), address="inline")  # settings, then keywords over them
+    assert (pool.settings.num_workers, pool.settings.address, pool.window) == (3, "inline", 6)
+    with pytest.raises(RuntimeError, match="QuantPool is not running"):
+        pool.worker_info()
