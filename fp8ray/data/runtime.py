@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import ray
-import torch
 
+from ..codec import devices
 from ..errors import InvalidOptionError
-
-DEVICES = ("cpu", "cuda")
 
 
 def choose_device(device: str | None) -> str:
     """``device`` as asked (``"cpu"`` or ``"cuda"``), or by default the GPU when Ray gave
     this actor one (``map_batches(..., num_gpus=...)``) and torch sees CUDA, else the CPU
-    kernels. Frames are the same bytes on either (the CUDA path equals the CPU kernels
-    bit for bit)."""
-    if device is None:
-        gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
-        return "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
-    if device not in DEVICES:
-        raise InvalidOptionError(f"device must be one of {list(DEVICES)} or None, got {device!r}", field="device")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InvalidOptionError("device 'cuda' was asked for, but torch sees no CUDA device", field="device")
-    return device
+    kernels (:func:`fp8ray.codec.devices.choose_device`)."""
+    return devices.choose_device(device, gpus_given=ray.is_initialized() and bool(ray.get_gpu_ids()))
 
 
 def check_threads(threads: int | None) -> int | None:

@@ -23,11 +23,19 @@ import torch
 from pyarrow.fs import LocalFileSystem
 
 from ..codec import CodecOptions, Fp8Codec, decode, frame
-from ..codec.blocks import Block, BlockSpec, decode_into, encode_into, frame_sizes, read_headers
-from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
+from ..codec.blocks import (
+    Block,
+    BlockSpec,
+    decode_into,
+    encode_into,
+    frame_sizes,
+    read_headers,
+)
 from ..codec.bound import check_within_bound, element_scales
+from ..codec.devices import choose_device
+from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..codec.metrics import error_metrics
-from ..errors import InvalidOptionError, MismatchError, block_error
+from ..errors import MismatchError, block_error
 from ..io import archive
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
@@ -94,16 +102,9 @@ class QuantWorker:
         """``threads``: the CPU kernels' threads in each call (an actor's CPUs).
         ``device``: ``None`` for the GPU Ray gave this actor, if any, else the CPU;
         ``"cpu"`` or ``"cuda"`` to choose (workers run inline, where Ray assigns none)."""
-        if device not in (None, "cpu", "cuda"):
-            raise InvalidOptionError(f"device must be None, 'cpu' or 'cuda', got {device!r}", field="device")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise InvalidOptionError("device 'cuda' asked for, but this torch sees no CUDA device", field="device")
+        ray = _connected_ray()
+        self.device = choose_device(device, gpus_given=bool(ray and ray.get_gpu_ids()))
         self.threads = max(1, int(threads))
-        if device is None:
-            ray = _connected_ray()
-            gpu_ids = ray.get_gpu_ids() if ray else []
-            device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
-        self.device = device
         # Kernels are compiled (or loaded from numba's cache) on first use, only those a
         # job needs: loading all of them up front cost every worker about a second.
         self._codecs: dict[CodecOptions, Fp8Codec] = {}

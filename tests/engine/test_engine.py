@@ -302,7 +302,7 @@ def test_inline_workers_take_the_gpu_asked_for(kv_source, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(PoolStartError, match="inline workers, but this torch sees no CUDA device"):
             QuantPool(num_workers=1, gpus_per_worker=1, address="inline").__enter__()
-        with pytest.raises(ValueError, match="device must be None, 'cpu' or 'cuda', got 'gpu'"):
+        with pytest.raises(ValueError, match=r"device must be one of \['cpu', 'cuda'\] or None, got 'gpu'"):
             fp8ray.QuantWorker(device="gpu")
         return
     src, _ = kv_source

@@ -1,0 +1,23 @@
+"""Which device a worker encodes and decodes on: the one rule for every kind of worker
+(``QuantWorker``, the Ray Data UDFs). Frames are the same bytes on either device (the
+CUDA path equals the CPU kernels bit for bit)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InvalidOptionError
+
+DEVICES = ("cpu", "cuda")
+
+
+def choose_device(device: str | None, gpus_given: bool) -> str:
+    """``device`` as asked (``"cpu"`` or ``"cuda"``), or by default the GPU when Ray gave
+    the caller one (``gpus_given``) and torch sees CUDA, else the CPU kernels."""
+    if device is None:
+        return "cuda" if gpus_given and torch.cuda.is_available() else "cpu"
+    if device not in DEVICES:
+        raise InvalidOptionError(f"device must be one of {list(DEVICES)} or None, got {device!r}", field="device")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidOptionError("device 'cuda' was asked for, but torch sees no CUDA device", field="device")
+    return device
