@@ -246,6 +246,32 @@ class QuantPool:
             for raw, meta in batch
         ]
 
+    def encode_refs(self, refs: Iterable, options: CodecOptions | None = None, **codec_options) -> list:
+        """Encode blocks that are already in Ray's object store: ``refs`` are ``ObjectRef`` s
+        of tensors or :class:`~fp8ray.codec.blocks.Block` s (from upstream Ray tasks);
+        returns an ``ObjectRef`` of each frame (a uint8 array), in order, at once. The
+        driver never fetches the bytes: each worker pulls its input from the object store
+        and its frame stays there until someone ``ray.get`` s it. Ray actors only (not
+        ``address="inline"``). A worker lost mid-way fails the refs it held (on ``ray.get``)."""
+        options = CodecOptions.parse(codec_options, base=options)
+        return self._by_reference(QuantWorker.encode_block, [(ref, options, str(i)) for i, ref in enumerate(refs)])
+
+    def decode_refs(self, refs: Iterable) -> list:
+        """Decode frames that are already in Ray's object store (``ObjectRef`` s of frames,
+        as :meth:`encode_refs` returns); returns an ``ObjectRef`` of each
+        :class:`~fp8ray.codec.blocks.Block` (``block.tensor()`` views its bytes), in
+        order, as :meth:`encode_refs` does."""
+        return self._by_reference(QuantWorker.decode_block, [(ref, str(i)) for i, ref in enumerate(refs)])
+
+    def _by_reference(self, method: Callable, calls: list[tuple]) -> list:
+        if self.inline:
+            raise InvalidOptionError("encode_refs and decode_refs take object-store refs: they need Ray workers, not address='inline'", field="address")
+        check = _signature_check(method)
+        backend = self._running
+        for args in calls:
+            check(args)
+        return [backend.submit(i % self.num_workers, method, args) for i, args in enumerate(calls)]
+
 
 @contextmanager
 def use_pool(pool: QuantPool | PoolSettings | None) -> Iterator[QuantPool]:

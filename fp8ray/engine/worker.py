@@ -158,6 +158,21 @@ class QuantWorker:
             for spec, raw, (_, f) in zip(specs, _split(buffer, sizes), frames)
         ]
 
+    def encode_block(self, block: Block | torch.Tensor, options: CodecOptions, key: str = "block") -> np.ndarray:
+        """One block's frame (a tensor is a block named ``key``): for inputs that arrive
+        by reference from the object store (:meth:`QuantPool.encode_refs`)."""
+        if isinstance(block, torch.Tensor):
+            block = Block.of(key, block)
+        elif not isinstance(block, Block):
+            raise TypeError(f"{key}: expected a Block or a torch.Tensor, got {type(block).__name__}")
+        [(f, _)] = self.encode_batch([block], options)
+        return f
+
+    def decode_block(self, frame_bytes: np.ndarray, key: str = "frame") -> Block:
+        """One frame's block (:meth:`QuantPool.decode_refs`)."""
+        [(raw, meta)] = self.decode_batch([(key, frame_bytes)])
+        return Block(meta.key, meta.dtype, meta.shape, raw)
+
     def compress_part(self, refs: list[BlockRef], options: CodecOptions, directory: str, index: int, lossless: str = "none") -> PartResult:
         """Read ``refs`` from their source, encode them, write part ``index`` of the archive
         in ``directory`` (local path or URI); return the part's manifest entry."""
