@@ -9,7 +9,6 @@
 - :mod:`~fp8ray.codec.cpu`: runs the kernels on a thread pool.
 - :mod:`~fp8ray.codec.fp8codec`: :class:`Fp8Codec` and :func:`decode`.
 - :mod:`~fp8ray.codec.metrics`: error metrics of a round trip.
-- :mod:`~fp8ray.codec.lmcache`: LMCache's serializer/deserializer interface over the codec.
 """
 
 from .fp8codec import DEFAULT_BLOCK_SIZE, Fp8Codec, decode, encoded_size

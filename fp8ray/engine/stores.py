@@ -30,8 +30,8 @@ from ..codec.formats import get_format
 from ..errors import ArchiveExistsError, BadInputError, DestinationError, MismatchError, SourceError
 from ..io.lmcache_store import FORMS, FP8, FRAMES, RAW, ChunkFile, Layout, parse_layout, scan_store
 from ..io.paths import check_apart, prepare_parent, remove_quietly, replace_directory, resolve, temporary_name
+from ..lmcache.store_files import StoreConversion
 from .pool import QuantPool
-from .store_files import StoreConversion
 
 SHARD_BYTES = 64 << 20  # input bytes per worker call
 SERDES = (FP8, FRAMES)  # the forms compress_store writes: LMCache's serde types

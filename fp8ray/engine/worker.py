@@ -31,7 +31,7 @@ from ..io import archive
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
 from ..io.restore import RestoreTask
-from .store_files import ConvertedFile, convert_files
+from ..lmcache.store_files import ConvertedFile, convert_files
 
 
 @dataclass(frozen=True)
