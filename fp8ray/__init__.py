@@ -6,6 +6,8 @@ in pyproject.toml enforces it):
 - ``fp8ray.errors``: every exception class.
 - ``fp8ray.codec``: pure transforms (formats, options, frame, kernels, ``Fp8Codec``).
 - ``fp8ray.io``: sources and sinks (paths, safetensors, blocks, archives, LMCache stores).
+- ``fp8ray.lmcache``: fp8ray inside LMCache (the serde pairs, ``register()``, store-file
+  conversion).
 - ``fp8ray.engine`` (Ray), ``fp8ray.eval`` (models, fidelity) and ``fp8ray.data`` (Ray
   Data callables), side by side.
 - ``fp8ray.serve``, ``fp8ray.bench``, ``fp8ray.cli``: entry points.

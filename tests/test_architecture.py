@@ -46,7 +46,10 @@ def package_copy(tmp_path_factory) -> Path:
         ("engine/pool.py", "from ..cli import common", "Each layer imports only the layers below it"),
         ("engine/pool.py", "from ..eval import models", "Each layer imports only the layers below it"),
         ("codec/frame.py", "import pyarrow", "The codec is pure transforms"),
-        ("io/blocks.py", "import ray", "Sources and sinks do not need Ray"),
+        ("io/blocks.py", "import ray", "Sources, sinks and the LMCache adapter do not need Ray"),
+        ("io/lmcache_store.py", "from ..lmcache import frames", "Each layer imports only the layers below it"),
+        ("lmcache/store_files.py", "from ..engine import pool", "Each layer imports only the layers below it"),
+        ("lmcache/registry.py", "import ray", "Sources, sinks and the LMCache adapter do not need Ray"),
         ("engine/archives.py", "import tqdm", "Only the CLI parses arguments and draws progress bars"),
     ],
 )
@@ -71,10 +74,10 @@ def test_contracts_name_every_subpackage():
     assert packages <= named, packages - named
 
 
-def test_io_and_codec_load_without_ray():
+def test_io_codec_and_lmcache_load_without_ray():
     code = (
         "import sys; import fp8ray.io.archive, fp8ray.io.blocks, fp8ray.io.lmcache_store, fp8ray.io.safetensors, "
-        "fp8ray.codec.lmcache, fp8ray.eval.fidelity, fp8ray.serve.requests; "
+        "fp8ray.lmcache, fp8ray.lmcache.store_files, fp8ray.eval.fidelity, fp8ray.serve.requests; "
         "print([m for m in sys.modules if m == 'ray' or m.startswith('ray.')])"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -152,7 +152,7 @@ def bench_lmcache(chunks: list[torch.Tensor], modes: list[CodecOptions], repeat:
     the machine's load during the benchmark reaches every row alike."""
     from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor
 
-    from ..codec.lmcache import SERDE_TYPE, register
+    from ..lmcache import SERDE_TYPE, register
 
     register()
     configs = [("LMCache fp8", SerdeConfig("fp8", {"max_workers": max_workers}))]

@@ -10,7 +10,6 @@
 - :mod:`~fp8ray.codec.fp8codec`: :class:`Fp8Codec` and :func:`decode`.
 - :mod:`~fp8ray.codec.blocks`: blocks, and the one batch path (``encode_into``, ``decode_into``).
 - :mod:`~fp8ray.codec.metrics`: error metrics of a round trip.
-- :mod:`~fp8ray.codec.lmcache`: LMCache's serializer/deserializer interface over the codec.
 """
 
 from .fp8codec import DEFAULT_BLOCK_SIZE, Fp8Codec, decode, encoded_size

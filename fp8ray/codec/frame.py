@@ -54,6 +54,7 @@ MAX_NDIM = 64
 MAX_DIM = 2**64 - 1
 MAX_NUMEL = 2**63 - 1
 FIXED_HEADER = struct.Struct("<4sBBBBBB2sI")  # magic .. block_size: 16 bytes
+MAX_HEADER_BYTES = FIXED_HEADER.size + 8 * MAX_NDIM  # a prefix this long holds any frame's header
 CHECKSUM_BYTES = 4
 
 
@@ -154,22 +155,21 @@ def as_byte_array(frame) -> np.ndarray:
     return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=np.uint8)
 
 
-def parse(buf: np.ndarray) -> FrameHeader:
-    """Validate a whole frame (structure, lengths, checksum) and return its header.
+def parse_header(prefix) -> FrameHeader | None:
+    """The header of the frame that ``prefix`` (bytes-like: a frame's first bytes, or all
+    of it) starts with, read from its first ``16 + 8 * ndim`` bytes; ``None`` when
+    ``prefix`` does not start with the frame magic or is too short to hold the header.
 
-    Raises :class:`CorruptFrameError` naming the field and the numbers on any problem.
-    Nothing is allocated from header values before they are checked against the
-    frame's real length.
+    Raises :class:`CorruptFrameError` naming the field for a malformed header (version,
+    codes, ndim, reserved bytes, block size). Lengths and the checksum, which cover the
+    whole frame, are :func:`parse`'s to check.
     """
-    size = buf.size
-    minimum = FIXED_HEADER.size + CHECKSUM_BYTES
-    if size < minimum:
-        raise CorruptFrameError(f"frame truncated: {size} bytes, a frame has at least {minimum}")
-    magic, version, fmt_code, scaling_code, dtype_code, ndim, scale_dtype_code, reserved, block_size = FIXED_HEADER.unpack(
-        buf[: FIXED_HEADER.size].tobytes()
+    buf = bytes(prefix[:MAX_HEADER_BYTES])
+    if len(buf) < FIXED_HEADER.size or buf[: len(MAGIC)] != MAGIC:
+        return None
+    _, version, fmt_code, scaling_code, dtype_code, ndim, scale_dtype_code, reserved, block_size = FIXED_HEADER.unpack(
+        buf[: FIXED_HEADER.size]
     )
-    if magic != MAGIC:
-        raise CorruptFrameError(f"bad magic {magic!r}, expected {MAGIC!r}: not an fp8ray frame")
     if version != VERSION:
         raise CorruptFrameError(f"unsupported frame version {version}; this fp8ray reads version {VERSION}")
     if fmt_code not in FORMATS_BY_CODE:
@@ -191,16 +191,39 @@ def parse(buf: np.ndarray) -> FrameHeader:
     if scaling == "none" and scale_dtype != "float32":
         raise CorruptFrameError(f"scale dtype {scale_dtype!r} is invalid for scaling 'none', which stores no scales")
     shape_end = FIXED_HEADER.size + 8 * ndim
-    if size < shape_end + CHECKSUM_BYTES:
-        raise CorruptFrameError(f"frame truncated: {size} bytes, its {ndim}-d shape needs {shape_end + CHECKSUM_BYTES}")
-    shape = struct.unpack(f"<{ndim}Q", buf[FIXED_HEADER.size : shape_end].tobytes())
-    header = FrameHeader(FORMATS_BY_CODE[fmt_code], scaling, DTYPES_BY_CODE[dtype_code], shape, block_size, scale_dtype)
+    if len(buf) < shape_end:
+        return None
+    shape = struct.unpack(f"<{ndim}Q", buf[FIXED_HEADER.size : shape_end])
+    return FrameHeader(FORMATS_BY_CODE[fmt_code], scaling, DTYPES_BY_CODE[dtype_code], shape, block_size, scale_dtype)
+
+
+def parse(buf: np.ndarray) -> FrameHeader:
+    """Validate a whole frame (structure, lengths, checksum) and return its header.
+
+    Raises :class:`CorruptFrameError` naming the field and the numbers on any problem.
+    Nothing is allocated from header values before they are checked against the
+    frame's real length.
+    """
+    size = buf.size
+    minimum = FIXED_HEADER.size + CHECKSUM_BYTES
+    if size < minimum:
+        raise CorruptFrameError(f"frame truncated: {size} bytes, a frame has at least {minimum}")
+    header = parse_header(buf[: size - CHECKSUM_BYTES])  # the header ends before the checksum
+    if header is None:  # say which of parse_header's two reasons it is
+        magic = buf[: len(MAGIC)].tobytes()
+        if magic != MAGIC:
+            raise CorruptFrameError(f"bad magic {magic!r}, expected {MAGIC!r}: not an fp8ray frame")
+        ndim = FIXED_HEADER.unpack(buf[: FIXED_HEADER.size].tobytes())[5]
+        needs = FIXED_HEADER.size + 8 * ndim + CHECKSUM_BYTES
+        raise CorruptFrameError(f"frame truncated: {size} bytes, its {ndim}-d shape needs {needs}")
     expected = header.frame_size  # Python ints: a corrupt shape cannot overflow here
     if expected != size:
         kind = "truncated" if size < expected else "has trailing bytes"
-        raise CorruptFrameError(f"frame {kind}: {size} bytes, but its header (shape {list(shape)}) implies {expected}")
+        raise CorruptFrameError(
+            f"frame {kind}: {size} bytes, but its header (shape {list(header.shape)}) implies {expected}"
+        )
     try:  # the encoder's limits; a frame whose size matches its shape is within them
-        check_shape(shape)
+        check_shape(header.shape)
     except ValueError as exc:
         raise CorruptFrameError(f"frame header: {exc}") from None
     stored = struct.unpack("<I", buf[-CHECKSUM_BYTES:].tobytes())[0]

@@ -1,5 +1,5 @@
 """LMCache filesystem stores converted on the Ray engine (names, forms and scanning are in
-:mod:`fp8ray.io.lmcache_store`, the per-file work in :mod:`fp8ray.engine.store_files`).
+:mod:`fp8ray.io.lmcache_store`, the per-file work in :mod:`fp8ray.lmcache.store_files`).
 
 A store's chunk files are in one of three forms for a layout: ``raw`` (the layout's
 dtype, no serde), ``fp8`` (LMCache's ``"fp8"`` serde) or ``fp8ray`` (the ``"fp8ray"``
@@ -26,11 +26,34 @@ from dataclasses import asdict, dataclass
 from pyarrow.fs import LocalFileSystem
 
 from ..codec import CodecOptions
-from ..errors import ArchiveExistsError, BadInputError, InvalidOptionError, DestinationError, MismatchError, SourceError
-from ..io.lmcache_store import FORMS, FP8, FRAMES, RAW, ChunkFile, Layout, parse_layout, scan_store
-from ..io.paths import check_apart, prepare_parent, remove_quietly, replace_directory, resolve, temporary_name
+from ..errors import (
+    ArchiveExistsError,
+    BadInputError,
+    DestinationError,
+    InvalidOptionError,
+    MismatchError,
+    SourceError,
+)
+from ..io.lmcache_store import (
+    FORMS,
+    FP8,
+    FRAMES,
+    RAW,
+    ChunkFile,
+    Layout,
+    parse_layout,
+    scan_store,
+)
+from ..io.paths import (
+    check_apart,
+    prepare_parent,
+    remove_quietly,
+    replace_directory,
+    resolve,
+    temporary_name,
+)
+from ..lmcache.store_files import StoreConversion
 from .pool import PoolSettings, QuantPool, check_pool, use_pool
-from .store_files import StoreConversion
 from .worker import QuantWorker
 
 SHARD_BYTES = 64 << 20  # input bytes per worker call

@@ -40,7 +40,7 @@ from ..io import archive
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
 from ..io.restore import RestoreTask
-from .store_files import ConvertedFile, convert_files
+from ..lmcache.store_files import ConvertedFile, convert_files
 
 
 @dataclass(frozen=True)
@@ -291,7 +291,7 @@ class QuantWorker:
     def convert_store_files(self, conversion, chunks: list) -> list[ConvertedFile]:
         """Convert LMCache chunk files (``ChunkFile`` s) as ``conversion`` (a
         ``StoreConversion``) says: the job of :mod:`fp8ray.engine.stores`, done by
-        :func:`fp8ray.engine.store_files.convert_files`."""
+        :func:`fp8ray.lmcache.store_files.convert_files`."""
         return convert_files(conversion, chunks)
 
 

@@ -16,8 +16,8 @@ one of three forms:
 - ``fp8ray``: the ``"fp8ray"`` serde (:func:`fp8ray.lmcache.register`), one fp8ray frame
   of that dtype and shape, whose header gives its length.
 
-The conversion itself runs on the engine (:mod:`fp8ray.engine.stores`); docs/LMCACHE.md
-has the contract.
+The conversion itself is :mod:`fp8ray.lmcache.store_files`, run on the engine
+(:mod:`fp8ray.engine.stores`); docs/LMCACHE.md has the contract.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ import os
 from dataclasses import dataclass, field
 
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
-from ..codec.frame import FIXED_HEADER, MAX_NDIM
-from ..codec.lmcache import read_frame_header
-from ..errors import CorruptFrameError
+from ..codec.frame import MAX_HEADER_BYTES, parse_header
+from ..errors import BadInputError, CorruptFrameError
 
 SEP = "@"
 SLASH_REPLACEMENT = "-SEP-"
@@ -39,7 +38,7 @@ SALT_MAX_LEN = 128
 LAYOUT_DTYPES = DTYPES_BY_NAME  # the dtypes a layout may name: fp8ray's source dtypes
 RAW, FP8, FRAMES = "raw", "fp8", "fp8ray"
 FORMS = (RAW, FP8, FRAMES)  # the forms a chunk file takes (module docstring)
-HEADER_BYTES = FIXED_HEADER.size + 8 * MAX_NDIM  # enough of a file to read any frame header
+HEADER_BYTES = MAX_HEADER_BYTES  # enough of a file to read any frame header
 
 
 @dataclass(frozen=True)
@@ -58,14 +57,14 @@ class ChunkName:
 
     def __post_init__(self):
         if SEP in self.model:
-            raise ValueError(f"model must not contain '@' (got {self.model!r})")
+            raise BadInputError(f"model must not contain '@' (got {self.model!r})")
         if self.object_group_id < 0:
-            raise ValueError(f"object_group_id must be >= 0 (got {self.object_group_id})")
+            raise BadInputError(f"object_group_id must be >= 0 (got {self.object_group_id})")
         bad = SALT_FORBIDDEN & set(self.cache_salt)
         if bad:
-            raise ValueError(f"cache_salt must not contain {sorted(bad)} (got {self.cache_salt!r})")
+            raise BadInputError(f"cache_salt must not contain {sorted(bad)} (got {self.cache_salt!r})")
         if len(self.cache_salt) > SALT_MAX_LEN:
-            raise ValueError(f"cache_salt is {len(self.cache_salt)} characters, at most {SALT_MAX_LEN} allowed")
+            raise BadInputError(f"cache_salt is {len(self.cache_salt)} characters, at most {SALT_MAX_LEN} allowed")
 
 
 def format_chunk_name(name: ChunkName) -> str:
@@ -80,12 +79,12 @@ def format_chunk_name(name: ChunkName) -> str:
 def parse_chunk_name(filename: str) -> ChunkName:
     """The fields of a chunk file name, parsed as LMCache parses them (4 fields, or 5
     with a salt; kv_rank and object_group_id as hex, ``0x`` optional). Raises
-    ``ValueError`` saying why a name is not one."""
+    :class:`~fp8ray.errors.BadInputError` (a ``ValueError``) saying why a name is not one."""
     if not filename.endswith(EXTENSION):
-        raise ValueError(f"does not end in {EXTENSION}")
+        raise BadInputError(f"does not end in {EXTENSION}")
     parts = filename[: -len(EXTENSION)].split(SEP)
     if len(parts) not in (4, 5):
-        raise ValueError(f"has {len(parts)} '@'-separated fields, expected 4 or 5")
+        raise BadInputError(f"has {len(parts)} '@'-separated fields, expected 4 or 5")
     model, rank, group, chunk_hash, *salt = parts
     try:
         return ChunkName(
@@ -96,7 +95,7 @@ def parse_chunk_name(filename: str) -> ChunkName:
             cache_salt=salt[0] if salt else "",
         )
     except ValueError as exc:
-        raise ValueError(f"has a malformed field: {exc}") from None
+        raise BadInputError(f"has a malformed field: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -121,13 +120,13 @@ class Layout:
 def parse_layout(text: str) -> Layout:
     dtype, sep, dims = text.partition(":")
     if not sep or dtype not in LAYOUT_DTYPES:
-        raise ValueError(f"layout {text!r}: expected DTYPE:D0,D1,... with DTYPE one of {sorted(LAYOUT_DTYPES)}")
+        raise BadInputError(f"layout {text!r}: expected DTYPE:D0,D1,... with DTYPE one of {sorted(LAYOUT_DTYPES)}", field="layout")
     try:
         shape = tuple(int(d) for d in dims.split(","))
     except ValueError:
-        raise ValueError(f"layout {text!r}: dimensions must be comma-separated integers") from None
+        raise BadInputError(f"layout {text!r}: dimensions must be comma-separated integers", field="layout") from None
     if any(d <= 0 for d in shape):
-        raise ValueError(f"layout {text!r}: dimensions must be positive")
+        raise BadInputError(f"layout {text!r}: dimensions must be positive", field="layout")
     return Layout(dtype, shape)
 
 
@@ -159,7 +158,7 @@ def form_of(layout: Layout, size: int, prefix: bytes) -> tuple[str | None, str]:
     A frame is recognised by its header (magic, codes, the layout's dtype and shape, and
     a length equal to the file's); its checksum is verified when it is converted."""
     try:
-        header = read_frame_header(prefix)
+        header = parse_header(prefix)
         malformed = ""
     except CorruptFrameError as exc:
         header, malformed = None, str(exc)

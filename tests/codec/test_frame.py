@@ -150,3 +150,18 @@ def test_non_bytes_like_is_a_type_error():
         fp8ray.decode(12)
     with pytest.raises(TypeError, match="uint8"):
         fp8ray.decode(np.zeros(30, dtype=np.float32))
+
+
+def test_parse_header_reads_a_prefix_with_parses_checks():
+    """One header parser: from a prefix (no checksum, no codes) it gives parse's header;
+    a prefix too short for the header, or not a frame, gives None; a malformed field
+    raises what parse raises."""
+    good = small_frame("token")
+    whole = frame.parse(np.frombuffer(good, np.uint8))
+    assert frame.parse_header(good[: whole.scales_offset]) == whole
+    assert frame.parse_header(good[: whole.scales_offset - 1]) is None
+    assert frame.parse_header(good[:15]) is None and frame.parse_header(b"XXXX" + good[4:]) is None
+    bad = bytearray(good)
+    bad[12:16] = struct.pack("<I", 4)  # a block size under token scaling
+    with pytest.raises(CorruptFrameError, match="block_size 4 is invalid for scaling 'token'"):
+        frame.parse_header(bytes(bad[: whole.scales_offset]))

@@ -28,7 +28,6 @@ import torch
 import fp8ray
 from fp8ray.cli import main
 from fp8ray.codec import CodecOptions, Fp8Codec
-from fp8ray.engine.store_files import StoreConversion, convert_files
 from fp8ray.engine.stores import compress_store, decompress_store
 from fp8ray.errors import (
     ArchiveExistsError,
@@ -41,6 +40,7 @@ from fp8ray.errors import (
 )
 from fp8ray.io.lmcache_store import ChunkName, format_chunk_name, form_of, parse_chunk_name, parse_layout, scan_store
 from fp8ray.lmcache import Fp8QuantizationSerializer
+from fp8ray.lmcache.store_files import StoreConversion, convert_files
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -2,7 +2,7 @@
 serde byte for byte where the seed's cast is finite; the frame pair writes exactly its
 estimate and refuses what it cannot decode faithfully; the registered type's options.
 
-The same classes inside the real lmcache package: tests/codec/test_lmcache_package.py."""
+The same classes inside the real lmcache package: tests/lmcache/test_lmcache_package.py."""
 
 from __future__ import annotations
 
@@ -272,6 +272,25 @@ def test_read_frame_header_gives_the_header_without_the_checksum():
         read_frame_header(data[:7] + b"\x09" + data[8:])
 
 
+def test_both_pairs_take_tensors_and_a_buffer_as_they_take_lmcaches_objects():
+    """serialize_tensors / deserialize_tensors (the interface the store conversion calls)
+    write and read the same bytes as serialize / deserialize on objects."""
+    groups = [kv_like((2, 3, 8, 16), torch.bfloat16, seed=21).clamp(-448, 448), kv_like((2, 3, 8, 8), torch.float32, seed=22)]
+    layout = MemoryLayoutDesc([g.shape for g in groups], [g.dtype for g in groups])
+    for ser, de in ((Fp8QuantizationSerializer(), Fp8QuantizationDeserializer()), (Fp8FrameSerializer(), Fp8FrameDeserializer())):
+        size = ser.serialized_size([(g.shape, g.dtype) for g in groups])
+        assert size == ser.estimate_serialized_size(layout)
+        by_object, by_tensors = torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
+        assert ser.serialize(MultiObj(groups), obj(by_object)) == ser.serialize_tensors(groups, by_tensors) == size
+        assert torch.equal(by_object, by_tensors)
+        expected, out = [torch.empty_like(g) for g in groups], [torch.empty_like(g) for g in groups]
+        de.deserialize(obj(by_object), MultiObj(expected))
+        de.deserialize_tensors(by_tensors, out)
+        assert all(torch.equal(e, o) for e, o in zip(expected, out))
+        with pytest.raises(ValueError, match="dst must be a 1-byte buffer"):
+            ser.serialize_tensors(groups, torch.empty(size, dtype=torch.float32))
+
+
 # --- the registered type's options ----------------------------------------------------
 
 
@@ -462,7 +481,7 @@ def fake_serde(takes_size_contract: bool, has_enum: bool = True):
     ids=["main-takes-size_contract", "0.5.6-no-contract", "enum-but-registry-without-the-keyword"],
 )
 def test_register_declares_the_exact_size_contract_where_the_registry_takes_one(monkeypatch, takes, has_enum, expected):
-    import fp8ray.codec.lmcache as module
+    import fp8ray.lmcache.registry as module
 
     serde = fake_serde(takes, has_enum)
     monkeypatch.setattr(module, "_lmcache_serde", lambda: serde)

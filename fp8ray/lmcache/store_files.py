@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
 from ..codec import CodecOptions, decode, frame
 from ..codec.formats import DTYPES_BY_NAME
-from ..codec.lmcache import Fp8FrameSerializer, Fp8QuantizationDeserializer, Fp8QuantizationSerializer
-from ..errors import block_error
+from ..errors import BadInputError, SourceError, block_error
 from ..io.lmcache_store import FORMS, FP8, FRAMES, RAW, ChunkFile, Layout
+from .frames import Fp8FrameSerializer
+from .seed import Fp8QuantizationDeserializer, Fp8QuantizationSerializer
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class StoreConversion:
 
     def __post_init__(self):
         if self.target not in FORMS:
-            raise ValueError(f"target form must be one of {list(FORMS)}, got {self.target!r}")
+            raise BadInputError(f"target form must be one of {list(FORMS)}, got {self.target!r}", field="target")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _read(path: str, size: int) -> bytearray:
     with open(path, "rb") as f:
         got = f.readinto(data) + len(f.read(1))
     if got != size:  # changed since the scan
-        raise ValueError(f"{'fewer' if got < size else 'more'} bytes than the {size} the scan found")
+        raise SourceError(f"{'fewer' if got < size else 'more'} bytes than the {size} the scan found")
     return data
 
 
@@ -84,7 +84,7 @@ class _Converter:
             return raw.view(self.dtype).reshape(layout.shape)
         out = torch.empty(layout.shape, dtype=self.dtype)
         if form == FP8:
-            self.fp8_reader.deserialize(SimpleNamespace(tensor=raw), SimpleNamespace(tensor=out))
+            self.fp8_reader.deserialize_tensors(raw, [out])
         else:  # one frame, whatever its options: it describes itself
             decode(raw, out=out)
         return out
@@ -93,8 +93,8 @@ class _Converter:
         if self.c.target == RAW:
             return memoryview(x.reshape(-1).view(torch.uint8).numpy())
         writer = self.fp8_writer if self.c.target == FP8 else self.frame_writer
-        out = torch.empty(writer.estimate_serialized_size(SimpleNamespace(shapes=[x.shape], dtypes=[x.dtype])), dtype=torch.uint8)
-        n = writer.serialize(SimpleNamespace(tensor=x), SimpleNamespace(tensor=out))
+        out = torch.empty(writer.serialized_size([(x.shape, x.dtype)]), dtype=torch.uint8)
+        n = writer.serialize_tensors([x], out)
         return memoryview(out[:n].numpy())
 
     def convert(self, chunk: ChunkFile) -> ConvertedFile:

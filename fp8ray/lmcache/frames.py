@@ -1,0 +1,263 @@
+"""fp8ray's frame serde for LMCache: its scaled, self-describing, checksummed frame
+(docs/FORMAT.md), one per tensor, written one after the other.
+
+The estimate is exactly what ``serialize`` writes (``serialize`` also narrows ``dst`` to
+it with ``dst.set_used_size(n)`` where the object has that method); ``deserialize``
+verifies each frame (checksum, length, dtype and shape against ``dst``) and raises on any
+mismatch, so LMCache's task fails (a cache miss) instead of handing back a wrong tensor.
+Any KV shape is taken: ``[2, L, T, H]``, vLLM's blocks-first fused ``[1, L, T, 2H]``, or
+K and V as separate objects of a group (a tuple, as LMCache's
+``MultiSerializer``/``MultiDeserializer`` pass them; :class:`Fp8FrameMultiSerializer` /
+:class:`Fp8FrameMultiDeserializer` fix the group's size). A source that is already one
+byte per element (vLLM's ``fp8`` KV cache, as uint8 or a float8 dtype) is refused with an
+error naming its dtype, unless ``fp8_input="passthrough"`` asks to store its bytes as
+they are.
+
+CPU tensors go through fp8ray's numba kernels; CUDA tensors through the torch ops the
+kernels equal bit for bit, with the frame bytes staged in host memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..codec import frame
+from ..codec.fp8codec import Fp8Codec, decode
+from ..codec.options import CodecOptions
+from ..errors import BadInputError, CorruptDataError, CorruptFrameError, InvalidOptionError, MismatchError
+from .objects import Shape, byte_view, check_dtype, check_group, is_group, kv_tensors, layout_pairs, one_byte
+
+FP8_INPUT_POLICIES = ("refuse", "passthrough")  # what the frame pair does with 1-byte sources
+
+# The header of the frame a prefix of bytes starts with, or None (the codec's parser,
+# under the name this package has always exported).
+read_frame_header = frame.parse_header
+
+
+def check_fp8_input(fp8_input: str) -> None:
+    """Refuse an ``fp8_input`` policy that is not one of :data:`FP8_INPUT_POLICIES`."""
+    if fp8_input not in FP8_INPUT_POLICIES:
+        raise InvalidOptionError(f"fp8_input must be one of {list(FP8_INPUT_POLICIES)}, got {fp8_input!r}", field="fp8_input")
+
+
+class _FramePair:
+    def __init__(self, options: CodecOptions | None = None, fp8_input: str = "refuse", group_size: int | None = None):
+        check_fp8_input(fp8_input)
+        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+            raise InvalidOptionError(f"group_size must be a positive integer or None, got {group_size!r}", field="group_size")
+        self.codec = Fp8Codec(options=options or CodecOptions())
+        self.fp8_input = fp8_input
+        self._group_size = group_size
+
+    @property
+    def options(self) -> CodecOptions:
+        return self.codec.options
+
+    @property
+    def group_size(self) -> int | None:
+        """The number of objects a group must hold; ``None``: single objects and groups of any size."""
+        return self._group_size
+
+    def _size(self, shape, dtype: torch.dtype) -> int:
+        """The bytes one tensor takes: its frame, or its own bytes when it is 1-byte."""
+        if one_byte(dtype):  # passed through, or refused by serialize: never an estimate error
+            return math.prod(int(d) for d in shape)
+        return self.codec.encoded_size(shape, dtype)
+
+    def _one_object(self) -> None:
+        """Refuse a single object where the serde takes only groups."""
+        if self._group_size is not None:
+            raise BadInputError(f"this serde takes groups of {self._group_size} objects, got one object")
+
+
+class Fp8FrameSerializer(_FramePair):
+    """Encode a KV object (or a group of them) as fp8ray frames, one per tensor, into a
+    byte buffer.
+
+    Takes :class:`~fp8ray.codec.options.CodecOptions` (default: the default mode), and
+    ``fp8_input``: ``"refuse"`` (default) fails on a source that is already one byte per
+    element (uint8 or a float8 dtype, as vLLM's ``fp8`` KV cache), naming its dtype;
+    ``"passthrough"`` stores such a tensor's bytes as they are, unframed and unchecked.
+    ``group_size``: None takes single objects and groups of any size; a number (see
+    :class:`Fp8FrameMultiSerializer`) takes only groups of that size.
+    """
+
+    def frame_sizes(self, layout_desc) -> list[int]:
+        """The exact size of each tensor's frame for an object (or a group) of this layout."""
+        if not is_group(layout_desc):
+            if self._group_size is not None:
+                raise BadInputError(f"this serde takes groups of {self._group_size} layouts, got one layout")
+            return [self._size(shape, dtype) for shape, dtype in layout_pairs(layout_desc)]
+        check_group(layout_desc, self._group_size, "layout")
+        sizes = []
+        for i, member in enumerate(layout_desc):
+            if member is None:
+                raise BadInputError(f"slot {i} of the layout group is None: the fp8ray frame serde stores every slot")
+            sizes += [self._size(shape, dtype) for shape, dtype in layout_pairs(member)]
+        return sizes
+
+    def estimate_serialized_size(self, layout_desc) -> int:
+        """Exactly the bytes :meth:`serialize` writes for an object of this layout (the
+        sum of its tensors' frame sizes): LMCache's adapters store the buffer sized by
+        this estimate, so any margin would be stored too. A group of layouts (one per
+        slot) gives the sum over its slots."""
+        return sum(self.frame_sizes(layout_desc))
+
+    def serialized_size(self, layout: Sequence[tuple[Shape, torch.dtype]]) -> int:
+        """The bytes :meth:`serialize_tensors` writes for tensors of these ``(shape, dtype)``."""
+        return sum(self._size(shape, dtype) for shape, dtype in layout)
+
+    def _source_tensors(self, src) -> list[torch.Tensor]:
+        if not is_group(src):
+            self._one_object()
+            return kv_tensors(src)
+        check_group(src, self._group_size, "src")
+        tensors = []
+        for i, member in enumerate(src):
+            if member is None:
+                raise BadInputError(f"slot {i} of the src group is None: the fp8ray frame serde stores every slot")
+            tensors += kv_tensors(member)
+        return tensors
+
+    def _check_source(self, tensors: Sequence[torch.Tensor]) -> None:
+        for i, t in enumerate(tensors):
+            if one_byte(t.dtype):
+                if self.fp8_input == "passthrough":
+                    continue
+                which = f"src tensor {i + 1} of {len(tensors)}" if len(tensors) > 1 else "src tensor"
+                raise BadInputError(
+                    f"{which} is {t.dtype} {list(t.shape)}: already one byte per element (vLLM's fp8 KV cache?); "
+                    f"the fp8ray serde encodes bfloat16, float16 or float32, and stores nothing for this object. "
+                    f'Set the serde option "fp8_input": "passthrough" to store its bytes as they are',
+                    field="fp8_input",
+                )
+            check_dtype(t)
+
+    def serialize(self, src, dst, key=None) -> int:
+        """Write one frame per tensor of ``src`` (an object, or a group of objects slot
+        by slot), one after the other, to the start of ``dst.tensor``; narrow ``dst`` to
+        them (``dst.set_used_size``, where it has it) and return the bytes written.
+        ``key`` is ignored."""
+        total = self.serialize_tensors(self._source_tensors(src), getattr(dst, "tensor", None))
+        set_used_size = getattr(dst, "set_used_size", None)
+        if callable(set_used_size):
+            set_used_size(total)
+        return total
+
+    def serialize_tensors(self, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> int:
+        """Write one frame per tensor, one after the other, to the start of ``buffer`` (a
+        contiguous tensor of 1-byte elements, on any device); returns the bytes written."""
+        self._check_source(tensors)
+        target = byte_view(buffer, "dst")
+        sizes = [self._size(t.shape, t.dtype) for t in tensors]
+        total = sum(sizes)
+        if target.numel() < total:
+            raise BadInputError(f"dst holds {target.numel()} bytes but the frames of src need {total}")
+        # The frames are written in place on the CPU; a CUDA buffer gets them from a
+        # host copy (the codec's CUDA path computes on the GPU, then copies to the host).
+        host = target[:total].numpy() if target.device.type == "cpu" else np.empty(total, dtype=np.uint8)
+        offset = 0
+        for t, size in zip(tensors, sizes):
+            if one_byte(t.dtype):  # passthrough (refused above otherwise)
+                host[offset : offset + size] = t.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
+            else:
+                self.codec.encode(t, out=host[offset : offset + size])
+            offset += size
+        if target.device.type != "cpu":
+            target[:total].copy_(torch.from_numpy(host))
+        return total
+
+
+class Fp8FrameDeserializer(_FramePair):
+    """Decode fp8ray frames straight into a KV object's tensors (or a group's), checking each.
+
+    The frames describe themselves (format, scaling, scales); the options given are
+    used only to know each frame's length, so they must be the serializer's (LMCache
+    sizes the buffer it loads by the same estimate). ``fp8_input`` and ``group_size``
+    must be the serializer's too: with ``"passthrough"``, a 1-byte destination tensor
+    gets its bytes copied back as they were stored.
+    """
+
+    def _destination_tensors(self, dst) -> list[torch.Tensor | None]:
+        """``dst``'s tensors in order; for a group, ``None`` for a slot left out (one frame)."""
+        if not is_group(dst):
+            self._one_object()
+            return list(kv_tensors(dst))
+        check_group(dst, self._group_size, "dst")
+        tensors: list[torch.Tensor | None] = []
+        for member in dst:
+            tensors += [None] if member is None else kv_tensors(member)
+        return tensors
+
+    def deserialize(self, src, dst, key=None) -> None:
+        """Decode the frames at the start of ``src.tensor`` into ``dst``'s tensors.
+
+        ``dst`` may be a group of objects (LMCache's ``MultiDeserializer``): a ``None``
+        slot is left untouched and its frame (one per slot) skipped. Raises
+        :class:`~fp8ray.errors.CorruptFrameError` for a corrupt or truncated frame and
+        :class:`~fp8ray.errors.MismatchError` when a frame holds another dtype or shape
+        than its tensor. ``key`` is ignored.
+        """
+        self.deserialize_tensors(getattr(src, "tensor", None), self._destination_tensors(dst))
+
+    def deserialize_tensors(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Decode the frames at the start of ``buffer`` (a contiguous tensor of 1-byte
+        elements, on any device) into ``tensors`` in turn; a ``None`` skips its frame."""
+        src_bytes = byte_view(buffer, "src")
+        if src_bytes.device.type != "cpu":  # frames are parsed and checked on the host
+            src_bytes = src_bytes.cpu()
+        data = src_bytes.numpy()
+        offset = 0
+        for i, t in enumerate(tensors):
+            where = f"frame {i + 1} of {len(tensors)}" if len(tensors) > 1 else "frame"
+            if t is None:  # a slot the caller does not want: skip its frame by its header
+                header = frame.parse_header(data[offset:])
+                if header is None:
+                    raise CorruptFrameError(f"{where} (a skipped slot) does not start with a frame header at offset {offset}")
+                offset += header.frame_size
+                continue
+            if one_byte(t.dtype) and self.fp8_input != "passthrough":
+                raise MismatchError(
+                    f"{where}: dst tensor is {t.dtype}, one byte per element; the fp8ray serde decodes into "
+                    f'bfloat16, float16 or float32 unless "fp8_input" is "passthrough"'
+                )
+            size = self._size(t.shape, t.dtype)
+            if offset + size > data.size:
+                raise CorruptFrameError(
+                    f"{where} truncated: src holds {data.size - offset} bytes from offset {offset}, "
+                    f"a {tuple(t.shape)} {t.dtype} tensor's frame has {size}"
+                )
+            chunk = data[offset : offset + size]
+            if one_byte(t.dtype):  # passthrough: the bytes as they were stored
+                t.copy_(torch.from_numpy(chunk.copy()).view(t.dtype).reshape(t.shape).to(t.device))
+            else:
+                try:
+                    decode(chunk, out=t)
+                except CorruptDataError as exc:
+                    raise CorruptFrameError(f"{where}: {exc}") from None
+                except ValueError as exc:  # a sound frame of another dtype or shape
+                    raise MismatchError(f"{where}: {exc}") from None
+            offset += size
+
+
+class Fp8FrameMultiSerializer(Fp8FrameSerializer):
+    """:class:`Fp8FrameSerializer` for groups of exactly ``group_size`` objects (default
+    2: slot 0 = K, slot 1 = V, each an LMCache ``MemoryObj``), the shape of LMCache's
+    ``MultiSerializer``: every slot is required; the frames of slot 0's tensors come
+    first, then slot 1's."""
+
+    def __init__(self, options: CodecOptions | None = None, fp8_input: str = "refuse", group_size: int = 2):
+        super().__init__(options, fp8_input, group_size)
+
+
+class Fp8FrameMultiDeserializer(Fp8FrameDeserializer):
+    """:class:`Fp8FrameDeserializer` for groups of exactly ``group_size`` destination
+    objects (LMCache's ``MultiDeserializer``): a ``None`` slot is left untouched, its
+    frame skipped (each slot is taken to hold one tensor when it is skipped)."""
+
+    def __init__(self, options: CodecOptions | None = None, fp8_input: str = "refuse", group_size: int = 2):
+        super().__init__(options, fp8_input, group_size)
