@@ -32,6 +32,10 @@ from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, Manifest, Part, 
 MANIFEST_NAME = "_manifest.json"
 PLAN_NAME = "_plan.json"
 DEFAULT_PART_BYTES = 64 << 20
+# A part's row groups hold at most 64 blocks and, past its first block, 1 MiB of frames:
+# reading one block alone (fp8ray.io.reader) reads its row group's frames.
+ROW_GROUP_ROWS = 64
+ROW_GROUP_BYTES = 1 << 20
 DEFAULT_LOSSLESS = "zstd:3"  # chosen from the table in BENCHMARKS.md ("Lossless stage")
 # Lossless codecs for the frame column (Parquet's own), and their level ranges.
 LOSSLESS_CODECS = {"none": None, "zstd": (1, 22), "lz4": None, "snappy": None, "gzip": (1, 9), "brotli": (0, 11)}
@@ -179,6 +183,19 @@ def part_rows(refs: list[BlockRef], codec: CodecOptions, frame_sizes: list[int],
     }
 
 
+def row_groups(frame_sizes: list[int]) -> list[int]:
+    """How many rows each row group of a part takes, in order (:data:`ROW_GROUP_BYTES`)."""
+    groups: list[int] = []
+    rows = size = 0
+    for frame_bytes in frame_sizes:
+        if rows and (rows == ROW_GROUP_ROWS or size + frame_bytes > ROW_GROUP_BYTES):
+            groups.append(rows)
+            rows = size = 0
+        rows += 1
+        size += frame_bytes
+    return groups + [rows] if rows else groups
+
+
 def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, list], lossless: str = "none") -> Part:
     """Write one part (deterministic bytes for the same rows), rename it into place,
     then its sidecar; return its manifest entry.
@@ -191,16 +208,19 @@ def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, 
     codec, level = parse_lossless(lossless)
     table = pa.table(rows, schema=SCHEMA)
     sink = pa.BufferOutputStream()
-    pq.write_table(
-        table,
+    with pq.ParquetWriter(
         sink,
+        SCHEMA,
         compression={name: (codec if name == "frame" else "zstd") for name in SCHEMA.names},
         compression_level={"frame": level} if level is not None else None,
         write_statistics=["key", "raw_bytes", "frame_bytes"],
         # Frames are unique: a dictionary would only hash them all before giving up.
         use_dictionary=METADATA_COLUMNS,
-        row_group_size=64,
-    )
+    ) as writer:
+        start = 0
+        for rows_in_group in row_groups(rows["frame_bytes"]) or [0]:
+            writer.write_table(table.slice(start, rows_in_group), row_group_size=max(rows_in_group, 1))
+            start += rows_in_group
     data = sink.getvalue()
     write_atomic(fs, f"{directory}/{part_name(index)}", data)
     keys = rows["key"]
@@ -344,8 +364,9 @@ def part_problems(fs: pafs.FileSystem, directory: str, manifest: Manifest, uri: 
     return problems
 
 
-def _open_part(fs: pafs.FileSystem, path: str, info: Part, shown: str):
-    """The part's file open for reading; raises :func:`_missing`'s error if it is gone."""
+def open_part(fs: pafs.FileSystem, path: str, info: Part, shown: str):
+    """The part's file open for reading; raises :func:`_missing`'s error if it is gone
+    (``shown``: the archive as messages name it)."""
     try:
         if fs.get_file_info(path).type == pafs.FileType.NotFound:
             raise _missing(info, shown)
@@ -358,7 +379,7 @@ def check_part(fs: pafs.FileSystem, directory: str, info: Part, uri: str | None 
     """Check a part's presence, size and CRC-32C against its manifest entry."""
     shown = _shown(directory, uri)
     path = f"{directory}/{info.name}"
-    with _open_part(fs, path, info, shown):
+    with open_part(fs, path, info, shown):
         pass
     try:
         crc, size = file_crc32c(fs, path)
@@ -385,7 +406,7 @@ def read_part(
     but damaged, saying that (``uri``: the archive as the user gave it, for messages)."""
     shown = _shown(directory, uri)
     path = f"{directory}/{info.name}"
-    with _open_part(fs, path, info, shown) as f:
+    with open_part(fs, path, info, shown) as f:
         try:
             if not check:
                 return pq.read_table(f, columns=columns)

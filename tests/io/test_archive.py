@@ -56,6 +56,14 @@ def encoded_part(n: int = 3):
     return codec, tensors, blocks, sizes, frames
 
 
+def test_row_groups_hold_64_blocks_or_1_mib_of_frames():
+    """A block read alone reads its row group's frames: a large block gets one of its own."""
+    assert archive.row_groups([10] * 130) == [64, 64, 2]
+    assert archive.row_groups([600_000] * 3) == [1, 1, 1]
+    assert archive.row_groups([400_000, 400_000, 400_000, 3 << 20, 10]) == [2, 1, 1, 1]
+    assert archive.row_groups([]) == []
+
+
 def test_frame_column_shares_the_frames_buffer():
     _, tensors, _, sizes, frames = encoded_part()
     column = archive.frame_column(frames, sizes)
@@ -80,6 +88,7 @@ def test_a_part_is_written_described_and_checked(tmp_path):
         assert torch.equal(decode(f), decode(codec.encode(t)))
     # Plain Parquet: readable without fp8ray.
     assert pq.read_table(tmp_path / info.name).schema.names == archive.SCHEMA.names
+    assert pq.ParquetFile(tmp_path / info.name).metadata.num_row_groups == 1
     # The same rows give the same bytes.
     again = archive.write_part(FS, str(tmp_path), 8, rows)
     assert (again.crc32c, again.file_bytes) == (info.crc32c, info.file_bytes)
