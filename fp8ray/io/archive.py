@@ -282,7 +282,8 @@ def build_manifest(
 
 
 def write_manifest(fs: pafs.FileSystem, directory: str, manifest: Manifest) -> None:
-    write_atomic(fs, f"{directory}/{MANIFEST_NAME}", (json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n").encode())
+    text = json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n"
+    write_atomic(fs, f"{directory}/{MANIFEST_NAME}", text.encode())
 
 
 def _shown(directory: str, uri: str | None) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Self
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -76,7 +77,7 @@ class ArchiveReader:
         else:
             self._file_rows[""] = (0, starts[-1])
 
-    def __enter__(self) -> ArchiveReader:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -115,7 +116,9 @@ class ArchiveReader:
         try:
             located = self._locate(file, key)
             if located is None:
-                raise BadInputError(f"no block {printable(key)!r} in file {printable(file)!r} of archive {self._shown}", field="key")
+                raise BadInputError(
+                    f"no block {printable(key)!r} in file {printable(file)!r} of archive {self._shown}", field="key"
+                )
             index, row = located
             part, meta = self.manifest.parts[index], self._parts[index]
             group = bisect.bisect_right(meta.group_starts, row) - 1

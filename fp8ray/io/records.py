@@ -29,11 +29,13 @@ LEGACY_CODEC = {"scale_dtype": "float32", "scale_choice": "amax", "nonfinite": "
 CONTAINERS = ("file", "directory")
 
 
+# How errors name what a field should have been.
+_KINDS = {int: "a non-negative integer", str: "a string", dict: "an object", list: "a list", float: "a number"}
+
+
 class _Fields:
     """One JSON object's fields, each taken checked; errors name ``label`` (the file and
     the record) and the field."""
-
-    _KINDS = {int: "a non-negative integer", str: "a string", dict: "an object", list: "a list", float: "a number"}
 
     def __init__(self, obj: object, label: str):
         if not isinstance(obj, dict):
@@ -51,7 +53,8 @@ class _Fields:
         if value is None and null:
             return None
         if not _is(value, kind):
-            raise CorruptArchiveError(f"{self.label}'s {name!r} is {_short(value)}, not {self._KINDS[kind]}{' or null' if null else ''}")
+            wanted = _KINDS[kind] + (" or null" if null else "")
+            raise CorruptArchiveError(f"{self.label}'s {name!r} is {_short(value)}, not {wanted}")
         return value
 
 
@@ -205,7 +208,9 @@ class Manifest:
 
     def to_json(self) -> dict:
         """The manifest as fp8ray writes it: what a version 1 manifest lacks stays out."""
-        out: dict[str, Any] = {"format": ARCHIVE_FORMAT, "version": self.version, "fp8ray_version": self.fp8ray_version, "codec": self.codec}
+        out: dict[str, Any] = {
+            "format": ARCHIVE_FORMAT, "version": self.version, "fp8ray_version": self.fp8ray_version, "codec": self.codec,
+        }
         if self.lossless is not None:
             out["lossless"] = self.lossless
         if self.error_bound is not None:

@@ -153,8 +153,10 @@ def test_a_manifest_cannot_name_files_outside_the_output(tmp_path):
         ("[]", "not an object"),
         ('{"format": "fp8ray-archive", "version": 2}', "'codec' is missing"),
         (
-            '{"format": "fp8ray-archive", "version": 2, "fp8ray_version": "0", "codec": {}, "source": "s", "blocks": 1, '
-            '"raw_bytes": 1, "frame_bytes": 1, "archive_bytes": 1, "parts": [{"name": "../x"}]}',
+            (
+                '{"format": "fp8ray-archive", "version": 2, "fp8ray_version": "0", "codec": {}, "source": "s", "blocks": 1, '
+                '"raw_bytes": 1, "frame_bytes": 1, "archive_bytes": 1, "parts": [{"name": "../x"}]}'
+            ),
             "part entry 0's 'blocks' is missing",
         ),
     ],

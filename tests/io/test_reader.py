@@ -140,9 +140,10 @@ def test_one_block_reads_little_more_than_its_frame(multi):
 
 def test_archives_written_before_read_by_block():
     """Version 2 parts of 64-row groups, and a version 1 archive (no file column, one file "")."""
-    sources = {k: v for name in ("req0.safetensors", "tenant_b/req1.safetensors") for k, v in load_file(DATA / "v2_source" / name).items()}
+    names = ("req0.safetensors", "tenant_b/req1.safetensors")
+    sources = {k: v for name in names for k, v in load_file(DATA / "v2_source" / name).items()}
     v2 = fp8ray.open_archive(str(DATA / "v2_archive"))
-    assert v2.files() == ["req0.safetensors", "tenant_b/req1.safetensors"] and v2.metadata("req0.safetensors") == {"request": "0"}
+    assert v2.files() == list(names) and v2.metadata("req0.safetensors") == {"request": "0"}
     assert torch.equal(v2.get("x", "tenant_b/req1.safetensors"), sources["x"])
     v1 = fp8ray.open_archive(str(DATA / "v1_archive"))
     assert v1.files() == [""] and v1.keys() == list(sources)
@@ -170,9 +171,9 @@ def test_blocks_read_from_s3(multi):
         pafs.copy_files(str(arch), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
         reader = fp8ray.open_archive(uri("kv.fp8"))
         assert reader.files() == FILES
-        for name, key in (("a.safetensors", "layer0.kv"), ("deep/c.safetensors", "layer7.kv"), ("deep/b.safetensors", "only1")):
+        for name, key in [("a.safetensors", "layer0.kv"), ("deep/c.safetensors", "layer7.kv"), ("deep/b.safetensors", "only1")]:
             assert torch.equal(reader.get(key, name), restored[name][key]), (name, key)
-        with pytest.raises(BadInputError, match=r"no block 'nope' in file 'a.safetensors' of archive s3://\*\*\*@archives/kv.fp8"):
+        with pytest.raises(BadInputError, match=r"no block 'nope' in file 'a.safetensors' of archive s3://\*\*\*@archives/"):
             reader.get("nope", "a.safetensors")
 
 
@@ -193,5 +194,5 @@ def test_a_damaged_part_names_the_block_in_one_line(multi, tmp_path):
     assert "is damaged" in message
     assert torch.equal(reader.get("layer0.kv", "a.safetensors"), restored["a.safetensors"]["layer0.kv"])  # its neighbours read
     part.unlink()
-    with pytest.raises(CorruptArchiveError, match=r"^block 'a.safetensors:layer0.kv': part part-00000.parquet is missing from"):
+    with pytest.raises(CorruptArchiveError, match=r"^block 'a.safetensors:layer0.kv': part part-00000.parquet is missing"):
         fp8ray.open_archive(str(tmp_path / "arch")).get("layer0.kv", "a.safetensors")
