@@ -38,6 +38,7 @@ _LAZY = {
     "decompress_archive": "fp8ray.engine.archives",
     "verify_archive": "fp8ray.engine.archives",
     "inspect_archive": "fp8ray.engine.archives",
+    "open_archive": "fp8ray.io.reader",
     "compress_store": "fp8ray.engine.stores",
     "decompress_store": "fp8ray.engine.stores",
     "fidelity_report": "fp8ray.eval.fidelity",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -68,3 +71,27 @@ def wait_for_lmcache_fd(fd: int) -> None:
     poller.register(fd, select.POLLIN)
     assert poller.poll(120_000), "LMCache's adapter did not signal completion"
     consume_fd(fd)
+
+
+@contextmanager
+def moto_s3(bucket: str):
+    """A moto S3 server on a free loopback port holding ``bucket``; yields a function of a
+    key that gives its s3:// URI (credentials and endpoint in the URI, so Ray workers
+    need no env)."""
+    import pyarrow.fs as pafs
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        admin = pafs.S3FileSystem(
+            access_key="testing", secret_key="testing", endpoint_override=f"127.0.0.1:{port}",
+            scheme="http", region="us-east-1", allow_bucket_creation=True,
+        )
+        admin.create_dir(bucket)
+        yield lambda key: f"s3://testing:testing@{bucket}/{key}?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+    finally:
+        server.stop()

@@ -108,7 +108,7 @@ def _manifest_blocks(uri: str) -> int:
     from ..io.archive import read_manifest
     from ..io.paths import resolve
 
-    return read_manifest(*resolve(uri))["blocks"]
+    return read_manifest(*resolve(uri)).blocks
 
 
 def run_decompress(args) -> int:
@@ -146,23 +146,25 @@ def run_verify(args) -> int:
 
 
 def run_inspect(args) -> int:
+    from dataclasses import asdict
+
     from ..engine.archives import inspect_archive
-    from ..io.archive import manifest_codec
     from ..io.paths import redact
 
-    info = inspect_archive(args.archive)
+    report = inspect_archive(args.archive)
+    manifest = report.manifest
     if args.json:
-        print(json.dumps(info, indent=1))
+        print(json.dumps(report.as_dict(), indent=1))
     else:
-        skipped = (info.get("layout") or {}).get("skipped") or []
+        skipped = [asdict(s) for s in manifest.layout.skipped] if manifest.layout else []
         print(
-            f"{redact(args.archive)}: {info['blocks']} blocks in {len(info['parts'])} parts, {manifest_codec(info).label()}; "
-            f"{info['raw_bytes'] / 2**20:.1f} MiB -> {info['archive_bytes'] / 2**20:.1f} MiB ({info['ratio']:.2f}x); "
-            f"fp8ray {info['fp8ray_version']}" + skipped_summary(skipped).replace("; skipped", "; the source's tree skipped")
+            f"{redact(args.archive)}: {manifest.blocks} blocks in {len(manifest.parts)} parts, {manifest.options.label()}; "
+            f"{manifest.raw_bytes / 2**20:.1f} MiB -> {manifest.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x); "
+            f"fp8ray {manifest.fp8ray_version}" + skipped_summary(skipped).replace("; skipped", "; the source's tree skipped")
         )
-    if info["problems"]:
-        for problem in info["problems"]:
+    if report.problems:
+        for problem in report.problems:
             warn(problem)
-        warn(f"error: archive {redact(args.archive)} failed inspection ({len(info['problems'])} problem(s))")
+        warn(f"error: archive {redact(args.archive)} failed inspection ({len(report.problems)} problem(s))")
         return 1
     return 0

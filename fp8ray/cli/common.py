@@ -200,6 +200,6 @@ def _compress_state(uri: str) -> str:
     plan = archive.read_plan(fs, path) if archive.PLAN_NAME in names else None
     if plan is None:
         return f"nothing written; {shown} left as it was"
-    total = len(plan["parts"])
+    total = len(plan.parts)
     done = sum(archive.read_sidecar(fs, path, i) is not None for i in range(total))
     return f"{done} of {total} parts done in {shown}; rerun with --resume to keep them"

@@ -196,16 +196,18 @@ def _scan_compressible(source: str, strict: bool = False):
     return layout, refs
 
 
-def _resumable_parts(fs: pafs.FileSystem, work: str, plan: dict, previous: dict | None, destination: str) -> dict[int, archive.PartInfo]:
+def _resumable_parts(
+    fs: pafs.FileSystem, work: str, plan: archive.Plan, previous: archive.Plan | None, destination: str
+) -> dict[int, archive.Part]:
     """The parts an interrupted run of the same plan finished (none without one)."""
     if previous is None:
         return {}
     if previous != plan:
         raise ArchiveExistsError(
             f"cannot resume {redact(destination)}: it was started from another source, options or plan "
-            f"({previous.get('source')}, {previous.get('codec')})"
+            f"({previous.source}, {previous.codec})"
         )
-    infos = {i: archive.read_sidecar(fs, work, i) for i in range(len(plan["parts"]))}
+    infos = {i: archive.read_sidecar(fs, work, i) for i in range(len(plan.parts))}
     return {i: info for i, info in infos.items() if info is not None}
 
 
@@ -267,7 +269,7 @@ def compress_archive(
     plan = archive.plan_record(source, codec.as_dict(), lossless, parts)
     previous = archive.read_plan(fs, work) if resume and not dest.replacing else None
     reused = _resumable_parts(fs, work, plan, previous, destination)
-    infos: dict[int, archive.PartInfo] = dict(reused)
+    infos: dict[int, archive.Part] = dict(reused)
     devices, nodes = set(), set()
     finished = []  # parts written in this run, in whatever order they arrived
     todo = [i for i in range(len(parts)) if i not in reused]
@@ -312,9 +314,9 @@ def compress_archive(
         blocks=len(refs),
         parts=len(parts),
         parts_reused=len(reused),
-        raw_bytes=manifest["raw_bytes"],
-        frame_bytes=manifest["frame_bytes"],
-        archive_bytes=manifest["archive_bytes"],
+        raw_bytes=manifest.raw_bytes,
+        frame_bytes=manifest.frame_bytes,
+        archive_bytes=manifest.archive_bytes,
         seconds=seconds,
         workers=workers,
         workers_replaced=replaced,
@@ -373,7 +375,7 @@ def decompress_archive(
         with use_pool(pool) as running:
             start = time.perf_counter()
             scratch_uri = uri_for(output, scratch)
-            tasks = ((archive_uri, {i: manifest["parts"][i] for i in t.parts}, t, scratch_uri) for t in plan.tasks)
+            tasks = ((archive_uri, {i: manifest.parts[i] for i in t.parts}, t, scratch_uri) for t in plan.tasks)
             for result in running.map(QuantWorker.restore_files, tasks):
                 report.files += result.files
                 report.blocks += result.blocks
@@ -463,20 +465,20 @@ def verify_archive(
     check_pool(pool)
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path, archive_uri)
-    layout = archive.manifest_layout(manifest)
+    layout = manifest.layout
     name_files = layout is not None and len(layout.files) > 1
     refs = source_layout = None
     if against:
         source_layout, source_refs = scan_source(against)
         refs = archive.blocks_by_ident(layout, source_layout, source_refs, against)
-    codec = archive.manifest_codec(manifest)
-    bound = manifest.get("error_bound") or bound_constants(codec.fmt, codec.scaling)
-    report = VerifyReport(redact(archive_uri), 0, len(manifest["parts"]))
+    codec = manifest.options
+    bound = manifest.error_bound or bound_constants(codec.fmt, codec.scaling)
+    report = VerifyReport(redact(archive_uri), 0, len(manifest.parts))
     seen: set[tuple[str, str]] = set()
     with use_pool(pool) as running:
         # The source's block map goes to the object store once, not with every part.
         shared_refs = running.share(refs)
-        tasks = ((archive_uri, part, shared_refs, bound, name_files) for part in manifest["parts"])
+        tasks = ((archive_uri, part, shared_refs, bound, name_files) for part in manifest.parts)
         for part_result in running.map(QuantWorker.verify_part, tasks):
             report.blocks += part_result.blocks
             report.errors += part_result.errors
@@ -484,8 +486,8 @@ def verify_archive(
             seen.update(part_result.idents)
             if progress:
                 progress(part_result.blocks)
-    if report.blocks != manifest["blocks"] and not report.errors:
-        report.errors.append(f"the manifest records {manifest['blocks']} blocks, the parts hold {report.blocks}")
+    if report.blocks != manifest.blocks and not report.errors:
+        report.errors.append(f"the manifest records {manifest.blocks} blocks, the parts hold {report.blocks}")
     if refs is not None:
         report.errors += _compare_files(layout, source_layout, refs, seen, against)
     return report
@@ -515,13 +517,33 @@ def _compare_files(layout, source_layout, refs: dict, seen: set, against: str) -
     return errors
 
 
-def inspect_archive(archive_uri: str) -> dict:
-    """The manifest, with the compression ratio, and ``problems``: each part missing, or
-    of another size than the manifest records (checked without reading any part)."""
+@dataclass
+class InspectReport:
+    """An archive's manifest, and ``problems``: each part missing, or of another size than
+    the manifest records."""
+
+    manifest: archive.Manifest
+    problems: list[str]
+
+    @property
+    def ratio(self) -> float:
+        return self.manifest.raw_bytes / self.manifest.archive_bytes if self.manifest.archive_bytes else 0.0
+
+    def as_dict(self) -> dict:
+        """The manifest's JSON, keys sorted as in its file, with the compression ratio and
+        the problems."""
+        return {**_sorted_keys(self.manifest.to_json()), "ratio": self.ratio, "problems": self.problems}
+
+
+def _sorted_keys(value):
+    if isinstance(value, dict):
+        return {k: _sorted_keys(value[k]) for k in sorted(value)}
+    return [_sorted_keys(v) for v in value] if isinstance(value, list) else value
+
+
+def inspect_archive(archive_uri: str) -> InspectReport:
+    """The manifest, with the compression ratio, and the problems found checking every
+    part's presence and size (without reading any part)."""
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path, archive_uri)
-    return {
-        **manifest,
-        "ratio": manifest["raw_bytes"] / manifest["archive_bytes"] if manifest["archive_bytes"] else 0.0,
-        "problems": archive.part_problems(fs, path, manifest, archive_uri),
-    }
+    return InspectReport(manifest, archive.part_problems(fs, path, manifest, archive_uri))

@@ -66,7 +66,7 @@ class BlockMeta:
 class PartResult:
     """A part a worker wrote: its manifest entry, and where it was made."""
 
-    info: archive.PartInfo
+    info: archive.Part
     device: str
     node_id: str | None
 
@@ -189,7 +189,7 @@ class QuantWorker:
         fs, path = resolve(directory)
         return PartResult(archive.write_part(fs, path, index, rows, lossless), self.device, _node_id())
 
-    def restore_files(self, archive_uri: str, parts: dict[int, dict], task: RestoreTask, directory: str) -> RestoreResult:
+    def restore_files(self, archive_uri: str, parts: dict[int, archive.Part], task: RestoreTask, directory: str) -> RestoreResult:
         """Write the files of ``task`` into ``directory`` (local path or URI), decoding
         their blocks from ``parts`` (manifest entries by index; each checked against its
         CRC-32C once). A damaged part or frame raises, naming the block."""
@@ -217,7 +217,7 @@ class QuantWorker:
                     try:
                         decode(frames[part][row], out=out, threads=self.threads)
                     except (ValueError, TypeError) as exc:
-                        raise block_error(key, exc, f" in {parts[part]['name']}") from exc
+                        raise block_error(key, exc, f" in {parts[part].name}") from exc
                     writer.write_block(key, dtype, shape, keep(buffer[:nbytes]))
                     result.blocks += 1
                     result.raw_bytes += nbytes
@@ -227,7 +227,7 @@ class QuantWorker:
         return result
 
     def verify_part(
-        self, directory: str, part: dict, against: dict | None = None, bound: dict | None = None, name_files: bool = False
+        self, directory: str, part: archive.Part, against: dict | None = None, bound: dict | None = None, name_files: bool = False
     ) -> VerifyResult:
         """Check a part and each of its frames; with ``against`` (the source's blocks by
         ``(file, key)``), compare each block with its source and hold it to the codec's
@@ -235,7 +235,7 @@ class QuantWorker:
         too with ``name_files``. Reports problems instead of raising, so one run names
         them all."""
         fs, path = resolve(directory)
-        result = VerifyResult(part["name"])
+        result = VerifyResult(part.name)
         try:
             archive.check_part(fs, path, part, directory)
             part_error = None
@@ -281,7 +281,7 @@ class QuantWorker:
                         )
             except (ValueError, TypeError, RuntimeError) as exc:
                 block_errors += 1
-                result.errors.append(f"block {_label(ident, name_files)!r} in {part['name']}: {exc}")
+                result.errors.append(f"block {_label(ident, name_files)!r} in {part.name}: {exc}")
         if part_error and not block_errors:
             result.errors.append(f"{part_error}; every frame in it checks, so the damage lies outside them")
         elif part_error:

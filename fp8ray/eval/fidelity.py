@@ -118,10 +118,10 @@ def fidelity_report(original: str, archive_uri: str, key_pattern: str = DEFAULT_
 
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path)
-    layout = archive.manifest_layout(manifest)
+    layout = manifest.layout
     refs = archive.blocks_by_ident(layout, *scan_source(original), original)
     columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key"])
-    index = [(part, list(zip(c["file"], c["key"]))) for part, c in zip(manifest["parts"], columns)]
+    index = [(part, list(zip(c["file"], c["key"]))) for part, c in zip(manifest.parts, columns)]
     name_files = layout is not None and len(layout.files) > 1
 
     def label(ident: tuple[str, str]) -> str:  # a block's name in the report
@@ -134,7 +134,7 @@ def fidelity_report(original: str, archive_uri: str, key_pattern: str = DEFAULT_
     if only_archive or only_original:
         raise MismatchError(_missing_message(only_archive, only_original, archive_uri, original))
 
-    report = FidelityReport(original, archive_uri, manifest["codec"], key_pattern)
+    report = FidelityReport(original, archive_uri, manifest.codec, key_pattern)
     total = ErrorSums()
     per_kind = {kind: ErrorSums() for kind in KINDS}
     per_layer: dict[str, dict[int, ErrorSums]] = {kind: {} for kind in KINDS}
@@ -146,7 +146,7 @@ def fidelity_report(original: str, archive_uri: str, key_pattern: str = DEFAULT_
             try:
                 y = decode(frame)
             except (ValueError, TypeError) as exc:
-                raise CorruptArchiveError(f"key {ref.key!r} in {part['name']}: {exc}") from exc
+                raise CorruptArchiveError(f"key {ref.key!r} in {part.name}: {exc}") from exc
             if tuple(y.shape) != tuple(x.shape) or y.dtype != x.dtype:
                 raise MismatchError(
                     f"key {ref.key!r}: the archive holds {list(y.shape)} {str(y.dtype).removeprefix('torch.')}, "

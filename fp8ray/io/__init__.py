@@ -6,5 +6,7 @@
   HTTP bodies share one header check).
 - :mod:`~fp8ray.io.blocks`: block sources (safetensors, raw-block Parquet) and block refs.
 - :mod:`~fp8ray.io.archive`: the archive format: parts, sidecars, plan, manifest.
+- :mod:`~fp8ray.io.records`: the archive's records (``Manifest``, ``Plan``, ``Part``),
+  read from their JSON and checked once.
 - :mod:`~fp8ray.io.lmcache_store`: LMCache filesystem-store names, layouts and scanning.
 """

@@ -8,14 +8,14 @@ lossless Parquet codec), so ``pyarrow.parquet.read_table`` and
 readers, like every name starting with ``_`` or ``.``) holds the codec options, counts,
 sizes and each part's CRC-32C; it is renamed into place last, so a directory without
 it is never a complete archive. A part is written under a temporary name and renamed,
-then described by a sidecar ``_part-NNNNN.json``, which ``--resume`` trusts.
+then described by a sidecar ``_part-NNNNN.json``, which ``--resume`` trusts. What the
+JSON files hold, and how each is checked, is :mod:`fp8ray.io.records`.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 
 import crc32c
 import numpy as np
@@ -27,15 +27,15 @@ from ..codec.options import CodecOptions
 from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
 from .blocks import BlockRef, SourceLayout
 from .paths import TMP_MARK, os_reason, redact, write_atomic
+from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, Manifest, Part, Plan
 
-ARCHIVE_FORMAT = "fp8ray-archive"
-# Version 2 added the source's layout to the manifest and the "file" column to parts;
-# version 1 archives read as before (one safetensors file back).
-ARCHIVE_VERSION = 2
-READ_VERSIONS = (1, 2)
 MANIFEST_NAME = "_manifest.json"
 PLAN_NAME = "_plan.json"
 DEFAULT_PART_BYTES = 64 << 20
+# A part's row groups hold at most 64 blocks and, past its first block, 1 MiB of frames:
+# reading one block alone (fp8ray.io.reader) reads its row group's frames.
+ROW_GROUP_ROWS = 64
+ROW_GROUP_BYTES = 1 << 20
 DEFAULT_LOSSLESS = "zstd:3"  # chosen from the table in BENCHMARKS.md ("Lossless stage")
 # Lossless codecs for the frame column (Parquet's own), and their level ranges.
 LOSSLESS_CODECS = {"none": None, "zstd": (1, 22), "lz4": None, "snappy": None, "gzip": (1, 9), "brotli": (0, 11)}
@@ -56,22 +56,6 @@ SCHEMA = pa.schema(
 )
 METADATA_COLUMNS = [name for name in SCHEMA.names if name != "frame"]
 
-
-@dataclass
-class PartInfo:
-    """What the manifest records of one part."""
-
-    name: str
-    blocks: int
-    raw_bytes: int
-    frame_bytes: int
-    file_bytes: int
-    crc32c: int
-    first_key: str | None
-    last_key: str | None
-
-
-PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 SIDECAR_PREFIX, SIDECAR_SUFFIX = "_part-", ".json"
 
 
@@ -123,14 +107,9 @@ def plan_parts(refs: list[BlockRef], part_bytes: int) -> list[list[BlockRef]]:
     return parts
 
 
-def plan_record(source: str, codec: dict, lossless: str, parts: list[list[BlockRef]]) -> dict:
+def plan_record(source: str, codec: dict, lossless: str, parts: list[list[BlockRef]]) -> Plan:
     """What ``_plan.json`` holds: a resumed run must find the same source, options and parts."""
-    return {
-        "source": redact(source),
-        "codec": codec,
-        "lossless": lossless,
-        "parts": [[[r.file, r.key] for r in part] for part in parts],
-    }
+    return Plan(redact(source), codec, lossless, tuple(tuple(r.ident for r in part) for part in parts))
 
 
 def parse_lossless(spec: str) -> tuple[str, int | None]:
@@ -148,20 +127,21 @@ def parse_lossless(spec: str) -> tuple[str, int | None]:
     return name, int(level)
 
 
-def read_plan(fs: pafs.FileSystem, directory: str) -> dict | None:
+def read_plan(fs: pafs.FileSystem, directory: str) -> Plan | None:
     path = f"{directory}/{PLAN_NAME}"
     if fs.get_file_info(path).type != pafs.FileType.File:
         return None
     try:
         with fs.open_input_stream(path) as f:
-            plan = json.loads(f.read())
+            return Plan.from_json(json.loads(f.read()), path)
+    except CorruptArchiveError as exc:
+        raise CorruptArchiveError(f"{exc}; pass --overwrite to start again") from None
     except ValueError as exc:
         raise CorruptArchiveError(f"{path}: unreadable plan ({exc}); pass --overwrite to start again") from None
-    return plan if isinstance(plan, dict) else {}
 
 
-def write_plan(fs: pafs.FileSystem, directory: str, plan: dict) -> None:
-    write_atomic(fs, f"{directory}/{PLAN_NAME}", json.dumps(plan, sort_keys=True).encode())
+def write_plan(fs: pafs.FileSystem, directory: str, plan: Plan) -> None:
+    write_atomic(fs, f"{directory}/{PLAN_NAME}", json.dumps(plan.to_json(), sort_keys=True).encode())
 
 
 def file_crc32c(fs: pafs.FileSystem, path: str) -> tuple[int, int]:
@@ -203,7 +183,20 @@ def part_rows(refs: list[BlockRef], codec: CodecOptions, frame_sizes: list[int],
     }
 
 
-def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, list], lossless: str = "none") -> PartInfo:
+def row_groups(frame_sizes: list[int]) -> list[int]:
+    """How many rows each row group of a part takes, in order (:data:`ROW_GROUP_BYTES`)."""
+    groups: list[int] = []
+    rows = size = 0
+    for frame_bytes in frame_sizes:
+        if rows and (rows == ROW_GROUP_ROWS or size + frame_bytes > ROW_GROUP_BYTES):
+            groups.append(rows)
+            rows = size = 0
+        rows += 1
+        size += frame_bytes
+    return groups + [rows] if rows else groups
+
+
+def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, list], lossless: str = "none") -> Part:
     """Write one part (deterministic bytes for the same rows), rename it into place,
     then its sidecar; return its manifest entry.
 
@@ -215,20 +208,23 @@ def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, 
     codec, level = parse_lossless(lossless)
     table = pa.table(rows, schema=SCHEMA)
     sink = pa.BufferOutputStream()
-    pq.write_table(
-        table,
+    with pq.ParquetWriter(
         sink,
+        SCHEMA,
         compression={name: (codec if name == "frame" else "zstd") for name in SCHEMA.names},
         compression_level={"frame": level} if level is not None else None,
         write_statistics=["key", "raw_bytes", "frame_bytes"],
         # Frames are unique: a dictionary would only hash them all before giving up.
         use_dictionary=METADATA_COLUMNS,
-        row_group_size=64,
-    )
+    ) as writer:
+        start = 0
+        for rows_in_group in row_groups(rows["frame_bytes"]) or [0]:
+            writer.write_table(table.slice(start, rows_in_group), row_group_size=max(rows_in_group, 1))
+            start += rows_in_group
     data = sink.getvalue()
     write_atomic(fs, f"{directory}/{part_name(index)}", data)
     keys = rows["key"]
-    info = PartInfo(
+    info = Part(
         name=part_name(index),
         blocks=len(keys),
         raw_bytes=sum(rows["raw_bytes"]),
@@ -238,19 +234,25 @@ def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, 
         first_key=keys[0] if keys else None,
         last_key=keys[-1] if keys else None,
     )
-    write_atomic(fs, f"{directory}/{sidecar_name(index)}", json.dumps(asdict(info), sort_keys=True).encode())
+    write_sidecar(fs, directory, index, info)
     return info
 
 
-def read_sidecar(fs: pafs.FileSystem, directory: str, index: int) -> PartInfo | None:
+def write_sidecar(fs: pafs.FileSystem, directory: str, index: int, info: Part) -> None:
+    write_atomic(fs, f"{directory}/{sidecar_name(index)}", json.dumps(info.to_json(), sort_keys=True).encode())
+
+
+def read_sidecar(fs: pafs.FileSystem, directory: str, index: int) -> Part | None:
     """The sidecar of a finished part, if it and the part are there and agree in size."""
     path = f"{directory}/{sidecar_name(index)}"
     if fs.get_file_info(path).type != pafs.FileType.File:
         return None
     try:
         with fs.open_input_stream(path) as f:
-            info = PartInfo(**json.loads(f.read()))
-    except (ValueError, TypeError):  # damaged, e.g. by a writer killed mid-way: redo the part
+            info = Part.from_json(json.loads(f.read()), f"{path}: the part entry")
+    except ValueError:  # damaged, e.g. by a writer killed mid-way: redo the part
+        return None
+    if info.name != part_name(index):
         return None
     part = fs.get_file_info(f"{directory}/{info.name}")
     if part.type != pafs.FileType.File or part.size != info.file_bytes:
@@ -259,39 +261,29 @@ def read_sidecar(fs: pafs.FileSystem, directory: str, index: int) -> PartInfo | 
 
 
 def build_manifest(
-    source: str, layout: SourceLayout, codec: dict, lossless: str, bound: dict, blocks: int, parts: list[PartInfo], fp8ray_version: str
-) -> dict:
+    source: str, layout: SourceLayout, codec: dict, lossless: str, bound: dict, blocks: int, parts: list[Part], fp8ray_version: str
+) -> Manifest:
     """The manifest of a finished archive: what it holds, the source's layout (to give it
     back), the codec's error bound (to verify against), and each part's size and CRC-32C."""
-    entries = [asdict(p) for p in parts]
-    return {
-        "format": ARCHIVE_FORMAT,
-        "version": ARCHIVE_VERSION,
-        "fp8ray_version": fp8ray_version,
-        "codec": codec,
-        "lossless": lossless,
-        "error_bound": bound,
-        "layout": layout.as_dict(),
-        "source": redact(source),  # never the credentials a URI may carry
-        "blocks": blocks,
-        "raw_bytes": sum(p.raw_bytes for p in parts),
-        "frame_bytes": sum(p.frame_bytes for p in parts),
-        "archive_bytes": sum(p.file_bytes for p in parts),
-        "parts": entries,
-    }
+    return Manifest(
+        version=ARCHIVE_VERSION,
+        fp8ray_version=fp8ray_version,
+        codec=codec,
+        lossless=lossless,
+        error_bound=bound,
+        layout=layout,
+        source=redact(source),  # never the credentials a URI may carry
+        blocks=blocks,
+        raw_bytes=sum(p.raw_bytes for p in parts),
+        frame_bytes=sum(p.frame_bytes for p in parts),
+        archive_bytes=sum(p.file_bytes for p in parts),
+        parts=tuple(parts),
+    )
 
 
-# What a manifest written before an option existed leaves out, and what it was then.
-LEGACY_CODEC = {"scale_dtype": "float32", "scale_choice": "amax", "nonfinite": "error"}
-
-
-def manifest_codec(manifest: dict) -> CodecOptions:
-    """The codec options an archive was written with."""
-    return CodecOptions.parse({**LEGACY_CODEC, **manifest["codec"]})
-
-
-def write_manifest(fs: pafs.FileSystem, directory: str, manifest: dict) -> None:
-    write_atomic(fs, f"{directory}/{MANIFEST_NAME}", (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+def write_manifest(fs: pafs.FileSystem, directory: str, manifest: Manifest) -> None:
+    text = json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n"
+    write_atomic(fs, f"{directory}/{MANIFEST_NAME}", text.encode())
 
 
 def _shown(directory: str, uri: str | None) -> str:
@@ -299,7 +291,7 @@ def _shown(directory: str, uri: str | None) -> str:
     return redact(uri) if uri is not None else directory
 
 
-def read_manifest(fs: pafs.FileSystem, directory: str, uri: str | None = None) -> dict:
+def read_manifest(fs: pafs.FileSystem, directory: str, uri: str | None = None) -> Manifest:
     """The checked manifest of the archive in ``directory`` (``uri``: the archive as the
     user gave it, for messages)."""
     shown = _shown(directory, uri)
@@ -318,32 +310,7 @@ def read_manifest(fs: pafs.FileSystem, directory: str, uri: str | None = None) -
         manifest = json.loads(text)
     except ValueError as exc:
         raise CorruptArchiveError(f"{path}: unreadable manifest: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise CorruptArchiveError(f"{path}: the manifest is a JSON {type(manifest).__name__}, not an object")
-    if manifest.get("format") != ARCHIVE_FORMAT or manifest.get("version") not in READ_VERSIONS:
-        raise CorruptArchiveError(
-            f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
-            f"expected {ARCHIVE_FORMAT!r} version {' or '.join(map(str, READ_VERSIONS))}"
-        )
-    _check_manifest(manifest, path)
-    return manifest
-
-
-# What every manifest holds, and of what type (the rest is checked where it is used).
-_MANIFEST_FIELDS = {"codec": dict, "blocks": int, "raw_bytes": int, "archive_bytes": int, "parts": list}
-_PART_FIELDS = {"name": str, "blocks": int, "file_bytes": int, "crc32c": int, "raw_bytes": int}
-
-
-def _check_manifest(manifest: dict, path: str) -> None:
-    for name, kind in _MANIFEST_FIELDS.items():
-        if not isinstance(manifest.get(name), kind):
-            raise CorruptArchiveError(f"{path}: the manifest's {name!r} is missing or not a {kind.__name__}")
-    for i, part in enumerate(manifest["parts"]):
-        bad = [n for n, kind in _PART_FIELDS.items() if not isinstance(part, dict) or not isinstance(part.get(n), kind)]
-        if bad:
-            raise CorruptArchiveError(f"{path}: part entry {i} lacks {bad}")
-        if "/" in part["name"] or not part["name"].startswith(PART_PREFIX):
-            raise CorruptArchiveError(f"{path}: part entry {i} names {part['name']!r}, not a part of this archive")
+    return Manifest.from_json(manifest, path)
 
 
 def source_file_names(layout: SourceLayout | None, source_layout: SourceLayout) -> dict[str, str]:
@@ -373,71 +340,65 @@ def blocks_by_ident(
     return blocks
 
 
-def manifest_layout(manifest: dict) -> SourceLayout | None:
-    """The source's layout an archive records (None before version 2)."""
-    return SourceLayout.from_dict(manifest["layout"]) if "layout" in manifest else None
-
-
-def _missing(info: dict, shown: str) -> CorruptArchiveError:
+def _missing(info: Part, shown: str) -> CorruptArchiveError:
     """A part the manifest lists that is not there at all: missing, not damaged."""
-    return CorruptArchiveError(
-        f"part {info['name']} is missing from {shown} (the manifest records it, {info['file_bytes']} bytes)"
-    )
+    return CorruptArchiveError(f"part {info.name} is missing from {shown} (the manifest records it, {info.file_bytes} bytes)")
 
 
-def part_problems(fs: pafs.FileSystem, directory: str, manifest: dict, uri: str | None = None) -> list[str]:
+def part_problems(fs: pafs.FileSystem, directory: str, manifest: Manifest, uri: str | None = None) -> list[str]:
     """Whether every part is there with the size its manifest entry records, without
     reading any: one message per part missing or of another size."""
     shown = _shown(directory, uri)
     problems = []
-    for part in manifest["parts"]:
+    for part in manifest.parts:
         try:
-            info = fs.get_file_info(f"{directory}/{part['name']}")
+            info = fs.get_file_info(f"{directory}/{part.name}")
         except OSError as exc:
-            problems.append(f"part {part['name']} of {shown} cannot be read: {os_reason(exc)}")
+            problems.append(f"part {part.name} of {shown} cannot be read: {os_reason(exc)}")
             continue
         if info.type == pafs.FileType.NotFound:
             problems.append(str(_missing(part, shown)))
         elif info.type != pafs.FileType.File:
-            problems.append(f"part {part['name']} of {shown} is damaged: it is not a file")
-        elif info.size != part["file_bytes"]:
-            problems.append(f"part {part['name']} of {shown} is damaged: {info.size} bytes, the manifest records {part['file_bytes']}")
+            problems.append(f"part {part.name} of {shown} is damaged: it is not a file")
+        elif info.size != part.file_bytes:
+            problems.append(f"part {part.name} of {shown} is damaged: {info.size} bytes, the manifest records {part.file_bytes}")
     return problems
 
 
-def _open_part(fs: pafs.FileSystem, path: str, info: dict, shown: str):
-    """The part's file open for reading; raises :func:`_missing`'s error if it is gone."""
+def open_part(fs: pafs.FileSystem, path: str, info: Part, shown: str):
+    """The part's file open for reading; raises :func:`_missing`'s error if it is gone
+    (``shown``: the archive as messages name it)."""
     try:
         if fs.get_file_info(path).type == pafs.FileType.NotFound:
             raise _missing(info, shown)
         return fs.open_input_file(path)
     except OSError as exc:
-        raise CorruptArchiveError(f"part {info['name']} of {shown} cannot be read: {os_reason(exc)}") from None
+        raise CorruptArchiveError(f"part {info.name} of {shown} cannot be read: {os_reason(exc)}") from None
 
 
-def check_part(fs: pafs.FileSystem, directory: str, info: dict, uri: str | None = None) -> None:
+def check_part(fs: pafs.FileSystem, directory: str, info: Part, uri: str | None = None) -> None:
     """Check a part's presence, size and CRC-32C against its manifest entry."""
     shown = _shown(directory, uri)
-    path = f"{directory}/{info['name']}"
-    with _open_part(fs, path, info, shown):
+    path = f"{directory}/{info.name}"
+    with open_part(fs, path, info, shown):
         pass
     try:
         crc, size = file_crc32c(fs, path)
     except OSError as exc:
-        raise CorruptArchiveError(f"part {info['name']} of {shown} cannot be read: {os_reason(exc)}") from None
+        raise CorruptArchiveError(f"part {info.name} of {shown} cannot be read: {os_reason(exc)}") from None
     _check_crc(info, crc, size, shown)
 
 
-def _check_crc(info: dict, crc: int, size: int, shown: str) -> None:
-    if size != info["file_bytes"] or crc != info["crc32c"]:
+def _check_crc(info: Part, crc: int, size: int, shown: str) -> None:
+    if size != info.file_bytes or crc != info.crc32c:
         raise CorruptArchiveError(
-            f"part {info['name']} of {shown} is damaged: {size} bytes with crc32c {crc:#010x}, "
-            f"the manifest records {info['file_bytes']} bytes with crc32c {info['crc32c']:#010x}"
+            f"part {info.name} of {shown} is damaged: {size} bytes with crc32c {crc:#010x}, "
+            f"the manifest records {info.file_bytes} bytes with crc32c {info.crc32c:#010x}"
         )
 
 
 def read_part(
-    fs: pafs.FileSystem, directory: str, info: dict, columns: list[str] | None = None, check: bool = True, uri: str | None = None
+    fs: pafs.FileSystem, directory: str, info: Part, columns: list[str] | None = None, check: bool = True, uri: str | None = None
 ) -> pa.Table:
     """Read a part, checked against its manifest entry's size and CRC-32C unless ``check``
     is false (to read a damaged part anyway and name the blocks the damage lies in). A
@@ -445,33 +406,33 @@ def read_part(
     there raises :class:`CorruptArchiveError` saying it is missing; one that is there
     but damaged, saying that (``uri``: the archive as the user gave it, for messages)."""
     shown = _shown(directory, uri)
-    path = f"{directory}/{info['name']}"
-    with _open_part(fs, path, info, shown) as f:
+    path = f"{directory}/{info.name}"
+    with open_part(fs, path, info, shown) as f:
         try:
             if not check:
                 return pq.read_table(f, columns=columns)
             data = f.read_buffer()
         except OSError as exc:
             if getattr(exc, "errno", None):
-                raise CorruptArchiveError(f"part {info['name']} of {shown} cannot be read: {os_reason(exc)}") from None
-            raise CorruptArchiveError(f"part {info['name']} of {shown} is damaged: not readable as Parquet ({exc})") from None
+                raise CorruptArchiveError(f"part {info.name} of {shown} cannot be read: {os_reason(exc)}") from None
+            raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
         except pa.ArrowException as exc:
-            raise CorruptArchiveError(f"part {info['name']} of {shown} is damaged: not readable as Parquet ({exc})") from None
+            raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
     _check_crc(info, crc32c.crc32c(memoryview(data)), data.size, shown)
     try:
         return pq.read_table(pa.BufferReader(data), columns=columns)
     except (OSError, pa.ArrowException) as exc:
-        raise CorruptArchiveError(f"part {info['name']} of {shown} is damaged: not readable as Parquet ({exc})") from None
+        raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
 
 
 def read_metadata_columns(
-    fs: pafs.FileSystem, directory: str, manifest: dict, columns: list[str], uri: str | None = None
+    fs: pafs.FileSystem, directory: str, manifest: Manifest, columns: list[str], uri: str | None = None
 ) -> list[dict[str, list]]:
     """For each part, the given small metadata columns (never the frames) as lists. A
     version 1 archive has no ``file`` column: its blocks read as from one file, ``""``."""
-    wanted = [c for c in columns if c != "file" or manifest["version"] >= 2]
+    wanted = [c for c in columns if c != "file" or manifest.version >= 2]
     out = []
-    for part in manifest["parts"]:
+    for part in manifest.parts:
         table = read_part(fs, directory, part, columns=wanted, check=False, uri=uri)
         cols = {name: table.column(name).to_pylist() for name in wanted}
         if "file" in columns and "file" not in cols:

@@ -17,9 +17,9 @@ import json
 from dataclasses import dataclass, field
 
 from ..errors import CorruptArchiveError, DestinationError
-from .archive import manifest_layout
 from .blocks import RawBlockParquetWriter, SourceLayout, parquet_schema
 from .paths import TMP_MARK, printable
+from .records import Manifest
 from .safetensors import SafetensorsWriter
 
 SINGLE_FILE_METADATA_KEY = "fp8ray_archive"
@@ -65,12 +65,12 @@ class RestorePlan:
         return [f for task in self.tasks for f in task.files]
 
 
-def plan_restore(manifest: dict, columns: list[dict[str, list]], single_file_name: str | None = None) -> RestorePlan:
+def plan_restore(manifest: Manifest, columns: list[dict[str, list]], single_file_name: str | None = None) -> RestorePlan:
     """The files to write and the tasks that write them, from the manifest and each part's
     ``file``, ``key``, ``dtype``, ``shape`` columns. ``single_file_name``: every block into
     one safetensors file of that name (keys must then be unique); archives written before
     the layout was recorded restore that way too."""
-    layout = manifest_layout(manifest)
+    layout = manifest.layout
     rows = [
         (part, row, file, key, dtype, tuple(shape))
         for part, cols in enumerate(columns)
@@ -85,7 +85,7 @@ def plan_restore(manifest: dict, columns: list[dict[str, list]], single_file_nam
                     "file cannot hold both; decompress without --single-file to get the files back"
                 )
             seen[key] = file
-        metadata = {SINGLE_FILE_METADATA_KEY: json.dumps(manifest["codec"])}
+        metadata = {SINGLE_FILE_METADATA_KEY: json.dumps(manifest.codec)}
         name = single_file_name or "restored.safetensors"
         blocks = tuple((p, r, key, dtype, shape) for p, r, _, key, dtype, shape in rows)
         only = RestoreFile(name, "safetensors", blocks, metadata)

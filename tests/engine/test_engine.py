@@ -61,8 +61,8 @@ def test_compress_verify_decompress_round_trip(kv_source, tmp_path):
     assert report.blocks == 12 and report.parts > 1
     assert report.archive_bytes < report.raw_bytes * 0.6
     manifest = read_manifest(*resolve(str(arch)))
-    assert manifest["blocks"] == 12 and manifest["codec"]["scaling"] == "token"
-    assert sorted(os.listdir(arch)) == ["_manifest.json", *sorted(p["name"] for p in manifest["parts"])]
+    assert manifest.blocks == 12 and manifest.codec["scaling"] == "token"
+    assert sorted(os.listdir(arch)) == ["_manifest.json", *sorted(p.name for p in manifest.parts)]
     # Readable without fp8ray, and every frame is the codec's own encoding of its block.
     table = pq.read_table(arch)
     assert table.num_rows == 12 and table.schema.field("frame").type == "large_binary"
@@ -90,7 +90,7 @@ def test_scale_options_round_trip_through_an_archive(kv_source, tmp_path):
     arch = tmp_path / "arch"
     options = {"scaling": "block", "block_size": 32, "scale_dtype": "bfloat16", "scale_choice": "mse"}
     compress_archive(str(src), str(arch), part_bytes=PART, **options)
-    assert read_manifest(*resolve(str(arch)))["codec"] == {"fp8": "e4m3fn", "nonfinite": "error", **options}
+    assert read_manifest(*resolve(str(arch))).codec == {"fp8": "e4m3fn", "nonfinite": "error", **options}
     codec = Fp8Codec("e4m3fn", **options)
     table = pq.read_table(arch)
     for key, f in zip(table.column("key").to_pylist(), table.column("frame").to_pylist()):
@@ -168,7 +168,7 @@ def test_a_flipped_byte_in_a_compressed_part_is_caught(kv_source, tmp_path):
     src, _ = kv_source
     arch = tmp_path / "arch"
     compress_archive(str(src), str(arch), part_bytes=PART)
-    assert read_manifest(*resolve(str(arch)))["lossless"] == "zstd:3"
+    assert read_manifest(*resolve(str(arch))).lossless == "zstd:3"
     assert pq.ParquetFile(sorted(arch.glob("part-*.parquet"))[0]).metadata.row_group(0).column(9).compression == "ZSTD"
     part = sorted(arch.glob("part-*.parquet"))[0]
     damaged = bytearray(part.read_bytes())
@@ -192,7 +192,7 @@ def test_destination_and_source_errors(kv_source, tmp_path):
     with pytest.raises(ArchiveExistsError, match="already holds an archive"):
         compress_archive(str(src), str(tmp_path / "a"))
     compress_archive(str(src), str(tmp_path / "a"), overwrite=True, scaling="block")
-    assert read_manifest(*resolve(str(tmp_path / "a")))["codec"]["scaling"] == "block"
+    assert read_manifest(*resolve(str(tmp_path / "a"))).codec["scaling"] == "block"
     with pytest.raises(CorruptArchiveError, match="no _manifest.json"):
         verify_archive(str(tmp_path))
     with pytest.raises(ValueError, match="unknown scaling"):

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import hashlib
-import socket
 
 import pyarrow.fs as pafs
 import pytest
+from _util import moto_s3
 
 from fp8ray.engine.archives import compress_archive, decompress_archive, verify_archive
 from fp8ray.errors import SourceError
@@ -20,23 +20,9 @@ BUCKET = "kvcache"
 
 @pytest.fixture(scope="module")
 def s3():
-    """A moto S3 server on a free loopback port; yields a function of a key that gives
-    its s3:// URI (credentials and endpoint in the URI, so Ray workers need no env)."""
-    pafs = pytest.importorskip("pyarrow.fs")
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    admin = pafs.S3FileSystem(
-        access_key="testing", secret_key="testing", endpoint_override=f"127.0.0.1:{port}",
-        scheme="http", region="us-east-1", allow_bucket_creation=True,
-    )
-    admin.create_dir(BUCKET)
-    yield lambda key: f"s3://testing:testing@{BUCKET}/{key}?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
-    server.stop()
+    """A moto S3 server (tests/_util.py); yields a function of a key that gives its s3:// URI."""
+    with moto_s3(BUCKET) as uri:
+        yield uri
 
 
 def test_compress_verify_decompress_on_s3(s3, kv_source, tmp_path):

@@ -31,7 +31,7 @@ def test_plan_depends_only_on_the_source():
     assert archive.plan_parts(blocks, 10**9) == [blocks]
     assert archive.plan_parts([], 200) == []
     record = archive.plan_record("s3://key:secret@bucket/kv", CodecOptions().as_dict(), "none", parts)
-    assert record["source"] == "s3://***@bucket/kv" and record["parts"][1] == [["a", "k2"]]
+    assert record.source == "s3://***@bucket/kv" and record.parts[1] == (("a", "k2"),)
 
 
 def test_parts_follow_the_files():
@@ -56,6 +56,14 @@ def encoded_part(n: int = 3):
     return codec, tensors, blocks, sizes, frames
 
 
+def test_row_groups_hold_64_blocks_or_1_mib_of_frames():
+    """A block read alone reads its row group's frames: a large block gets one of its own."""
+    assert archive.row_groups([10] * 130) == [64, 64, 2]
+    assert archive.row_groups([600_000] * 3) == [1, 1, 1]
+    assert archive.row_groups([400_000, 400_000, 400_000, 3 << 20, 10]) == [2, 1, 1, 1]
+    assert archive.row_groups([]) == []
+
+
 def test_frame_column_shares_the_frames_buffer():
     _, tensors, _, sizes, frames = encoded_part()
     column = archive.frame_column(frames, sizes)
@@ -73,13 +81,14 @@ def test_a_part_is_written_described_and_checked(tmp_path):
     assert info.frame_bytes == sum(sizes) and info.raw_bytes == sum(t.numel() * 2 for t in tensors)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["_part-00007.json", "part-00007.parquet"]
     assert archive.read_sidecar(FS, str(tmp_path), 7) == info and archive.read_sidecar(FS, str(tmp_path), 8) is None
-    entry = json.loads((tmp_path / "_part-00007.json").read_text())
+    entry = archive.Part.from_json(json.loads((tmp_path / "_part-00007.json").read_text()), "sidecar")
     table = archive.read_part(FS, str(tmp_path), entry)  # checked against the sidecar's CRC
     assert table.column("key").to_pylist() == ["b0", "b1", "b2"]
     for t, f in zip(tensors, archive.iter_frames(table)):
         assert torch.equal(decode(f), decode(codec.encode(t)))
     # Plain Parquet: readable without fp8ray.
     assert pq.read_table(tmp_path / info.name).schema.names == archive.SCHEMA.names
+    assert pq.ParquetFile(tmp_path / info.name).metadata.num_row_groups == 1
     # The same rows give the same bytes.
     again = archive.write_part(FS, str(tmp_path), 8, rows)
     assert (again.crc32c, again.file_bytes) == (info.crc32c, info.file_bytes)
@@ -100,16 +109,18 @@ def test_manifest_is_written_last_and_read_back(tmp_path):
     manifest = archive.build_manifest("s3://k:s@b/src", layout, codec.options.as_dict(), "none", {}, 3, [info], "9.9")
     archive.write_manifest(FS, str(tmp_path), manifest)
     assert archive.read_manifest(FS, str(tmp_path)) == manifest
-    assert manifest["source"] == "s3://***@b/src" and manifest["archive_bytes"] == info.file_bytes
-    assert archive.manifest_codec(manifest) == codec.options and archive.manifest_layout(manifest) == layout
-    (tmp_path / archive.MANIFEST_NAME).write_text(json.dumps({**manifest, "version": 99}))
+    assert manifest.source == "s3://***@b/src" and manifest.archive_bytes == info.file_bytes
+    assert manifest.options == codec.options and manifest.layout == layout
+    (tmp_path / archive.MANIFEST_NAME).write_text(json.dumps({**manifest.to_json(), "version": 99}))
     with pytest.raises(CorruptArchiveError, match="version 99"):
         archive.read_manifest(FS, str(tmp_path))
 
 
 def test_manifests_from_before_the_scale_options_read_as_written():
-    old = {"codec": {"fp8": "e4m3fn", "scaling": "token", "block_size": 128}}
-    assert archive.manifest_codec(old) == CodecOptions("e4m3fn", "token", 128, "float32", "amax")
+    layout = SourceLayout("safetensors", "file", (SourceFile("src", 0),))
+    manifest = archive.build_manifest("src", layout, {"fp8": "e4m3fn", "scaling": "token", "block_size": 128}, "none", {}, 0, [], "0")
+    old = archive.Manifest.from_json(manifest.to_json(), "_manifest.json")
+    assert old.options == CodecOptions("e4m3fn", "token", 128, "float32", "amax")
 
 
 def test_scratch_is_named_and_cleaned(tmp_path):
@@ -124,14 +135,16 @@ def test_a_manifest_cannot_name_files_outside_the_output(tmp_path):
     anything is written."""
     from fp8ray.io.restore import plan_restore
 
+    def manifest(layout: SourceLayout) -> archive.Manifest:
+        return archive.build_manifest("src", layout, CodecOptions().as_dict(), "none", {}, 1, [], "0")
+
     layout = SourceLayout("safetensors", "directory", (SourceFile("../evil.safetensors", 1),))
-    manifest = {"codec": CodecOptions().as_dict(), "layout": layout.as_dict(), "version": 2}
     columns = [{"file": ["../evil.safetensors"], "key": ["k"], "dtype": ["bfloat16"], "shape": [[2]]}]
     with pytest.raises(CorruptArchiveError, match="not a plain relative file name"):
-        plan_restore(manifest, columns)
-    manifest["layout"] = SourceLayout("safetensors", "directory", (SourceFile("a.safetensors", 1),)).as_dict()
+        plan_restore(manifest(layout), columns)
+    layout = SourceLayout("safetensors", "directory", (SourceFile("a.safetensors", 1),))
     with pytest.raises(CorruptArchiveError, match="names the file 'b.safetensors', which the manifest does not list"):
-        plan_restore(manifest, [{"file": ["b.safetensors"], "key": ["k"], "dtype": ["bfloat16"], "shape": [[2]]}])
+        plan_restore(manifest(layout), [{"file": ["b.safetensors"], "key": ["k"], "dtype": ["bfloat16"], "shape": [[2]]}])
 
 
 @pytest.mark.parametrize(
@@ -139,7 +152,13 @@ def test_a_manifest_cannot_name_files_outside_the_output(tmp_path):
     [
         ("[]", "not an object"),
         ('{"format": "fp8ray-archive", "version": 2}', "'codec' is missing"),
-        ('{"format": "fp8ray-archive", "version": 2, "codec": {}, "blocks": 1, "raw_bytes": 1, "archive_bytes": 1, "parts": [{"name": "../x"}]}', "part entry 0 lacks"),
+        (
+            (
+                '{"format": "fp8ray-archive", "version": 2, "fp8ray_version": "0", "codec": {}, "source": "s", "blocks": 1, '
+                '"raw_bytes": 1, "frame_bytes": 1, "archive_bytes": 1, "parts": [{"name": "../x"}]}'
+            ),
+            "part entry 0's 'blocks' is missing",
+        ),
     ],
 )
 def test_damaged_manifests_are_refused_by_name(tmp_path, text, message):

@@ -1,0 +1,212 @@
+"""Reading single blocks out of an archive, as ``safetensors.safe_open`` reads one tensor.
+
+:func:`open_archive` reads the manifest; a block's file and key are found in the
+``file``/``key`` columns of the parts that hold that file (the layout says which rows
+are whose: parts hold the blocks in source order), each part's Parquet footer read once
+and kept. :meth:`ArchiveReader.get` then reads the ``frame`` column of the one row group
+holding the block, and decodes it, checked by the frame's own CRC-32C (the part's CRC
+covers the whole file: it is checked by ``verify`` and ``decompress``, not here). Parts
+written since row groups were bounded in bytes (:data:`fp8ray.io.archive.ROW_GROUP_BYTES`)
+give a large block a row group of its own; older parts are read a row group (up to 64
+blocks) at a time.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Self
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+
+from ..codec import decode
+from ..errors import BadInputError, CorruptArchiveError
+from . import archive
+from .paths import os_reason, printable, redact, resolve
+from .records import Manifest, Part
+
+
+def open_archive(uri: str, *, filesystem: pafs.FileSystem | None = None) -> ArchiveReader:
+    """A reader of the archive at ``uri`` (a local path or a URI such as ``s3://...``).
+    ``filesystem``: read through this ``pyarrow.fs`` filesystem instead, ``uri`` being a
+    path in it. Only the manifest is read here."""
+    return ArchiveReader(uri, filesystem)
+
+
+@dataclass
+class _PartIndex:
+    """What a reader keeps of one part once it has looked into it."""
+
+    metadata: pq.FileMetaData  # its footer, not read again
+    rows: dict[tuple[str, str], int]  # (file, key) -> row
+    keys: list[tuple[str, str]]  # (file, key) of each row, in order
+    group_starts: list[int]  # first row of each row group
+
+
+class ArchiveReader:
+    """An archive opened for reading blocks one at a time (:func:`open_archive`).
+
+    Blocks are named by ``(file, key)``: ``file`` is a source file's name as the archive
+    records it (:meth:`files`; a version 1 archive has one, ``""``); it may be left out
+    where the key is in one file only.
+    """
+
+    def __init__(self, uri: str, filesystem: pafs.FileSystem | None = None):
+        self._fs, self._dir = (filesystem, uri.rstrip("/")) if filesystem is not None else resolve(uri)
+        self._uri = uri
+        self.manifest: Manifest = archive.read_manifest(self._fs, self._dir, uri)
+        self._parts: dict[int, _PartIndex] = {}
+        # The rows of each file: (first, end) in the archive's order of blocks.
+        starts = [0]
+        for part in self.manifest.parts:
+            starts.append(starts[-1] + part.blocks)
+        self._part_starts = starts
+        self._file_rows: dict[str, tuple[int, int]] = {}
+        if self.manifest.layout is not None:
+            row = 0
+            for f in self.manifest.layout.files:
+                self._file_rows[f.name] = (row, row + f.blocks)
+                row += f.blocks
+            if row != starts[-1]:  # rows are found by these counts: they must agree
+                raise CorruptArchiveError(
+                    f"archive {self._shown}: its manifest's layout records {row} blocks, its parts {starts[-1]}"
+                )
+        else:
+            self._file_rows[""] = (0, starts[-1])
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._parts.clear()
+
+    def files(self) -> list[str]:
+        """The source's files, in the archive's order."""
+        return list(self._file_rows)
+
+    def metadata(self, file: str) -> dict[str, str]:
+        """A safetensors file's ``__metadata__`` (``{}`` for files without, Parquet files
+        and version 1 archives)."""
+        self._check_file(file)
+        if self.manifest.layout is None:
+            return {}
+        return next(dict(f.metadata) for f in self.manifest.layout.files if f.name == file)
+
+    def keys(self, file: str | None = None) -> list[str]:
+        """The keys of ``file`` in file order; of every file (in order) when it is left out."""
+        files = [file] if file is not None else self.files()
+        out = []
+        for name in files:
+            self._check_file(name)
+            out += [key for f, key in self._idents(name) if f == name]
+        return out
+
+    def get(self, key: str, file: str | None = None, device: str | torch.device | None = None) -> torch.Tensor:
+        """The block ``key`` of ``file``, decoded (on ``device``, default the CPU).
+
+        Raises :class:`BadInputError` naming the key and file when the archive has no
+        such block, and :class:`CorruptArchiveError`, in one line naming the block, when
+        its part or frame is damaged."""
+        file = self._file_of(key) if file is None else file
+        self._check_file(file)
+        label = f"{file}:{key}" if len(self._file_rows) > 1 else key
+        try:
+            located = self._locate(file, key)
+            if located is None:
+                raise BadInputError(
+                    f"no block {printable(key)!r} in file {printable(file)!r} of archive {self._shown}", field="key"
+                )
+            index, row = located
+            part, meta = self.manifest.parts[index], self._parts[index]
+            group = bisect.bisect_right(meta.group_starts, row) - 1
+            with archive.open_part(self._fs, f"{self._dir}/{part.name}", part, self._shown) as f:
+                table = pq.ParquetFile(f, metadata=meta.metadata).read_row_group(group, columns=["frame"])
+            frame = table.column("frame").combine_chunks()[row - meta.group_starts[group]].as_buffer()
+        except CorruptArchiveError as exc:
+            raise CorruptArchiveError(f"block {printable(label)!r}: {exc}") from None
+        except (OSError, pa.ArrowException) as exc:
+            raise self._damaged(label, part, f"not readable as Parquet ({_one_line(exc)})") from None
+        try:
+            return decode(memoryview(frame), device=device)
+        except (ValueError, TypeError) as exc:
+            raise self._damaged(label, part, _one_line(exc)) from None
+
+    @property
+    def _shown(self) -> str:
+        return redact(self._uri)
+
+    def _damaged(self, label: str, part: Part, why: str) -> CorruptArchiveError:
+        return CorruptArchiveError(f"block {printable(label)!r} in part {part.name} of {self._shown} is damaged: {why}")
+
+    def _check_file(self, file: str) -> None:
+        if file not in self._file_rows:
+            raise BadInputError(f"archive {self._shown} holds no file {printable(file)!r}", field="file")
+
+    def _file_of(self, key: str) -> str:
+        """The one file holding ``key``, when no file is named."""
+        if len(self._file_rows) == 1:
+            return next(iter(self._file_rows))
+        holding = [name for name in self.files() if (name, key) in self._idents_set(name)]
+        if not holding:
+            raise BadInputError(f"no block {printable(key)!r} in any file of archive {self._shown}", field="key")
+        if len(holding) > 1:
+            raise BadInputError(
+                f"key {printable(key)!r} is in {len(holding)} files of archive {self._shown} "
+                f"({', '.join(map(printable, holding[:3]))}{', ...' if len(holding) > 3 else ''}): name the file",
+                field="file",
+            )
+        return holding[0]
+
+    def _parts_of(self, file: str) -> range:
+        """The parts holding the rows of ``file`` (parts hold the blocks in source order)."""
+        first, end = self._file_rows[file]
+        if first == end:
+            return range(0)
+        lo = bisect.bisect_right(self._part_starts, first) - 1
+        hi = bisect.bisect_left(self._part_starts, end)
+        return range(lo, hi)
+
+    def _idents(self, file: str) -> list[tuple[str, str]]:
+        return [ident for i in self._parts_of(file) for ident in self._index(i).keys]
+
+    def _idents_set(self, file: str) -> set[tuple[str, str]]:
+        return {ident for i in self._parts_of(file) for ident in self._index(i).rows}
+
+    def _locate(self, file: str, key: str) -> tuple[int, int] | None:
+        for i in self._parts_of(file):
+            row = self._index(i).rows.get((file, key))
+            if row is not None:
+                return i, row
+        return None
+
+    def _index(self, i: int) -> _PartIndex:
+        """Part ``i``'s footer and ``file``/``key`` columns, read on first use."""
+        if i not in self._parts:
+            part = self.manifest.parts[i]
+            columns = ["file", "key"] if self.manifest.version >= 2 else ["key"]
+            try:
+                with archive.open_part(self._fs, f"{self._dir}/{part.name}", part, self._shown) as f:
+                    parquet = pq.ParquetFile(f)
+                    table = parquet.read(columns=columns)
+            except (OSError, pa.ArrowException) as exc:
+                raise CorruptArchiveError(
+                    f"part {part.name} of {self._shown} is damaged: not readable as Parquet ({_one_line(exc)})"
+                ) from None
+            keys = table.column("key").to_pylist()
+            files = table.column("file").to_pylist() if "file" in columns else [""] * len(keys)
+            idents = list(zip(files, keys))
+            metadata = parquet.metadata
+            starts, row = [], 0
+            for g in range(metadata.num_row_groups):
+                starts.append(row)
+                row += metadata.row_group(g).num_rows
+            self._parts[i] = _PartIndex(metadata, {ident: r for r, ident in enumerate(idents)}, idents, starts)
+        return self._parts[i]
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error's reason on one line (pyarrow's may run over several)."""
+    return " ".join((os_reason(exc) if isinstance(exc, OSError) else str(exc)).split())

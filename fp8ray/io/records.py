@@ -1,0 +1,265 @@
+"""An archive's records: its manifest, its plan and each part's entry, as frozen dataclasses.
+
+Each record is read from its JSON by ``from_json``, which checks every field once and
+raises :class:`~fp8ray.errors.CorruptArchiveError` naming the file and the field; the
+rest of fp8ray reads attributes. ``to_json`` gives back the JSON fp8ray writes, the same
+keys with the same values (docs/FORMAT.md, "Manifest"), so archives written before and
+after these classes are byte-identical. Where the files are and how they are written is
+:mod:`fp8ray.io.archive`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..codec.bound import bound_constants
+from ..codec.options import CodecOptions
+from ..errors import CorruptArchiveError, InvalidOptionError
+from .blocks import SUFFIXES, SourceLayout
+
+ARCHIVE_FORMAT = "fp8ray-archive"
+# Version 2 added the source's layout to the manifest and the "file" column to parts;
+# version 1 archives read as before (one safetensors file back).
+ARCHIVE_VERSION = 2
+READ_VERSIONS = (1, 2)
+PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
+# What a manifest written before an option existed leaves out, and what it was then.
+LEGACY_CODEC = {"scale_dtype": "float32", "scale_choice": "amax", "nonfinite": "error"}
+CONTAINERS = ("file", "directory")
+
+
+# How errors name what a field should have been.
+_KINDS = {int: "a non-negative integer", str: "a string", dict: "an object", list: "a list", float: "a number"}
+
+
+class _Fields:
+    """One JSON object's fields, each taken checked; errors name ``label`` (the file and
+    the record) and the field."""
+
+    def __init__(self, obj: object, label: str):
+        if not isinstance(obj, dict):
+            raise CorruptArchiveError(f"{label} is a JSON {type(obj).__name__}, not an object")
+        self.obj, self.label = obj, label
+
+    def __call__(self, name: str, kind: type, *, null: bool = False, optional: bool = False) -> Any:
+        """The field ``name``, of ``kind`` (``int``: a count, never negative; ``float``: any
+        number), or ``None`` where ``null`` allows it or ``optional`` lets it be absent."""
+        if name not in self.obj:
+            if optional:
+                return None
+            raise CorruptArchiveError(f"{self.label}'s {name!r} is missing")
+        value = self.obj[name]
+        if value is None and null:
+            return None
+        if not _is(value, kind):
+            wanted = _KINDS[kind] + (" or null" if null else "")
+            raise CorruptArchiveError(f"{self.label}'s {name!r} is {_short(value)}, not {wanted}")
+        return value
+
+
+def _is(value: object, kind: type) -> bool:
+    if isinstance(value, bool):  # JSON's true is no count
+        return False
+    if kind is int:
+        return isinstance(value, int) and value >= 0
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _strings(value: dict, label: str) -> None:
+    """Refuse an object whose keys and values are not all strings (safetensors metadata)."""
+    bad = [k for k, v in value.items() if not isinstance(v, str)]
+    if bad:
+        raise CorruptArchiveError(f"{label}'s {bad[0]!r} is {_short(value[bad[0]])}, not a string")
+
+
+@dataclass(frozen=True)
+class Part:
+    """What the manifest (and a part's sidecar) records of one part."""
+
+    name: str  # part-NNNNN.parquet, in the archive's directory
+    blocks: int
+    raw_bytes: int
+    frame_bytes: int
+    file_bytes: int
+    crc32c: int  # of the whole file
+    first_key: str | None  # None: a part without blocks
+    last_key: str | None
+
+    @classmethod
+    def from_json(cls, obj: object, where: str) -> Part:
+        """A part entry; ``where`` names the file and entry (``"…/_manifest.json: part entry 3"``)."""
+        field = _Fields(obj, where)
+        part = cls(
+            name=field("name", str),
+            blocks=field("blocks", int),
+            raw_bytes=field("raw_bytes", int),
+            frame_bytes=field("frame_bytes", int),
+            file_bytes=field("file_bytes", int),
+            crc32c=field("crc32c", int),
+            first_key=field("first_key", str, null=True),
+            last_key=field("last_key", str, null=True),
+        )
+        if "/" in part.name or not part.name.startswith(PART_PREFIX):
+            raise CorruptArchiveError(f"{where} names {part.name!r}, not a part of this archive")
+        if part.crc32c >= 1 << 32:
+            raise CorruptArchiveError(f"{where}'s 'crc32c' is {part.crc32c}, more than 32 bits")
+        return part
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _layout(obj: object, label: str) -> SourceLayout:
+    """The source's layout a manifest records, checked field by field."""
+    field = _Fields(obj, label)
+    kind, container = field("kind", str), field("container", str)
+    if kind not in SUFFIXES.values():
+        raise CorruptArchiveError(f"{label}'s 'kind' is {kind!r}, not one of {sorted(SUFFIXES.values())}")
+    if container not in CONTAINERS:
+        raise CorruptArchiveError(f"{label}'s 'container' is {container!r}, not one of {list(CONTAINERS)}")
+    for i, entry in enumerate(field("files", list)):
+        file = _Fields(entry, f"{label}, file {i}")
+        file("name", str)
+        file("blocks", int)
+        file("schema", str, null=True, optional=True)
+        metadata = file("metadata", dict, optional=True)
+        if metadata:
+            _strings(metadata, f"{label}, file {i}'s metadata")
+    for i, entry in enumerate(field("skipped", list, optional=True) or ()):
+        skipped = _Fields(entry, f"{label}, skipped entry {i}")
+        skipped("name", str)
+        skipped("reason", str)
+    try:
+        return SourceLayout.from_dict(obj)
+    except TypeError as exc:  # a field this reader does not know
+        raise CorruptArchiveError(f"{label}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An archive's ``_manifest.json``: what it holds, how it was encoded, the source's
+    layout (to give it back) and each part's size and CRC-32C."""
+
+    version: int
+    fp8ray_version: str
+    codec: dict[str, Any]  # as recorded: a manifest from before an option lacks it (see ``options``)
+    lossless: str | None  # None: version 1, before the lossless stage
+    error_bound: dict[str, float] | None  # the codec's bound terms (fp8ray.codec.bound); None: version 1
+    layout: SourceLayout | None  # None: version 1, which restores as one safetensors file
+    source: str  # redacted: never a URI's credentials
+    blocks: int
+    raw_bytes: int
+    frame_bytes: int
+    archive_bytes: int
+    parts: tuple[Part, ...]
+
+    @property
+    def options(self) -> CodecOptions:
+        """The codec options the archive was written with (:data:`LEGACY_CODEC` for what
+        an older manifest leaves out)."""
+        return CodecOptions.parse({**LEGACY_CODEC, **self.codec})
+
+    @classmethod
+    def from_json(cls, obj: object, where: str) -> Manifest:
+        """The manifest in ``obj``, read from the file ``where`` (named in errors)."""
+        label = f"{where}: the manifest"
+        if not isinstance(obj, dict):
+            raise CorruptArchiveError(f"{label} is a JSON {type(obj).__name__}, not an object")
+        if obj.get("format") != ARCHIVE_FORMAT or obj.get("version") not in READ_VERSIONS or isinstance(obj.get("version"), bool):
+            raise CorruptArchiveError(
+                f"{where}: format {obj.get('format')!r} version {obj.get('version')!r}, "
+                f"expected {ARCHIVE_FORMAT!r} version {' or '.join(map(str, READ_VERSIONS))}"
+            )
+        field = _Fields(obj, label)
+        codec = field("codec", dict)
+        try:
+            options = CodecOptions.parse({**LEGACY_CODEC, **codec})
+        except InvalidOptionError as exc:
+            raise CorruptArchiveError(f"{label}'s 'codec' is not valid: {exc}") from None
+        bound = field("error_bound", dict, optional=True)
+        if bound:  # an empty one records nothing: verify derives the bound
+            terms = bound_constants(options.fmt, options.scaling)
+            if set(bound) != set(terms) or not all(_is(v, float) for v in bound.values()):
+                raise CorruptArchiveError(f"{label}'s 'error_bound' is {_short(bound)}, not numbers for {sorted(terms)}")
+        layout = field("layout", dict, optional=True)
+        parts = field("parts", list)
+        return cls(
+            version=obj["version"],
+            fp8ray_version=field("fp8ray_version", str),
+            codec=codec,
+            lossless=field("lossless", str, optional=True),
+            error_bound=bound,
+            layout=_layout(layout, f"{label}'s layout") if layout is not None else None,
+            source=field("source", str),
+            blocks=field("blocks", int),
+            raw_bytes=field("raw_bytes", int),
+            frame_bytes=field("frame_bytes", int),
+            archive_bytes=field("archive_bytes", int),
+            parts=tuple(Part.from_json(entry, f"{where}: part entry {i}") for i, entry in enumerate(parts)),
+        )
+
+    def to_json(self) -> dict:
+        """The manifest as fp8ray writes it: what a version 1 manifest lacks stays out."""
+        out: dict[str, Any] = {
+            "format": ARCHIVE_FORMAT, "version": self.version, "fp8ray_version": self.fp8ray_version, "codec": self.codec,
+        }
+        if self.lossless is not None:
+            out["lossless"] = self.lossless
+        if self.error_bound is not None:
+            out["error_bound"] = self.error_bound
+        if self.layout is not None:
+            out["layout"] = self.layout.as_dict()
+        out.update(
+            source=self.source,
+            blocks=self.blocks,
+            raw_bytes=self.raw_bytes,
+            frame_bytes=self.frame_bytes,
+            archive_bytes=self.archive_bytes,
+            parts=[p.to_json() for p in self.parts],
+        )
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An unfinished archive's ``_plan.json``: a resumed run must find the same source,
+    options and parts."""
+
+    source: str  # redacted
+    codec: dict[str, Any]
+    lossless: str
+    parts: tuple[tuple[tuple[str, str], ...], ...]  # each part's blocks as (file, key)
+
+    @classmethod
+    def from_json(cls, obj: object, where: str) -> Plan:
+        """The plan in ``obj``, read from the file ``where`` (named in errors)."""
+        label = f"{where}: the plan"
+        field = _Fields(obj, label)
+        parts = field("parts", list)
+        for i, part in enumerate(parts):
+            if not isinstance(part, list) or not all(
+                isinstance(b, list) and len(b) == 2 and all(isinstance(s, str) for s in b) for b in part
+            ):
+                raise CorruptArchiveError(f"{label}'s part {i} is {_short(part)}, not a list of [file, key] pairs")
+        return cls(
+            source=field("source", str),
+            codec=field("codec", dict),
+            lossless=field("lossless", str),
+            parts=tuple(tuple((file, key) for file, key in part) for part in parts),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "source": self.source,
+            "codec": self.codec,
+            "lossless": self.lossless,
+            "parts": [[[file, key] for file, key in part] for part in self.parts],
+        }

@@ -1,0 +1,198 @@
+"""One block out of an archive (fp8ray.open_archive): the same tensor decompress gives,
+reading little more than that block's frames, locally and on S3; a missing block and a
+damaged part named in one line."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+import torch
+from _util import moto_s3
+from safetensors.torch import load_file, save_file
+
+import fp8ray
+from fp8ray.engine.archives import compress_archive, decompress_archive
+from fp8ray.errors import BadInputError, CorruptArchiveError
+from fp8ray.io import archive
+from fp8ray.io.paths import resolve
+
+INLINE = {"workers": 1, "address": "inline"}
+DATA = Path(__file__).parent / "data"
+FILES = ["a.safetensors", "deep/b.safetensors", "deep/c.safetensors"]
+BLOCK = (2, 2, 64, 256)  # 64 Ki elements: 128 KiB of bf16, a frame of about 66 KiB
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    """A three-file source (the same keys in each file), its archive (parts of about
+    four blocks, each large block a row group of its own) and what decompress gives back."""
+    root = tmp_path_factory.mktemp("reader")
+    g = torch.Generator().manual_seed(7)
+    for i, name in enumerate(FILES):
+        (root / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        tensors = {f"layer{j}.kv": torch.randn(BLOCK, generator=g).to(torch.bfloat16) for j in range(8)}
+        tensors[f"only{i}"] = torch.randn(3, 50, generator=g).to(torch.float16)
+        save_file(tensors, str(root / "src" / name), metadata={"file": str(i)})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(archive, "ROW_GROUP_BYTES", 100_000)  # the row groups a 1 MiB bound gives 1 MiB blocks, scaled down
+        compress_archive(str(root / "src"), str(root / "arch"), part_bytes=600_000, lossless="none", **INLINE)
+    decompress_archive(str(root / "arch"), str(root / "out"), **INLINE)
+    restored = {name: load_file(root / "out" / name) for name in FILES}
+    return root / "arch", restored
+
+
+def test_every_block_read_alone_equals_decompress(multi):
+    arch, restored = multi
+    reader = fp8ray.open_archive(str(arch))
+    assert reader.files() == FILES and len(reader.manifest.parts) > 2
+    for name in FILES:
+        assert reader.keys(name) == list(restored[name]) and reader.metadata(name) == {"file": str(FILES.index(name))}
+        for key, tensor in restored[name].items():
+            block = reader.get(key, name)
+            assert block.dtype == tensor.dtype and torch.equal(block, tensor), (name, key)
+    assert reader.get("only1").equal(restored["deep/b.safetensors"]["only1"])  # a key in one file needs no file
+    assert reader.keys() == [k for name in FILES for k in restored[name]]
+
+
+class _Counting(io.RawIOBase):
+    """A file whose reads are added up in ``counter``."""
+
+    def __init__(self, inner: pa.NativeFile, counter: list[int]):
+        self.inner, self.counter = inner, counter
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.inner.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.inner.tell()
+
+    def readinto(self, buffer) -> int:
+        data = self.inner.read(len(buffer))
+        buffer[: len(data)] = data
+        self.counter[0] += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self.inner.close()
+        super().close()
+
+
+class CountingHandler(pafs.FileSystemHandler):
+    """A local filesystem that counts the bytes read through it."""
+
+    def __init__(self):
+        self.fs, self.read = pafs.LocalFileSystem(), [0]
+
+    def get_type_name(self):
+        return "counting"
+
+    def normalize_path(self, path):
+        return path
+
+    def get_file_info(self, paths):
+        return self.fs.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.fs.get_file_info(selector)
+
+    def open_input_file(self, path):
+        return pa.PythonFile(_Counting(self.fs.open_input_file(path), self.read), mode="r")
+
+    def open_input_stream(self, path):
+        return self.open_input_file(path)
+
+    def _read_only(self, *args):
+        raise OSError("read only")
+
+    create_dir = delete_dir = delete_dir_contents = delete_root_dir_contents = delete_file = _read_only
+    move = copy_file = open_output_stream = open_append_stream = _read_only
+
+
+def test_one_block_reads_little_more_than_its_frame(multi):
+    """The goal scaled down (row groups of 100 KB where archives have 1 MiB): one block
+    reads its part's footer, its part's file and key columns and its own frame."""
+    arch, _ = multi
+    counting = CountingHandler()
+    reader = fp8ray.open_archive(str(arch), filesystem=pafs.PyFileSystem(counting))
+    manifest_bytes = counting.read[0]
+    reader.get("layer2.kv", "deep/b.safetensors")
+    first = counting.read[0] - manifest_bytes
+    frame = fp8ray.Fp8Codec(options=reader.manifest.options).encoded_size(BLOCK, torch.bfloat16)
+    footer_and_keys = 64 << 10  # pyarrow reads a footer 64 KiB at a time
+    assert first <= frame + footer_and_keys + (16 << 10), (first, frame)
+    assert first * 8 < reader.manifest.archive_bytes
+    before = counting.read[0]  # the part's footer and keys are kept: another block reads its frame
+    reader.get("layer3.kv", "deep/b.safetensors")
+    assert counting.read[0] - before <= frame * 1.1, (counting.read[0] - before, frame)
+
+
+def test_archives_written_before_read_by_block():
+    """Version 2 parts of 64-row groups, and a version 1 archive (no file column, one file "")."""
+    names = ("req0.safetensors", "tenant_b/req1.safetensors")
+    sources = {k: v for name in names for k, v in load_file(DATA / "v2_source" / name).items()}
+    v2 = fp8ray.open_archive(str(DATA / "v2_archive"))
+    assert v2.files() == list(names) and v2.metadata("req0.safetensors") == {"request": "0"}
+    assert torch.equal(v2.get("x", "tenant_b/req1.safetensors"), sources["x"])
+    v1 = fp8ray.open_archive(str(DATA / "v1_archive"))
+    assert v1.files() == [""] and v1.keys() == list(sources)
+    assert all(torch.equal(v1.get(key), tensor) for key, tensor in sources.items())
+
+
+def test_a_missing_block_names_the_key_and_file(multi):
+    arch, _ = multi
+    reader = fp8ray.open_archive(str(arch))
+    with pytest.raises(BadInputError, match=r"^no block 'layer9.kv' in file 'deep/c.safetensors' of archive .*arch$"):
+        reader.get("layer9.kv", "deep/c.safetensors")
+    with pytest.raises(BadInputError, match=r"holds no file 'deep/d.safetensors'"):
+        reader.get("layer0.kv", "deep/d.safetensors")
+    with pytest.raises(BadInputError, match=r"^key 'layer0.kv' is in 3 files of archive .*: name the file$"):
+        reader.get("layer0.kv")
+    with pytest.raises(BadInputError, match=r"^no block 'nope' in any file of archive"):
+        reader.get("nope")
+
+
+def test_blocks_read_from_s3(multi):
+    """The same archive on S3 (moto): blocks read alone equal those decompress gave."""
+    arch, restored = multi
+    with moto_s3("archives") as uri:
+        fs, path = resolve(uri("kv.fp8"))
+        pafs.copy_files(str(arch), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+        reader = fp8ray.open_archive(uri("kv.fp8"))
+        assert reader.files() == FILES
+        for name, key in [("a.safetensors", "layer0.kv"), ("deep/c.safetensors", "layer7.kv"), ("deep/b.safetensors", "only1")]:
+            assert torch.equal(reader.get(key, name), restored[name][key]), (name, key)
+        with pytest.raises(BadInputError, match=r"no block 'nope' in file 'a.safetensors' of archive s3://\*\*\*@archives/"):
+            reader.get("nope", "a.safetensors")
+
+
+def test_a_damaged_part_names_the_block_in_one_line(multi, tmp_path):
+    arch, restored = multi
+    shutil.copytree(arch, tmp_path / "arch")
+    part = tmp_path / "arch" / "part-00000.parquet"
+    frame = pq.read_table(part, columns=["frame"]).column("frame")[1].as_py()  # a.safetensors:layer1.kv
+    data = bytearray(part.read_bytes())
+    at = data.find(frame[1000:1100]) + 50
+    data[at] ^= 0x10
+    part.write_bytes(bytes(data))
+    reader = fp8ray.open_archive(str(tmp_path / "arch"))
+    with pytest.raises(CorruptArchiveError) as caught:
+        reader.get("layer1.kv", "a.safetensors")
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("block 'a.safetensors:layer1.kv' in part part-00000.parquet of "), message
+    assert "is damaged" in message
+    assert torch.equal(reader.get("layer0.kv", "a.safetensors"), restored["a.safetensors"]["layer0.kv"])  # its neighbours read
+    part.unlink()
+    with pytest.raises(CorruptArchiveError, match=r"^block 'a.safetensors:layer0.kv': part part-00000.parquet is missing"):
+        fp8ray.open_archive(str(tmp_path / "arch")).get("layer0.kv", "a.safetensors")
