@@ -92,8 +92,9 @@ class Fp8Decoder:
                     decode(f, out=target)
                 else:  # decoded on the GPU, then copied into the buffer
                     result = decode(f, device=self.device)
+                    # copy_ would convert or broadcast another dtype or shape
                     if (result.dtype, tuple(result.shape)) != (target.dtype, tuple(target.shape)):
-                        raise ValueError("the frame holds another dtype or shape")  # copy_ would convert or broadcast
+                        raise MismatchError("the frame holds another dtype or shape", field=key)
                     target.copy_(result)
             except CorruptDataError as exc:
                 raise block_error(key, exc) from exc
