@@ -199,7 +199,7 @@ def forward(model, input_ids: torch.Tensor, cache=None):
     return out.logits, cache
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_parameters(cls) -> frozenset[str]:
     import inspect
 
