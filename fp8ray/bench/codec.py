@@ -67,10 +67,12 @@ def copy_bandwidth(nbytes: int, repeat: int) -> float:
     return 2 * nbytes / _seconds(lambda: dst.copy_(src), repeat) / 1e9
 
 
-def bench_codec(modes: list[CodecOptions], dtype: torch.dtype = torch.bfloat16, chunks: int = 4, repeat: int = 5) -> list[Row]:
-    """Measure encode and decode of ``chunks`` sample KV chunks ([2, 30, 256, 192] each)
-    under each of ``modes``."""
-    x = torch.cat([sample_kv_chunk(seed=i, dtype=dtype) for i in range(chunks)], dim=1)
+def bench_codec(
+    modes: list[CodecOptions], dtype: torch.dtype = torch.bfloat16, chunks: int = 4, repeat: int = 5, tokens: int = 256
+) -> list[Row]:
+    """Measure encode and decode of ``chunks`` sample KV chunks ([2, 30, ``tokens``, 192]
+    each) under each of ``modes``."""
+    x = torch.cat([sample_kv_chunk(tokens=tokens, seed=i, dtype=dtype) for i in range(chunks)], dim=1)
     in_bytes = x.numel() * x.element_size()
     # Bring the allocator to a long-running process's steady state: until a block this
     # large has been freed once, glibc maps each new one fresh from the kernel, and the
@@ -78,25 +80,33 @@ def bench_codec(modes: list[CodecOptions], dtype: torch.dtype = torch.bfloat16, 
     torch.empty(4 * in_bytes, dtype=torch.uint8)
     rows = []
     for mode in dict.fromkeys(with_plain_twins(modes)):  # each once, in order
-        codec = Fp8Codec(options=mode)
-        frame = codec.encode(x)
-        moved = in_bytes + len(frame)  # read plus written, either way
-        copy = copy_bandwidth(in_bytes, repeat)
-        args = (codec.fmt, mode.scaling, mode.block_size)
-        t_fast_enc = _seconds(lambda: codec.encode(x), repeat)
-        t_ref_enc = _seconds(lambda: reference.quantize(x, *args, False, mode.scale_dtype, mode.scale_choice), max(1, repeat // 2))
-        codes, scales, _ = reference.quantize(x, *args, False, mode.scale_dtype, mode.scale_choice)
-        out = torch.empty_like(x)
-        t_fast_dec = _seconds(lambda: decode(frame, out=out), repeat)
-        t_fast_dec_new = _seconds(lambda: decode(frame), repeat)
-        t_ref_dec = _seconds(
-            lambda: reference.dequantize(codes, scales, codec.fmt, mode.scaling, tuple(x.shape), dtype, mode.block_size),
-            max(1, repeat // 2),
-        )
-        rows.append(Row(mode, "encode", moved / t_fast_enc / 1e9, moved / t_ref_enc / 1e9, copy))
-        rows.append(Row(mode, "decode", moved / t_fast_dec / 1e9, moved / t_ref_dec / 1e9, copy))
-        rows.append(Row(mode, "decode, new tensor", moved / t_fast_dec_new / 1e9, moved / t_ref_dec / 1e9, copy))
+        rows += _measure(mode, x, repeat)
     return rows
+
+
+def _measure(mode: CodecOptions, x: torch.Tensor, repeat: int) -> list[Row]:
+    """The three rows of one mode: encode, decode, and decode into a new tensor."""
+    in_bytes = x.numel() * x.element_size()
+    codec = Fp8Codec(options=mode)
+    frame = codec.encode(x)
+    moved = in_bytes + len(frame)  # read plus written, either way
+    copy = copy_bandwidth(in_bytes, repeat)
+    args = (codec.fmt, mode.scaling, mode.block_size)
+    t_fast_enc = _seconds(lambda: codec.encode(x), repeat)
+    t_ref_enc = _seconds(lambda: reference.quantize(x, *args, False, mode.scale_dtype, mode.scale_choice), max(1, repeat // 2))
+    codes, scales, _ = reference.quantize(x, *args, False, mode.scale_dtype, mode.scale_choice)
+    out = torch.empty_like(x)
+    t_fast_dec = _seconds(lambda: decode(frame, out=out), repeat)
+    t_fast_dec_new = _seconds(lambda: decode(frame), repeat)
+    t_ref_dec = _seconds(
+        lambda: reference.dequantize(codes, scales, codec.fmt, mode.scaling, tuple(x.shape), x.dtype, mode.block_size),
+        max(1, repeat // 2),
+    )
+    return [
+        Row(mode, "encode", moved / t_fast_enc / 1e9, moved / t_ref_enc / 1e9, copy),
+        Row(mode, "decode", moved / t_fast_dec / 1e9, moved / t_ref_dec / 1e9, copy),
+        Row(mode, "decode, new tensor", moved / t_fast_dec_new / 1e9, moved / t_ref_dec / 1e9, copy),
+    ]
 
 
 def plain_twin(mode: CodecOptions) -> CodecOptions:

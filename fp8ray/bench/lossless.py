@@ -23,7 +23,12 @@ DEFAULT_STAGES = ("none", "lz4", "zstd:1", "zstd:3", "zstd:6")
 
 
 def bench_lossless(
-    source: str, stages=DEFAULT_STAGES, options: CodecOptions | None = None, workers: int = 2, repeat: int = 5, address: str | None = None
+    source: str,
+    stages=DEFAULT_STAGES,
+    options: CodecOptions | None = None,
+    workers: int = 2,
+    repeat: int = 5,
+    address: str | None = None,
 ) -> str:
     options = options or CodecOptions()
     raw = os.path.getsize(source)

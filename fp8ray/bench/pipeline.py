@@ -76,8 +76,13 @@ def _size(path: str) -> int:
 
 
 def bench_pipeline(
-    mib: int = 512, max_workers: int = 2, options: CodecOptions | None = None, repeat: int = 3,
-    lossless: str = DEFAULT_LOSSLESS, address: str | None = None, files: int = 8,
+    mib: int = 512,
+    max_workers: int = 2,
+    options: CodecOptions | None = None,
+    repeat: int = 3,
+    lossless: str = DEFAULT_LOSSLESS,
+    address: str | None = None,
+    files: int = 8,
 ) -> str:
     """The table of the module docstring, for 1..``max_workers`` workers, on a source of
     ``files`` safetensors files (a directory, or one file for ``files=1``)."""
@@ -85,11 +90,8 @@ def bench_pipeline(
     chunks = max(files, mib * 2**20 // CHUNK_BYTES)
     tensors = {f"chunk{i:04d}": sample_kv_chunk(seed=i) for i in range(chunks)}
     raw = chunks * CHUNK_BYTES
-    codec = Fp8Codec(options=options)
     blocks = list(tensors.values())
-    codec_seconds = statistics.median(_timed(lambda: [codec.encode(t) for t in blocks]) for _ in range(repeat))
-    frames = [codec.encode(t) for t in blocks]
-    decode_seconds = statistics.median(_timed(lambda: [decode(f) for f in frames]) for _ in range(repeat))
+    codec_seconds, decode_seconds = _codec_alone(Fp8Codec(options=options), blocks, repeat)
     buffer = bytearray(IO_PIECE)
     where = "one safetensors file" if files == 1 else f"a directory of {files} safetensors files"
     lines = [
@@ -97,17 +99,17 @@ def bench_pipeline(
         f"codec {options.label()}; lossless {lossless}; median of {repeat}",
         describe_machine(),
         "",
-        f"codec alone, in this process ({cpu.num_threads()} threads, data in memory): encode {raw / codec_seconds / 1e9:.2f} GB/s, "
-        f"decode {raw / decode_seconds / 1e9:.2f} GB/s",
+        f"codec alone, in this process ({cpu.num_threads()} threads, data in memory): "
+        f"encode {raw / codec_seconds / 1e9:.2f} GB/s, decode {raw / decode_seconds / 1e9:.2f} GB/s",
         "",
-        "| workers | pool start s | compress GB/s | I/O bound | / I/O | / codec | decompress GB/s | I/O bound | / I/O | / codec |",
+        "| workers | pool start s | compress GB/s | I/O bound | / I/O | / codec "
+        "| decompress GB/s | I/O bound | / I/O | / codec |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     owns = connect_ray(address, max(max_workers, os.cpu_count() or 1)) if address != "inline" else False
     tmp = tempfile.mkdtemp(prefix="fp8ray-bench-", dir=os.environ.get("FP8RAY_BENCH_DIR"))
     try:
         source = _write_source(tmp, tensors, files)
-        del frames
         store_row = None
         for workers in range(1, max_workers + 1):
             start = time.perf_counter()
@@ -135,7 +137,8 @@ def bench_pipeline(
                 c, d = statistics.median(r[0] for r in runs), statistics.median(r[2] for r in runs)
                 bc, bd = min(r[1] for r in runs), min(r[3] for r in runs)
                 lines.append(
-                    f"| {workers} | {pool_start:.1f} | {raw / c / 1e9:.2f} | {raw / bc / 1e9:.2f} | {bc / c:.2f} | {codec_seconds / c:.2f} "
+                    f"| {workers} | {pool_start:.1f} | {raw / c / 1e9:.2f} | {raw / bc / 1e9:.2f} | {bc / c:.2f} "
+                    f"| {codec_seconds / c:.2f} "
                     f"| {raw / d / 1e9:.2f} | {raw / bd / 1e9:.2f} | {bd / d:.2f} | {decode_seconds / d:.2f} |"
                 )
                 if workers == max_workers:
@@ -166,6 +169,13 @@ def _write_source(tmp: str, tensors: dict, files: int) -> str:
             for k in group:
                 writer.write(tensor_to_bytes(tensors[k]))
     return root if files > 1 else os.path.join(tmp, "kv.safetensors")
+
+
+def _codec_alone(codec: Fp8Codec, blocks: list, repeat: int) -> tuple[float, float]:
+    """Median seconds to encode ``blocks``, and to decode their frames, in this process."""
+    encode_seconds = statistics.median(_timed(lambda: [codec.encode(t) for t in blocks]) for _ in range(repeat))
+    frames = [codec.encode(t) for t in blocks]
+    return encode_seconds, statistics.median(_timed(lambda: [decode(f) for f in frames]) for _ in range(repeat))
 
 
 def _object_store(pool: QuantPool, blocks: list, options: CodecOptions, repeat: int) -> tuple[float, float]:

@@ -2,7 +2,7 @@
 the library and prints; this module dispatches and turns every error into one line.
 
 Command modules: :mod:`~fp8ray.cli.archives` (compress, decompress, verify, inspect),
-:mod:`~fp8ray.cli.stores` (lmcache-compress, lmcache-decompress), :mod:`~fp8ray.cli.eval`
+:mod:`~fp8ray.cli.stores` (lmcache-compress, lmcache-decompress), :mod:`~fp8ray.cli.evaluate`
 (capture, fidelity, eval-model), :mod:`~fp8ray.cli.serve`, :mod:`~fp8ray.cli.bench`,
 :mod:`~fp8ray.cli.demo`. Each has ``add_commands(commands)``, which adds its subparsers
 with ``set_defaults(handler=run)``; heavy packages (Ray, transformers) are imported
@@ -16,10 +16,10 @@ import sys
 
 from .. import __version__
 from ..errors import Fp8rayError
-from . import archives, bench, demo, eval, serve, stores
+from . import archives, bench, demo, evaluate, serve, stores
 from .common import interrupted_state, interrupts
 
-COMMAND_MODULES = (archives, stores, eval, serve, bench, demo)
+COMMAND_MODULES = (archives, stores, evaluate, serve, bench, demo)
 # Which extra brings a missing module (pyproject.toml [project.optional-dependencies]).
 EXTRAS = (("transformers", "models"), ("gguf", "models"), ("matplotlib", "models"), ("ray.serve", "serve"),
           ("fastapi", "serve"), ("httpx", "serve"), ("lmcache", "lmcache"))

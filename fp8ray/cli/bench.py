@@ -20,7 +20,10 @@ def add_commands(commands) -> None:
         help="repeatable (default: every scaling); the other codec options apply to each",
     )
     codec.add_argument("--dtype", choices=sorted(DTYPES_BY_NAME), default="bfloat16", help="input dtype (default bfloat16)")
-    codec.add_argument("--chunks", type=positive_int, default=4, help="sample chunks of [2, 30, 256, 192] (default 4)")
+    codec.add_argument("--chunks", type=positive_int, default=4, help="sample chunks of [2, 30, TOKENS, 192] (default 4)")
+    codec.add_argument(
+        "--tokens", type=positive_int, default=256, help="tokens per sample chunk (default 256; fewer for a quick run)"
+    )
     codec.add_argument("--repeat", type=positive_int, default=5, help="timed runs per figure; the median is shown (default 5)")
     codec.set_defaults(handler=run_bench_codec)
 
@@ -37,7 +40,12 @@ def add_commands(commands) -> None:
     lossless = kinds.add_parser("lossless", help="archive size and speed of each lossless stage on a real KV cache")
     lossless.add_argument(
         "--source", default="out/demo/kv_smollm2.safetensors",
-        help="a KV cache in safetensors (default out/demo/kv_smollm2.safetensors, which fp8ray demo writes; captured from the shipped model if missing)",
+        help="a KV cache in safetensors (default out/demo/kv_smollm2.safetensors, which fp8ray demo writes; "
+        "captured from the shipped model if missing)",
+    )
+    lossless.add_argument(
+        "--tokens", type=positive_int,
+        help="when --source is missing, capture only the first N tokens of the shipped text (default: all of it)",
     )
     lossless.add_argument("--stages", default="none,lz4,zstd:1,zstd:3,zstd:6", help="comma-separated (default none,lz4,zstd:1,zstd:3,zstd:6)")
     codec_arguments(lossless)
@@ -82,8 +90,8 @@ def run_bench_codec(args) -> int:
             if args.scaling:  # asked for: say why it cannot be measured
                 raise
             # else a scaling the given options do not apply to (mse needs token or block)
-    rows = bench_codec(modes, getattr(torch, args.dtype), args.chunks, args.repeat)
-    title = f"fp8ray bench codec: {args.dtype} input, {args.chunks} x [2, 30, 256, 192]\n{describe_machine()}"
+    rows = bench_codec(modes, getattr(torch, args.dtype), args.chunks, args.repeat, args.tokens)
+    title = f"fp8ray bench codec: {args.dtype} input, {args.chunks} x [2, 30, {args.tokens}, 192]\n{describe_machine()}"
     print(format_table(rows, title))
     return 0
 
@@ -109,7 +117,7 @@ def run_bench_lossless(args) -> int:
         from ..eval.eval_model import DEFAULT_TEXT
 
         os.makedirs(os.path.dirname(args.source) or ".", exist_ok=True)
-        capture(args.source, DEFAULT_TEXT)
+        capture(args.source, DEFAULT_TEXT, tokens=args.tokens)
     print(bench_lossless(args.source, stages, codec_options(args), args.workers, args.repeat))
     return 0
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidOptionError
+
 SMALLEST_NORMAL_SCALE = 2.0**-126
 
 
@@ -122,7 +124,9 @@ def scale_candidates(fmt: Fp8Format, scale_choice: str) -> tuple[float, ...]:
         values = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
         top = values[torch.isfinite(values) & (values > fmt.max / 2) & (values <= fmt.max)]
         return tuple(sorted((float(v) for v in top), reverse=True))
-    raise ValueError(f"unknown scale_choice {scale_choice!r}; expected one of {list(SCALE_CHOICES)}")
+    raise InvalidOptionError(
+        f"unknown scale_choice {scale_choice!r}; expected one of {list(SCALE_CHOICES)}", field="scale_choice"
+    )
 
 
 def get_format(fp8: str | torch.dtype | Fp8Format) -> Fp8Format:
@@ -132,12 +136,14 @@ def get_format(fp8: str | torch.dtype | Fp8Format) -> Fp8Format:
     if isinstance(fp8, torch.dtype):
         if fp8 in FORMATS_BY_DTYPE:
             return FORMATS_BY_DTYPE[fp8]
-        raise ValueError(f"unsupported fp8 dtype {fp8}; expected one of {sorted(str(f.dtype) for f in FORMATS.values())}")
+        raise InvalidOptionError(
+            f"unsupported fp8 dtype {fp8}; expected one of {sorted(str(f.dtype) for f in FORMATS.values())}", field="fp8"
+        )
     if isinstance(fp8, str):
         name = fp8.removeprefix("torch.").removeprefix("float8_")
         if name in FORMATS:
             return FORMATS[name]
-    raise ValueError(f"unknown fp8 format {fp8!r}; expected one of {sorted(FORMATS)}")
+    raise InvalidOptionError(f"unknown fp8 format {fp8!r}; expected one of {sorted(FORMATS)}", field="fp8")
 
 
 def num_scales(scaling: str, shape: tuple[int, ...], block_size: int) -> int:
@@ -158,4 +164,4 @@ def num_scales(scaling: str, shape: tuple[int, ...], block_size: int) -> int:
         return math.prod(shape[:-1]) if shape else 1
     if scaling == "block":
         return -(-numel // block_size)
-    raise ValueError(f"unknown scaling {scaling!r}; expected one of {sorted(SCALINGS)}")
+    raise InvalidOptionError(f"unknown scaling {scaling!r}; expected one of {sorted(SCALINGS)}", field="scaling")

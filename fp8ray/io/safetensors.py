@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from ..codec.formats import DTYPES_BY_NAME
-from ..errors import SafetensorsFormatError, SourceError
+from ..errors import MismatchError, SafetensorsFormatError, SourceError
 from .paths import CompleteOrNothing, os_reason, redact, resolve, temporary_name
 
 MAX_HEADER = 100_000_000  # the safetensors package's limit on the JSON header
@@ -111,13 +111,13 @@ def _unique_members(pairs: list[tuple[str, object]]) -> dict:
     seen = {}
     for key, value in pairs:
         if key in seen:
-            raise ValueError(f"key {key!r} appears twice in one object")
+            raise SafetensorsFormatError(f"key {key!r} appears twice in one object", "header")
         seen[key] = value
     return seen
 
 
 def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
+    raise SafetensorsFormatError(f"{name} is not JSON", "header")
 
 
 def _check_text(metadata: dict, what: str, field: str) -> None:
@@ -187,7 +187,7 @@ def header_prefix(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata
     offset = 0
     for key, dtype, shape, nbytes in tensors:
         if key in header:
-            raise ValueError(f"key {key!r} appears twice; safetensors keys are unique")
+            raise SafetensorsFormatError(f"key {key!r} appears twice; safetensors keys are unique", key)
         header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -230,24 +230,26 @@ class SafetensorsWriter(CompleteOrNothing):
     def write(self, data) -> None:
         size = len(memoryview(data).cast("B"))
         if self.written == len(self.tensors):
-            raise ValueError(f"all {len(self.tensors)} tensors are already written")
+            raise MismatchError(f"all {len(self.tensors)} tensors are already written")
         expected = self.sizes[self.written]
         if size != expected:
-            raise ValueError(f"tensor {self.tensors[self.written][0]!r}: got {size} bytes, expected {expected}")
+            key = self.tensors[self.written][0]
+            raise MismatchError(f"tensor {key!r}: got {size} bytes, expected {expected}", field=key)
         self.stream.write(data)
         self.written += 1
 
     def write_block(self, key: str, dtype: str, shape, data) -> None:
         """:meth:`write`, checking that this is the block the header announced next."""
         if self.written < len(self.tensors) and (key, dtype, tuple(shape)) != self.tensors[self.written]:
-            raise ValueError(f"expected tensor {self.tensors[self.written]} next, got {(key, dtype, tuple(shape))}")
+            expected = self.tensors[self.written]
+            raise MismatchError(f"expected tensor {expected} next, got {(key, dtype, tuple(shape))}", field=key)
         self.write(data)
 
     def close(self) -> None:
         self.stream.close()
         if self.written != len(self.tensors):
             self.fs.delete_file(self.tmp)
-            raise ValueError(f"only {self.written} of {len(self.tensors)} tensors were written")
+            raise MismatchError(f"only {self.written} of {len(self.tensors)} tensors were written")
         self.fs.move(self.tmp, self.path)
 
     def abort(self) -> None:

@@ -19,7 +19,7 @@ class ServiceOptions:
     max_body_mb: float = 256.0  # larger bodies are answered 413
 
     @classmethod
-    def from_args(cls, args: dict | None) -> "ServiceOptions":
+    def from_args(cls, args: dict | None) -> ServiceOptions:
         args = dict(args or {})
         unknown = set(args) - set(cls.__dataclass_fields__)
         if unknown:

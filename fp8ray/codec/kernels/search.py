@@ -19,6 +19,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ...errors import InvalidOptionError
 from .bits import _F32, _I32, _bits_to_f32, _encode_params, _i32, _load
 from .encode import _quantize_span, _span_key
 from .vectors import ENCODED, INF_BITS, LANES, VF, VI, candidate_scales, emit_encode_group, halve, is_source, splat
@@ -39,7 +40,9 @@ def pad_candidates(divisors: tuple[float, ...], fmax: float) -> np.ndarray:
     close above finfo.max back to it (the next fp8 binade's spacing is 2**-3 of it or more).
     """
     if not 0 < len(divisors) <= SEARCH_WIDTH or not all(0 < d <= fmax for d in divisors):
-        raise ValueError(f"the scale search takes 1 to {SEARCH_WIDTH} divisors in (0, {fmax}], got {divisors}")
+        raise InvalidOptionError(
+            f"the scale search takes 1 to {SEARCH_WIDTH} divisors in (0, {fmax}], got {divisors}", field="scale_choice"
+        )
     return np.array(divisors + divisors[-1:] * (SEARCH_WIDTH - len(divisors)), dtype=np.float32)
 
 

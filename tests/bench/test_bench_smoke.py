@@ -1,0 +1,127 @@
+"""Each ``fp8ray bench`` subcommand, run through the command itself on a tiny input, so
+that a benchmark cannot rot: it exits 0, prints the lines it promises, and every figure
+in them is a finite number. The figures themselves are never asserted (BENCHMARKS.md
+records them); runs are in-process, on the session's Ray, as tests/cli's are.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from fp8ray.cli import main
+
+# The shipped text's first tokens and the smallest LMCache chunk worth a table: the
+# shipped model's KV cache, captured once per process (the model loads once) by the two
+# benches that need it.
+KV_TOKENS = 32
+
+
+def bench(capsys, *argv: str) -> list[str]:
+    """The lines ``fp8ray bench ARGV`` printed, after checking that it exited 0."""
+    code = main(["bench", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, f"fp8ray bench {' '.join(argv)} exited {code}: {err}"
+    return out.splitlines()
+
+
+def figure(text: str) -> float:
+    """A printed figure (``1.23``, ``180.3x``, ``2.634%``, ``737280``), checked finite."""
+    value = float(text.strip().removesuffix("x").removesuffix("%"))
+    assert math.isfinite(value), f"figure {text!r} is not finite"
+    return value
+
+
+def numbers(line: str) -> list[float]:
+    """Every number in a line of prose, checked finite (``nan`` and ``inf`` included, to fail)."""
+    found = re.findall(r"(?<![\w.])(?:\d+(?:\.\d+)?|nan|inf)(?![\w.])", line)
+    return [figure(n) for n in found]
+
+
+def table(lines: list[str], header_start: str, labels: int) -> list[tuple[list[str], list[float]]]:
+    """The rows of the Markdown table whose header starts with ``header_start``: each its
+    ``labels`` leading text cells and its figures (every other cell, all finite)."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    assert lines[start + 1].startswith("|---") or lines[start + 1].startswith("|--:")
+    header = lines[start].strip("|").split("|")
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == len(header), f"row {line!r} has {len(cells)} cells, the header {len(header)}"
+        figures = [figure(part) for cell in cells[labels:] for part in cell.split(",")]
+        rows.append((cells[:labels], figures))
+    return rows
+
+
+def test_bench_codec(capsys):
+    lines = bench(capsys, "codec", "--chunks", "1", "--tokens", "8", "--repeat", "1")
+    assert lines[0] == "fp8ray bench codec: bfloat16 input, 1 x [2, 30, 8, 192]"
+    rows = table(lines, "| mode | direction |", labels=2)
+    # Every scaling (token and block searched, each beside its plain twin), three directions each.
+    modes = dict.fromkeys(mode for (mode, _), _ in rows)
+    assert len(modes) == 7 and all(len(figures) == 5 for _, figures in rows)
+    assert [direction for (_, direction), _ in rows] == ["encode", "decode", "decode, new tensor"] * 7
+    costs = [line for line in lines if line.startswith("search cost:")]
+    assert len(costs) == 2, lines
+    for line in costs:
+        assert "of its plain twin" in line and len(numbers(line.split(" encodes at ")[1])) == 5
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_bench_pipeline(capsys):
+    lines = bench(capsys, "pipeline", "--mib", "1", "--files", "1", "--max-workers", "1", "--repeat", "1")
+    assert lines[0].startswith("fp8ray bench pipeline: 1 x [2, 30, 256, 192] bfloat16")
+    [alone] = [line for line in lines if line.startswith("codec alone, in this process")]
+    assert len(numbers(alone.split("):")[1])) == 2
+    [(_, figures)] = table(lines, "| workers |", labels=0)
+    assert figures[0] == 1 and len(figures) == 10
+    [store] = [line for line in lines if line.startswith("object store, 1 workers")]
+    assert len(numbers(store.split("):")[1])) == 4
+
+
+@pytest.mark.slow  # loads the shipped model
+@pytest.mark.usefixtures("ray_session")
+def test_bench_lossless_captures_its_source_when_missing(capsys, tmp_path):
+    source = tmp_path / "kv.safetensors"
+    argv = ["--source", str(source), "--tokens", str(KV_TOKENS), "--stages", "none,zstd:1", "--workers", "1", "--repeat", "1"]
+    lines = bench(capsys, "lossless", *argv)
+    assert source.exists() and lines[0].startswith("fp8ray bench lossless: kv.safetensors (")
+    rows = table(lines, "| lossless |", labels=1)
+    assert [stage for (stage,), _ in rows] == ["none", "zstd:1"]
+    assert all(len(figures) == 5 for _, figures in rows)
+    none = rows[0][1]
+    assert none[2] == 1.0 and none[4] == 1.0  # "vs none" of none itself
+
+
+@pytest.mark.slow  # loads the shipped model (once per process: the lossless test may have)
+def test_bench_lmcache(capsys):
+    pytest.importorskip("lmcache")
+    lines = bench(capsys, "lmcache", "--tokens", str(KV_TOKENS), "--chunk-tokens", str(KV_TOKENS), "--repeat", "1")
+    assert lines[0].startswith(f"fp8ray bench lmcache: SmolLM2-135M KV cache of {KV_TOKENS} tokens as 1 LMCache chunks")
+    rows = table(lines, "| serde |", labels=1)
+    assert [serde for (serde,), _ in rows][0] == "LMCache fp8" and len(rows) == 3  # the default mode and its fast twin
+    assert all(len(figures) == 10 for _, figures in rows)  # "err / fp8 (K, V)" holds two
+
+
+@pytest.fixture
+def serve_after(ray_session):
+    """Serve, as the bench leaves it on a Ray it did not start (its app deleted, Serve
+    running), shut down: a later test's Serve must bind its own port."""
+    yield
+    from ray import serve
+
+    serve.shutdown()
+
+
+@pytest.mark.slow  # starts Serve
+@pytest.mark.usefixtures("serve_after")
+def test_bench_serve(capsys):
+    lines = bench(capsys, "serve", "--sizes", "4K", "--concurrency", "2", "--mib-per-size", "0.01", "--workers", "1")
+    assert lines[0].startswith("fp8ray bench serve: POST /v1/encode of bf16 blocks")
+    [row] = [line for line in lines if line.lstrip().startswith("4 KiB")]
+    # The size, the requests; then rate, p50 and p99 for direct calls and for HTTP; their ratio.
+    assert len(numbers(row)) == 9
