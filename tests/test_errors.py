@@ -14,24 +14,6 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "fp8ray"
 BARE = {"ValueError", "RuntimeError", "Exception"}
 
-# Modules (paths under fp8ray/; "__init__.py" is the package's own) that other branches were
-# rewriting when this test came (issue 16): their bare raises are converted there. The lead
-# empties this list after merging those branches.
-NOT_YET = (
-    "__init__.py",
-    "bench/lmcache.py",
-    "cli/",
-    "codec/frame.py",
-    "codec/lmcache.py",
-    "engine/",
-    "eval/fidelity.py",
-    "io/archive.py",
-    "io/lmcache_store.py",
-    "io/restore.py",
-    "lmcache/",
-)
-
-
 def bare_raises(source: str) -> list[tuple[int, str]]:
     """``(line, class name)`` of each ``raise`` of a bare builtin class in ``source``."""
     found = []
@@ -65,7 +47,5 @@ def test_fp8ray_raises_its_own_classes():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         name = path.relative_to(PACKAGE).as_posix()
-        if name.startswith(NOT_YET):
-            continue
         offenders += [f"fp8ray/{name}:{line}: raise {cls}" for line, cls in bare_raises(path.read_text())]
     assert not offenders, "raise one of fp8ray.errors' classes instead:\n" + "\n".join(offenders)

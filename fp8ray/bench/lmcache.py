@@ -28,6 +28,7 @@ import torch
 
 from ..codec import CodecOptions
 from ..codec.metrics import ErrorSums, error_sums
+from ..errors import WorkerLostError
 from ..eval.capture import capture_kv
 from ..eval.models import load_model, read_text, tokenize
 from .codec import describe_machine
@@ -140,7 +141,7 @@ class _Subject:
         a, b = (self.srcs, self.bufs) if direction == "serialize" else (self.bufs, self.outs)
         start = time.perf_counter()
         if not run_task(self.processor, direction, a, b, self.keys):
-            raise RuntimeError(f"{self.name}: an LMCache {direction} task failed")
+            raise WorkerLostError(f"{self.name}: an LMCache {direction} task failed")
         return time.perf_counter() - start
 
 

@@ -135,10 +135,11 @@ def run_bench_lmcache(args) -> int:
 
     from ..bench.lmcache import FAST_MODE, bench_lmcache, capture_chunks, describe, format_table
     from ..codec import CodecOptions
+    from ..errors import InvalidOptionError
 
     modes = [CodecOptions.from_mode(m) for m in args.modes] if args.modes else [CodecOptions(), CodecOptions.from_mode(FAST_MODE)]
     if args.tokens < args.chunk_tokens:
-        raise ValueError(f"--tokens {args.tokens} is less than one chunk of --chunk-tokens {args.chunk_tokens}")
+        raise InvalidOptionError(f"--tokens {args.tokens} is less than one chunk of --chunk-tokens {args.chunk_tokens}", field="tokens")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # before this run's own work
     chunks = capture_chunks(args.tokens, args.chunk_tokens)
     chunks = [c for c in chunks if c.shape == chunks[0].shape]  # full chunks only: one layout, as a store has

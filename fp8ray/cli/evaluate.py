@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import DestinationError
 from .common import json_argument, positive_int, warn
 
 SHIPPED_TEXT = "fp8ray/eval/texts/lighthouse.txt"
@@ -89,7 +90,7 @@ def run_eval_model(args) -> int:
     text = args.text or str(DEFAULT_TEXT)
     modes = [m for group in args.modes for m in group.split(",") if m.strip()] if args.modes else list(DEFAULT_MODES)
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
-        raise ValueError(f"--plot: directory {Path(args.plot).parent} does not exist")
+        raise DestinationError(f"--plot: directory {Path(args.plot).parent} does not exist")
     loaded, results = evaluate_text(text, args.prefix, args.continuation, modes, args.model)
     title = (
         f"fp8ray eval-model: {loaded.name} ({str(loaded.dtype).removeprefix('torch.')}), {Path(text).name}, "

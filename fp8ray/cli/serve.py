@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 
+from ..errors import BadInputError
 from .common import non_negative_float, positive_float, positive_int
 
 APP_NAME = "fp8ray"
@@ -65,7 +66,7 @@ def run_serve(args) -> int:
     deployed = False
     try:
         if APP_NAME in serve.status().applications:
-            raise ValueError(f"a Serve application named {APP_NAME!r} already runs on this cluster; not replacing it")
+            raise BadInputError(f"a Serve application named {APP_NAME!r} already runs on this cluster; not replacing it")
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(options), name=APP_NAME, route_prefix="/")
         deployed = True

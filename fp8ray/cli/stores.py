@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from ..errors import InvalidOptionError
 from ..io.paths import printable
 from .common import codec_arguments, engine_arguments, given_codec_options, pool_settings, progress, warn
 
@@ -47,7 +48,7 @@ def run_store_command(args) -> int:
     frame_options = sorted(set(given) & set(FRAME_OPTIONS))
     if frame_options and target != "fp8ray":
         flags = ", ".join("--" + o.replace("_", "-") for o in frame_options)
-        raise ValueError(f"{flags} apply to --serde fp8ray only (plain fp8 files have no scales)")
+        raise InvalidOptionError(f"{flags} apply to --serde fp8ray only (plain fp8 files have no scales)", field="serde")
     options = CodecOptions.parse({**given, "fp8": args.fp8})
     state: dict = {}
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import BlockError, block_error
+from ..errors import BadInputError, BlockError, MismatchError, block_error
 from . import frame
 from .fp8codec import Fp8Codec, decode
 from .formats import DTYPE_NAMES, DTYPES_BY_NAME
@@ -116,7 +116,7 @@ def encode_into(
     A block that fails raises naming its key."""
     sizes = list(sizes) if sizes is not None else frame_sizes(codec, blocks)
     if sum(sizes) > out.size:
-        raise ValueError(f"out holds {out.size} bytes, the frames of {len(blocks)} blocks need {sum(sizes)}")
+        raise BadInputError(f"out holds {out.size} bytes, the frames of {len(blocks)} blocks need {sum(sizes)}")
     start = 0
     for block, size in zip(blocks, sizes, strict=True):
         try:
@@ -159,7 +159,7 @@ def decode_into(
         specs = [BlockSpec(key, DTYPE_NAMES[h.dtype], h.shape) for (key, _), h in zip(frames, read_headers(frames))]
     sizes = [spec.nbytes for spec in specs]
     if sum(sizes) > out.size:
-        raise ValueError(f"out holds {out.size} bytes, the blocks of {len(frames)} frames need {sum(sizes)}")
+        raise BadInputError(f"out holds {out.size} bytes, the blocks of {len(frames)} frames need {sum(sizes)}")
     start = 0
     for (key, f), spec, size in zip(frames, specs, sizes, strict=True):
         try:
@@ -169,7 +169,7 @@ def decode_into(
             else:
                 result = decode(f, device=device)
                 if (result.dtype, tuple(result.shape)) != (target.dtype, tuple(target.shape)):  # copy_ would convert or broadcast
-                    raise ValueError(f"the frame holds {list(result.shape)} {result.dtype}, not {list(spec.shape)} {spec.dtype}")
+                    raise MismatchError(f"the frame holds {list(result.shape)} {result.dtype}, not {list(spec.shape)} {spec.dtype}")
                 target.copy_(result)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise block_error(key, exc) from exc

@@ -31,7 +31,7 @@ import crc32c
 import numpy as np
 import torch
 
-from ..errors import CorruptFrameError
+from ..errors import BadInputError, CorruptFrameError
 from .formats import (
     DTYPES,
     DTYPES_BY_CODE,
@@ -105,12 +105,12 @@ def stored_scale_dtype(scaling: str, scale_dtype: str) -> str:
 def check_shape(shape: tuple[int, ...]) -> None:
     """Refuse, with a ``ValueError`` naming the limit, a shape no frame can hold."""
     if len(shape) > MAX_NDIM:
-        raise ValueError(f"a tensor of {len(shape)} dimensions exceeds the frame's limit of {MAX_NDIM}")
+        raise BadInputError(f"a tensor of {len(shape)} dimensions exceeds the frame's limit of {MAX_NDIM}")
     for i, d in enumerate(shape):
         if not 0 <= d <= MAX_DIM:
-            raise ValueError(f"dimension {i} of shape {list(shape)} is {d}; a frame holds 0 to {MAX_DIM}")
+            raise BadInputError(f"dimension {i} of shape {list(shape)} is {d}; a frame holds 0 to {MAX_DIM}")
     if math.prod(shape) > MAX_NUMEL:
-        raise ValueError(f"shape {list(shape)} has {math.prod(shape)} elements, more than the frame's limit of {MAX_NUMEL}")
+        raise BadInputError(f"shape {list(shape)} has {math.prod(shape)} elements, more than the frame's limit of {MAX_NUMEL}")
 
 
 def write_header(buf: np.ndarray, header: FrameHeader) -> None:

@@ -143,7 +143,7 @@ class QuantPool:
     @property
     def _running(self) -> InlineBackend | RayBackend:
         if self._backend is None:
-            raise RuntimeError("QuantPool is not running: use it as a context manager (`with QuantPool(...) as pool:`)")
+            raise PoolStartError("QuantPool is not running: use it as a context manager (`with QuantPool(...) as pool:`)")
         return self._backend
 
     def worker_info(self) -> list[WorkerInfo]:

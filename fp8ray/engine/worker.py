@@ -257,18 +257,18 @@ class QuantWorker:
             originals = {(f, r.key): (r, data) for f, r, data in zip((i[0] for i in result.idents if i in against), present, read_blocks(present))}
         block_errors = 0
         for row, f in enumerate(archive.iter_frames(table)):
-            key, ident = columns["key"][row], result.idents[row]
+            ident = result.idents[row]
             result.blocks += 1
             try:
                 buf = frame.as_byte_array(f)
                 header = frame.parse(buf)
                 if list(header.shape) != columns["shape"][row] or DTYPE_NAMES[header.dtype] != columns["dtype"][row]:
-                    raise ValueError(
+                    raise MismatchError(
                         f"columns say {columns['shape'][row]} {columns['dtype'][row]}, the frame says {list(header.shape)} {header.dtype}"
                     )
                 if against is not None:
                     if ident not in originals:
-                        raise ValueError("not in the source it is verified against")
+                        raise MismatchError("not in the source it is verified against")
                     ref, data = originals[ident]
                     x, y = bytes_to_tensor(data, ref.dtype, ref.shape), decode(buf)
                     result.metrics[_label(ident, name_files)] = error_metrics(x, y)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from ..codec import decode
 from ..codec.metrics import ErrorSums, row_sums
-from ..errors import CorruptArchiveError, MismatchError
+from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
 from ..io import archive
 from ..io.blocks import bytes_to_tensor, read_blocks, scan_source
 from ..io.paths import resolve
@@ -112,9 +112,9 @@ def fidelity_report(original: str, archive_uri: str, key_pattern: str = DEFAULT_
     try:
         pattern = re.compile(key_pattern, re.IGNORECASE)
     except re.error as exc:
-        raise ValueError(f"key pattern {key_pattern!r} is not a valid regular expression: {exc}") from exc
+        raise InvalidOptionError(f"key pattern {key_pattern!r} is not a valid regular expression: {exc}") from exc
     if not {"layer", "kv"} <= set(pattern.groupindex):
-        raise ValueError(f"key pattern {key_pattern!r} needs the named groups (?P<layer>...) and (?P<kv>...)")
+        raise InvalidOptionError(f"key pattern {key_pattern!r} needs the named groups (?P<layer>...) and (?P<kv>...)")
 
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path)

@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..codec.options import CodecOptions
-from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
+from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError, MismatchError
 from .blocks import BlockRef, SourceLayout
 from .paths import TMP_MARK, os_reason, redact, write_atomic
 from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, Manifest, Part, Plan
@@ -160,7 +160,7 @@ def frame_column(frames: np.ndarray, sizes: list[int]) -> pa.LargeBinaryArray:
     offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
     if offsets[-1] != frames.size:
-        raise ValueError(f"frame sizes add up to {offsets[-1]} bytes, the buffer holds {frames.size}")
+        raise BadInputError(f"frame sizes add up to {offsets[-1]} bytes, the buffer holds {frames.size}")
     return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(sizes), [None, pa.py_buffer(offsets), pa.py_buffer(frames)])
 
 
