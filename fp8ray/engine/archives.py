@@ -14,21 +14,18 @@ from dataclasses import asdict, dataclass, field
 import pyarrow.fs as pafs
 
 from .. import __version__
-from ..codec import CodecOptions
-from ..codec import frame
+from ..codec import CodecOptions, frame
 from ..codec.bound import bound_constants
 from ..errors import ArchiveExistsError, DestinationError, Fp8rayError, SourceError, block_error
 from ..io import archive
 from ..io.archive import DEFAULT_LOSSLESS, DEFAULT_PART_BYTES
 from ..io.blocks import scan_source
+from ..io.destinations import check_output, clean_temporaries, prepare_destination, undo_compress
 from ..io.paths import (
-    TMP_MARK,
     check_apart,
-    list_tree,
     name_list,
     os_reason,
     printable,
-    prepare_parent,
     redact,
     remove_quietly,
     replace_directory,
@@ -105,76 +102,6 @@ class VerifyReport:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
-
-
-@dataclass
-class _Destination:
-    """Where a compress writes: ``path`` itself, or, when ``--overwrite`` replaces an
-    existing archive, a scratch directory beside it that takes its place at the end."""
-
-    fs: pafs.FileSystem
-    path: str  # the destination
-    work: str  # where the parts go
-    created: bool  # whether this run created ``work``
-
-    @property
-    def replacing(self) -> bool:
-        return self.work != self.path
-
-
-def _prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) -> _Destination:
-    """Check the destination before any work, and make the directory parts go into.
-    Nothing there is deleted: ``--overwrite`` builds the new archive beside the old one."""
-    fs, path = resolve(uri)
-    info = fs.get_file_info(path)
-    if info.type == pafs.FileType.File:
-        raise ArchiveExistsError(f"destination {redact(uri)} exists and is a file")
-    if info.type == pafs.FileType.Directory:
-        names = {e.base_name for e in fs.get_file_info(pafs.FileSelector(path))}
-        if not names:
-            return _Destination(fs, path, path, False)
-        # Only what fp8ray wrote is ever replaced or resumed: a directory of the user's
-        # own files is left alone, whatever the flags.
-        ours = archive.MANIFEST_NAME in names or archive.PLAN_NAME in names
-        if not ours:
-            raise DestinationError(
-                f"destination {redact(uri)} exists and is not empty, and is not an fp8ray archive: not writing into it"
-            )
-        if overwrite:
-            work = temporary_name(path)
-            fs.create_dir(work)
-            return _Destination(fs, path, work, True)
-        if archive.MANIFEST_NAME in names:
-            raise ArchiveExistsError(f"destination {redact(uri)} already holds an archive (pass --overwrite to replace it)")
-        if not resume:
-            raise ArchiveExistsError(
-                f"destination {redact(uri)} holds an interrupted compress (pass --resume to continue, --overwrite to replace)"
-            )
-        return _Destination(fs, path, path, False)
-    prepare_parent(fs, path, uri, parents)
-    fs.create_dir(path)
-    return _Destination(fs, path, path, True)
-
-
-def _undo(dest: _Destination, todo: list[int]) -> None:
-    """After a run in which no part finished before the failure, remove what it wrote
-    (parts that ended while the run settled are its too): a directory it created goes
-    whole; in one it found, its parts and the scratch files go. Quietly: an error here
-    must not hide the one that caused it."""
-    if dest.created:
-        remove_quietly(dest.fs, dest.work)
-        return
-    ours = {archive.part_name(i) for i in todo}
-    try:
-        entries = dest.fs.get_file_info(pafs.FileSelector(dest.work))
-    except OSError:
-        return
-    for entry in entries:
-        if entry.base_name in ours or archive.is_scratch(entry.base_name):
-            try:
-                dest.fs.delete_file(entry.path)
-            except OSError:
-                pass
 
 
 def _scan_compressible(source: str, strict: bool = False):
@@ -259,7 +186,7 @@ def compress_archive(
     layout, refs = _scan_compressible(source, strict)
     parts = archive.plan_parts(refs, part_bytes)
     try:
-        dest = _prepare_destination(destination, resume, overwrite, parents)
+        dest = prepare_destination(destination, resume, overwrite, parents)
     except OSError as exc:
         if isinstance(exc, Fp8rayError):
             raise
@@ -304,7 +231,7 @@ def compress_archive(
         if dest.replacing:
             remove_quietly(fs, work)  # the old archive stays as it was
         elif not finished and not reused:
-            _undo(dest, todo)
+            undo_compress(dest, todo)
         raise
     if dest.replacing:
         replace_directory(fs, work, dest.path, destination)
@@ -358,7 +285,7 @@ def decompress_archive(
     columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key", "dtype", "shape"], archive_uri)
     out_fs, out_path = resolve(output)
     plan = plan_restore(manifest, columns, posixpath.basename(out_path) if single_file else None)
-    foreign = _check_output(out_fs, out_path, output, plan, overwrite or force_replace, force_replace, parents)
+    foreign = check_output(out_fs, out_path, output, plan, overwrite or force_replace, force_replace, parents)
     if foreign and announce:
         announce(
             f"--force-replace: replacing {redact(output)} deletes {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
@@ -385,7 +312,7 @@ def decompress_archive(
                     progress(result.blocks)
             report.seconds = time.perf_counter() - start
             report.nodes = len(nodes - {None})
-        _clean_temporaries(out_fs, scratch)  # of workers killed mid-file; their files were rewritten
+        clean_temporaries(out_fs, scratch)  # of workers killed mid-file; their files were rewritten
         if plan.container == "directory":
             replace_directory(out_fs, scratch, out_path, output)
         else:
@@ -402,52 +329,6 @@ def decompress_archive(
         remove_quietly(out_fs, scratch)
         raise
     return report
-
-
-def _check_output(fs: pafs.FileSystem, path: str, uri: str, plan, overwrite: bool, force_replace: bool, parents: bool) -> list[str]:
-    """Refuse, before any work, an output decompress cannot write as asked. Returns what
-    an existing output directory holds that the archive does not describe (to be
-    replaced only with ``force_replace``)."""
-    wanted = "directory" if plan.container == "directory" else "file"
-    if wanted == "file":
-        if uri.endswith("/"):
-            raise DestinationError(f"output {redact(uri)} names a directory, but the archive gives back one file: name the file")
-        kind = plan.files[0].kind
-        suffix = posixpath.splitext(path)[1]
-        if suffix in (".safetensors", ".parquet") and suffix != f".{kind}":
-            raise DestinationError(
-                f"output {redact(uri)} ends in {suffix}, but the archive gives back a {kind} file "
-                f"(name it .{kind}, or pass --single-file for one .safetensors file)"
-            )
-    kind = fs.get_file_info(path).type
-    if kind == pafs.FileType.NotFound:
-        prepare_parent(fs, path, uri, parents)
-        return []
-    have = "directory" if kind == pafs.FileType.Directory else "file"
-    if not overwrite:
-        raise ArchiveExistsError(f"output {redact(uri)} exists (pass --overwrite to replace it with the archive's {wanted})")
-    if have != wanted:
-        raise DestinationError(f"output {redact(uri)} is a {have}, and the archive gives back a {wanted}: not replacing it")
-    if have == "file":
-        return []
-    described = {f.name for f in plan.files}
-    try:
-        foreign = [e.name for e in list_tree(fs, path) if not (e.kind == "file" and e.name in described)]
-    except OSError as exc:
-        raise DestinationError(f"output {redact(uri)} cannot be listed: {os_reason(exc)}") from None
-    if foreign and not force_replace:
-        raise DestinationError(
-            f"output {redact(uri)} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} the archive does not "
-            f"describe ({name_list(foreign)}): --overwrite replaces only the archive's own files; "
-            "pass --force-replace to delete them too"
-        )
-    return foreign
-
-
-def _clean_temporaries(fs: pafs.FileSystem, directory: str) -> None:
-    for entry in fs.get_file_info(pafs.FileSelector(directory, recursive=True)):
-        if TMP_MARK in entry.base_name and entry.type == pafs.FileType.File:
-            fs.delete_file(entry.path)
 
 
 def verify_archive(

@@ -1,0 +1,132 @@
+"""Where compress and decompress write: checked before any work, made ready, and undone
+after a failure. Nothing here deletes what fp8ray did not write."""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+
+from ..errors import ArchiveExistsError, DestinationError
+from . import archive
+from .paths import TMP_MARK, list_tree, name_list, os_reason, prepare_parent, redact, remove_quietly, resolve, temporary_name
+from .restore import RestorePlan
+
+
+@dataclass
+class ArchiveDestination:
+    """Where a compress writes: ``path`` itself, or, when ``--overwrite`` replaces an
+    existing archive, a scratch directory beside it that takes its place at the end."""
+
+    fs: pafs.FileSystem
+    path: str  # the destination
+    work: str  # where the parts go
+    created: bool  # whether this run created ``work``
+
+    @property
+    def replacing(self) -> bool:
+        return self.work != self.path
+
+
+def prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) -> ArchiveDestination:
+    """Check the destination before any work, and make the directory parts go into.
+    Nothing there is deleted: ``--overwrite`` builds the new archive beside the old one."""
+    fs, path = resolve(uri)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        raise ArchiveExistsError(f"destination {redact(uri)} exists and is a file")
+    if info.type == pafs.FileType.Directory:
+        names = {e.base_name for e in fs.get_file_info(pafs.FileSelector(path))}
+        if not names:
+            return ArchiveDestination(fs, path, path, False)
+        # Only what fp8ray wrote is ever replaced or resumed: a directory of the user's
+        # own files is left alone, whatever the flags.
+        ours = archive.MANIFEST_NAME in names or archive.PLAN_NAME in names
+        if not ours:
+            raise DestinationError(
+                f"destination {redact(uri)} exists and is not empty, and is not an fp8ray archive: not writing into it"
+            )
+        if overwrite:
+            work = temporary_name(path)
+            fs.create_dir(work)
+            return ArchiveDestination(fs, path, work, True)
+        if archive.MANIFEST_NAME in names:
+            raise ArchiveExistsError(f"destination {redact(uri)} already holds an archive (pass --overwrite to replace it)")
+        if not resume:
+            raise ArchiveExistsError(
+                f"destination {redact(uri)} holds an interrupted compress (pass --resume to continue, --overwrite to replace)"
+            )
+        return ArchiveDestination(fs, path, path, False)
+    prepare_parent(fs, path, uri, parents)
+    fs.create_dir(path)
+    return ArchiveDestination(fs, path, path, True)
+
+
+def undo_compress(dest: ArchiveDestination, todo: list[int]) -> None:
+    """After a run in which no part finished before the failure, remove what it wrote
+    (parts that ended while the run settled are its too): a directory it created goes
+    whole; in one it found, its parts and the scratch files go. Quietly: an error here
+    must not hide the one that caused it."""
+    if dest.created:
+        remove_quietly(dest.fs, dest.work)
+        return
+    ours = {archive.part_name(i) for i in todo}
+    try:
+        entries = dest.fs.get_file_info(pafs.FileSelector(dest.work))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.base_name in ours or archive.is_scratch(entry.base_name):
+            try:
+                dest.fs.delete_file(entry.path)
+            except OSError:
+                pass
+
+
+def check_output(fs: pafs.FileSystem, path: str, uri: str, plan: RestorePlan, overwrite: bool, force_replace: bool, parents: bool) -> list[str]:
+    """Refuse, before any work, an output decompress cannot write as asked. Returns what
+    an existing output directory holds that the archive does not describe (to be
+    replaced only with ``force_replace``)."""
+    wanted = "directory" if plan.container == "directory" else "file"
+    if wanted == "file":
+        if uri.endswith("/"):
+            raise DestinationError(f"output {redact(uri)} names a directory, but the archive gives back one file: name the file")
+        kind = plan.files[0].kind
+        suffix = posixpath.splitext(path)[1]
+        if suffix in (".safetensors", ".parquet") and suffix != f".{kind}":
+            raise DestinationError(
+                f"output {redact(uri)} ends in {suffix}, but the archive gives back a {kind} file "
+                f"(name it .{kind}, or pass --single-file for one .safetensors file)"
+            )
+    kind = fs.get_file_info(path).type
+    if kind == pafs.FileType.NotFound:
+        prepare_parent(fs, path, uri, parents)
+        return []
+    have = "directory" if kind == pafs.FileType.Directory else "file"
+    if not overwrite:
+        raise ArchiveExistsError(f"output {redact(uri)} exists (pass --overwrite to replace it with the archive's {wanted})")
+    if have != wanted:
+        raise DestinationError(f"output {redact(uri)} is a {have}, and the archive gives back a {wanted}: not replacing it")
+    if have == "file":
+        return []
+    described = {f.name for f in plan.files}
+    try:
+        foreign = [e.name for e in list_tree(fs, path) if not (e.kind == "file" and e.name in described)]
+    except OSError as exc:
+        raise DestinationError(f"output {redact(uri)} cannot be listed: {os_reason(exc)}") from None
+    if foreign and not force_replace:
+        raise DestinationError(
+            f"output {redact(uri)} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} the archive does not "
+            f"describe ({name_list(foreign)}): --overwrite replaces only the archive's own files; "
+            "pass --force-replace to delete them too"
+        )
+    return foreign
+
+
+def clean_temporaries(fs: pafs.FileSystem, directory: str) -> None:
+    """Remove the temporary files (``TMP_MARK`` in their names) left under ``directory``
+    by writers that were killed mid-file; the files themselves were written again."""
+    for entry in fs.get_file_info(pafs.FileSelector(directory, recursive=True)):
+        if TMP_MARK in entry.base_name and entry.type == pafs.FileType.File:
+            fs.delete_file(entry.path)
