@@ -18,11 +18,12 @@ from safetensors.torch import load_file, save_file
 
 import fp8ray
 from fp8ray.engine.archives import compress_archive, decompress_archive
+from fp8ray.engine.pool import PoolSettings
 from fp8ray.errors import BadInputError, CorruptArchiveError
 from fp8ray.io import archive
 from fp8ray.io.paths import resolve
 
-INLINE = {"workers": 1, "address": "inline"}
+INLINE = {"pool": PoolSettings(num_workers=1, address="inline")}
 DATA = Path(__file__).parent / "data"
 FILES = ["a.safetensors", "deep/b.safetensors", "deep/c.safetensors"]
 BLOCK = (2, 2, 64, 256)  # 64 Ki elements: 128 KiB of bf16, a frame of about 66 KiB

@@ -14,6 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from fp8ray.engine.archives import decompress_archive, inspect_archive, verify_archive
+from fp8ray.engine.pool import PoolSettings
 from fp8ray.errors import CorruptArchiveError
 from fp8ray.io import archive
 from fp8ray.io.records import Manifest, Part, Plan
@@ -22,7 +23,7 @@ FS = pafs.LocalFileSystem()
 DATA = Path(__file__).parent / "data"  # how each was made: data/README.md
 V2, V1, SCRATCH, SOURCE = DATA / "v2_archive", DATA / "v1_archive", DATA / "v2_scratch", DATA / "v2_source"
 SOURCE_FILES = ["req0.safetensors", "tenant_b/req1.safetensors"]
-INLINE = {"workers": 1, "address": "inline"}
+INLINE = {"pool": PoolSettings(num_workers=1, address="inline")}
 
 
 def manifest_json(directory: Path = V2) -> dict:
