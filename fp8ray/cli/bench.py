@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from ..io.archive import DEFAULT_LOSSLESS
+from ..io.lossless import DEFAULT_LOSSLESS
 from .common import codec_arguments, codec_options, given_codec_options, positive_float, positive_int
 from .serve import service_arguments, service_args
 
 
 def add_commands(commands) -> None:
-    from ..codec.formats import DTYPES_BY_NAME, SCALINGS
+    from ..codec.names import DTYPE_CODES, SCALINGS
 
     bench = commands.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="kind", required=True)
@@ -19,7 +19,7 @@ def add_commands(commands) -> None:
         "--scaling", choices=list(SCALINGS), action="append",
         help="repeatable (default: every scaling); the other codec options apply to each",
     )
-    codec.add_argument("--dtype", choices=sorted(DTYPES_BY_NAME), default="bfloat16", help="input dtype (default bfloat16)")
+    codec.add_argument("--dtype", choices=sorted(DTYPE_CODES), default="bfloat16", help="input dtype (default bfloat16)")
     codec.add_argument("--chunks", type=positive_int, default=4, help="sample chunks of [2, 30, 256, 192] (default 4)")
     codec.add_argument("--repeat", type=positive_int, default=5, help="timed runs per figure; the median is shown (default 5)")
     codec.set_defaults(handler=run_bench_codec)
