@@ -1,4 +1,4 @@
-"""``fp8ray bench codec|pipeline|serve|lmcache``: each figure beside a baseline from the same run."""
+"""``fp8ray bench codec|pipeline|lossless|serve|lmcache|startup``: each figure beside a baseline from the same run."""
 
 from __future__ import annotations
 
@@ -63,6 +63,10 @@ def add_commands(commands) -> None:
     lmcache.add_argument("--max-workers", type=positive_int, default=1, help="AsyncSerdeProcessor threads (default 1, LMCache's)")
     lmcache.add_argument("--repeat", type=positive_int, default=9, help="timed runs per figure; the median is shown (default 9)")
     lmcache.set_defaults(handler=run_bench_lmcache)
+
+    startup = kinds.add_parser("startup", help="wall time of fp8ray --help beside python -c pass")
+    startup.add_argument("--repeat", type=positive_int, default=9, help="runs of each; the best is shown (default 9)")
+    startup.set_defaults(handler=run_bench_startup)
 
 
 def run_bench_codec(args) -> int:
@@ -136,4 +140,11 @@ def run_bench_lmcache(args) -> int:
     chunks = [c for c in chunks if c.shape == chunks[0].shape]  # full chunks only: one layout, as a store has
     rows = bench_lmcache(chunks, modes, args.repeat, args.max_workers)
     print(format_table(rows, describe(chunks, args.tokens, args.max_workers, load)))
+    return 0
+
+
+def run_bench_startup(args) -> int:
+    from ..bench.startup import bench_startup
+
+    print(bench_startup(args.repeat))
     return 0

@@ -150,3 +150,16 @@ def test_ctrl_c_while_the_command_starts_exits_130_in_one_line(source, tmp_path,
     assert "Traceback" not in err
     assert not dest.exists() or not any(dest.iterdir()), sorted(dest.iterdir())
     assert took < 30, f"took {took:.1f} s to end"
+
+
+def test_bench_startup_prints_help_beside_the_bare_interpreter(capsys):
+    import re
+
+    from fp8ray.cli import main
+
+    assert main(["bench", "startup", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    found = re.fullmatch(r"fp8ray bench startup \(best of 2\): fp8ray --help (\d+) ms, python -c pass (\d+) ms: ([0-9.]+)x the interpreter's own start\n", out)
+    assert found, out
+    help_ms, bare_ms, ratio = int(found[1]), int(found[2]), float(found[3])
+    assert 0 < bare_ms <= help_ms and abs(ratio - help_ms / bare_ms) < 0.1 + 0.05 * ratio
