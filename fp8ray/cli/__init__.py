@@ -50,8 +50,22 @@ def main(argv: list[str] | None = None) -> int:
             args = build_parser().parse_args(argv)
             return _run(args)
         except KeyboardInterrupt:  # SIGINT or SIGTERM (interrupts), once the clean-up has run
+            if args is None:  # interrupted while parsing: what the command would have touched
+                args = _parsed_quietly(argv)
             print(f"fp8ray: interrupted: {interrupted_state(args)}", file=sys.stderr, flush=True)
             return 130
+
+
+def _parsed_quietly(argv: list[str] | None):
+    """The arguments, parsed again without printing (help, usage errors), or None."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return build_parser().parse_args(argv)
+        except (SystemExit, Exception):  # noqa: BLE001 (a bad command line: nothing was done)
+            return None
 
 
 def _run(args) -> int:
