@@ -210,6 +210,10 @@ class FileRun:
 
     def run(self, block: Block) -> None:
         env = base_env()
+        if block.kind == "lmcache":
+            import importlib.util
+
+            assert importlib.util.find_spec("lmcache"), f"{block.name} needs the lmcache extra, which scripts/setup installs"
         if block.kind == "server":
             env["RAY_ADDRESS"] = self.server().ray_address
         ray_tmp = None
