@@ -13,7 +13,6 @@ in pyproject.toml enforces it):
 - ``fp8ray.serve``, ``fp8ray.bench``, ``fp8ray.cli``: entry points.
 """
 
-from .codec import DEFAULT_BLOCK_SIZE, E4M3FN, E5M2, CodecOptions, Fp8Codec, Fp8Format, decode, encoded_size
 from .errors import (
     ArchiveExistsError,
     BadInputError,
@@ -28,9 +27,13 @@ from .errors import (
 
 __version__ = "0.1.0"
 
-# The engine imports Ray (and the eval layer transformers), which take seconds: load
-# them on first use only.
+# The codec imports torch, the engine Ray, the eval layer transformers, each taking
+# seconds: load them on first use only (``import fp8ray`` and ``fp8ray --help`` stay fast).
 _LAZY = {
+    **dict.fromkeys(
+        ("DEFAULT_BLOCK_SIZE", "E4M3FN", "E5M2", "CodecOptions", "Fp8Codec", "Fp8Format", "decode", "encoded_size"),
+        "fp8ray.codec",
+    ),
     "QuantPool": "fp8ray.engine.pool",
     "PoolSettings": "fp8ray.engine.pool",
     "QuantWorker": "fp8ray.engine.worker",
@@ -56,22 +59,14 @@ def __getattr__(name: str):
 
 __all__ = [
     *_LAZY,
-    "DEFAULT_BLOCK_SIZE",
-    "E4M3FN",
-    "E5M2",
     "ArchiveExistsError",
     "BadInputError",
     "BlockError",
-    "CodecOptions",
     "CorruptArchiveError",
     "CorruptFrameError",
-    "Fp8Codec",
-    "Fp8Format",
     "Fp8rayError",
     "NonFiniteError",
     "SourceError",
     "WorkerLostError",
     "__version__",
-    "decode",
-    "encoded_size",
 ]

@@ -5,41 +5,67 @@ Command modules: :mod:`~fp8ray.cli.archives` (compress, decompress, verify, insp
 :mod:`~fp8ray.cli.stores` (lmcache-compress, lmcache-decompress), :mod:`~fp8ray.cli.evaluate`
 (capture, fidelity, eval-model), :mod:`~fp8ray.cli.serve`, :mod:`~fp8ray.cli.bench`,
 :mod:`~fp8ray.cli.demo`. Each has ``add_commands(commands)``, which adds its subparsers
-with ``set_defaults(handler=run)``; heavy packages (Ray, transformers) are imported
-inside the handlers so that ``fp8ray --help`` stays fast.
+with ``set_defaults(handler=run)``. Option names, choices and defaults come from light
+modules (:mod:`fp8ray.codec.names`, :mod:`fp8ray.io.lossless`); torch, numba, pyarrow and
+Ray are imported inside the handlers, so ``fp8ray --help`` and ``--version`` load none
+of them (``tests/cli/test_startup.py``).
+
+This module imports only :mod:`~fp8ray.cli.interrupts` before :func:`main` has put its
+signal handlers in place: an interrupt at any moment after that ends the command with
+exit 130 and one line, never a traceback.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from .. import __version__
 from ..errors import Fp8rayError
-from . import archives, bench, demo, evaluate, serve, stores
-from .common import interrupted_state, interrupts
+from .interrupts import interrupted_state, interrupts
 
-COMMAND_MODULES = (archives, stores, evaluate, serve, bench, demo)
 # Which extra brings a missing module (pyproject.toml [project.optional-dependencies]).
 EXTRAS = (("transformers", "models"), ("gguf", "models"), ("matplotlib", "models"), ("ray.serve", "serve"),
           ("fastapi", "serve"), ("httpx", "serve"), ("lmcache", "lmcache"))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser():
+    import argparse
+
+    from .. import __version__
+    from . import archives, bench, demo, evaluate, serve, stores
+
     parser = argparse.ArgumentParser(prog="fp8ray", description="Compress LLM KV caches to fp8.")
     parser.add_argument("--version", action="version", version=f"fp8ray {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in COMMAND_MODULES:
+    for module in (archives, stores, evaluate, serve, bench, demo):
         module.add_commands(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     # As the program itself (argv from the command line), an interrupt that comes once the
     # command has ended is ignored: the process is only exiting, its work done.
     with interrupts(exiting=argv is None):
-        return _run(args)
+        args = None
+        try:
+            args = build_parser().parse_args(argv)
+            return _run(args)
+        except KeyboardInterrupt:  # SIGINT or SIGTERM (interrupts), once the clean-up has run
+            if args is None:  # interrupted while parsing: what the command would have touched
+                args = _parsed_quietly(argv)
+            print(f"fp8ray: interrupted: {interrupted_state(args)}", file=sys.stderr, flush=True)
+            return 130
+
+
+def _parsed_quietly(argv: list[str] | None):
+    """The arguments, parsed again without printing (help, usage errors), or None."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return build_parser().parse_args(argv)
+        except (SystemExit, Exception):  # noqa: BLE001 (a bad command line: nothing was done)
+            return None
 
 
 def _run(args) -> int:
@@ -52,9 +78,6 @@ def _run(args) -> int:
     except (ValueError, TypeError, OSError, Fp8rayError) as exc:
         print(f"fp8ray: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # SIGINT or SIGTERM (common.interrupts), once the clean-up has run
-        print(f"fp8ray: interrupted: {interrupted_state(args)}", file=sys.stderr, flush=True)
-        return 130
     except Exception as exc:
         if not type(exc).__module__.startswith("ray."):
             raise  # a bug of fp8ray's: its traceback is what to report

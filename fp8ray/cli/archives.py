@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..io.archive import DEFAULT_LOSSLESS
+from ..io.lossless import DEFAULT_LOSSLESS
 from .common import codec_arguments, codec_options, engine_arguments, pool_settings, positive_float, progress, warn
 
 

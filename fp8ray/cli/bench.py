@@ -1,14 +1,14 @@
-"""``fp8ray bench codec|pipeline|serve|lmcache``: each figure beside a baseline from the same run."""
+"""``fp8ray bench codec|pipeline|lossless|serve|lmcache|startup``: each figure beside a baseline from the same run."""
 
 from __future__ import annotations
 
-from ..io.archive import DEFAULT_LOSSLESS
+from ..io.lossless import DEFAULT_LOSSLESS
 from .common import codec_arguments, codec_options, given_codec_options, positive_float, positive_int
 from .serve import service_arguments, service_args
 
 
 def add_commands(commands) -> None:
-    from ..codec.formats import DTYPES_BY_NAME, SCALINGS
+    from ..codec.names import DTYPE_CODES, SCALINGS
 
     bench = commands.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="kind", required=True)
@@ -19,7 +19,7 @@ def add_commands(commands) -> None:
         "--scaling", choices=list(SCALINGS), action="append",
         help="repeatable (default: every scaling); the other codec options apply to each",
     )
-    codec.add_argument("--dtype", choices=sorted(DTYPES_BY_NAME), default="bfloat16", help="input dtype (default bfloat16)")
+    codec.add_argument("--dtype", choices=sorted(DTYPE_CODES), default="bfloat16", help="input dtype (default bfloat16)")
     codec.add_argument("--chunks", type=positive_int, default=4, help="sample chunks of [2, 30, TOKENS, 192] (default 4)")
     codec.add_argument(
         "--tokens", type=positive_int, default=256, help="tokens per sample chunk (default 256; fewer for a quick run)"
@@ -71,6 +71,10 @@ def add_commands(commands) -> None:
     lmcache.add_argument("--max-workers", type=positive_int, default=1, help="AsyncSerdeProcessor threads (default 1, LMCache's)")
     lmcache.add_argument("--repeat", type=positive_int, default=9, help="timed runs per figure; the median is shown (default 9)")
     lmcache.set_defaults(handler=run_bench_lmcache)
+
+    startup = kinds.add_parser("startup", help="wall time of fp8ray --help beside python -c pass")
+    startup.add_argument("--repeat", type=positive_int, default=9, help="runs of each; the best is shown (default 9)")
+    startup.set_defaults(handler=run_bench_startup)
 
 
 def run_bench_codec(args) -> int:
@@ -145,4 +149,11 @@ def run_bench_lmcache(args) -> int:
     chunks = [c for c in chunks if c.shape == chunks[0].shape]  # full chunks only: one layout, as a store has
     rows = bench_lmcache(chunks, modes, args.repeat, args.max_workers)
     print(format_table(rows, describe(chunks, args.tokens, args.max_workers, load)))
+    return 0
+
+
+def run_bench_startup(args) -> int:
+    from ..bench.startup import bench_startup
+
+    print(bench_startup(args.repeat))
     return 0

@@ -1,14 +1,12 @@
 """What every command shares: argument types, the codec and engine options, the
-progress bar, printing, and what an interrupt does."""
+progress bar and printing. Nothing here loads torch, pyarrow or Ray: help is built from it."""
 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 
-from ..codec.options import CHOICES, DEFAULT_OPTIONS, CodecOptions
+from ..codec.names import CHOICES, DEFAULT_MODE, OPTION_NAMES, mode_label
 
 
 def positive_int(text: str) -> int:
@@ -51,15 +49,15 @@ _CODEC_HELP = {
 }
 
 
-def codec_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] = CodecOptions.names()) -> None:
+def codec_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] = OPTION_NAMES) -> None:
     """``--fp8``, ``--scaling``, ... for the codec options ``names``. Each left out keeps
     the default mode's value; each given overrides only itself."""
     group = parser.add_argument_group(
-        "codec options", f"default mode: {DEFAULT_OPTIONS.label()}; an option given overrides only itself"
+        "codec options", f"default mode: {mode_label(**DEFAULT_MODE)}; an option given overrides only itself"
     )
     for name in names:
         flag = "--" + name.replace("_", "-")
-        default = getattr(DEFAULT_OPTIONS, name)
+        default = DEFAULT_MODE[name]
         if name == "scale_choice":
             shown = "mse for token and block scaling, else amax"
         else:
@@ -72,11 +70,13 @@ def codec_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] = Co
 
 def given_codec_options(args: argparse.Namespace) -> dict:
     """The codec options given on the command line, by name."""
-    return {name: getattr(args, name) for name in CodecOptions.names() if getattr(args, name, None) is not None}
+    return {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name, None) is not None}
 
 
-def codec_options(args: argparse.Namespace) -> CodecOptions:
-    """The codec options the command line gave, over the default mode."""
+def codec_options(args: argparse.Namespace):
+    """The :class:`~fp8ray.codec.CodecOptions` the command line gave, over the default mode."""
+    from ..codec.options import CodecOptions
+
     return CodecOptions.parse(given_codec_options(args))
 
 
@@ -120,86 +120,3 @@ def progress(args, total):
 
 def warn(message: str) -> None:
     print(f"fp8ray: {message}", file=sys.stderr)
-
-
-class interrupts:
-    """SIGINT and SIGTERM raise :class:`KeyboardInterrupt` once, in the main thread; any
-    that follow are ignored, so the clean-up the first one started (workers settling,
-    parts removed, Ray stopped) runs to its end. A signal the process ignores stays
-    ignored; the handlers before it are put back on exit (or, ``exiting``, the signals
-    left ignored: the process only ends after it). Elsewhere than in the main thread,
-    nothing changes."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, exiting: bool = False):
-        self.exiting = exiting  # the process ends next: leave the signals ignored instead
-
-    def __enter__(self):
-        self.fired = False
-        self.saved = None
-        if threading.current_thread() is threading.main_thread():
-            # A signal ignored when the process started (a background job's SIGINT) stays so.
-            self.saved = {sig: signal.getsignal(sig) for sig in self.SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
-            for sig in self.saved:
-                signal.signal(sig, self._on_signal)
-        return self
-
-    def _on_signal(self, signum, frame) -> None:
-        if not self.fired:
-            self.fired = True
-            raise KeyboardInterrupt
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in (self.saved or {}).items():
-            if self.exiting:
-                handler = signal.SIG_IGN
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
-def interrupted_state(args) -> str:
-    """What an interrupted command left, in a few words, from what is on disk now."""
-    command = getattr(args, "command", "")
-    try:
-        if command == "compress":
-            return _compress_state(args.destination)
-        if command in ("decompress", "lmcache-compress", "lmcache-decompress"):
-            output = args.output if command == "decompress" else args.destination
-            return f"nothing written; {_left_as_found(output)}"
-        if command in ("verify", "inspect", "fidelity"):
-            return f"{command} only reads: nothing changed"
-    except (OSError, ValueError):  # what is there cannot be read: say nothing wrong about it
-        pass
-    return f"{command} stopped before it finished"
-
-
-def _left_as_found(uri: str) -> str:
-    from ..io.paths import redact, resolve
-
-    fs, path = resolve(uri)
-    import pyarrow.fs as pafs
-
-    if fs.get_file_info(path).type == pafs.FileType.NotFound:
-        return f"{redact(uri)} not created"
-    return f"{redact(uri)} left as it was"
-
-
-def _compress_state(uri: str) -> str:
-    import pyarrow.fs as pafs
-
-    from ..io import archive
-    from ..io.paths import redact, resolve
-
-    fs, path = resolve(uri)
-    shown = redact(uri)
-    if fs.get_file_info(path).type != pafs.FileType.Directory:
-        return f"nothing written; {shown} not created"
-    names = {e.base_name for e in fs.get_file_info(pafs.FileSelector(path))}
-    if archive.MANIFEST_NAME in names:
-        return f"{shown} left as it was (the archive it holds is unchanged)"
-    plan = archive.read_plan(fs, path) if archive.PLAN_NAME in names else None
-    if plan is None:
-        return f"nothing written; {shown} left as it was"
-    total = len(plan.parts)
-    done = sum(archive.read_sidecar(fs, path, i) is not None for i in range(total))
-    return f"{done} of {total} parts done in {shown}; rerun with --resume to keep them"

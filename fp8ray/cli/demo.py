@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..codec import CodecOptions
 from ..errors import Fp8rayError
 from .common import codec_arguments, codec_options, positive_int
 
@@ -27,8 +26,10 @@ def add_commands(commands) -> None:
     demo.set_defaults(handler=lambda args: print(run_demo(args.out, args.tokens, args.workers, codec_options(args))) or 0)
 
 
-def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options: CodecOptions | None = None) -> str:
-    """Capture (or reuse), compress, verify, measure and decompress; return the report's lines."""
+def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options=None) -> str:
+    """Capture (or reuse), compress, verify, measure and decompress with ``options`` (a
+    :class:`~fp8ray.codec.CodecOptions`; None: the default mode); return the report's lines."""
+    from ..codec import CodecOptions
     from ..engine.archives import compress_archive, decompress_archive, verify_archive
     from ..engine.pool import QuantPool
     from ..engine.runtime import connect_ray, disconnect_ray

@@ -12,15 +12,14 @@ SHIPPED_TEXT = "fp8ray/eval/texts/lighthouse.txt"
 
 
 def add_commands(commands) -> None:
-    from ..codec.formats import DTYPES_BY_NAME
-    from ..eval.fidelity import DEFAULT_KEY_PATTERN
+    from ..codec.names import DTYPE_CODES
 
     capture = commands.add_parser("capture", help="run a causal LM over a text and save its KV cache as safetensors blocks")
     capture.add_argument("--out", required=True, help="the .safetensors file to write")
     capture.add_argument("--text", required=True, help="a UTF-8 text file")
     capture.add_argument("--tokens", type=positive_int, help="capture the text's first N tokens (default: all)")
     capture.add_argument("--model", help="a .gguf file or Hugging Face model directory (default: the shipped SmolLM2-135M-Instruct)")
-    capture.add_argument("--dtype", choices=sorted(DTYPES_BY_NAME), default="bfloat16", help="dtype of the saved blocks (default bfloat16)")
+    capture.add_argument("--dtype", choices=sorted(DTYPE_CODES), default="bfloat16", help="dtype of the saved blocks (default bfloat16)")
     capture.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     json_argument(capture)
     capture.set_defaults(handler=run_capture)
@@ -30,8 +29,8 @@ def add_commands(commands) -> None:
     fidelity.add_argument("archive", help="fp8ray archive directory")
     fidelity.add_argument(
         "--key-pattern",
-        default=DEFAULT_KEY_PATTERN,
-        help="regex with named groups layer and kv (k|v|key|value) for per-key tensors; searched, case-insensitive",
+        help="regex with named groups layer and kv (k|v|key|value) for per-key tensors; searched, case-insensitive "
+        "(default: names such as layer07.k, model.layer_7-v, layer7/value)",
     )
     json_argument(fidelity)
     fidelity.add_argument("--plot", metavar="PNG", help="write relative error per layer for K and V to this PNG")
@@ -70,9 +69,10 @@ def run_capture(args) -> int:
 
 
 def run_fidelity(args) -> int:
-    from ..eval.fidelity import fidelity_report, format_report, plot_layers
+    from ..eval.fidelity import DEFAULT_KEY_PATTERN, fidelity_report, format_report, plot_layers
 
-    report = fidelity_report(args.original, args.archive, key_pattern=args.key_pattern)
+    key_pattern = DEFAULT_KEY_PATTERN if args.key_pattern is None else args.key_pattern
+    report = fidelity_report(args.original, args.archive, key_pattern=key_pattern)
     if args.plot:
         plot_layers(report, args.plot)
     if args.json:

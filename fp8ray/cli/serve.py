@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import signal
-import socket
-import threading
 
 from ..errors import BadInputError
 from .common import non_negative_float, positive_float, positive_int
@@ -40,6 +36,8 @@ def service_args(args) -> dict:
 
 
 def _check_port(host: str, port: int) -> None:
+    import socket
+
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -49,6 +47,10 @@ def _check_port(host: str, port: int) -> None:
 
 
 def run_serve(args) -> int:
+    import logging
+    import signal
+    import threading
+
     import ray
     from ray import serve
 

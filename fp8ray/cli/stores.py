@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 
 from ..errors import InvalidOptionError
-from ..io.paths import printable
 from .common import codec_arguments, engine_arguments, given_codec_options, pool_settings, progress, warn
 
 FRAME_OPTIONS = ("scaling", "block_size", "scale_dtype", "scale_choice")  # only frames have them
 
 
 def add_commands(commands) -> None:
-    from ..codec.formats import FORMATS
+    from ..codec.names import FP8_CODES
 
     for name, help_text in (
         ("lmcache-compress", "convert an LMCache filesystem store to the files of LMCache's fp8 or fp8ray serde"),
@@ -23,7 +22,7 @@ def add_commands(commands) -> None:
         parser.add_argument("destination", help="a new directory; renamed into place when every file is converted")
         parser.add_argument("--layout", required=True, help="dtype and shape of one chunk, e.g. bfloat16:2,30,256,192")
         parser.add_argument(
-            "--fp8", choices=sorted(FORMATS), default="e4m3fn", help="fp8 format of plain fp8 files, and of the frames written (default e4m3fn)"
+            "--fp8", choices=sorted(FP8_CODES), default="e4m3fn", help="fp8 format of plain fp8 files, and of the frames written (default e4m3fn)"
         )
         if name == "lmcache-compress":
             parser.add_argument(
@@ -41,6 +40,7 @@ def add_commands(commands) -> None:
 def run_store_command(args) -> int:
     from ..codec import CodecOptions
     from ..engine.stores import convert_store
+    from ..io.paths import printable
 
     compress = args.command == "lmcache-compress"
     target = args.serde if compress else "raw"

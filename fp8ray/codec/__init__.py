@@ -1,5 +1,7 @@
 """The codec layer: pure transforms between tensors and fp8 frames. No Ray, no files.
 
+- :mod:`~fp8ray.codec.names`: the options' names, values, wire codes and the default
+  mode, without torch (what the command line's help needs).
 - :mod:`~fp8ray.codec.formats`: fp8 formats, scaling modes, dtypes and their wire codes;
   the scale convention.
 - :mod:`~fp8ray.codec.options`: :class:`CodecOptions`, the one options type and default mode.
@@ -12,18 +14,27 @@
 - :mod:`~fp8ray.codec.metrics`: error metrics of a round trip.
 """
 
-from .fp8codec import DEFAULT_BLOCK_SIZE, Fp8Codec, decode, encoded_size
-from .formats import E4M3FN, E5M2, Fp8Format
-from .options import DEFAULT_OPTIONS, CodecOptions
+# The public names, each loaded from its module on first use: importing a submodule
+# (fp8ray.codec.names, for the command line's help) then does not load torch.
+_LAZY = {
+    "DEFAULT_BLOCK_SIZE": "fp8codec",
+    "Fp8Codec": "fp8codec",
+    "decode": "fp8codec",
+    "encoded_size": "fp8codec",
+    "E4M3FN": "formats",
+    "E5M2": "formats",
+    "Fp8Format": "formats",
+    "DEFAULT_OPTIONS": "options",
+    "CodecOptions": "options",
+}
 
-__all__ = [
-    "DEFAULT_BLOCK_SIZE",
-    "DEFAULT_OPTIONS",
-    "E4M3FN",
-    "E5M2",
-    "CodecOptions",
-    "Fp8Codec",
-    "Fp8Format",
-    "decode",
-    "encoded_size",
-]
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = list(_LAZY)

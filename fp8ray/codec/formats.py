@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidOptionError
+from .names import DTYPE_CODES, FP8_CODES, SCALE_CHOICES, SCALE_DTYPES, SCALINGS
+from .names import NONFINITE_POLICIES, SEARCHED_SCALINGS  # noqa: F401 (re-exported: the formats module names them all)
 
 SMALLEST_NORMAL_SCALE = 2.0**-126
 
@@ -58,7 +60,7 @@ class Fp8Format:
 
 E4M3FN = Fp8Format(
     name="e4m3fn",
-    code=1,
+    code=FP8_CODES["e4m3fn"],
     dtype=torch.float8_e4m3fn,
     mantissa_bits=3,
     exponent_bias=7,
@@ -72,7 +74,7 @@ E4M3FN = Fp8Format(
 )
 E5M2 = Fp8Format(
     name="e5m2",
-    code=2,
+    code=FP8_CODES["e5m2"],
     dtype=torch.float8_e5m2,
     mantissa_bits=2,
     exponent_bias=15,
@@ -88,28 +90,20 @@ FORMATS = {f.name: f for f in (E4M3FN, E5M2)}
 FORMATS_BY_CODE = {f.code: f for f in FORMATS.values()}
 FORMATS_BY_DTYPE = {f.dtype: f for f in FORMATS.values()}
 
-# Scaling modes and their wire codes.
-SCALINGS = {"none": 0, "tensor": 1, "channel": 2, "token": 3, "block": 4}
+# Scaling modes (names.SCALINGS, with their wire codes).
 SCALINGS_BY_CODE = {v: k for k, v in SCALINGS.items()}
 
-# Source dtypes and their wire codes.
-DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+# Source dtypes and their wire codes (names.DTYPE_CODES, by torch's names).
+DTYPES_BY_NAME = {name: getattr(torch, name) for name in DTYPE_CODES}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES_BY_NAME.items()}
+DTYPES = {dtype: DTYPE_CODES[name] for name, dtype in DTYPES_BY_NAME.items()}
 DTYPES_BY_CODE = {v: k for k, v in DTYPES.items()}
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
-NONFINITE_POLICIES = ("error", "keep")
-
-# Scale dtypes: wire code, bytes per scale, and the mask that truncates an fp32 scale's bits to it.
-SCALE_DTYPES = {"float32": 0, "bfloat16": 1}
+# Scale dtypes (names.SCALE_DTYPES, with their wire codes): bytes per scale, and the mask
+# that truncates an fp32 scale's bits to it.
 SCALE_DTYPES_BY_CODE = {v: k for k, v in SCALE_DTYPES.items()}
 SCALE_BYTES = {"float32": 4, "bfloat16": 2}
 SCALE_MASKS = {"float32": 0xFFFFFFFF, "bfloat16": 0xFFFF0000}
-
-# How the encoder picks a group's scale (see the module docstring); not recorded in the
-# frame, which needs only the scales themselves to decode.
-SCALE_CHOICES = ("amax", "mse")
-SEARCHED_SCALINGS = ("token", "block")
 
 
 def scale_candidates(fmt: Fp8Format, scale_choice: str) -> tuple[float, ...]:

@@ -22,27 +22,10 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 from ..errors import InvalidOptionError
-from .formats import (
-    FORMATS,
-    NONFINITE_POLICIES,
-    SCALE_CHOICES,
-    SCALE_DTYPES,
-    SCALINGS,
-    SEARCHED_SCALINGS,
-    Fp8Format,
-    get_format,
-)
+from .formats import Fp8Format, get_format
+from .names import CHOICES, DEFAULT_MODE, SEARCHED_SCALINGS, default_scale_choice, mode_label
 
 MAX_BLOCK_SIZE = 2**32 - 1  # the frame stores it in a uint32
-
-# The values each string option takes, for parsers and help texts.
-CHOICES = {
-    "fp8": tuple(FORMATS),
-    "scaling": tuple(SCALINGS),
-    "scale_dtype": tuple(SCALE_DTYPES),
-    "scale_choice": SCALE_CHOICES,
-    "nonfinite": NONFINITE_POLICIES,
-}
 
 
 @dataclass(frozen=True)
@@ -67,12 +50,12 @@ class CodecOptions:
             ``"keep"`` stores them (inf as NaN in e4m3fn, which has no inf).
     """
 
-    fp8: str = "e4m3fn"
-    scaling: str = "block"
-    block_size: int = 32
-    scale_dtype: str = "bfloat16"
-    scale_choice: str | None = None
-    nonfinite: str = "error"
+    fp8: str = DEFAULT_MODE["fp8"]
+    scaling: str = DEFAULT_MODE["scaling"]
+    block_size: int = DEFAULT_MODE["block_size"]
+    scale_dtype: str = DEFAULT_MODE["scale_dtype"]
+    scale_choice: str | None = DEFAULT_MODE["scale_choice"]
+    nonfinite: str = DEFAULT_MODE["nonfinite"]
 
     def __post_init__(self):
         try:
@@ -88,7 +71,7 @@ class CodecOptions:
                 f"block_size must be a positive integer (at most {MAX_BLOCK_SIZE}), got {block_size!r}", field="block_size"
             )
         if self.scale_choice is None:
-            object.__setattr__(self, "scale_choice", "mse" if self.scaling in SEARCHED_SCALINGS else "amax")
+            object.__setattr__(self, "scale_choice", default_scale_choice(self.scaling))
         _check_choice("scale_choice", self.scale_choice)
         if self.scale_choice != "amax" and self.scaling not in SEARCHED_SCALINGS:
             raise InvalidOptionError(
@@ -160,12 +143,7 @@ class CodecOptions:
 
     def label(self) -> str:
         """A short description: ``e4m3fn, block 32, bfloat16 scales by mse``."""
-        parts = [self.fp8, self.scaling + (f" {self.block_size}" if self.scaling == "block" else "")]
-        if self.scaling != "none":
-            parts.append(f"{self.scale_dtype} scales by {self.scale_choice}")
-        if self.nonfinite != "error":
-            parts.append(f"nonfinite {self.nonfinite}")
-        return ", ".join(parts)
+        return mode_label(**self.as_dict())
 
 
 def _check_choice(name: str, value) -> None:

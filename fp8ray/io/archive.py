@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from ..codec.options import CodecOptions
 from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError, MismatchError
 from .blocks import BlockRef, SourceLayout
+from .lossless import DEFAULT_LOSSLESS, LOSSLESS_CODECS  # noqa: F401 (DEFAULT_LOSSLESS re-exported)
 from .paths import TMP_MARK, os_reason, redact, write_atomic
 from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, Manifest, Part, Plan
 
@@ -36,9 +37,6 @@ DEFAULT_PART_BYTES = 64 << 20
 # reading one block alone (fp8ray.io.reader) reads its row group's frames.
 ROW_GROUP_ROWS = 64
 ROW_GROUP_BYTES = 1 << 20
-DEFAULT_LOSSLESS = "zstd:3"  # chosen from the table in BENCHMARKS.md ("Lossless stage")
-# Lossless codecs for the frame column (Parquet's own), and their level ranges.
-LOSSLESS_CODECS = {"none": None, "zstd": (1, 22), "lz4": None, "snappy": None, "gzip": (1, 9), "brotli": (0, 11)}
 
 SCHEMA = pa.schema(
     [

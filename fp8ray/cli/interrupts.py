@@ -1,0 +1,134 @@
+"""What an interrupt does to a command: SIGINT or SIGTERM becomes one
+:class:`KeyboardInterrupt` in the main thread (:class:`interrupts`), and the command's
+last line says what it left (:func:`interrupted_state`).
+
+Imports nothing heavy: :func:`fp8ray.cli.main` installs the handlers before it loads
+anything else, so an interrupt at any moment, even while torch or Ray is being imported,
+ends the command with exit 130 and one line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+
+class interrupts:
+    """SIGINT and SIGTERM raise :class:`KeyboardInterrupt` once, in the main thread; any
+    that follow are ignored, so the clean-up the first one started (workers settling,
+    parts removed, Ray stopped) runs to its end. A signal the process ignores stays
+    ignored; the handlers before it are put back on exit (or, ``exiting``, the signals
+    left ignored: the process only ends after it). Elsewhere than in the main thread,
+    nothing changes.
+
+    A signal that comes while another package than fp8ray is being imported waits until
+    that import is done (it is delivered again every :attr:`RETRY_S`): an import cut
+    short leaves its package half loaded, and torch half loaded crashes the process
+    (SIGSEGV, no message) when it is loaded again or at exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    RETRY_S = 0.02
+
+    def __init__(self, exiting: bool = False):
+        self.exiting = exiting  # the process ends next: leave the signals ignored instead
+
+    def __enter__(self):
+        self.fired = False
+        self.saved = None
+        self.active = True
+        self.retrying = False
+        if threading.current_thread() is threading.main_thread():
+            # A signal ignored when the process started (a background job's SIGINT) stays so.
+            self.saved = {sig: signal.getsignal(sig) for sig in self.SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+            for sig in self.saved:
+                signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.fired:
+            return
+        if _importing(frame):
+            if not self.retrying:
+                self.retrying = True
+                threading.Timer(self.RETRY_S, self._deliver_again, (signum,)).start()
+            return
+        self.fired = True
+        raise KeyboardInterrupt
+
+    def _deliver_again(self, signum: int) -> None:
+        self.retrying = False
+        if self.active:
+            os.kill(os.getpid(), signum)
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+        for sig, handler in (self.saved or {}).items():
+            if self.exiting:
+                handler = signal.SIG_IGN
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` runs inside the import of a module other than fp8ray's own (whose
+    modules, plain Python, load again cleanly after an interrupted import)."""
+    while frame is not None:
+        loaded_by_import = frame.f_back is not None and frame.f_back.f_code.co_filename.startswith("<frozen importlib")
+        if frame.f_code.co_name == "<module>" and loaded_by_import and not frame.f_globals.get("__name__", "").startswith("fp8ray"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def interrupted_state(args) -> str:
+    """What an interrupted command left, in a few words, from what is on disk now
+    (``args`` None: interrupted before its arguments were parsed)."""
+    if args is None:
+        return "nothing done"
+    command = getattr(args, "command", "")
+    try:
+        if command == "compress":
+            return _compress_state(args.destination)
+        if command in ("decompress", "lmcache-compress", "lmcache-decompress"):
+            output = args.output if command == "decompress" else args.destination
+            return f"nothing written; {_left_as_found(output)}"
+        if command in ("verify", "inspect", "fidelity"):
+            return f"{command} only reads: nothing changed"
+    except Exception:  # noqa: BLE001
+        # What is there cannot be read, or the interrupt cut an import short (torch half
+        # loaded cannot be loaded again): say nothing wrong about it, in the one line.
+        pass
+    return f"{command} stopped before it finished"
+
+
+def _left_as_found(uri: str) -> str:
+    from ..io.paths import redact, resolve
+
+    fs, path = resolve(uri)
+    import pyarrow.fs as pafs
+
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return f"{redact(uri)} not created"
+    return f"{redact(uri)} left as it was"
+
+
+def _compress_state(uri: str) -> str:
+    import pyarrow.fs as pafs
+
+    from ..io.paths import redact, resolve
+
+    fs, path = resolve(uri)
+    shown = redact(uri)
+    if fs.get_file_info(path).type != pafs.FileType.Directory:
+        return f"nothing written; {shown} not created"
+    from ..io import archive  # loads the codec (torch): only once there is an archive to look at
+
+    names = {e.base_name for e in fs.get_file_info(pafs.FileSelector(path))}
+    if archive.MANIFEST_NAME in names:
+        return f"{shown} left as it was (the archive it holds is unchanged)"
+    plan = archive.read_plan(fs, path) if archive.PLAN_NAME in names else None
+    if plan is None:
+        return f"nothing written; {shown} left as it was"
+    total = len(plan.parts)
+    done = sum(archive.read_sidecar(fs, path, i) is not None for i in range(total))
+    return f"{done} of {total} parts done in {shown}; rerun with --resume to keep them"
