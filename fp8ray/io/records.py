@@ -10,12 +10,13 @@ after these classes are byte-identical. Where the files are and how they are wri
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from ..codec.bound import bound_constants
 from ..codec.options import CodecOptions
-from ..errors import CorruptArchiveError, InvalidOptionError
+from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
 from .blocks import SUFFIXES, SourceLayout
 
 ARCHIVE_FORMAT = "fp8ray-archive"
@@ -144,6 +145,81 @@ def _layout(obj: object, label: str) -> SourceLayout:
 
 
 @dataclass(frozen=True)
+class Provenance:
+    """What a cache was made for: the model's name, its revision and the KV layout, each
+    optional and free text (as the user names them: ``"meta-llama/Llama-3.1-8B"``,
+    a commit, ``"[2,L,T,H] bf16"``). Compared for equality only, never interpreted."""
+
+    model: str | None = None
+    revision: str | None = None
+    kv_layout: str | None = None
+
+    def __post_init__(self):
+        for name, value in self.recorded().items():
+            if not isinstance(value, str) or not value or not value.isprintable():
+                raise InvalidOptionError(
+                    f"provenance {name!r} must be a non-empty printable string, got {_short(value)}", field=name
+                )
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def parse(cls, given: Provenance | Mapping[str, object] | None) -> Provenance:
+        """A provenance from a mapping of some of :meth:`names` (``None`` values left
+        out); an unknown name raises :class:`InvalidOptionError` naming it."""
+        if isinstance(given, Provenance):
+            return given
+        values = {k: v for k, v in dict(given or {}).items() if v is not None}
+        for name in values:
+            if name not in cls.names():
+                raise InvalidOptionError(f"unknown provenance field {name!r}; expected some of {list(cls.names())}", field=name)
+        return cls(**values)
+
+    def recorded(self) -> dict[str, str]:
+        """The fields given, by name (``{}``: none)."""
+        return {name: getattr(self, name) for name in self.names() if getattr(self, name) is not None}
+
+    @classmethod
+    def from_json(cls, obj: object, label: str) -> Provenance:
+        field = _Fields(obj, label)
+        unknown = sorted(set(obj) - set(cls.names()))
+        if unknown:
+            raise CorruptArchiveError(f"{label} holds {unknown[0]!r}, not one of {list(cls.names())}")
+        try:
+            return cls(**{name: field(name, str, optional=True) for name in cls.names()})
+        except InvalidOptionError as exc:
+            raise CorruptArchiveError(f"{label}: {exc}") from None
+
+    def to_json(self) -> dict[str, str]:
+        return self.recorded()
+
+    def describe(self) -> str:
+        """``"model 'm', revision 'r'"``: the fields given, as messages name them."""
+        return ", ".join(f"{name.replace('_', ' ')} {value!r}" for name, value in self.recorded().items())
+
+
+def check_provenance(recorded: Provenance | None, expect: Provenance | Mapping[str, object] | None, what: str) -> None:
+    """Refuse, with a one-line :class:`MismatchError` naming the field, ``what`` (an
+    archive or store, as messages name it) whose ``recorded`` provenance differs from
+    ``expect`` in any field ``expect`` gives, or lacks it. Nothing expected: no check."""
+    wanted = Provenance.parse(expect).recorded()
+    if not wanted:
+        return
+    name, value = next(iter(wanted.items()))
+    if recorded is None or not recorded.recorded():
+        raise MismatchError(f"{what} records no provenance, expected {name.replace('_', ' ')} {value!r}", field=name)
+    for name, value in wanted.items():
+        has = getattr(recorded, name)
+        shown = name.replace("_", " ")
+        if has is None:
+            raise MismatchError(f"{what} records no {shown}, expected {shown} {value!r}", field=name)
+        if has != value:
+            raise MismatchError(f"{what} was made for {shown} {has!r}, expected {shown} {value!r}", field=name)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """An archive's ``_manifest.json``: what it holds, how it was encoded, the source's
     layout (to give it back) and each part's size and CRC-32C."""
@@ -160,6 +236,7 @@ class Manifest:
     frame_bytes: int
     archive_bytes: int
     parts: tuple[Part, ...]
+    provenance: Provenance | None = None  # None: none given (and every manifest from before it)
 
     @property
     def options(self) -> CodecOptions:
@@ -190,6 +267,7 @@ class Manifest:
             if set(bound) != set(terms) or not all(_is(v, float) for v in bound.values()):
                 raise CorruptArchiveError(f"{label}'s 'error_bound' is {_short(bound)}, not numbers for {sorted(terms)}")
         layout = field("layout", dict, optional=True)
+        provenance = field("provenance", dict, optional=True)
         parts = field("parts", list)
         return cls(
             version=obj["version"],
@@ -204,6 +282,7 @@ class Manifest:
             frame_bytes=field("frame_bytes", int),
             archive_bytes=field("archive_bytes", int),
             parts=tuple(Part.from_json(entry, f"{where}: part entry {i}") for i, entry in enumerate(parts)),
+            provenance=Provenance.from_json(provenance, f"{label}'s provenance") if provenance is not None else None,
         )
 
     def to_json(self) -> dict:
@@ -225,6 +304,8 @@ class Manifest:
             archive_bytes=self.archive_bytes,
             parts=[p.to_json() for p in self.parts],
         )
+        if self.provenance is not None:  # only where given: archives without keep their JSON
+            out["provenance"] = self.provenance.to_json()
         return out
 
 
