@@ -5,7 +5,20 @@ from __future__ import annotations
 import json
 
 from ..io.lossless import DEFAULT_LOSSLESS
+from ..io.provenance import Provenance
 from .common import codec_arguments, codec_options, engine_arguments, pool_settings, positive_float, progress, warn
+
+
+def _provenance_flags(parser, prefix: str, text: str) -> None:
+    """A flag per provenance field (``--model``, ``--kv-layout``; ``prefix``: ``"expect-"``)."""
+    for name in Provenance.names():
+        what = name.replace("_", " ")
+        parser.add_argument(f"--{prefix}{name.replace('_', '-')}", metavar=name.upper(), help=text.format(what))
+
+
+def _provenance(args, prefix: str = "") -> dict[str, str]:
+    """The provenance fields given on the command line (``prefix``: ``"expect_"``)."""
+    return {name: getattr(args, prefix + name) for name in Provenance.names() if getattr(args, prefix + name) is not None}
 
 
 def add_commands(commands) -> None:
@@ -30,6 +43,7 @@ def add_commands(commands) -> None:
     compress.add_argument(
         "--overwrite", action="store_true", help="replace an existing destination (never one that overlaps the source)"
     )
+    _provenance_flags(compress, "", "record in the manifest the {} the cache was made for")
     engine_arguments(compress)
     compress.set_defaults(handler=run_compress)
 
@@ -48,6 +62,7 @@ def add_commands(commands) -> None:
         help="replace an existing output directory even if it holds other files, deleting them (named first)",
     )
     decompress.add_argument("--parents", action="store_true", help="create the output's missing parent directories")
+    _provenance_flags(decompress, "expect-", "refuse an archive that does not record this {} (from compress)")
     engine_arguments(decompress)
     decompress.set_defaults(handler=run_decompress)
 
@@ -79,7 +94,7 @@ def run_compress(args) -> int:
         args.source, args.destination, options=options,
         pool=pool_settings(args),
         resume=args.resume, overwrite=args.overwrite, parents=args.parents, strict=args.strict,
-        part_bytes=int(args.part_mb * 2**20), lossless=args.lossless, progress=update,
+        part_bytes=int(args.part_mb * 2**20), lossless=args.lossless, progress=update, provenance=_provenance(args),
     )
     _finish(args, bar, report, (
         f"compressed {report.blocks} blocks into {report.parts} parts ({report.parts_reused} reused): "
@@ -119,6 +134,7 @@ def run_decompress(args) -> int:
         args.archive, args.output, single_file=args.single_file, pool=pool_settings(args),
         overwrite=args.overwrite,
         force_replace=args.force_replace, parents=args.parents, progress=update, announce=warn,
+        expect=_provenance(args, "expect_"),
     )
     _finish(args, bar, report, (
         f"decompressed {report.blocks} blocks ({report.raw_bytes / 2**20:.1f} MiB) into {report.files} file(s) at {report.output}, "
@@ -160,7 +176,9 @@ def run_inspect(args) -> int:
         print(
             f"{redact(args.archive)}: {manifest.blocks} blocks in {len(manifest.parts)} parts, {manifest.options.label()}; "
             f"{manifest.raw_bytes / 2**20:.1f} MiB -> {manifest.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x); "
-            f"fp8ray {manifest.fp8ray_version}" + skipped_summary(skipped).replace("; skipped", "; the source's tree skipped")
+            f"fp8ray {manifest.fp8ray_version}"
+            + (f"; made for {manifest.provenance.describe()}" if manifest.provenance else "")
+            + skipped_summary(skipped).replace("; skipped", "; the source's tree skipped")
         )
     if report.problems:
         for problem in report.problems:

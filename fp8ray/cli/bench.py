@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..io.lossless import DEFAULT_LOSSLESS
 from .common import codec_arguments, codec_options, given_codec_options, positive_float, positive_int
-from .serve import service_arguments, service_args
+from .serve import service_args, service_arguments
 
 
 def add_commands(commands) -> None:

@@ -33,6 +33,10 @@ def add_commands(commands) -> None:
             codec_arguments(parser, (*FRAME_OPTIONS, "nonfinite"))
         parser.add_argument("--overwrite", action="store_true", help="replace an existing destination (only once the new store is complete)")
         parser.add_argument("--parents", action="store_true", help="create the destination's missing parent directories")
+        parser.add_argument(
+            "--expect-model", metavar="MODEL",
+            help="refuse a store holding a chunk of another model (each chunk's file name records its model)",
+        )
         engine_arguments(parser)
         parser.set_defaults(handler=run_store_command)
 
@@ -66,6 +70,7 @@ def run_store_command(args) -> int:
         parents=args.parents,
         progress=lambda n: state.get("update") and state["update"](n),
         on_scan=on_scan,
+        expect_model=args.expect_model,
     )
     if state.get("bar") is not None:
         state["bar"].close()

@@ -21,8 +21,8 @@ import torch
 
 from ..errors import BadInputError, BlockError, MismatchError, block_error
 from . import frame
-from .fp8codec import Fp8Codec, decode
 from .formats import DTYPE_NAMES, DTYPES_BY_NAME
+from .fp8codec import Fp8Codec, decode
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidOptionError
-from .names import DTYPE_CODES, FP8_CODES, SCALE_CHOICES, SCALE_DTYPES, SCALINGS
-from .names import NONFINITE_POLICIES, SEARCHED_SCALINGS  # noqa: F401 (re-exported: the formats module names them all)
+from .names import DTYPE_CODES, FP8_CODES, NONFINITE_POLICIES, SCALE_CHOICES, SCALE_DTYPES, SCALINGS, SEARCHED_SCALINGS  # noqa: F401 (re-exported: the formats module names them all)
 
 SMALLEST_NORMAL_SCALE = 2.0**-126
 

@@ -36,11 +36,11 @@ from .formats import (
     DTYPES,
     DTYPES_BY_CODE,
     FORMATS_BY_CODE,
-    SCALINGS,
-    SCALINGS_BY_CODE,
     SCALE_BYTES,
     SCALE_DTYPES,
     SCALE_DTYPES_BY_CODE,
+    SCALINGS,
+    SCALINGS_BY_CODE,
     Fp8Format,
     num_scales,
 )

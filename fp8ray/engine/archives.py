@@ -6,9 +6,10 @@ The archive format itself is :mod:`fp8ray.io.archive`.
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import pyarrow.fs as pafs
@@ -33,6 +34,7 @@ from ..io.paths import (
     temporary_name,
     uri_for,
 )
+from ..io.provenance import Provenance, check_provenance
 from ..io.restore import plan_restore
 from .pool import PoolSettings, QuantPool, check_pool, use_pool
 from .worker import QuantWorker
@@ -151,6 +153,7 @@ def compress_archive(
     lossless: str = DEFAULT_LOSSLESS,
     progress: Progress | None = None,
     pool: QuantPool | PoolSettings | None = None,
+    provenance: Provenance | Mapping[str, str] | None = None,
     **codec_options,
 ) -> CompressReport:
     """Compress a safetensors file, a directory of them or a raw-block Parquet archive
@@ -178,8 +181,14 @@ def compress_archive(
     overriding only itself. All of them are recorded in the manifest, with ``lossless``
     (the Parquet codec of the frame column, ``"zstd:3"``, ``"none"``...), the source's
     layout (to give it back) and the codec's error bound (to verify against).
+
+    ``provenance``: what the cache was made for (a :class:`~fp8ray.io.records.Provenance`
+    or a mapping of its fields: ``model``, ``revision``, ``kv_layout``), recorded in the
+    manifest for ``open_archive(..., expect=...)`` and ``decompress_archive(expect=...)``
+    to check. None given: the manifest records none.
     """
     codec = CodecOptions.parse(codec_options, base=options)  # bad options fail before any work
+    made_for = Provenance.parse(provenance)
     check_pool(pool)
     archive.parse_lossless(lossless)
     check_apart(source, destination)
@@ -225,6 +234,8 @@ def compress_archive(
         bound = bound_constants(codec.fmt, codec.scaling)
         entries = [infos[i] for i in range(len(parts))]
         manifest = archive.build_manifest(source, layout, codec.as_dict(), lossless, bound, len(refs), entries, __version__)
+        if made_for.recorded():
+            manifest = dataclasses.replace(manifest, provenance=made_for)
         archive.write_manifest(fs, work, manifest)
         archive.clean_scratch(fs, work)
     except BaseException:
@@ -264,6 +275,7 @@ def decompress_archive(
     progress: Progress | None = None,
     pool: QuantPool | PoolSettings | None = None,
     announce: Callable[[str], None] | None = None,
+    expect: Provenance | Mapping[str, str] | None = None,
 ) -> DecompressReport:
     """Give back what was compressed: the source's own files at ``output`` (a directory of
     the same files, keys, order and metadata; a single file; a raw-block Parquet file with
@@ -276,11 +288,16 @@ def decompress_archive(
     not write is removed: ``overwrite`` replaces an output holding only what the archive
     describes (an earlier decompress of it); ``force_replace`` replaces one holding other
     files too, calling ``announce`` with what it will delete before any work. ``pool``:
-    as for :func:`compress_archive`.
+    as for :func:`compress_archive`. ``expect``: the provenance the archive must record
+    (some of ``model``, ``revision``, ``kv_layout``); an archive made for anything else,
+    or recording none, is refused with a :class:`~fp8ray.errors.MismatchError` naming
+    the field, before any work.
     """
     check_pool(pool)
+    expect = Provenance.parse(expect)  # a bad field name fails before anything is read
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path, archive_uri)
+    check_provenance(manifest.provenance, expect, f"archive {redact(archive_uri)}")
     check_apart(archive_uri, output)
     columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key", "dtype", "shape"], archive_uri)
     out_fs, out_path = resolve(output)

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from ..codec import CodecOptions
+from ..codec.blocks import Block, bytes_to_tensor
 from ..codec.formats import DTYPE_NAMES
 from ..errors import InvalidOptionError, PoolStartError, WorkerLostError
-from ..codec.blocks import Block, bytes_to_tensor
 from .backends import InlineBackend, RayBackend, WorkerDied
 from .worker import QuantWorker, WorkerInfo
 

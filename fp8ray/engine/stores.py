@@ -41,17 +41,21 @@ from ..io.lmcache_store import (
     RAW,
     ChunkFile,
     Layout,
+    StoreScan,
+    parse_chunk_name,
     parse_layout,
     scan_store,
 )
 from ..io.paths import (
     check_apart,
     prepare_parent,
+    printable,
     remove_quietly,
     replace_directory,
     resolve,
     temporary_name,
 )
+from ..io.provenance import Provenance, check_provenance
 from ..lmcache.store_files import StoreConversion
 from .pool import PoolSettings, QuantPool, check_pool, use_pool
 from .worker import QuantWorker
@@ -136,6 +140,18 @@ def _nothing_to_convert(source: str, layout: Layout, target: str, chunks: list[C
     )
 
 
+def _check_models(scan: StoreScan, expect_model: str | None, source: str) -> None:
+    """Refuse a store holding a chunk file of a model other than ``expect_model``: the
+    model is what the chunk's name records (all a chunk records of its provenance)."""
+    if expect_model is None:
+        return
+    expect = Provenance(model=expect_model)  # an empty or unprintable name is refused here
+    for chunk in scan.chunks:
+        made_for = Provenance(model=parse_chunk_name(chunk.name).model)
+        if made_for != expect:
+            check_provenance(made_for, expect, f"chunk file {printable(chunk.name)} of store {printable(source)}")
+
+
 def convert_store(
     source: str,
     destination: str,
@@ -148,6 +164,7 @@ def convert_store(
     parents: bool = False,
     progress=None,
     on_scan=None,
+    expect_model: str | None = None,
 ) -> StoreReport:
     """Write every chunk file of the LMCache FS store ``source`` in the ``target`` form
     (``"raw"``, ``"fp8"`` or ``"fp8ray"``) into the new directory ``destination``.
@@ -163,6 +180,10 @@ def convert_store(
     number of files to write, before the work starts. ``pool``: a running
     :class:`QuantPool` to use (and leave running), or the :class:`PoolSettings` of one to
     start for this call (default: ``PoolSettings()``).
+
+    ``expect_model``: the model every chunk must be of (LMCache names each chunk file
+    after its model); a store holding a chunk of another model is refused with a
+    :class:`MismatchError` naming the file and both models, before any work.
     """
     if target not in FORMS:
         raise InvalidOptionError(f"target form must be one of {list(FORMS)}, got {target!r}", field="target")
@@ -172,6 +193,7 @@ def convert_store(
     layout = parse_layout(layout) if isinstance(layout, str) else layout
     src, dst = _check_paths(source, destination, overwrite, parents)
     scan = scan_store(src, layout)
+    _check_models(scan, expect_model, source)
     todo = [c for c in scan.chunks if c.form != target]
     if not todo:
         raise _nothing_to_convert(source, layout, target, scan.chunks, scan.skipped)

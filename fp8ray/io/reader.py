@@ -14,6 +14,7 @@ blocks) at a time.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Self
 
@@ -26,14 +27,20 @@ from ..codec import decode
 from ..errors import BadInputError, CorruptArchiveError
 from . import archive
 from .paths import os_reason, printable, redact, resolve
+from .provenance import Provenance, check_provenance
 from .records import Manifest, Part
 
 
-def open_archive(uri: str, *, filesystem: pafs.FileSystem | None = None) -> ArchiveReader:
+def open_archive(
+    uri: str, *, filesystem: pafs.FileSystem | None = None, expect: Provenance | Mapping[str, str] | None = None
+) -> ArchiveReader:
     """A reader of the archive at ``uri`` (a local path or a URI such as ``s3://...``).
     ``filesystem``: read through this ``pyarrow.fs`` filesystem instead, ``uri`` being a
-    path in it. Only the manifest is read here."""
-    return ArchiveReader(uri, filesystem)
+    path in it. Only the manifest is read here. ``expect``: the provenance the archive
+    must record (``{"model": ..., "revision": ..., "kv_layout": ...}``, any of them); one
+    made for anything else, or recording none, raises :class:`~fp8ray.errors.MismatchError` naming the
+    field."""
+    return ArchiveReader(uri, filesystem, expect)
 
 
 @dataclass
@@ -54,10 +61,12 @@ class ArchiveReader:
     where the key is in one file only.
     """
 
-    def __init__(self, uri: str, filesystem: pafs.FileSystem | None = None):
+    def __init__(self, uri: str, filesystem: pafs.FileSystem | None = None, expect: Provenance | Mapping[str, str] | None = None):
+        expect = Provenance.parse(expect)  # a bad field name fails before anything is read
         self._fs, self._dir = (filesystem, uri.rstrip("/")) if filesystem is not None else resolve(uri)
         self._uri = uri
         self.manifest: Manifest = archive.read_manifest(self._fs, self._dir, uri)
+        check_provenance(self.manifest.provenance, expect, f"archive {self._shown}")
         self._parts: dict[int, _PartIndex] = {}
         # The rows of each file: (first, end) in the archive's order of blocks.
         starts = [0]

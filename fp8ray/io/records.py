@@ -17,6 +17,7 @@ from ..codec.bound import bound_constants
 from ..codec.options import CodecOptions
 from ..errors import CorruptArchiveError, InvalidOptionError
 from .blocks import SUFFIXES, SourceLayout
+from .provenance import Provenance, short_repr
 
 ARCHIVE_FORMAT = "fp8ray-archive"
 # Version 2 added the source's layout to the manifest and the "file" column to parts;
@@ -54,7 +55,7 @@ class _Fields:
             return None
         if not _is(value, kind):
             wanted = _KINDS[kind] + (" or null" if null else "")
-            raise CorruptArchiveError(f"{self.label}'s {name!r} is {_short(value)}, not {wanted}")
+            raise CorruptArchiveError(f"{self.label}'s {name!r} is {short_repr(value)}, not {wanted}")
         return value
 
 
@@ -68,16 +69,11 @@ def _is(value: object, kind: type) -> bool:
     return isinstance(value, kind)
 
 
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _strings(value: dict, label: str) -> None:
     """Refuse an object whose keys and values are not all strings (safetensors metadata)."""
     bad = [k for k, v in value.items() if not isinstance(v, str)]
     if bad:
-        raise CorruptArchiveError(f"{label}'s {bad[0]!r} is {_short(value[bad[0]])}, not a string")
+        raise CorruptArchiveError(f"{label}'s {bad[0]!r} is {short_repr(value[bad[0]])}, not a string")
 
 
 @dataclass(frozen=True)
@@ -160,6 +156,7 @@ class Manifest:
     frame_bytes: int
     archive_bytes: int
     parts: tuple[Part, ...]
+    provenance: Provenance | None = None  # None: none given (and every manifest from before it)
 
     @property
     def options(self) -> CodecOptions:
@@ -188,8 +185,9 @@ class Manifest:
         if bound:  # an empty one records nothing: verify derives the bound
             terms = bound_constants(options.fmt, options.scaling)
             if set(bound) != set(terms) or not all(_is(v, float) for v in bound.values()):
-                raise CorruptArchiveError(f"{label}'s 'error_bound' is {_short(bound)}, not numbers for {sorted(terms)}")
+                raise CorruptArchiveError(f"{label}'s 'error_bound' is {short_repr(bound)}, not numbers for {sorted(terms)}")
         layout = field("layout", dict, optional=True)
+        provenance = field("provenance", dict, optional=True)
         parts = field("parts", list)
         return cls(
             version=obj["version"],
@@ -204,6 +202,7 @@ class Manifest:
             frame_bytes=field("frame_bytes", int),
             archive_bytes=field("archive_bytes", int),
             parts=tuple(Part.from_json(entry, f"{where}: part entry {i}") for i, entry in enumerate(parts)),
+            provenance=Provenance.from_json(provenance, f"{label}'s provenance") if provenance is not None else None,
         )
 
     def to_json(self) -> dict:
@@ -225,6 +224,8 @@ class Manifest:
             archive_bytes=self.archive_bytes,
             parts=[p.to_json() for p in self.parts],
         )
+        if self.provenance is not None:  # only where given: archives without keep their JSON
+            out["provenance"] = self.provenance.to_json()
         return out
 
 
@@ -248,7 +249,7 @@ class Plan:
             if not isinstance(part, list) or not all(
                 isinstance(b, list) and len(b) == 2 and all(isinstance(s, str) for s in b) for b in part
             ):
-                raise CorruptArchiveError(f"{label}'s part {i} is {_short(part)}, not a list of [file, key] pairs")
+                raise CorruptArchiveError(f"{label}'s part {i} is {short_repr(part)}, not a list of [file, key] pairs")
         return cls(
             source=field("source", str),
             codec=field("codec", dict),

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from ..codec.options import CodecOptions
 from ..errors import InvalidOptionError
+from ..io.provenance import Provenance
 from .frames import check_fp8_input
 
 SERDE_KWARGS = (*CodecOptions.names(), "max_workers", "fp8_input")
@@ -29,6 +30,12 @@ def serde_options(kwargs: Mapping[str, object] | None = None) -> SerdeSettings:
     naming it."""
     values = dict(kwargs or {})
     for name in values:
+        if name in Provenance.names():  # asked for by users of archives' provenance: say why not here
+            raise InvalidOptionError(
+                f"the fp8ray serde takes no {name!r}: a frame records no provenance (LMCache's object keys name the model; "
+                f"each frame's dtype and shape are checked against the tensor it is read into); docs/LMCACHE.md, 'Provenance'",
+                field=name,
+            )
         if name not in SERDE_KWARGS:
             raise InvalidOptionError(
                 f"unknown option {name!r} of the fp8ray serde; expected some of {list(SERDE_KWARGS)}", field=name

@@ -40,7 +40,7 @@ from ..codec.formats import DTYPE_NAMES
 from ..engine.backends import worker_exception
 from ..engine.worker import QuantWorker
 from ..errors import RequestError, WorkersUnavailableError
-from ..io.safetensors import SOURCE_DTYPES, FRAME_DTYPE, build_body, parse_body
+from ..io.safetensors import FRAME_DTYPE, SOURCE_DTYPES, build_body, parse_body
 from .options import ServiceOptions
 from .requests import OCTET_STREAM, SAFETENSORS, codec_options, is_safetensors, raw_layout, refusal, response_limit, split
 

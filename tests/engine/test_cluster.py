@@ -42,12 +42,9 @@ finally:
 def test_two_nodes_spread_and_give_identical_parts(kv_source, tmp_path, ray_session):
     import hashlib
     import json
-
-    from fp8ray.engine.archives import compress_archive
-
     import shutil
 
-    from fp8ray.engine.archives import decompress_archive
+    from fp8ray.engine.archives import compress_archive, decompress_archive
 
     src, _ = kv_source
     compress_archive(str(src), str(tmp_path / "local"), part_bytes=200_000)

@@ -13,10 +13,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from _util import quant_worker_pids
 from safetensors.torch import load_file
 
 import fp8ray
-from _util import quant_worker_pids
 from fp8ray import Fp8Codec
 from fp8ray.engine.archives import compress_archive, decompress_archive, verify_archive
 from fp8ray.engine.pool import QuantPool

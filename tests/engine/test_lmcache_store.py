@@ -38,7 +38,7 @@ from fp8ray.errors import (
     NonFiniteError,
     SourceError,
 )
-from fp8ray.io.lmcache_store import ChunkName, format_chunk_name, form_of, parse_chunk_name, parse_layout, scan_store
+from fp8ray.io.lmcache_store import ChunkName, form_of, format_chunk_name, parse_chunk_name, parse_layout, scan_store
 from fp8ray.lmcache import Fp8QuantizationSerializer
 from fp8ray.lmcache.store_files import StoreConversion, convert_files
 
@@ -504,8 +504,9 @@ def test_stores_of_lmcaches_fs_adapter_with_the_fp8ray_serde_convert_both_ways(t
     """LMCache writes a store through its fs adapter and the fp8ray serde; lmcache-decompress
     turns it into raw chunk files (the frames' decoded values); lmcache-compress --serde
     fp8ray turns those back into a store LMCache loads through the same adapter."""
-    import fp8ray.lmcache
     from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    import fp8ray.lmcache
 
     layout = MemoryLayoutDesc(shapes=[torch.Size(SHAPE)], dtypes=[torch.bfloat16])
     written = tmp_path / "written"

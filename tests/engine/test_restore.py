@@ -15,10 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from _util import quant_worker_pids
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-
-from _util import quant_worker_pids
 
 import fp8ray
 from fp8ray import CodecOptions, Fp8Codec

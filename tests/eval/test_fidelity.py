@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import save_file
 
 from fp8ray.cli import main
+from fp8ray.engine.archives import compress_archive
 from fp8ray.errors import MismatchError
 from fp8ray.eval.fidelity import DEFAULT_KEY_PATTERN, classify, fidelity_report
-from fp8ray.engine.archives import compress_archive
 
 LAYERS = 3
 PER_KEY = {"layer00.k": 2.0, "layer00.v": 0.5, "layer01.k": 1.5, "layer01.v": 4.0}

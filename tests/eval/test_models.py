@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from _util import assert_same_bits
 
-from fp8ray.eval.capture import block_key, capture
 from fp8ray.cli import main
 from fp8ray.codec import Fp8Codec
-from fp8ray.eval.eval_model import compare_logits, evaluate_modes, format_markdown, parse_mode
 from fp8ray.codec.formats import E4M3FN
+from fp8ray.eval.capture import block_key, capture
+from fp8ray.eval.eval_model import compare_logits, evaluate_modes, format_markdown, parse_mode
 from fp8ray.eval.models import cache_tensors, forward, load_model, read_text, resolve_model, shipped_model_path, tokenize
-
-from _util import assert_same_bits
 
 TEXT = Path(__file__).resolve().parents[2] / "fp8ray" / "eval" / "texts" / "lighthouse.txt"
 PREFIX, CONTINUATION = 32, 16  # small: a forward pass of the 135M model costs ~10 ms per token here

@@ -21,10 +21,10 @@ import torch
 
 from fp8ray import Fp8Codec, decode
 from fp8ray.codec import CodecOptions
-from fp8ray.io.safetensors import build_body as build_safetensors
-from fp8ray.io.safetensors import parse_body
 from fp8ray.eval.sample import sample_kv_chunk
 from fp8ray.io.blocks import tensor_to_bytes
+from fp8ray.io.safetensors import build_body as build_safetensors
+from fp8ray.io.safetensors import parse_body
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_BODY_MB = 32
