@@ -60,6 +60,9 @@ class Provenance:
         unknown = sorted(set(obj) - set(cls.names()))
         if unknown:
             raise CorruptArchiveError(f"{label} holds {unknown[0]!r}, not one of {list(cls.names())}")
+        for name, value in obj.items():
+            if not isinstance(value, str):
+                raise CorruptArchiveError(f"{label}'s {name!r} is {short_repr(value)}, not a string")
         try:
             return cls(**obj)
         except InvalidOptionError as exc:
