@@ -215,11 +215,8 @@ def run_get(args) -> int:
             raise ArchiveExistsError(f"output {redact(args.output)} exists (pass --overwrite to replace it)")
         prepare_parent(fs, path, args.output, args.parents)
     reader = open_archive(args.archive)
-    tensor = reader.get(args.key, args.file)  # a missing or ambiguous key is refused here, by name
-    file = args.file
-    if file is None:  # the one file holding the key; get has read every part's keys to know it is one
-        files = reader.files()
-        file = files[0] if len(files) == 1 else next(f for f in files if args.key in reader.keys(f))
+    file = args.file if args.file is not None else reader.file_of(args.key)  # an ambiguous key is refused, naming the files
+    tensor = reader.get(args.key, file)  # a missing key is refused, naming the key and file
     metadata = reader.metadata(file) or None
     shape = tuple(tensor.shape)
     if to_stdout:
