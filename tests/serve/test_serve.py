@@ -542,3 +542,15 @@ def test_fp8ray_serve_command_serves_until_sigterm(tmp_path):
     assert [line for line in text.splitlines() if not line.startswith("fp8ray serve: ")] == [], text[-3000:]
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+
+
+def test_fp8ray_serve_refuses_an_archives_root_that_is_not_a_directory(tmp_path):
+    """Before Ray starts, in one line naming it."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    missing = tmp_path / "no-such-dir"
+    result = subprocess.run([sys.executable, "-m", "fp8ray.cli", "serve", "--port", str(free_port()), "--archives", str(missing)],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        f"fp8ray: error: archives root {str(missing)!r} is not a directory"
+    ], result.stderr
