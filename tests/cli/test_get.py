@@ -62,7 +62,8 @@ def test_missing_and_ambiguous_keys_name_what_to_choose(archive, tmp_path):
                     "no block 'nope' in file 'deep/b.safetensors' of archive")
     assert_one_line(fp8ray("get", arch, "only0", "--file", "deep/b.safetensors", "-o", out),
                     "no block 'only0' in file 'deep/b.safetensors'")
-    assert_one_line(fp8ray("get", arch, "shared", "--file", "deep/d.safetensors", "-o", out), "holds no file 'deep/d.safetensors'")
+    assert_one_line(fp8ray("get", arch, "shared", "--file", "deep/d.safetensors", "-o", out),
+                    "holds no file 'deep/d.safetensors'")
     assert_one_line(fp8ray("get", arch, "nope", "-o", out), "no block 'nope' in any file of archive")
     assert_one_line(fp8ray("get", arch, "shared", "-o", out),
                     "key 'shared' is in 3 files", "a.safetensors, deep/b.safetensors, deep/c.safetensors", "name the file")
