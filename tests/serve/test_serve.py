@@ -554,3 +554,44 @@ def test_fp8ray_serve_refuses_an_archives_root_that_is_not_a_directory(tmp_path)
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         f"fp8ray: error: archives root {str(missing)!r} is not a directory"
     ], result.stderr
+
+
+def test_a_block_over_the_body_limit_is_refused_413(archives_root):
+    """The block route's answer is bounded by --max-body-mb, not by its (bodiless) request:
+    the replica's read, with a limit below the block's size, refuses it naming the key."""
+    from types import SimpleNamespace
+
+    from fp8ray.errors import RequestError
+    from fp8ray.serve.archives import ArchiveRoot
+    from fp8ray.serve.deployment import Fp8Service
+
+    root, restored = archives_root
+    block = restored["a.safetensors"]["shared"]
+    read_block = Fp8Service.func_or_class._read_block
+    replica = SimpleNamespace(_archives=ArchiveRoot(str(root)), max_body_bytes=block.nbytes)
+    assert read_block(replica, "kv.fp8", "shared", "a.safetensors").status_code == 200  # exactly at the limit
+    replica.max_body_bytes = block.nbytes - 1
+    with pytest.raises(RequestError) as refused:
+        read_block(replica, "kv.fp8", "shared", "a.safetensors")
+    assert (refused.value.status, refused.value.field) == (413, "key") and "--max-body-mb" in str(refused.value)
+
+
+def test_the_replica_keeps_its_last_readers_and_reopens_a_replaced_archive(archives_root, tmp_path):
+    from fp8ray.serve.archives import ArchiveRoot
+
+    root, restored = archives_root
+    for name in ("b.fp8", "c.fp8"):
+        shutil.copytree(root / "kv.fp8", tmp_path / name)
+    shutil.copytree(root / "kv.fp8", tmp_path / "kv.fp8")
+    archives = ArchiveRoot(str(tmp_path), kept=2)
+    first = archives.reader("kv.fp8")
+    assert archives.reader("./kv.fp8") is first  # the same archive, however named: not read again
+    archives.reader("b.fp8")
+    archives.reader("c.fp8")  # the least recently used, kv.fp8, is let go
+    assert archives.reader("kv.fp8") is not first
+    again = archives.reader("kv.fp8")
+    shutil.rmtree(tmp_path / "kv.fp8")
+    # Replaced, as compress --overwrite does: a manifest written anew.
+    shutil.copytree(root / "kv.fp8", tmp_path / "kv.fp8", copy_function=shutil.copyfile)
+    replaced = archives.reader("kv.fp8")
+    assert replaced is not again and torch.equal(replaced.get("only0"), restored["a.safetensors"]["only0"])
