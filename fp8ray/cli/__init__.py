@@ -1,7 +1,7 @@
 """The ``fp8ray`` command line. Thin: each command's module parses its arguments, calls
 the library and prints; this module dispatches and turns every error into one line.
 
-Command modules: :mod:`~fp8ray.cli.archives` (compress, decompress, verify, inspect),
+Command modules: :mod:`~fp8ray.cli.archives` (compress, decompress, verify, inspect, get),
 :mod:`~fp8ray.cli.stores` (lmcache-compress, lmcache-decompress), :mod:`~fp8ray.cli.evaluate`
 (capture, fidelity, eval-model), :mod:`~fp8ray.cli.serve`, :mod:`~fp8ray.cli.bench`,
 :mod:`~fp8ray.cli.demo`. Each has ``add_commands(commands)``, which adds its subparsers

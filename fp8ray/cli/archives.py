@@ -1,4 +1,5 @@
-"""``fp8ray compress``, ``decompress``, ``verify`` and ``inspect``: archives on the Ray engine."""
+"""``fp8ray compress``, ``decompress``, ``verify`` and ``inspect``: archives on the Ray engine;
+``fp8ray get``: one block out of an archive, without Ray."""
 
 from __future__ import annotations
 
@@ -76,6 +77,8 @@ def add_commands(commands) -> None:
     inspect.add_argument("archive", help="an fp8ray archive directory")
     inspect.add_argument("--json", action="store_true", help="print the manifest as JSON, with the ratio and any problems")
     inspect.set_defaults(handler=run_inspect)
+
+    add_get_command(commands)
 
 
 def _finish(args, bar, report, summary: str) -> None:
@@ -185,4 +188,60 @@ def run_inspect(args) -> int:
             warn(problem)
         warn(f"error: archive {redact(args.archive)} failed inspection ({len(report.problems)} problem(s))")
         return 1
+    return 0
+
+
+def add_get_command(commands) -> None:
+    get = commands.add_parser(
+        "get", help="write one block of an archive to a .safetensors file, reading only that block (no Ray)"
+    )
+    get.add_argument("archive", help="an fp8ray archive directory (local or s3://)")
+    get.add_argument("key", help="the block's key, as in its source file")
+    get.add_argument(
+        "--file", metavar="F",
+        help="the source file holding the key, as the archive names it (needed where the key is in several files)",
+    )
+    get.add_argument(
+        "-o", "--output", required=True, metavar="OUT.safetensors",
+        help="the .safetensors file to write: the one block under its key, with its source file's __metadata__; "
+        "'-' writes it to standard output",
+    )
+    get.add_argument("--overwrite", action="store_true", help="replace an existing OUT (once the new one is complete)")
+    get.add_argument("--parents", action="store_true", help="create OUT's missing parent directories")
+    get.set_defaults(handler=run_get)
+
+
+def run_get(args) -> int:
+    import sys
+
+    import pyarrow.fs as pafs
+
+    from ..codec.blocks import dtype_name, tensor_to_bytes
+    from ..errors import ArchiveExistsError, DestinationError
+    from ..io.paths import check_apart, prepare_parent, redact, resolve
+    from ..io.reader import open_archive
+    from ..io.safetensors import SafetensorsWriter, build_body
+
+    to_stdout = args.output == "-"
+    if not to_stdout:  # the output is checked before anything is read
+        check_apart(args.archive, args.output)
+        fs, path = resolve(args.output)
+        kind = fs.get_file_info(path).type
+        if kind == pafs.FileType.Directory:
+            raise DestinationError(f"output {redact(args.output)} is a directory; name the .safetensors file to write")
+        if kind != pafs.FileType.NotFound and not args.overwrite:
+            raise ArchiveExistsError(f"output {redact(args.output)} exists (pass --overwrite to replace it)")
+        prepare_parent(fs, path, args.output, args.parents)
+    reader = open_archive(args.archive)
+    file = args.file if args.file is not None else reader.file_of(args.key)  # an ambiguous key is refused, naming the files
+    tensor = reader.get(args.key, file)  # a missing key is refused, naming the key and file
+    metadata = reader.metadata(file) or None
+    shape = tuple(tensor.shape)
+    if to_stdout:
+        sys.stdout.buffer.write(build_body([(args.key, dtype_name(tensor), shape, tensor_to_bytes(tensor))], metadata))
+        sys.stdout.buffer.flush()
+        return 0
+    with SafetensorsWriter(args.output, [(args.key, dtype_name(tensor), shape)], metadata) as writer:
+        writer.write(tensor_to_bytes(tensor))
+    print(f"wrote {args.key!r} ({dtype_name(tensor)} {list(shape)}) of {file!r} to {redact(args.output)}")
     return 0

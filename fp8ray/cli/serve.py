@@ -16,6 +16,11 @@ def add_commands(commands) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=positive_int, default=8000, help="port to listen on (default 8000)")
     service_arguments(serve)
+    serve.add_argument(
+        "--archives", metavar="DIR",
+        help="serve GET /v1/archive/block for the archives under this local directory (paths outside it are refused); "
+        "without it the route answers 404",
+    )
     serve.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
     serve.set_defaults(handler=run_serve)
 
@@ -58,6 +63,8 @@ def run_serve(args) -> int:
     from ..serve import ServiceOptions, build_app
 
     options = service_args(args)
+    if args.archives:
+        options["archives"] = os.path.abspath(args.archives)  # the replicas' working directory is Ray's, not ours
     ServiceOptions.from_args(options)  # bad options fail before Ray starts
     if not (args.address or os.environ.get("RAY_ADDRESS")):
         _check_port(args.host, args.port)  # an embedded Ray's proxy binds here, on this machine

@@ -113,6 +113,11 @@ class ArchiveReader:
             out += [key for f, key in self._idents(name) if f == name]
         return out
 
+    def file_of(self, key: str) -> str:
+        """The file holding ``key``, where one file does. Raises :class:`BadInputError`
+        naming the key where no file holds it, and the files to choose from where several do."""
+        return self._file_of(key)
+
     def get(self, key: str, file: str | None = None, device: str | torch.device | None = None) -> torch.Tensor:
         """The block ``key`` of ``file``, decoded (on ``device``, default the CPU).
 

@@ -13,8 +13,10 @@ serve_config.yaml``; the builder :func:`build_app` takes the pool size and limit
 
 HTTP API (see README): ``POST /v1/encode``, ``POST /v1/decode`` (raw tensor or frame
 bodies, or ``application/x-safetensors`` bodies of many blocks), ``GET /healthz``,
-``GET /v1/stats``. Python: ``handle.encode.remote(tensor, **codec_options)`` answers the
-frame's bytes, ``handle.decode.remote(frame)`` the tensor.
+``GET /v1/stats``, and, for a service started with an archives root,
+``GET /v1/archive/block?archive=...&key=...&file=...`` (one block of an archive under
+the root, as a safetensors body; read and decoded in the replica, see
+:meth:`Fp8Service._block_body`). Python: ``handle.encode.remote(tensor, **codec_options)`` answers the frame's bytes, ``handle.decode.remote(frame)`` the tensor.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real Request type in the
@@ -35,20 +37,32 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.serve.config import DeploymentActorConfig
 from ray.util import metrics
 
-from ..codec.blocks import Block, bytes_to_tensor
+from ..codec.blocks import Block, bytes_to_tensor, dtype_name, tensor_to_bytes
 from ..codec.formats import DTYPE_NAMES
 from ..engine.backends import worker_exception
 from ..engine.worker import QuantWorker
-from ..errors import RequestError, WorkersUnavailableError
+from ..errors import BadInputError, CorruptDataError, RequestError, WorkersUnavailableError
 from ..io.safetensors import FRAME_DTYPE, SOURCE_DTYPES, build_body, parse_body
+from .archives import ArchiveRoot
 from .options import ServiceOptions
-from .requests import OCTET_STREAM, SAFETENSORS, codec_options, is_safetensors, raw_layout, refusal, response_limit, split
+from .requests import (
+    OCTET_STREAM,
+    RESPONSE_SLACK,
+    SAFETENSORS,
+    codec_options,
+    is_safetensors,
+    raw_layout,
+    refusal,
+    response_limit,
+    split,
+)
 
 WORKER_PREFIX = "quant-worker-"
 STATS_ACTOR = "service-stats"
 HEALTH_TIMEOUT_S = 10.0
 # The __metadata__ key that marks a safetensors body of frames, beside the body's own keys.
 FRAMES_MARK = "fp8ray"
+BLOCK_PARAMS = ("archive", "key", "file")  # the query of GET /v1/archive/block
 
 
 class ServiceStats:
@@ -85,9 +99,10 @@ api = FastAPI(title="fp8ray", description="fp8 encode/decode of LLM KV-cache blo
 class Fp8Service:
     """The ingress replica: request checks, then awaited calls on the shared QuantWorkers."""
 
-    def __init__(self, num_workers: int, max_body_bytes: int):
+    def __init__(self, num_workers: int, max_body_bytes: int, archives: str = ""):
         self.num_workers = num_workers
         self.max_body_bytes = max_body_bytes
+        self._archives = ArchiveRoot(archives) if archives else None  # GET /v1/archive/block reads under it
         self._handles: dict[int, object] = {}
         self._next = itertools.count()
         tags = ("route", "status")
@@ -161,7 +176,9 @@ class Fp8Service:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _answer(self, route: str, request: Request, handler) -> Response:
+    async def _answer(self, route: str, request: Request, handler, limit: int | None = None) -> Response:
+        """``handler``'s response, or the JSON refusal of what it raised; either within
+        ``limit`` bytes (default: the bound its request gives, ``response_limit``)."""
         start = time.perf_counter()
         bytes_in = 0
         try:
@@ -174,7 +191,8 @@ class Fp8Service:
                 logger.exception("%s %s failed", request.method, route)
                 answer = (500, f"internal error ({type(exc).__name__}); the service log has the details", None)
             response = _refusal_response(*answer)
-        limit = response_limit(bytes_in + len(request.url.query))
+        if limit is None:
+            limit = response_limit(bytes_in + len(request.url.query))
         if len(response.body) > limit:  # cannot happen by the derivation: never send it anyway
             logger.error("%s %s: a %d-byte response to a %d-byte request exceeds its bound", request.method, route, len(response.body), bytes_in)
             response = _refusal_response(500, f"internal error: the response would exceed its bound of {limit} bytes", None)
@@ -197,6 +215,13 @@ class Fp8Service:
     @api.post("/v1/decode")
     async def http_decode(self, request: Request) -> Response:
         return await self._answer("/v1/decode", request, self._decode_body)
+
+    @api.get("/v1/archive/block")
+    async def http_archive_block(self, request: Request) -> Response:
+        # A GET's answer is not bounded by its request, but by the archive: at most a body
+        # of --max-body-mb, the largest the service takes (see _block_body).
+        limit = self.max_body_bytes + RESPONSE_SLACK
+        return await self._answer("/v1/archive/block", request, self._block_body, limit=limit)
 
     @api.get("/healthz")
     async def http_healthz(self, request: Request) -> Response:
@@ -239,6 +264,44 @@ class Fp8Service:
         [(raw, meta)] = await self._call(QuantWorker.decode_batch, [("body", np.frombuffer(body, dtype=np.uint8))])
         headers = {"X-Fp8ray-Dtype": meta.dtype, "X-Fp8ray-Shape": ",".join(map(str, meta.shape)), "X-Fp8ray-Device": meta.device}
         return Response(raw.tobytes(), media_type=OCTET_STREAM, headers=headers)
+
+    async def _block_body(self, request: Request, body: bytes) -> Response:
+        """One block of an archive under the root, as a safetensors body holding it under
+        its key with its source file's ``__metadata__`` (a GET has no body whose type to
+        follow, as /v1/decode follows its request's). Read and decoded here, in a thread,
+        not on a QuantWorker: one block is one frame, and the replica keeps the archive's
+        reader (its manifest and part indexes) for the next read. A block that decodes
+        to more than ``max_body_bytes`` is refused with 413 once decoded, before it is sent."""
+        if self._archives is None:
+            raise RequestError("this service was started without --archives: it reads no archives", 404, None)
+        params = request.query_params
+        for name in params:
+            if name not in BLOCK_PARAMS:
+                raise RequestError(f"unknown parameter {name!r}; expected {list(BLOCK_PARAMS)}", 400, name)
+        if not params.get("key"):
+            raise RequestError("key is required: the block's key", 400, "key")
+        return await asyncio.to_thread(self._read_block, params.get("archive"), params["key"], params.get("file"))
+
+    def _read_block(self, archive: str | None, key: str, file: str | None) -> Response:
+        named = file is not None
+        try:
+            reader = self._archives.reader(archive)
+            if not named:
+                file = reader.file_of(key)
+            tensor = reader.get(key, file)
+        except BadInputError as exc:
+            # No such key or file: 404. A key in several files, none named: 400, naming them.
+            raise RequestError(str(exc), 400 if not named and exc.field == "file" else 404, exc.field) from None
+        except CorruptDataError as exc:  # a damaged manifest, part or frame, named in one line
+            raise RequestError(str(exc), 422, "archive") from None
+        if tensor.nbytes > self.max_body_bytes:
+            raise RequestError(
+                f"block {key!r} is {tensor.nbytes} bytes, over the service's limit of {self.max_body_bytes} "
+                "(--max-body-mb); read it with fp8ray get", 413, "key",
+            )
+        metadata = reader.metadata(file) or None
+        data = build_body([(key, dtype_name(tensor), tuple(tensor.shape), tensor_to_bytes(tensor))], metadata)
+        return Response(data, media_type=SAFETENSORS)
 
     async def _alive_workers(self) -> int:
         async def ping(index: int) -> bool:
@@ -304,4 +367,4 @@ def build_app(args: dict | None = None) -> serve.Application:
     deployment = Fp8Service.options(deployment_actors=actors)
     if options.replicas:
         deployment = deployment.options(num_replicas=options.replicas)
-    return deployment.bind(options.workers, int(options.max_body_mb * 2**20))
+    return deployment.bind(options.workers, int(options.max_body_mb * 2**20), options.archives)

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,16 +41,46 @@ def digest(data) -> str:
     return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
 
 
+ARCHIVE_FILES = ["a.safetensors", "deep/b.safetensors"]
+
+
 @pytest.fixture(scope="module")
-def service(ray_session):
-    """One Serve app on the session Ray: 2 QuantWorkers, answering on 127.0.0.1."""
+def archives_root(tmp_path_factory):
+    """A root directory holding one two-file archive (``kv.fp8``; the key ``shared`` in
+    both files), and what decompress gives back of it, by file."""
+    from safetensors.torch import load_file, save_file
+
+    from fp8ray.engine.archives import compress_archive, decompress_archive
+
+    base = tmp_path_factory.mktemp("archives")
+    for i, name in enumerate(ARCHIVE_FILES):
+        (base / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"shared": sample_kv_chunk(layers=1, tokens=16, seed=i), f"only{i}": torch.randn(3, 40, dtype=torch.float16)}
+        save_file(tensors, str(base / "src" / name), metadata={"request": str(i)})
+    (base / "root").mkdir()
+    compress_archive(str(base / "src"), str(base / "root" / "kv.fp8"), pool=fp8ray_inline())
+    decompress_archive(str(base / "root" / "kv.fp8"), str(base / "out"), pool=fp8ray_inline())
+    return base / "root", {name: load_file(base / "out" / name) for name in ARCHIVE_FILES}
+
+
+def fp8ray_inline():
+    from fp8ray.engine.pool import PoolSettings
+
+    return PoolSettings(num_workers=1, address="inline")
+
+
+@pytest.fixture(scope="module")
+def service(ray_session, archives_root):
+    """One Serve app on the session Ray: 2 QuantWorkers, answering on 127.0.0.1, reading
+    the archives under ``archives_root``."""
     from ray import serve
 
     from fp8ray.serve import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    handle = serve.run(build_app({"workers": 2, "max_body_mb": MAX_BODY_MB}), name="fp8ray", route_prefix="/")
+    options = {"workers": 2, "max_body_mb": MAX_BODY_MB, "archives": str(archives_root[0])}
+    handle = serve.run(build_app(options), name="fp8ray", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     with httpx.Client(base_url=url, timeout=120) as client:
         yield client, handle
@@ -279,6 +310,69 @@ def test_fuzzed_requests_get_the_right_answer_or_a_json_refusal(service, capsys)
     assert outcomes.get(200, 0) > 30 and sum(v for k, v in outcomes.items() if k >= 400) > 100
 
 
+def test_archive_blocks_over_http_equal_decompress(service, archives_root):
+    """GET /v1/archive/block answers each block as a safetensors body with its file's
+    __metadata__: the same tensor decompress gives; a key in one file needs no file."""
+    client, _ = service
+    _, restored = archives_root
+    for name, tensors in restored.items():
+        for key, tensor in tensors.items():
+            r = client.get("/v1/archive/block", params={"archive": "kv.fp8", "key": key, "file": name})
+            assert r.status_code == 200, r.text
+            assert r.headers["content-type"] == "application/x-safetensors"
+            [(got_key, dtype, shape, data)], metadata = parse_safetensors(r.content, ("BF16", "F16", "F32"))
+            assert (got_key, dtype, shape) == (key, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+            assert digest(data) == digest(tensor_to_bytes(tensor)) and metadata == {"request": str(ARCHIVE_FILES.index(name))}
+    r = client.get("/v1/archive/block", params={"archive": "./kv.fp8/", "key": "only1"})
+    assert r.status_code == 200 and digest(parse_safetensors(r.content, ("F16",))[0][0][3]) == digest(
+        tensor_to_bytes(restored["deep/b.safetensors"]["only1"])
+    )
+
+
+@pytest.mark.parametrize(
+    "params, status, field, fragment",
+    [
+        ({"archive": "kv.fp8", "key": "shared"}, 400, "file", "a.safetensors, deep/b.safetensors"),  # in both files
+        ({"archive": "kv.fp8", "key": "nope", "file": "a.safetensors"}, 404, "key", "no block 'nope' in file 'a.safetensors'"),
+        ({"archive": "kv.fp8", "key": "shared", "file": "c.safetensors"}, 404, "file", "holds no file 'c.safetensors'"),
+        ({"archive": "kv.fp8"}, 400, "key", "key is required"),
+        ({"archive": "kv.fp8", "key": "only0", "colour": "red"}, 400, "colour", "unknown parameter"),
+        ({"key": "only0"}, 400, "archive", "archive is required"),
+        ({"archive": "other.fp8", "key": "only0"}, 404, "archive", "no archive 'other.fp8'"),
+    ],
+)
+def test_archive_block_refusals_name_the_parameter(service, params, status, field, fragment):
+    client, _ = service
+    r = client.get("/v1/archive/block", params=params)
+    assert r.status_code == status, r.text
+    answer = error_of(r)
+    assert answer["field"] == field and fragment in answer["error"], answer
+
+
+def test_archive_paths_outside_the_root_are_refused(service, archives_root, tmp_path):
+    """``..``, an absolute path and a symbolic link pointing out of the root are refused,
+    naming the parameter, although an archive is there; a link inside the root is followed."""
+    client, _ = service
+    root, _ = archives_root
+    outside = tmp_path / "outside.fp8"
+    shutil.copytree(root / "kv.fp8", outside)
+    (root / "escape").symlink_to(outside)
+    (root / "alias").symlink_to(root / "kv.fp8")
+    relative_out = os.path.relpath(outside, root)
+    try:
+        for archive, status in [(relative_out, 403), ("kv.fp8/../../" + relative_out, 403), (str(outside), 400),
+                                (str(root / "kv.fp8"), 400), ("escape", 403), ("escape/", 403)]:
+            r = client.get("/v1/archive/block", params={"archive": archive, "key": "only0"})
+            assert r.status_code == status, (archive, r.text)
+            answer = error_of(r)
+            assert answer["field"] == "archive", answer
+            assert os.path.isabs(archive) or str(root) not in answer["error"], answer  # the server's paths stay its own
+        assert client.get("/v1/archive/block", params={"archive": "alias", "key": "only0"}).status_code == 200
+    finally:
+        (root / "escape").unlink()
+        (root / "alias").unlink()
+
+
 def test_body_over_the_limit_answers_413_before_it_is_read(service):
     client, _ = service
     limit = MAX_BODY_MB * 2**20
@@ -428,6 +522,8 @@ def test_fp8ray_serve_command_serves_until_sigterm(tmp_path):
         t = torch.randn(4, 64)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/encode", params=encode_params(t), content=tensor_to_bytes(t).tobytes(), timeout=60)
         assert r.status_code == 200 and digest(r.content) == digest(service_codec().encode(t))
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/archive/block", params={"archive": "kv.fp8", "key": "a"}, timeout=60)
+        assert r.status_code == 404 and "without --archives" in r.json()["error"], r.text
         # The README's Serve-handle snippet, as written, in the Ray the command printed.
         address = re.search(r"RAY_ADDRESS=(\S+)", (tmp_path / "serve.log").read_text())[1]
         (tmp_path / "handle.py").write_text(readme_handle_snippet() + "\nassert tensor.shape == (2, 30, 256, 192)\n")
@@ -446,3 +542,56 @@ def test_fp8ray_serve_command_serves_until_sigterm(tmp_path):
     assert [line for line in text.splitlines() if not line.startswith("fp8ray serve: ")] == [], text[-3000:]
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+
+
+def test_fp8ray_serve_refuses_an_archives_root_that_is_not_a_directory(tmp_path):
+    """Before Ray starts, in one line naming it."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    missing = tmp_path / "no-such-dir"
+    result = subprocess.run([sys.executable, "-m", "fp8ray.cli", "serve", "--port", str(free_port()), "--archives", str(missing)],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        f"fp8ray: error: archives root {str(missing)!r} is not a directory"
+    ], result.stderr
+
+
+def test_a_block_over_the_body_limit_is_refused_413(archives_root):
+    """The block route's answer is bounded by --max-body-mb, not by its (bodiless) request:
+    the replica's read, with a limit below the block's size, refuses it naming the key."""
+    from types import SimpleNamespace
+
+    from fp8ray.errors import RequestError
+    from fp8ray.serve.archives import ArchiveRoot
+    from fp8ray.serve.deployment import Fp8Service
+
+    root, restored = archives_root
+    block = restored["a.safetensors"]["shared"]
+    read_block = Fp8Service.func_or_class._read_block
+    replica = SimpleNamespace(_archives=ArchiveRoot(str(root)), max_body_bytes=block.nbytes)
+    assert read_block(replica, "kv.fp8", "shared", "a.safetensors").status_code == 200  # exactly at the limit
+    replica.max_body_bytes = block.nbytes - 1
+    with pytest.raises(RequestError) as refused:
+        read_block(replica, "kv.fp8", "shared", "a.safetensors")
+    assert (refused.value.status, refused.value.field) == (413, "key") and "--max-body-mb" in str(refused.value)
+
+
+def test_the_replica_keeps_its_last_readers_and_reopens_a_replaced_archive(archives_root, tmp_path):
+    from fp8ray.serve.archives import ArchiveRoot
+
+    root, restored = archives_root
+    for name in ("b.fp8", "c.fp8"):
+        shutil.copytree(root / "kv.fp8", tmp_path / name)
+    shutil.copytree(root / "kv.fp8", tmp_path / "kv.fp8")
+    archives = ArchiveRoot(str(tmp_path), kept=2)
+    first = archives.reader("kv.fp8")
+    assert archives.reader("./kv.fp8") is first  # the same archive, however named: not read again
+    archives.reader("b.fp8")
+    archives.reader("c.fp8")  # the least recently used, kv.fp8, is let go
+    assert archives.reader("kv.fp8") is not first
+    again = archives.reader("kv.fp8")
+    shutil.rmtree(tmp_path / "kv.fp8")
+    # Replaced, as compress --overwrite does: a manifest written anew.
+    shutil.copytree(root / "kv.fp8", tmp_path / "kv.fp8", copy_function=shutil.copyfile)
+    replaced = archives.reader("kv.fp8")
+    assert replaced is not again and torch.equal(replaced.get("only0"), restored["a.safetensors"]["only0"])

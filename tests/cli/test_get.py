@@ -1,0 +1,85 @@
+"""`fp8ray get`: one block of an archive to a .safetensors file, through the installed
+command: the same tensor decompress gives, and every refusal in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from test_one_line_errors import FP8RAY, assert_one_line, fp8ray
+
+from fp8ray.engine.archives import compress_archive, decompress_archive
+from fp8ray.engine.pool import PoolSettings
+
+FILES = ["a.safetensors", "deep/b.safetensors", "deep/c.safetensors"]
+INLINE = PoolSettings(num_workers=1, address="inline")
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory):
+    """A three-file archive in several parts (the key ``shared`` in every file, ``onlyN``
+    in one), and what decompress gives back of it, by file."""
+    root = tmp_path_factory.mktemp("get")
+    g = torch.Generator().manual_seed(3)
+    for i, name in enumerate(FILES):
+        (root / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"shared": torch.randn(2, 64, 128, generator=g).to(torch.bfloat16),
+                   f"only{i}": torch.randn(3, 50, generator=g).to([torch.float16, torch.float32, torch.bfloat16][i])}
+        save_file(tensors, str(root / "src" / name), metadata={"request": str(i)})
+    compress_archive(str(root / "src"), str(root / "arch"), part_bytes=40_000, pool=INLINE)
+    decompress_archive(str(root / "arch"), str(root / "out"), pool=INLINE)
+    return root / "arch", {name: load_file(root / "out" / name) for name in FILES}
+
+
+def test_every_block_gotten_equals_decompress(archive, tmp_path):
+    arch, restored = archive
+    for name, tensors in restored.items():
+        for key, tensor in tensors.items():
+            out = tmp_path / f"{name.replace('/', '_')}.{key}.safetensors"
+            result = fp8ray("get", arch, key, "--file", name, "-o", out)
+            assert result.returncode == 0, result.stderr
+            with safe_open(str(out), "pt") as f:
+                assert list(f.keys()) == [key] and f.metadata() == {"request": str(FILES.index(name))}
+                got = f.get_tensor(key)
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), (name, key)
+    # A key in one file needs no --file; '-' writes the safetensors bytes to standard output.
+    result = fp8ray("get", arch, "only2", "-o", tmp_path / "only2.safetensors")
+    assert result.returncode == 0 and torch.equal(load_file(tmp_path / "only2.safetensors")["only2"], restored[FILES[2]]["only2"])
+    piped = subprocess.run([str(FP8RAY), "get", str(arch), "only1", "-o", "-"], capture_output=True, timeout=300,
+                           env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    assert piped.returncode == 0, piped.stderr
+    (tmp_path / "only1.safetensors").write_bytes(piped.stdout)
+    assert torch.equal(load_file(tmp_path / "only1.safetensors")["only1"], restored[FILES[1]]["only1"])
+
+def test_missing_and_ambiguous_keys_name_what_to_choose(archive, tmp_path):
+    arch, _ = archive
+    out = tmp_path / "x.safetensors"
+    assert_one_line(fp8ray("get", arch, "nope", "--file", "deep/b.safetensors", "-o", out),
+                    "no block 'nope' in file 'deep/b.safetensors' of archive")
+    assert_one_line(fp8ray("get", arch, "only0", "--file", "deep/b.safetensors", "-o", out),
+                    "no block 'only0' in file 'deep/b.safetensors'")
+    assert_one_line(fp8ray("get", arch, "shared", "--file", "deep/d.safetensors", "-o", out),
+                    "holds no file 'deep/d.safetensors'")
+    assert_one_line(fp8ray("get", arch, "nope", "-o", out), "no block 'nope' in any file of archive")
+    assert_one_line(fp8ray("get", arch, "shared", "-o", out),
+                    "key 'shared' is in 3 files", "a.safetensors, deep/b.safetensors, deep/c.safetensors", "name the file")
+    assert_one_line(fp8ray("get", tmp_path / "no-archive", "shared", "-o", out), "does not exist")
+    assert not out.exists()
+
+
+def test_an_existing_output_is_refused_without_overwrite(archive, tmp_path):
+    arch, restored = archive
+    out = tmp_path / "x.safetensors"
+    out.write_bytes(b"mine")
+    assert_one_line(fp8ray("get", arch, "only0", "-o", out), f"output {out} exists (pass --overwrite to replace it)")
+    assert out.read_bytes() == b"mine"
+    assert_one_line(fp8ray("get", arch, "only0", "-o", tmp_path), "is a directory")
+    assert_one_line(fp8ray("get", arch, "only0", "-o", arch / "x.safetensors"), "must not lie inside each other")
+    assert_one_line(fp8ray("get", arch, "only0", "-o", tmp_path / "new" / "x.safetensors"), "pass --parents")
+    assert fp8ray("get", arch, "only0", "-o", out, "--overwrite").returncode == 0
+    assert torch.equal(load_file(out)["only0"], restored[FILES[0]]["only0"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]  # no temporary file left
