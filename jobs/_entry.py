@@ -34,7 +34,7 @@ def run(command: str) -> None:
     if _in_a_job():
         relative = _relative_paths(build_parser().parse_args(argv))
         if relative:
-            shown = ", ".join(f"{p!r} (type \"$PWD/{p}\")" for p in relative)
+            shown = ", ".join(f'{p!r} (type "$PWD/{p}")' for p in relative)
             sys.exit(
                 f"fp8ray: error: a job runs in Ray's copy of its working directory, not where it was submitted: "
                 f"give absolute paths, not {shown}"

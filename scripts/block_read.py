@@ -104,8 +104,10 @@ def make_archive(base: Path, gib: float, block_mib: float) -> tuple[Path, list[s
         (base / "src").mkdir(parents=True, exist_ok=True)
         for i, name in enumerate(files):
             count = blocks // 4 + (i < blocks % 4)
-            save_file({f"block{j:05d}": torch.randn(elements, generator=g).to(torch.bfloat16) for j in range(count)},
-                      str(base / "src" / name))
+            save_file(
+                {f"block{j:05d}": torch.randn(elements, generator=g).to(torch.bfloat16) for j in range(count)},
+                str(base / "src" / name),
+            )
         start = time.perf_counter()
         fp8ray.compress_archive(str(base / "src"), str(archive), pool=PoolSettings(num_workers=2, address="inline"))
         print(f"compressed {gib} GiB in {time.perf_counter() - start:.1f} s")
@@ -160,11 +162,16 @@ def main() -> None:
             return statistics.median(row[step][what] for row in rows) / scale
 
         parts = len(fp8ray.open_archive(str(archive)).manifest.parts)
-        print(f"archive: {size / mib:.0f} MiB ({args.gib} GiB of bf16 in {args.block_mib} MiB blocks), {parts} parts; "
-              f"medians of {args.repeat}")
-        names = ["open_archive (the manifest)", "cold get (a new reader; the block's part's first)",
-                 "warm get (the same reader, another block of that part)",
-                 f"cold get (a new reader; a file's last block, after the keys of its {parts // len(files)} parts)"]
+        print(
+            f"archive: {size / mib:.0f} MiB ({args.gib} GiB of bf16 in {args.block_mib} MiB blocks), {parts} parts; "
+            f"medians of {args.repeat}"
+        )
+        names = [
+            "open_archive (the manifest)",
+            "cold get (a new reader; the block's part's first)",
+            "warm get (the same reader, another block of that part)",
+            f"cold get (a new reader; a file's last block, after the keys of its {parts // len(files)} parts)",
+        ]
         for i, name in enumerate(names):
             print(f"{name}: {median(counted, i, 0, mib):.2f} MiB read, {median(timed, i, 1, 1e-3):.1f} ms")
     finally:

@@ -22,9 +22,20 @@ def main(root: Path) -> None:
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args
-                params = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - (1 if a.args and a.args[0].arg in ("self", "cls") else 0)
-                functions.append((node.end_lineno - node.lineno + 1, params, f"{path.relative_to(root.parent)}:{node.lineno} {node.name}"))
-            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and getattr(node.exc.func, "id", None) in BUILTIN_RAISES:
+                params = (
+                    len(a.posonlyargs)
+                    + len(a.args)
+                    + len(a.kwonlyargs)
+                    - (1 if a.args and a.args[0].arg in ("self", "cls") else 0)
+                )
+                functions.append(
+                    (node.end_lineno - node.lineno + 1, params, f"{path.relative_to(root.parent)}:{node.lineno} {node.name}")
+                )
+            if (
+                isinstance(node, ast.Raise)
+                and isinstance(node.exc, ast.Call)
+                and getattr(node.exc.func, "id", None) in BUILTIN_RAISES
+            ):
                 raises += 1
     print("longest functions (lines):")
     for lines, _, name in sorted(functions, reverse=True)[:8]:
@@ -32,7 +43,9 @@ def main(root: Path) -> None:
     print("widest signatures (parameters, self not counted):")
     for _, params, name in sorted(functions, key=lambda f: (-f[1], f[2]))[:8]:
         print(f"  {params:4d}  {name}")
-    print(f"functions: {len(functions)}; raise ValueError/RuntimeError/Exception: {raises}; lines over 130 characters: {long_lines}")
+    print(
+        f"functions: {len(functions)}; raise ValueError/RuntimeError/Exception: {raises}; lines over 130 characters: {long_lines}"
+    )
 
 
 if __name__ == "__main__":

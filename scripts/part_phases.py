@@ -32,9 +32,13 @@ from fp8ray.io.paths import resolve  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--chunks", type=int, default=16)
-    parser.add_argument("--scaling", default="token", help="plain scaling (float32 scales by amax; default token), or 'kv' for the default mode")
+    parser.add_argument(
+        "--scaling", default="token", help="plain scaling (float32 scales by amax; default token), or 'kv' for the default mode"
+    )
     args = parser.parse_args()
-    options = CodecOptions() if args.scaling == "kv" else CodecOptions(scaling=args.scaling, scale_dtype="float32", scale_choice="amax")
+    options = (
+        CodecOptions() if args.scaling == "kv" else CodecOptions(scaling=args.scaling, scale_dtype="float32", scale_choice="amax")
+    )
     codec = Fp8Codec(options=options)
     tmp = tempfile.mkdtemp()
     save_file({f"c{i:03d}": sample_kv_chunk(seed=i) for i in range(args.chunks)}, f"{tmp}/kv.safetensors")

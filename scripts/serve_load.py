@@ -58,7 +58,10 @@ def main() -> None:
     body = np.random.default_rng(0).standard_normal(args.size // 4, dtype=np.float32).tobytes()
     params = {"dtype": "float32", "shape": str(args.size // 4), "scaling": "token"}
     seconds = asyncio.run(run(args.client, args.url, args.requests, args.concurrency, body, params))
-    print(f"{args.client}: {args.requests} x {args.size} bytes, {args.concurrency} in flight: {args.requests * len(body) / seconds / 1e6:.1f} MB/s")
+    print(
+        f"{args.client}: {args.requests} x {args.size} bytes, {args.concurrency} in flight: "
+        f"{args.requests * len(body) / seconds / 1e6:.1f} MB/s"
+    )
 
 
 if __name__ == "__main__":

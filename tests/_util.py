@@ -28,7 +28,9 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     a, e = bits(actual), bits(expected)
     nan = torch.isnan(actual.float()).reshape(-1).numpy() & torch.isnan(expected.float()).reshape(-1).numpy()
     mismatch = np.flatnonzero((a != e) & ~nan)
-    assert mismatch.size == 0, f"{mismatch.size} elements differ, first at {mismatch[0]}: {a[mismatch[0]]:#x} vs {e[mismatch[0]]:#x}"
+    assert mismatch.size == 0, (
+        f"{mismatch.size} elements differ, first at {mismatch[0]}: {a[mismatch[0]]:#x} vs {e[mismatch[0]]:#x}"
+    )
 
 
 def error_bound(x: torch.Tensor, deq: torch.Tensor, scale: torch.Tensor, fmt_name: str) -> torch.Tensor:
@@ -58,7 +60,11 @@ def quant_worker_pids() -> list[int]:
         except psutil.Error:
             return []
 
-    return sorted(p.pid for p in psutil.Process(os.getpid()).children(recursive=True) if (cmdline(p) or [""])[0].startswith("ray::QuantWorker"))
+    return sorted(
+        p.pid
+        for p in psutil.Process(os.getpid()).children(recursive=True)
+        if (cmdline(p) or [""])[0].startswith("ray::QuantWorker")
+    )
 
 
 def wait_for_lmcache_fd(fd: int) -> None:
@@ -88,8 +94,12 @@ def moto_s3(bucket: str):
     server.start()
     try:
         admin = pafs.S3FileSystem(
-            access_key="testing", secret_key="testing", endpoint_override=f"127.0.0.1:{port}",
-            scheme="http", region="us-east-1", allow_bucket_creation=True,
+            access_key="testing",
+            secret_key="testing",
+            endpoint_override=f"127.0.0.1:{port}",
+            scheme="http",
+            region="us-east-1",
+            allow_bucket_creation=True,
         )
         admin.create_dir(bucket)
         yield lambda key: f"s3://testing:testing@{bucket}/{key}?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"

@@ -40,8 +40,7 @@ def kv_source(tmp_path_factory):
     import torch
 
     tensors = {
-        f"layer{i:02d}": sample_kv_chunk(layers=2, tokens=64, seed=i, dtype=getattr(torch, dtypes[i % 3]))
-        for i in range(12)
+        f"layer{i:02d}": sample_kv_chunk(layers=2, tokens=64, seed=i, dtype=getattr(torch, dtypes[i % 3])) for i in range(12)
     }
     path = tmp_path_factory.mktemp("src") / "kv.safetensors"
     save_file(tensors, str(path))

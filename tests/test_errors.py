@@ -14,6 +14,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "fp8ray"
 BARE = {"ValueError", "RuntimeError", "Exception"}
 
+
 def bare_raises(source: str) -> list[tuple[int, str]]:
     """``(line, class name)`` of each ``raise`` of a bare builtin class in ``source``."""
     found = []

@@ -181,7 +181,9 @@ def bench_lmcache(chunks: list[torch.Tensor], modes: list[CodecOptions], repeat:
             k.add(error_sums(chunk[0], out.tensor[0]))
             v.add(error_sums(chunk[1], out.tensor[1]))
         t_ser, t_de = (statistics.median(subject.times[d]) for d in ("serialize", "deserialize"))
-        rows.append(Row(subject.name, subject.size, raw // len(chunks), k.rel_fro, v.rel_fro, raw / t_ser / 1e9, raw / t_de / 1e9))
+        rows.append(
+            Row(subject.name, subject.size, raw // len(chunks), k.rel_fro, v.rel_fro, raw / t_ser / 1e9, raw / t_de / 1e9)
+        )
     return rows
 
 

@@ -23,8 +23,15 @@ from ..errors import Fp8rayError
 from .interrupts import interrupted_state, interrupts
 
 # Which extra brings a missing module (pyproject.toml [project.optional-dependencies]).
-EXTRAS = (("transformers", "models"), ("gguf", "models"), ("matplotlib", "models"), ("ray.serve", "serve"),
-          ("fastapi", "serve"), ("httpx", "serve"), ("lmcache", "lmcache"))
+EXTRAS = (
+    ("transformers", "models"),
+    ("gguf", "models"),
+    ("matplotlib", "models"),
+    ("ray.serve", "serve"),
+    ("fastapi", "serve"),
+    ("httpx", "serve"),
+    ("lmcache", "lmcache"),
+)
 
 
 def build_parser():

@@ -31,13 +31,17 @@ def add_commands(commands) -> None:
     codec_arguments(compress)
     compress.add_argument("--part-mb", type=positive_float, default=64.0, help="input MiB per Parquet part (default 64)")
     compress.add_argument(
-        "--lossless", default=DEFAULT_LOSSLESS, metavar="CODEC[:LEVEL]",
-        help=f"lossless stage over the frames: none, zstd[:1-22], lz4, ... (default {DEFAULT_LOSSLESS}); decompress needs no flag",
+        "--lossless",
+        default=DEFAULT_LOSSLESS,
+        metavar="CODEC[:LEVEL]",
+        help=f"lossless stage over the frames: none, zstd[:1-22], lz4, ... (default {DEFAULT_LOSSLESS}); "
+        f"decompress needs no flag",
     )
     compress.add_argument("--parents", action="store_true", help="create the destination's missing parent directories")
     compress.add_argument("--resume", action="store_true", help="keep the parts an interrupted run finished")
     compress.add_argument(
-        "--strict", action="store_true",
+        "--strict",
+        action="store_true",
         help="refuse a source directory holding anything compress does not take (other files, hidden names, "
         "links to folders, empty folders), which it otherwise names as skipped",
     )
@@ -48,18 +52,24 @@ def add_commands(commands) -> None:
     engine_arguments(compress)
     compress.set_defaults(handler=run_compress)
 
-    decompress = commands.add_parser("decompress", help="give back what was compressed: the source's files, or one .safetensors file")
+    decompress = commands.add_parser(
+        "decompress", help="give back what was compressed: the source's files, or one .safetensors file"
+    )
     decompress.add_argument("archive", help="an fp8ray archive directory")
     decompress.add_argument(
         "output", help="where the source comes back: a directory for a directory source, else the file to write"
     )
-    decompress.add_argument("--single-file", action="store_true", help="every block into OUTPUT as one .safetensors file (keys must be unique)")
     decompress.add_argument(
-        "--overwrite", action="store_true",
+        "--single-file", action="store_true", help="every block into OUTPUT as one .safetensors file (keys must be unique)"
+    )
+    decompress.add_argument(
+        "--overwrite",
+        action="store_true",
         help="replace an existing output of the same kind that holds only files the archive describes",
     )
     decompress.add_argument(
-        "--force-replace", action="store_true",
+        "--force-replace",
+        action="store_true",
         help="replace an existing output directory even if it holds other files, deleting them (named first)",
     )
     decompress.add_argument("--parents", action="store_true", help="create the output's missing parent directories")
@@ -94,17 +104,30 @@ def run_compress(args) -> int:
     options = codec_options(args)  # bad options fail before Ray starts
     bar, update = progress(args, lambda: len(list_blocks(args.source)))
     report = compress_archive(
-        args.source, args.destination, options=options,
+        args.source,
+        args.destination,
+        options=options,
         pool=pool_settings(args),
-        resume=args.resume, overwrite=args.overwrite, parents=args.parents, strict=args.strict,
-        part_bytes=int(args.part_mb * 2**20), lossless=args.lossless, progress=update, provenance=_provenance(args),
+        resume=args.resume,
+        overwrite=args.overwrite,
+        parents=args.parents,
+        strict=args.strict,
+        part_bytes=int(args.part_mb * 2**20),
+        lossless=args.lossless,
+        progress=update,
+        provenance=_provenance(args),
     )
-    _finish(args, bar, report, (
-        f"compressed {report.blocks} blocks into {report.parts} parts ({report.parts_reused} reused): "
-        f"{report.raw_bytes / 2**20:.1f} MiB -> {report.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x), "
-        f"{report.input_gbps:.2f} GB/s of input on {report.workers} workers ({', '.join(report.devices) or 'no new parts'})"
-        + skipped_summary(report.skipped)
-    ))
+    _finish(
+        args,
+        bar,
+        report,
+        (
+            f"compressed {report.blocks} blocks into {report.parts} parts ({report.parts_reused} reused): "
+            f"{report.raw_bytes / 2**20:.1f} MiB -> {report.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x), "
+            f"{report.input_gbps:.2f} GB/s of input on {report.workers} workers ({', '.join(report.devices) or 'no new parts'})"
+            + skipped_summary(report.skipped)
+        ),
+    )
     return 0
 
 
@@ -134,15 +157,27 @@ def run_decompress(args) -> int:
 
     bar, update = progress(args, lambda: _manifest_blocks(args.archive))
     report = decompress_archive(
-        args.archive, args.output, single_file=args.single_file, pool=pool_settings(args),
+        args.archive,
+        args.output,
+        single_file=args.single_file,
+        pool=pool_settings(args),
         overwrite=args.overwrite,
-        force_replace=args.force_replace, parents=args.parents, progress=update, announce=warn,
+        force_replace=args.force_replace,
+        parents=args.parents,
+        progress=update,
+        announce=warn,
         expect=_provenance(args, "expect_"),
     )
-    _finish(args, bar, report, (
-        f"decompressed {report.blocks} blocks ({report.raw_bytes / 2**20:.1f} MiB) into {report.files} file(s) at {report.output}, "
-        f"{report.output_gbps:.2f} GB/s of output on {args.workers} workers"
-    ))
+    _finish(
+        args,
+        bar,
+        report,
+        (
+            f"decompressed {report.blocks} blocks ({report.raw_bytes / 2**20:.1f} MiB) "
+            f"into {report.files} file(s) at {report.output}, "
+            f"{report.output_gbps:.2f} GB/s of output on {args.workers} workers"
+        ),
+    )
     return 0
 
 
@@ -198,11 +233,15 @@ def add_get_command(commands) -> None:
     get.add_argument("archive", help="an fp8ray archive directory (local or s3://)")
     get.add_argument("key", help="the block's key, as in its source file")
     get.add_argument(
-        "--file", metavar="F",
+        "--file",
+        metavar="F",
         help="the source file holding the key, as the archive names it (needed where the key is in several files)",
     )
     get.add_argument(
-        "-o", "--output", required=True, metavar="OUT.safetensors",
+        "-o",
+        "--output",
+        required=True,
+        metavar="OUT.safetensors",
         help="the .safetensors file to write: the one block under its key, with its source file's __metadata__; "
         "'-' writes it to standard output",
     )

@@ -16,7 +16,9 @@ def add_commands(commands) -> None:
     codec = kinds.add_parser("codec", help="codec throughput vs the torch reference and a memory copy")
     codec_arguments(codec, ("fp8", "block_size", "scale_dtype", "scale_choice"))
     codec.add_argument(
-        "--scaling", choices=list(SCALINGS), action="append",
+        "--scaling",
+        choices=list(SCALINGS),
+        action="append",
         help="repeatable (default: every scaling); the other codec options apply to each",
     )
     codec.add_argument("--dtype", choices=sorted(DTYPE_CODES), default="bfloat16", help="input dtype (default bfloat16)")
@@ -31,23 +33,34 @@ def add_commands(commands) -> None:
     pipeline.add_argument("--mib", type=positive_int, default=512, help="MiB of bf16 sample KV cache in one file (default 512)")
     pipeline.add_argument("--max-workers", type=positive_int, default=2, help="measure 1 to N workers (default 2)")
     codec_arguments(pipeline)
-    pipeline.add_argument("--files", type=positive_int, default=8, help="safetensors files the source is spread over; 1: a single file (default 8)")
-    pipeline.add_argument("--lossless", default=DEFAULT_LOSSLESS, metavar="CODEC[:LEVEL]", help=f"the archive's lossless stage (default {DEFAULT_LOSSLESS})")
+    pipeline.add_argument(
+        "--files", type=positive_int, default=8, help="safetensors files the source is spread over; 1: a single file (default 8)"
+    )
+    pipeline.add_argument(
+        "--lossless",
+        default=DEFAULT_LOSSLESS,
+        metavar="CODEC[:LEVEL]",
+        help=f"the archive's lossless stage (default {DEFAULT_LOSSLESS})",
+    )
     pipeline.add_argument("--address", help="Ray cluster to join, or inline (default: RAY_ADDRESS, else an embedded local Ray)")
     pipeline.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is shown (default 3)")
     pipeline.set_defaults(handler=run_bench_pipeline)
 
     lossless = kinds.add_parser("lossless", help="archive size and speed of each lossless stage on a real KV cache")
     lossless.add_argument(
-        "--source", default="out/demo/kv_smollm2.safetensors",
+        "--source",
+        default="out/demo/kv_smollm2.safetensors",
         help="a KV cache in safetensors (default out/demo/kv_smollm2.safetensors, which fp8ray demo writes; "
         "captured from the shipped model if missing)",
     )
     lossless.add_argument(
-        "--tokens", type=positive_int,
+        "--tokens",
+        type=positive_int,
         help="when --source is missing, capture only the first N tokens of the shipped text (default: all of it)",
     )
-    lossless.add_argument("--stages", default="none,lz4,zstd:1,zstd:3,zstd:6", help="comma-separated (default none,lz4,zstd:1,zstd:3,zstd:6)")
+    lossless.add_argument(
+        "--stages", default="none,lz4,zstd:1,zstd:3,zstd:6", help="comma-separated (default none,lz4,zstd:1,zstd:3,zstd:6)"
+    )
     codec_arguments(lossless)
     lossless.add_argument("--workers", type=positive_int, default=2, help="QuantWorker actors (default 2)")
     lossless.add_argument("--repeat", type=positive_int, default=5, help="runs per figure; the median is shown (default 5)")
@@ -62,7 +75,10 @@ def add_commands(commands) -> None:
 
     lmcache = kinds.add_parser("lmcache", help="fp8ray's serde inside LMCache vs LMCache's own fp8 serde, on a real KV cache")
     lmcache.add_argument(
-        "--mode", action="append", dest="modes", metavar="FP8:SCALING[:key=value...]",
+        "--mode",
+        action="append",
+        dest="modes",
+        metavar="FP8:SCALING[:key=value...]",
         help="an fp8ray mode to measure, repeatable (default: the default mode and its fast alternative, "
         "e4m3fn:block:block_size=32:scale_dtype=bfloat16:scale_choice=amax)",
     )
@@ -143,7 +159,9 @@ def run_bench_lmcache(args) -> int:
 
     modes = [CodecOptions.from_mode(m) for m in args.modes] if args.modes else [CodecOptions(), CodecOptions.from_mode(FAST_MODE)]
     if args.tokens < args.chunk_tokens:
-        raise InvalidOptionError(f"--tokens {args.tokens} is less than one chunk of --chunk-tokens {args.chunk_tokens}", field="tokens")
+        raise InvalidOptionError(
+            f"--tokens {args.tokens} is less than one chunk of --chunk-tokens {args.chunk_tokens}", field="tokens"
+        )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # before this run's own work
     chunks = capture_chunks(args.tokens, args.chunk_tokens)
     chunks = [c for c in chunks if c.shape == chunks[0].shape]  # full chunks only: one layout, as a store has

@@ -95,12 +95,12 @@ def engine_arguments(parser: argparse.ArgumentParser, gpus: bool = True) -> None
     json_argument(group)
 
 
-
 def pool_settings(args: argparse.Namespace):
     """The :class:`~fp8ray.engine.pool.PoolSettings` that ``engine_arguments`` asked for."""
     from ..engine.pool import PoolSettings
 
     return PoolSettings(num_workers=args.workers, gpus_per_worker=getattr(args, "gpus_per_worker", 0.0), address=args.address)
+
 
 def json_argument(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON (no progress bar)")

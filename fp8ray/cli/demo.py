@@ -55,7 +55,9 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
     try:
         # Parts of 4 MiB, so that a small capture still spreads over every worker.
         with QuantPool(num_workers=workers) as pool:  # one set of workers for the three steps
-            compressed = compress_archive(str(source), str(archive), options=options, pool=pool, part_bytes=4 << 20, overwrite=True)
+            compressed = compress_archive(
+                str(source), str(archive), options=options, pool=pool, part_bytes=4 << 20, overwrite=True
+            )
             verified = verify_archive(str(archive), against=str(source), pool=pool)
             decompressed = decompress_archive(str(archive), str(restored), pool=pool, overwrite=True)
     finally:
@@ -77,7 +79,8 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
             f"          values relative error {v['rel_fro']:.3%}, SNR {v['snr_db']:.1f} dB, cosine {v['cosine']:.6f}",
             f"          worst layer: K {_worst(fidelity.layers['k'])}, V {_worst(fidelity.layers['v'])}",
             f"decompress: {decompressed.blocks} blocks -> {restored} in {decompressed.seconds:.1f} s",
-            f"archive: {archive} (Parquet parts + _manifest.json; `fp8ray inspect {archive}`, `fp8ray fidelity {source} {archive} --plot errors.png`)",
+            f"archive: {archive} (Parquet parts + _manifest.json; `fp8ray inspect {archive}`, "
+            f"`fp8ray fidelity {source} {archive} --plot errors.png`)",
         ]
     )
 

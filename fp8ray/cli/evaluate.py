@@ -18,8 +18,12 @@ def add_commands(commands) -> None:
     capture.add_argument("--out", required=True, help="the .safetensors file to write")
     capture.add_argument("--text", required=True, help="a UTF-8 text file")
     capture.add_argument("--tokens", type=positive_int, help="capture the text's first N tokens (default: all)")
-    capture.add_argument("--model", help="a .gguf file or Hugging Face model directory (default: the shipped SmolLM2-135M-Instruct)")
-    capture.add_argument("--dtype", choices=sorted(DTYPE_CODES), default="bfloat16", help="dtype of the saved blocks (default bfloat16)")
+    capture.add_argument(
+        "--model", help="a .gguf file or Hugging Face model directory (default: the shipped SmolLM2-135M-Instruct)"
+    )
+    capture.add_argument(
+        "--dtype", choices=sorted(DTYPE_CODES), default="bfloat16", help="dtype of the saved blocks (default bfloat16)"
+    )
     capture.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     json_argument(capture)
     capture.set_defaults(handler=run_capture)
@@ -36,16 +40,24 @@ def add_commands(commands) -> None:
     fidelity.add_argument("--plot", metavar="PNG", help="write relative error per layer for K and V to this PNG")
     fidelity.set_defaults(handler=run_fidelity)
 
-    evaluate = commands.add_parser("eval-model", help="the model's output change (KL, top-1, perplexity) per fp8 mode of its KV cache")
+    evaluate = commands.add_parser(
+        "eval-model", help="the model's output change (KL, top-1, perplexity) per fp8 mode of its KV cache"
+    )
     evaluate.add_argument("--text", help=f"a UTF-8 text file (default: the shipped {SHIPPED_TEXT})")
     evaluate.add_argument("--prefix", type=positive_int, default=256, help="tokens whose cache is round-tripped (default 256)")
-    evaluate.add_argument("--continuation", type=positive_int, default=128, help="tokens fed after it, teacher-forced (default 128)")
     evaluate.add_argument(
-        "--modes", action="append", metavar="MODES",
+        "--continuation", type=positive_int, default=128, help="tokens fed after it, teacher-forced (default 128)"
+    )
+    evaluate.add_argument(
+        "--modes",
+        action="append",
+        metavar="MODES",
         help="comma-separated FP8:SCALING[:key=value...] (the default mode's other options apply) or bfloat16/float16; "
         "repeatable (default: bfloat16 and every format x scaling); the reference row is always first",
     )
-    evaluate.add_argument("--model", help="a .gguf file or Hugging Face model directory (default: the shipped SmolLM2-135M-Instruct)")
+    evaluate.add_argument(
+        "--model", help="a .gguf file or Hugging Face model directory (default: the shipped SmolLM2-135M-Instruct)"
+    )
     output = evaluate.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print the rows as JSON")
     output.add_argument("--markdown", action="store_true", help="print a Markdown table (default: an aligned text table)")
@@ -99,8 +111,18 @@ def run_eval_model(args) -> int:
     if args.plot:
         plot(results, args.plot, title)
     if args.json:
-        print(json.dumps({"model": loaded.name, "text": text, "prefix": args.prefix,
-                          "continuation": args.continuation, "results": [r.as_dict() for r in results]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model": loaded.name,
+                    "text": text,
+                    "prefix": args.prefix,
+                    "continuation": args.continuation,
+                    "results": [r.as_dict() for r in results],
+                },
+                indent=1,
+            )
+        )
     else:
         print(title + "\n")
         print(format_markdown(results) if args.markdown else format_text(results))

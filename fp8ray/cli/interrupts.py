@@ -74,7 +74,11 @@ def _importing(frame) -> bool:
     modules, plain Python, load again cleanly after an interrupted import)."""
     while frame is not None:
         loaded_by_import = frame.f_back is not None and frame.f_back.f_code.co_filename.startswith("<frozen importlib")
-        if frame.f_code.co_name == "<module>" and loaded_by_import and not frame.f_globals.get("__name__", "").startswith("fp8ray"):
+        if (
+            frame.f_code.co_name == "<module>"
+            and loaded_by_import
+            and not frame.f_globals.get("__name__", "").startswith("fp8ray")
+        ):
             return True
         frame = frame.f_back
     return False

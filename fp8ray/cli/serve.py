@@ -17,7 +17,8 @@ def add_commands(commands) -> None:
     serve.add_argument("--port", type=positive_int, default=8000, help="port to listen on (default 8000)")
     service_arguments(serve)
     serve.add_argument(
-        "--archives", metavar="DIR",
+        "--archives",
+        metavar="DIR",
         help="serve GET /v1/archive/block for the archives under this local directory (paths outside it are refused); "
         "without it the route answers 404",
     )
@@ -27,16 +28,23 @@ def add_commands(commands) -> None:
 
 def service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive_int, default=2, help="QuantWorker actors (default 2)")
-    parser.add_argument("--gpus-per-worker", type=non_negative_float, default=0.0, help="GPUs per worker; fractions share one (default 0)")
-    parser.add_argument("--cpus-per-worker", type=positive_float, default=1.0, help="CPUs (and codec threads) per worker (default 1)")
+    parser.add_argument(
+        "--gpus-per-worker", type=non_negative_float, default=0.0, help="GPUs per worker; fractions share one (default 0)"
+    )
+    parser.add_argument(
+        "--cpus-per-worker", type=positive_float, default=1.0, help="CPUs (and codec threads) per worker (default 1)"
+    )
     parser.add_argument("--replicas", type=positive_int, default=1, help="Fp8Service replicas (default 1)")
     parser.add_argument("--max-body-mb", type=positive_float, default=256.0, help="larger request bodies get 413 (default 256)")
 
 
 def service_args(args) -> dict:
     return {
-        "workers": args.workers, "gpus_per_worker": args.gpus_per_worker, "cpus_per_worker": args.cpus_per_worker,
-        "replicas": args.replicas, "max_body_mb": args.max_body_mb,
+        "workers": args.workers,
+        "gpus_per_worker": args.gpus_per_worker,
+        "cpus_per_worker": args.cpus_per_worker,
+        "replicas": args.replicas,
+        "max_body_mb": args.max_body_mb,
     }
 
 

@@ -22,19 +22,27 @@ def add_commands(commands) -> None:
         parser.add_argument("destination", help="a new directory; renamed into place when every file is converted")
         parser.add_argument("--layout", required=True, help="dtype and shape of one chunk, e.g. bfloat16:2,30,256,192")
         parser.add_argument(
-            "--fp8", choices=sorted(FP8_CODES), default="e4m3fn", help="fp8 format of plain fp8 files, and of the frames written (default e4m3fn)"
+            "--fp8",
+            choices=sorted(FP8_CODES),
+            default="e4m3fn",
+            help="fp8 format of plain fp8 files, and of the frames written (default e4m3fn)",
         )
         if name == "lmcache-compress":
             parser.add_argument(
-                "--serde", choices=("fp8", "fp8ray"), default="fp8",
+                "--serde",
+                choices=("fp8", "fp8ray"),
+                default="fp8",
                 help="the LMCache serde whose files to write: fp8 (LMCache's own, 1 byte per element) or "
                 "fp8ray (scaled, checked frames; fp8ray.lmcache.register()) (default fp8)",
             )
             codec_arguments(parser, (*FRAME_OPTIONS, "nonfinite"))
-        parser.add_argument("--overwrite", action="store_true", help="replace an existing destination (only once the new store is complete)")
+        parser.add_argument(
+            "--overwrite", action="store_true", help="replace an existing destination (only once the new store is complete)"
+        )
         parser.add_argument("--parents", action="store_true", help="create the destination's missing parent directories")
         parser.add_argument(
-            "--expect-model", metavar="MODEL",
+            "--expect-model",
+            metavar="MODEL",
             help="refuse a store holding a chunk of another model (each chunk's file name records its model)",
         )
         engine_arguments(parser)

@@ -47,12 +47,17 @@ class Block(BlockSpec):
 
     def __post_init__(self):
         if self.dtype not in DTYPES_BY_NAME:
-            raise BlockError(f"block {self.key!r}: unsupported dtype {self.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}", field=self.key)
+            raise BlockError(
+                f"block {self.key!r}: unsupported dtype {self.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}", field=self.key
+            )
         if not isinstance(self.data, np.ndarray) or self.data.dtype != np.uint8 or self.data.ndim != 1:
-            raise BlockError(f"block {self.key!r}: data must be a 1-D uint8 array, got {type(self.data).__name__}", field=self.key)
+            raise BlockError(
+                f"block {self.key!r}: data must be a 1-D uint8 array, got {type(self.data).__name__}", field=self.key
+            )
         if self.data.size != self.nbytes:
             raise BlockError(
-                f"block {self.key!r}: {self.data.size} bytes of data, its shape {list(self.shape)} {self.dtype} needs {self.nbytes}",
+                f"block {self.key!r}: {self.data.size} bytes of data, "
+                f"its shape {list(self.shape)} {self.dtype} needs {self.nbytes}",
                 field=self.key,
             )
 
@@ -169,7 +174,9 @@ def decode_into(
             else:
                 result = decode(f, device=device)
                 if (result.dtype, tuple(result.shape)) != (target.dtype, tuple(target.shape)):  # copy_ would convert or broadcast
-                    raise MismatchError(f"the frame holds {list(result.shape)} {result.dtype}, not {list(spec.shape)} {spec.dtype}")
+                    raise MismatchError(
+                        f"the frame holds {list(result.shape)} {result.dtype}, not {list(spec.shape)} {spec.dtype}"
+                    )
                 target.copy_(result)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise block_error(key, exc) from exc

@@ -72,7 +72,9 @@ def element_bound(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, constan
     )
 
 
-def check_within_bound(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, constants: dict[str, float]) -> tuple[float, float] | None:
+def check_within_bound(
+    x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, constants: dict[str, float]
+) -> tuple[float, float] | None:
     """``None`` when every element of ``y`` is within the bound of ``x``; else the block's
     relative Frobenius error and the relative error the bound allows, ``(error, bound)``."""
     x64 = x.double().reshape(-1)

@@ -72,8 +72,12 @@ class Fp8Codec:
         options: CodecOptions | None = None,
     ):
         given = {
-            "fp8": fp8, "scaling": scaling, "block_size": block_size, "nonfinite": nonfinite,
-            "scale_dtype": scale_dtype, "scale_choice": scale_choice,
+            "fp8": fp8,
+            "scaling": scaling,
+            "block_size": block_size,
+            "nonfinite": nonfinite,
+            "scale_dtype": scale_dtype,
+            "scale_choice": scale_choice,
         }
         given = {name: value for name, value in given.items() if value is not None}
         self.options: CodecOptions = CodecOptions.parse(given, base=options) if given or options is None else options
@@ -132,7 +136,14 @@ class Fp8Codec:
         header = self._header(x.shape, x.dtype)
         if out is None:
             buf = np.empty(header.frame_size, dtype=np.uint8)
-        elif not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1 and out.size == header.frame_size and out.flags.writeable and out.flags.c_contiguous):
+        elif not (
+            isinstance(out, np.ndarray)
+            and out.dtype == np.uint8
+            and out.ndim == 1
+            and out.size == header.frame_size
+            and out.flags.writeable
+            and out.flags.c_contiguous
+        ):
             raise BadInputError(f"out must be a writable contiguous 1-D uint8 array of {header.frame_size} bytes", field="out")
         else:
             buf = out

@@ -219,9 +219,7 @@ def parse(buf: np.ndarray) -> FrameHeader:
     expected = header.frame_size  # Python ints: a corrupt shape cannot overflow here
     if expected != size:
         kind = "truncated" if size < expected else "has trailing bytes"
-        raise CorruptFrameError(
-            f"frame {kind}: {size} bytes, but its header (shape {list(header.shape)}) implies {expected}"
-        )
+        raise CorruptFrameError(f"frame {kind}: {size} bytes, but its header (shape {list(header.shape)}) implies {expected}")
     try:  # the encoder's limits; a frame whose size matches its shape is within them
         check_shape(header.shape)
     except ValueError as exc:

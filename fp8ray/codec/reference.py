@@ -40,9 +40,7 @@ def _finite_amax(groups: torch.Tensor, dim: int) -> torch.Tensor:
     return mags.amax(dim=dim)
 
 
-def amax_to_scale(
-    amax: torch.Tensor, fmt: Fp8Format, divisor: float | None = None, scale_dtype: str = "float32"
-) -> torch.Tensor:
+def amax_to_scale(amax: torch.Tensor, fmt: Fp8Format, divisor: float | None = None, scale_dtype: str = "float32") -> torch.Tensor:
     """``scale = amax / divisor`` in fp32 (divisor finfo.max unless given); 1 for a zero
     group, at least 2**-126 otherwise; then truncated to ``scale_dtype``."""
     # A 0-d tensor, not a Python number: CUDA divides by a CPU scalar as a product with

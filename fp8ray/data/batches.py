@@ -51,7 +51,9 @@ def as_table(batch, columns: tuple[str, ...], who: str, optional: tuple[str, ...
         raise TypeError(f"{who} takes a pyarrow.Table, a pandas DataFrame or a dict of numpy arrays, got {type(batch).__name__}")
     missing = [name for name in columns if name not in present]
     if missing:
-        raise BadInputError(f"{who} needs columns {list(columns)}; the batch lacks {missing} (it has {present})", field=missing[0])
+        raise BadInputError(
+            f"{who} needs columns {list(columns)}; the batch lacks {missing} (it has {present})", field=missing[0]
+        )
     columns = (*columns, *(name for name in optional if name in present))
     if isinstance(batch, pa.Table):
         return batch.select(list(columns))
@@ -142,4 +144,3 @@ def binary_values(table: pa.Table, name: str, row_keys: list[str]) -> list[memor
         data = memoryview(data_buffer) if data_buffer is not None else memoryview(b"")  # all values empty
         values.extend(data[offsets[i] : offsets[i + 1]] for i in range(len(chunk)))
     return values
-

@@ -43,7 +43,9 @@ class Fp8Encoder:
     :class:`~fp8ray.errors.NonFiniteError` naming the key, under ``nonfinite="error"``.
     """
 
-    def __init__(self, options: CodecOptions | None = None, *, device: str | None = None, threads: int | None = None, **codec_options):
+    def __init__(
+        self, options: CodecOptions | None = None, *, device: str | None = None, threads: int | None = None, **codec_options
+    ):
         self.options = CodecOptions.parse(codec_options, base=options)
         self.codec = Fp8Codec(options=self.options)
         self.device = choose_device(device)

@@ -112,7 +112,9 @@ class QuantPool:
             # there to hand out devices).
             device = "cuda" if s.gpus_per_worker > 0 else "cpu"
             if device == "cuda" and not torch.cuda.is_available():
-                raise PoolStartError(f"gpus_per_worker={s.gpus_per_worker} with inline workers, but this torch sees no CUDA device")
+                raise PoolStartError(
+                    f"gpus_per_worker={s.gpus_per_worker} with inline workers, but this torch sees no CUDA device"
+                )
             self._backend = InlineBackend(s.num_workers, threads, device)
             return self
         from .runtime import connect_ray, disconnect_ray
@@ -231,7 +233,10 @@ class QuantPool:
         options = CodecOptions.parse(codec_options, base=options)
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or t.dtype not in DTYPE_NAMES:
-                raise TypeError(f"tensor {i}: expected a bfloat16, float16 or float32 torch.Tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+                raise TypeError(
+                    f"tensor {i}: expected a bfloat16, float16 or float32 torch.Tensor, "
+                    f"got {getattr(t, 'dtype', type(t).__name__)}"
+                )
         blocks = [Block.of(str(i), t) for i, t in enumerate(tensors)]
         batches = ((batch, options) for batch in _batches(blocks, batch_size, lambda b: b.nbytes))
         return [f for batch in self.map(QuantWorker.encode_batch, batches) for f, _ in batch]
@@ -265,7 +270,9 @@ class QuantPool:
 
     def _by_reference(self, method: Callable, calls: list[tuple]) -> list:
         if self.inline:
-            raise InvalidOptionError("encode_refs and decode_refs take object-store refs: they need Ray workers, not address='inline'", field="address")
+            raise InvalidOptionError(
+                "encode_refs and decode_refs take object-store refs: they need Ray workers, not address='inline'", field="address"
+            )
         check = _signature_check(method)
         backend = self._running
         for args in calls:

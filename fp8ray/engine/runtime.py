@@ -55,8 +55,12 @@ def connect_ray(address: str | None, num_cpus: int | None) -> bool:
             _started_dir = tempfile.mkdtemp(prefix="fp8ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
             try:
                 ray.init(
-                    address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                    logging_level=logging.WARNING, _temp_dir=_started_dir,
+                    address="local",
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,
+                    _temp_dir=_started_dir,
                 )
             except BaseException:
                 disconnect_ray()

@@ -173,7 +173,9 @@ class QuantWorker:
         [(raw, meta)] = self.decode_batch([(key, frame_bytes)])
         return Block(meta.key, meta.dtype, meta.shape, raw)
 
-    def compress_part(self, refs: list[BlockRef], options: CodecOptions, directory: str, index: int, lossless: str = "none") -> PartResult:
+    def compress_part(
+        self, refs: list[BlockRef], options: CodecOptions, directory: str, index: int, lossless: str = "none"
+    ) -> PartResult:
         """Read ``refs`` from their source, encode them, write part ``index`` of the archive
         in ``directory`` (local path or URI); return the part's manifest entry."""
         codec = self._codec(options)
@@ -254,7 +256,10 @@ class QuantWorker:
         originals = {}
         if against is not None:  # one read of the source for the whole part
             present = [against[i] for i in result.idents if i in against]
-            originals = {(f, r.key): (r, data) for f, r, data in zip((i[0] for i in result.idents if i in against), present, read_blocks(present))}
+            originals = {
+                (f, r.key): (r, data)
+                for f, r, data in zip((i[0] for i in result.idents if i in against), present, read_blocks(present))
+            }
         block_errors = 0
         for row, f in enumerate(archive.iter_frames(table)):
             ident = result.idents[row]
@@ -264,7 +269,8 @@ class QuantWorker:
                 header = frame.parse(buf)
                 if list(header.shape) != columns["shape"][row] or DTYPE_NAMES[header.dtype] != columns["dtype"][row]:
                     raise MismatchError(
-                        f"columns say {columns['shape'][row]} {columns['dtype'][row]}, the frame says {list(header.shape)} {header.dtype}"
+                        f"columns say {columns['shape'][row]} {columns['dtype'][row]}, "
+                        f"the frame says {list(header.shape)} {header.dtype}"
                     )
                 if against is not None:
                     if ident not in originals:
@@ -273,7 +279,9 @@ class QuantWorker:
                     x, y = bytes_to_tensor(data, ref.dtype, ref.shape), decode(buf)
                     result.metrics[_label(ident, name_files)] = error_metrics(x, y)
                     scales = torch.from_numpy(frame.scales_of(buf, header).copy())
-                    stray = check_within_bound(x, y, element_scales(scales, header.scaling, header.shape, header.block_size), bound)
+                    stray = check_within_bound(
+                        x, y, element_scales(scales, header.scaling, header.shape, header.block_size), bound
+                    )
                     if stray is not None:
                         raise MismatchError(
                             f"relative error {stray[0]:.3%} against the source, where the codec's derived bound allows "

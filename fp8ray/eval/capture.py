@@ -109,6 +109,12 @@ def capture(
     }
     write_blocks(out, blocks, metadata)
     return CaptureReport(
-        str(out), loaded.name, int(input_ids.shape[1]), geometry.layers, geometry.kv_heads, geometry.head_dim,
-        dtype, out.stat().st_size,
+        str(out),
+        loaded.name,
+        int(input_ids.shape[1]),
+        geometry.layers,
+        geometry.kv_heads,
+        geometry.head_dim,
+        dtype,
+        out.stat().st_size,
     )

@@ -259,7 +259,14 @@ def read_sidecar(fs: pafs.FileSystem, directory: str, index: int) -> Part | None
 
 
 def build_manifest(
-    source: str, layout: SourceLayout, codec: dict, lossless: str, bound: dict, blocks: int, parts: list[Part], fp8ray_version: str
+    source: str,
+    layout: SourceLayout,
+    codec: dict,
+    lossless: str,
+    bound: dict,
+    blocks: int,
+    parts: list[Part],
+    fp8ray_version: str,
 ) -> Manifest:
     """The manifest of a finished archive: what it holds, the source's layout (to give it
     back), the codec's error bound (to verify against), and each part's size and CRC-32C."""

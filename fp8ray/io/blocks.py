@@ -84,7 +84,9 @@ class SourceLayout:
 
     def as_dict(self) -> dict:
         return {
-            "kind": self.kind, "container": self.container, "files": [asdict(f) for f in self.files],
+            "kind": self.kind,
+            "container": self.container,
+            "files": [asdict(f) for f in self.files],
             "skipped": [asdict(s) for s in self.skipped],
         }
 
@@ -211,7 +213,9 @@ def _parquet_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tupl
     refs = []
     for row, (key, dtype, shape) in enumerate(zip(*(table.column(c).to_pylist() for c in ("key", "dtype", "shape")))):
         if dtype not in DTYPES_BY_NAME:
-            raise SourceError(f"{redact(uri)}: key {printable(str(key))!r} has dtype {dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
+            raise SourceError(
+                f"{redact(uri)}: key {printable(str(key))!r} has dtype {dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}"
+            )
         refs.append(BlockRef(str(key), dtype, tuple(int(d) for d in shape), "parquet", uri, row, name))
     _check_unique(refs, uri)
     plain = schema.remove_metadata()
@@ -361,4 +365,3 @@ class RawBlockParquetWriter(CompleteOrNothing):
         self.writer.close()
         self.stream.close()
         self.fs.delete_file(self.tmp)
-

@@ -84,7 +84,9 @@ def undo_compress(dest: ArchiveDestination, todo: list[int]) -> None:
                 pass
 
 
-def check_output(fs: pafs.FileSystem, path: str, uri: str, plan: RestorePlan, overwrite: bool, force_replace: bool, parents: bool) -> list[str]:
+def check_output(
+    fs: pafs.FileSystem, path: str, uri: str, plan: RestorePlan, overwrite: bool, force_replace: bool, parents: bool
+) -> list[str]:
     """Refuse, before any work, an output decompress cannot write as asked. Returns what
     an existing output directory holds that the archive does not describe (to be
     replaced only with ``force_replace``)."""

@@ -120,7 +120,9 @@ class Layout:
 def parse_layout(text: str) -> Layout:
     dtype, sep, dims = text.partition(":")
     if not sep or dtype not in LAYOUT_DTYPES:
-        raise BadInputError(f"layout {text!r}: expected DTYPE:D0,D1,... with DTYPE one of {sorted(LAYOUT_DTYPES)}", field="layout")
+        raise BadInputError(
+            f"layout {text!r}: expected DTYPE:D0,D1,... with DTYPE one of {sorted(LAYOUT_DTYPES)}", field="layout"
+        )
     try:
         shape = tuple(int(d) for d in dims.split(","))
     except ValueError:
@@ -162,9 +164,9 @@ def form_of(layout: Layout, size: int, prefix: bytes) -> tuple[str | None, str]:
         malformed = ""
     except CorruptFrameError as exc:
         header, malformed = None, str(exc)
-    if header is not None and header.dtype == LAYOUT_DTYPES[layout.dtype] and header.shape == layout.shape:
-        if header.frame_size == size:
-            return FRAMES, ""
+    same_layout = header is not None and header.dtype == LAYOUT_DTYPES[layout.dtype] and header.shape == layout.shape
+    if same_layout and header.frame_size == size:
+        return FRAMES, ""
     if size == layout.raw_bytes:
         return RAW, ""
     if size == layout.numel:

@@ -33,7 +33,9 @@ def uri_for(uri: str, path: str) -> str:
         userinfo, _, _ = parts.netloc.rpartition("@")
         bucket, _, key = path.partition("/")
         # pyarrow decodes %XX in a URI's path: a key holding '%', ' ', '?' or '#' must be quoted.
-        return urlunsplit((parts.scheme, f"{userinfo}@{bucket}" if userinfo else bucket, "/" + quote(key, safe="/"), parts.query, ""))
+        return urlunsplit(
+            (parts.scheme, f"{userinfo}@{bucket}" if userinfo else bucket, "/" + quote(key, safe="/"), parts.query, "")
+        )
     return urlunsplit((parts.scheme, parts.netloc, "/" + quote(path.lstrip("/"), safe="/"), parts.query, ""))
 
 
@@ -105,9 +107,7 @@ def check_apart(source: str, destination: str) -> None:
         raise DestinationError(f"destination {redact(destination)} is the source: fp8ray never writes over what it reads")
     sep = os.sep if src_fs == "file" else "/"
     if dst.startswith(src.rstrip(sep) + sep) or src.startswith(dst.rstrip(sep) + sep):
-        raise DestinationError(
-            f"source {redact(source)} and destination {redact(destination)} must not lie inside each other"
-        )
+        raise DestinationError(f"source {redact(source)} and destination {redact(destination)} must not lie inside each other")
 
 
 def printable(name: str) -> str:
@@ -172,10 +172,10 @@ def replace_directory(fs: pafs.FileSystem, new: str, old: str, uri: str | None =
     # (an archive's manifest) last, so that the directory reads as complete only once it
     # is; the old files the new ones do not replace go after every move succeeded.
     new_files = sorted(
-        (e.path[len(new):] for e in fs.get_file_info(pafs.FileSelector(new, recursive=True)) if e.type == pafs.FileType.File),
+        (e.path[len(new) :] for e in fs.get_file_info(pafs.FileSelector(new, recursive=True)) if e.type == pafs.FileType.File),
         key=lambda rel: (posixpath.basename(rel).startswith("_"), rel),
     )
-    old_files = [e.path[len(old):] for e in fs.get_file_info(pafs.FileSelector(old, recursive=True))] if exists else []
+    old_files = [e.path[len(old) :] for e in fs.get_file_info(pafs.FileSelector(old, recursive=True))] if exists else []
     for rel in old_files:
         if posixpath.basename(rel).startswith("_"):
             fs.delete_file(old + rel)  # the old manifest first: the old archive is no longer complete
@@ -259,7 +259,7 @@ def _list_local(root: str, prefix: str) -> list[TreeEntry]:
 
 def _list_store(fs: pafs.FileSystem, path: str) -> list[TreeEntry]:
     base = path.rstrip("/") + "/"
-    infos = [(e.path[len(base):], e.type) for e in fs.get_file_info(pafs.FileSelector(path, recursive=True))]
+    infos = [(e.path[len(base) :], e.type) for e in fs.get_file_info(pafs.FileSelector(path, recursive=True))]
     folders = {rel for rel, kind in infos if kind == pafs.FileType.Directory}
     parents = {posixpath.dirname(rel) for rel, _ in infos}
     out: dict[str, TreeEntry] = {}

@@ -208,7 +208,10 @@ class Manifest:
     def to_json(self) -> dict:
         """The manifest as fp8ray writes it: what a version 1 manifest lacks stays out."""
         out: dict[str, Any] = {
-            "format": ARCHIVE_FORMAT, "version": self.version, "fp8ray_version": self.fp8ray_version, "codec": self.codec,
+            "format": ARCHIVE_FORMAT,
+            "version": self.version,
+            "fp8ray_version": self.fp8ray_version,
+            "codec": self.codec,
         }
         if self.lossless is not None:
             out["lossless"] = self.lossless

@@ -100,10 +100,15 @@ def _checked_name(name) -> str:
     outside the output directory, nor a hidden or scratch name."""
     parts = name.split("/") if isinstance(name, str) else []
     if (
-        not parts or "\\" in name or "\0" in name or TMP_MARK in name
+        not parts
+        or "\\" in name
+        or "\0" in name
+        or TMP_MARK in name
         or any(not part or part in (".", "..") or part.startswith(".") for part in parts)
     ):
-        raise CorruptArchiveError(f"the archive names a source file {printable(str(name))!r}, which is not a plain relative file name")
+        raise CorruptArchiveError(
+            f"the archive names a source file {printable(str(name))!r}, which is not a plain relative file name"
+        )
     return name
 
 
@@ -111,7 +116,9 @@ def _layout_files(layout: SourceLayout, rows: list) -> list[RestoreFile]:
     by_file: dict[str, list] = {_checked_name(f.name): [] for f in layout.files}
     for part, row, file, key, dtype, shape in rows:
         if file not in by_file:
-            raise CorruptArchiveError(f"a block of part {part} names the file {printable(str(file))!r}, which the manifest does not list")
+            raise CorruptArchiveError(
+                f"a block of part {part} names the file {printable(str(file))!r}, which the manifest does not list"
+            )
         by_file[file].append((part, row, key, dtype, shape))
     out = []
     for f in layout.files:

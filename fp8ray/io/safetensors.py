@@ -31,8 +31,21 @@ MAX_HEADER = 100_000_000  # the safetensors package's limit on the JSON header
 MAX_USIZE = 2**64 - 1
 # Every dtype of the format, with its size: a header naming another is malformed.
 ITEMSIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
 }
 # The dtypes fp8ray encodes, by their safetensors names, and back.
 SOURCE_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -66,7 +79,8 @@ def header_length(first8: bytes, total: int, what: str) -> int:
         noun = "body" if what == "safetensors body" else "file"
         raise SafetensorsFormatError(
             f"{what}: not a safetensors {noun} (its first 8 bytes are not a header length): they read as {n}, "
-            f"the format allows at most {MAX_HEADER}", "header"
+            f"the format allows at most {MAX_HEADER}",
+            "header",
         )
     if 8 + n > total:
         raise SafetensorsFormatError(f"{what}: header length {n} runs past the end ({total} bytes in all)", "header")
@@ -98,9 +112,7 @@ def parse_header(raw: bytes, data_size: int, what: str, allowed: tuple[str, ...]
             raise SafetensorsFormatError(f"{what}: key {e.key!r} at bytes [{e.begin}, {e.end}) {kind}", e.key)
         position = e.end
     if position != data_size:
-        raise SafetensorsFormatError(
-            f"{what}: the tensors cover {position} bytes of data, there are {data_size}", "header"
-        )
+        raise SafetensorsFormatError(f"{what}: the tensors cover {position} bytes of data, there are {data_size}", "header")
     for e in entries:
         if e.dtype not in allowed:
             raise SafetensorsFormatError(f"{what}: key {e.key!r} has dtype {e.dtype}; expected one of {list(allowed)}", e.key)
@@ -153,7 +165,9 @@ def _entry(key: str, value, what: str) -> Entry:
     return Entry(key, dtype, tuple(shape), begin, end)
 
 
-def read_file_header(fs: pafs.FileSystem, path: str, uri: str, allowed: tuple[str, ...]) -> tuple[list[Entry], dict[str, str], int]:
+def read_file_header(
+    fs: pafs.FileSystem, path: str, uri: str, allowed: tuple[str, ...]
+) -> tuple[list[Entry], dict[str, str], int]:
     """The tensors (in byte order) and ``__metadata__`` of a safetensors file, and where
     its data starts. Raises :class:`SourceError` for an unreadable file and
     :class:`SafetensorsFormatError` for a malformed one."""
@@ -200,8 +214,10 @@ def build_body(tensors: list[tuple[str, str, tuple[int, ...], object]], metadata
     an fp8ray dtype name or ``"uint8"`` (a frame)."""
     views = [memoryview(data).cast("B") for _, _, _, data in tensors]
     prefix = header_prefix(
-        [(key, FRAME_DTYPE if dtype == "uint8" else SAFETENSORS_NAMES[dtype], shape, len(view))
-         for (key, dtype, shape, _), view in zip(tensors, views)],
+        [
+            (key, FRAME_DTYPE if dtype == "uint8" else SAFETENSORS_NAMES[dtype], shape, len(view))
+            for (key, dtype, shape, _), view in zip(tensors, views)
+        ],
         metadata,
     )
     return b"".join([prefix, *views])
@@ -255,7 +271,6 @@ class SafetensorsWriter(CompleteOrNothing):
     def abort(self) -> None:
         self.stream.close()
         self.fs.delete_file(self.tmp)
-
 
 
 __all__ = [

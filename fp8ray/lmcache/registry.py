@@ -142,9 +142,14 @@ def register(name: str = SERDE_TYPE):
     contract = exact_size_contract(serde)
     if name in serde.get_registered_serde_types():
         registered = _registered_factory(serde, name)
-        if getattr(registered, "__module__", None) == __name__ and getattr(registered, "__name__", None) == "make_serde_processor":
+        if (
+            getattr(registered, "__module__", None) == __name__
+            and getattr(registered, "__name__", None) == "make_serde_processor"
+        ):
             return contract  # ours already (a second call, or this module loaded again)
-        raise BadInputError(f"LMCache serde type {name!r} is already registered by another factory; choose another name", field="name")
+        raise BadInputError(
+            f"LMCache serde type {name!r} is already registered by another factory; choose another name", field="name"
+        )
     if contract is None:
         serde.register_serde_factory(name, make_serde_processor)
     else:

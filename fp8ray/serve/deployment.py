@@ -16,7 +16,8 @@ bodies, or ``application/x-safetensors`` bodies of many blocks), ``GET /healthz`
 ``GET /v1/stats``, and, for a service started with an archives root,
 ``GET /v1/archive/block?archive=...&key=...&file=...`` (one block of an archive under
 the root, as a safetensors body; read and decoded in the replica, see
-:meth:`Fp8Service._block_body`). Python: ``handle.encode.remote(tensor, **codec_options)`` answers the frame's bytes, ``handle.decode.remote(frame)`` the tensor.
+:meth:`Fp8Service._block_body`). Python: ``handle.encode.remote(tensor, **codec_options)``
+answers the frame's bytes, ``handle.decode.remote(frame)`` the tensor.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real Request type in the
@@ -108,10 +109,14 @@ class Fp8Service:
         tags = ("route", "status")
         self._requests = metrics.Counter("fp8ray_serve_requests", "HTTP requests answered", tag_keys=tags)
         self._errors = metrics.Counter("fp8ray_serve_errors", "HTTP requests answered with an error status", tag_keys=tags)
-        self._bytes = metrics.Counter("fp8ray_serve_bytes", "Body bytes received (in) and sent (out)", tag_keys=("route", "direction"))
+        self._bytes = metrics.Counter(
+            "fp8ray_serve_bytes", "Body bytes received (in) and sent (out)", tag_keys=("route", "direction")
+        )
         self._latency = metrics.Histogram(
-            "fp8ray_serve_latency_seconds", "Request latency in seconds",
-            boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10], tag_keys=("route",),
+            "fp8ray_serve_latency_seconds",
+            "Request latency in seconds",
+            boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
+            tag_keys=("route",),
         )
         self._stats = None
 
@@ -194,7 +199,13 @@ class Fp8Service:
         if limit is None:
             limit = response_limit(bytes_in + len(request.url.query))
         if len(response.body) > limit:  # cannot happen by the derivation: never send it anyway
-            logger.error("%s %s: a %d-byte response to a %d-byte request exceeds its bound", request.method, route, len(response.body), bytes_in)
+            logger.error(
+                "%s %s: a %d-byte response to a %d-byte request exceeds its bound",
+                request.method,
+                route,
+                len(response.body),
+                bytes_in,
+            )
             response = _refusal_response(500, f"internal error: the response would exceed its bound of {limit} bytes", None)
         status = str(response.status_code)
         bytes_out = len(response.body)
@@ -240,7 +251,9 @@ class Fp8Service:
             options = codec_options(params)
             entries, metadata = parse_body(body, tuple(SOURCE_DTYPES))
             if FRAMES_MARK in metadata:  # it would be overwritten by the mark: refuse, not lose it
-                raise RequestError(f"__metadata__ key {FRAMES_MARK!r} is fp8ray's own (it marks a body of frames)", 400, "__metadata__")
+                raise RequestError(
+                    f"__metadata__ key {FRAMES_MARK!r} is fp8ray's own (it marks a body of frames)", 400, "__metadata__"
+                )
             blocks = [Block(e.key, e.fp8ray_dtype, e.shape, data) for e, data in entries]
             results = await self._map(QuantWorker.encode_batch, blocks, options)
             frames = [(meta.key, "uint8", (len(f),), f) for f, meta in results]
@@ -248,7 +261,9 @@ class Fp8Service:
             return Response(build_body(frames, {**metadata, FRAMES_MARK: "frames"}), media_type=SAFETENSORS)
         options = codec_options(params, ignore=("dtype", "shape"))
         dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
-        [(f, meta)] = await self._call(QuantWorker.encode_batch, [Block("body", dtype, shape, np.frombuffer(body, dtype=np.uint8))], options)
+        [(f, meta)] = await self._call(
+            QuantWorker.encode_batch, [Block("body", dtype, shape, np.frombuffer(body, dtype=np.uint8))], options
+        )
         return Response(f.tobytes(), media_type=OCTET_STREAM, headers={"X-Fp8ray-Device": meta.device})
 
     async def _decode_body(self, request: Request, body: bytes) -> Response:
@@ -297,7 +312,9 @@ class Fp8Service:
         if tensor.nbytes > self.max_body_bytes:
             raise RequestError(
                 f"block {key!r} is {tensor.nbytes} bytes, over the service's limit of {self.max_body_bytes} "
-                "(--max-body-mb); read it with fp8ray get", 413, "key",
+                "(--max-body-mb); read it with fp8ray get",
+                413,
+                "key",
             )
         metadata = reader.metadata(file) or None
         data = build_body([(key, dtype_name(tensor), tuple(tensor.shape), tensor_to_bytes(tensor))], metadata)
@@ -338,7 +355,9 @@ class Fp8Service:
         if isinstance(tensor, np.ndarray):
             tensor = torch.from_numpy(tensor)
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_NAMES:
-            raise TypeError(f"expected a bfloat16/float16/float32 tensor or array, got {getattr(tensor, 'dtype', type(tensor).__name__)}")
+            raise TypeError(
+                f"expected a bfloat16/float16/float32 tensor or array, got {getattr(tensor, 'dtype', type(tensor).__name__)}"
+            )
         options = codec_options({k: str(v) for k, v in codec_options_kw.items()})
         [(f, _)] = await self._call(QuantWorker.encode_batch, [Block.of("tensor", tensor.detach())], options)
         return f.tobytes()

@@ -26,12 +26,20 @@ class ServiceOptions:
         args = dict(args or {})
         unknown = set(args) - set(cls.__dataclass_fields__)
         if unknown:
-            raise InvalidOptionError(f"unknown fp8ray.serve option(s) {sorted(unknown)}; expected {sorted(cls.__dataclass_fields__)}")
+            raise InvalidOptionError(
+                f"unknown fp8ray.serve option(s) {sorted(unknown)}; expected {sorted(cls.__dataclass_fields__)}"
+            )
         try:
             options = cls(**{k: type(getattr(cls, k))(v) for k, v in args.items()})
         except (TypeError, ValueError) as exc:
             raise InvalidOptionError(f"bad fp8ray.serve option: {exc}") from exc
-        if options.workers < 1 or options.replicas < 0 or options.cpus_per_worker <= 0 or options.gpus_per_worker < 0 or options.max_body_mb <= 0:
+        if (
+            options.workers < 1
+            or options.replicas < 0
+            or options.cpus_per_worker <= 0
+            or options.gpus_per_worker < 0
+            or options.max_body_mb <= 0
+        ):
             raise InvalidOptionError(f"fp8ray.serve options out of range: {options}")
         if options.archives and not os.path.isdir(options.archives):
             raise InvalidOptionError(f"archives root {options.archives!r} is not a directory", field="archives")

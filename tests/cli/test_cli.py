@@ -86,7 +86,9 @@ def test_a_missing_optional_extra_is_a_one_line_error(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("fp8ray: error: ") and "fp8ray[models]" in lines[0], result.stderr  # the extra that brings it
+    assert len(lines) == 1 and lines[0].startswith("fp8ray: error: ") and "fp8ray[models]" in lines[0], (
+        result.stderr
+    )  # the extra that brings it
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-1"])

@@ -27,8 +27,10 @@ def archive(tmp_path_factory):
     g = torch.Generator().manual_seed(3)
     for i, name in enumerate(FILES):
         (root / "src" / name).parent.mkdir(parents=True, exist_ok=True)
-        tensors = {"shared": torch.randn(2, 64, 128, generator=g).to(torch.bfloat16),
-                   f"only{i}": torch.randn(3, 50, generator=g).to([torch.float16, torch.float32, torch.bfloat16][i])}
+        tensors = {
+            "shared": torch.randn(2, 64, 128, generator=g).to(torch.bfloat16),
+            f"only{i}": torch.randn(3, 50, generator=g).to([torch.float16, torch.float32, torch.bfloat16][i]),
+        }
         save_file(tensors, str(root / "src" / name), metadata={"request": str(i)})
     compress_archive(str(root / "src"), str(root / "arch"), part_bytes=40_000, pool=INLINE)
     decompress_archive(str(root / "arch"), str(root / "out"), pool=INLINE)
@@ -49,24 +51,37 @@ def test_every_block_gotten_equals_decompress(archive, tmp_path):
     # A key in one file needs no --file; '-' writes the safetensors bytes to standard output.
     result = fp8ray("get", arch, "only2", "-o", tmp_path / "only2.safetensors")
     assert result.returncode == 0 and torch.equal(load_file(tmp_path / "only2.safetensors")["only2"], restored[FILES[2]]["only2"])
-    piped = subprocess.run([str(FP8RAY), "get", str(arch), "only1", "-o", "-"], capture_output=True, timeout=300,
-                           env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    piped = subprocess.run(
+        [str(FP8RAY), "get", str(arch), "only1", "-o", "-"],
+        capture_output=True,
+        timeout=300,
+        env=dict(os.environ, RAY_AUTH_MODE="disabled"),
+    )
     assert piped.returncode == 0, piped.stderr
     (tmp_path / "only1.safetensors").write_bytes(piped.stdout)
     assert torch.equal(load_file(tmp_path / "only1.safetensors")["only1"], restored[FILES[1]]["only1"])
 
+
 def test_missing_and_ambiguous_keys_name_what_to_choose(archive, tmp_path):
     arch, _ = archive
     out = tmp_path / "x.safetensors"
-    assert_one_line(fp8ray("get", arch, "nope", "--file", "deep/b.safetensors", "-o", out),
-                    "no block 'nope' in file 'deep/b.safetensors' of archive")
-    assert_one_line(fp8ray("get", arch, "only0", "--file", "deep/b.safetensors", "-o", out),
-                    "no block 'only0' in file 'deep/b.safetensors'")
-    assert_one_line(fp8ray("get", arch, "shared", "--file", "deep/d.safetensors", "-o", out),
-                    "holds no file 'deep/d.safetensors'")
+    assert_one_line(
+        fp8ray("get", arch, "nope", "--file", "deep/b.safetensors", "-o", out),
+        "no block 'nope' in file 'deep/b.safetensors' of archive",
+    )
+    assert_one_line(
+        fp8ray("get", arch, "only0", "--file", "deep/b.safetensors", "-o", out), "no block 'only0' in file 'deep/b.safetensors'"
+    )
+    assert_one_line(
+        fp8ray("get", arch, "shared", "--file", "deep/d.safetensors", "-o", out), "holds no file 'deep/d.safetensors'"
+    )
     assert_one_line(fp8ray("get", arch, "nope", "-o", out), "no block 'nope' in any file of archive")
-    assert_one_line(fp8ray("get", arch, "shared", "-o", out),
-                    "key 'shared' is in 3 files", "a.safetensors, deep/b.safetensors, deep/c.safetensors", "name the file")
+    assert_one_line(
+        fp8ray("get", arch, "shared", "-o", out),
+        "key 'shared' is in 3 files",
+        "a.safetensors, deep/b.safetensors, deep/c.safetensors",
+        "name the file",
+    )
     assert_one_line(fp8ray("get", tmp_path / "no-archive", "shared", "-o", out), "does not exist")
     assert not out.exists()
 

@@ -47,7 +47,10 @@ def reference(tmp_path_factory):
     src.mkdir()
     g = torch.Generator().manual_seed(SEED)
     for f in range(4):
-        save_file({f"layer{i}.k": torch.randn(8, 256, 128, generator=g).to(torch.bfloat16) for i in range(6)}, str(src / f"f{f}.safetensors"))
+        save_file(
+            {f"layer{i}.k": torch.randn(8, 256, 128, generator=g).to(torch.bfloat16) for i in range(6)},
+            str(src / f"f{f}.safetensors"),
+        )
     assert main(["compress", str(src), str(root / "ref.fp8"), "--part-mb", "0.5", "--address", "inline", "--json"]) == 0
     assert main(["decompress", str(root / "ref.fp8"), str(root / "ref.out"), "--address", "inline", "--json"]) == 0
     return root
@@ -73,8 +76,14 @@ def _interrupt(args: list[str], cwd: Path, ready, delay: float, sig: int) -> tup
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp)
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
-        [*FP8RAY, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        [*FP8RAY, *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
@@ -129,8 +138,18 @@ def test_an_interrupt_at_any_point_exits_130_saying_what_it_left(reference, tmp_
             if address == "local":
                 delay = rng.uniform(0.0, 4.0)  # while Ray starts, or later
             code, err, took = _interrupt([*args, "--address", address], work, ready, delay, sig)
-            outcomes.append(_check(f"{command} --address {address}, {signal.Signals(sig).name} {delay:.2f} s after ready",
-                                   code, err, took, work, dest, args, reference))
+            outcomes.append(
+                _check(
+                    f"{command} --address {address}, {signal.Signals(sig).name} {delay:.2f} s after ready",
+                    code,
+                    err,
+                    took,
+                    work,
+                    dest,
+                    args,
+                    reference,
+                )
+            )
     outcomes += _in_process_points(reference, tmp_path, rng)
     assert len(outcomes) == 24 and sum(o != "finished" for o in outcomes) >= 16, outcomes
 
@@ -187,7 +206,7 @@ def _in_process_points(reference, tmp_path, rng) -> list[str]:
                 delay = rng.uniform(0.0, DELAY[command])
                 lock, running = threading.Lock(), [True]
 
-                def interrupt():
+                def interrupt(lock=lock, running=running):  # this try's own, bound now
                     with lock:
                         if running[0]:
                             os.kill(os.getpid(), signal.SIGINT)
@@ -205,7 +224,11 @@ def _in_process_points(reference, tmp_path, rng) -> list[str]:
                         timer.cancel()
                     took = time.monotonic() - sent - delay
                 time.sleep(0.05)  # a signal still pending lands on the outer handler
-                outcomes.append(_check(f"{command} in process, SIGINT at {delay:.2f} s", code, err.getvalue(), took, work, dest, args, reference))
+                outcomes.append(
+                    _check(
+                        f"{command} in process, SIGINT at {delay:.2f} s", code, err.getvalue(), took, work, dest, args, reference
+                    )
+                )
     finally:
         signal.signal(signal.SIGINT, previous)
     return outcomes
@@ -233,7 +256,11 @@ def test_an_interrupted_compress_keeps_its_finished_parts_for_resume(reference, 
     assert main(args) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    done = int(re.fullmatch(rf"fp8ray: interrupted: (\d+) of 24 parts done in {re.escape(str(dest))}; rerun with --resume to keep them", err[0])[1])
+    done = int(
+        re.fullmatch(
+            rf"fp8ray: interrupted: (\d+) of 24 parts done in {re.escape(str(dest))}; rerun with --resume to keep them", err[0]
+        )[1]
+    )
     assert 3 <= done < 24
     monkeypatch.setattr(QuantWorker, "compress_part", compress_part)
     assert main([*args, "--resume", "--json"]) == 0

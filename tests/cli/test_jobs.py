@@ -48,7 +48,9 @@ def ray_head():
         f"--dashboard-agent-listen-port={free_port()} --metrics-export-port={free_port()} --num-cpus=2 "
         f"--temp-dir={temp_dir} --disable-usage-stats"
     )
-    subprocess.run(["bash", "-c", f"{ACTIVATE} && {start}"], cwd=REPO, env=user_env(), check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        ["bash", "-c", f"{ACTIVATE} && {start}"], cwd=REPO, env=user_env(), check=True, capture_output=True, timeout=120
+    )
     try:
         yield f"http://127.0.0.1:{dashboard_port}"
     finally:
@@ -86,7 +88,9 @@ def test_the_readme_job_lines_work_as_typed_from_outside_the_checkout(ray_head, 
     env = dict(user_env(), FP8RAY_JOBS=str(REPO / "jobs"))
 
     def submit(line: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-c", f"{ACTIVATE} && {line}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            ["bash", "-c", f"{ACTIVATE} && {line}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
 
     for line in readme_submit_lines(ray_head):  # compress, then verify
         result = submit(line)
@@ -109,7 +113,9 @@ def test_a_job_run_by_a_python_without_fp8ray_says_so_in_one_line(tmp_path):
     bare = Path(sys.base_prefix) / "bin" / "python3"
     if subprocess.run([str(bare), "-c", "import fp8ray"], capture_output=True).returncode == 0:
         pytest.skip("the base interpreter has fp8ray installed")
-    result = subprocess.run([str(bare), "jobs/compress_archive.py", "a", "b"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [str(bare), "jobs/compress_archive.py", "a", "b"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "is not installed for" in lines[0] and "ray start --head" in lines[0], result.stderr

@@ -113,7 +113,9 @@ def test_version_and_help_on_every_argument():
 def test_a_text_file_named_safetensors_is_not_a_safetensors_file(tmp_path):
     (tmp_path / "notes.safetensors").write_text("these are my notes, not tensors\n")
     result = fp8ray("compress", tmp_path / "notes.safetensors", tmp_path / "arch", "--address", "inline")
-    assert_one_line(result, f"{tmp_path / 'notes.safetensors'}: not a safetensors file (its first 8 bytes are not a header length)")
+    assert_one_line(
+        result, f"{tmp_path / 'notes.safetensors'}: not a safetensors file (its first 8 bytes are not a header length)"
+    )
     assert not (tmp_path / "arch").exists()
 
 

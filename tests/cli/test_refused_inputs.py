@@ -37,7 +37,9 @@ def test_the_encoder_refuses_what_the_decoder_would(ndim):
 
 
 def test_a_66_dimension_tensor_is_refused_by_compress(tmp_path, capsys):
-    src = raw_safetensors(tmp_path / "deep.safetensors", {"deep": {"dtype": "F32", "shape": [1] * 66, "data_offsets": [0, 4]}}, b"\0\0\0\0")
+    src = raw_safetensors(
+        tmp_path / "deep.safetensors", {"deep": {"dtype": "F32", "shape": [1] * 66, "data_offsets": [0, 4]}}, b"\0\0\0\0"
+    )
     code, _, err = run(capsys, "compress", src, tmp_path / "arch")
     assert code == 1 and err.count("\n") == 1 and "block 'deep'" in err and "limit of 64" in err
     assert not (tmp_path / "arch").exists()
@@ -55,8 +57,22 @@ def test_a_source_without_tensors_is_an_error_not_an_empty_archive(tmp_path, cap
     [
         ({"a": {"dtype": "F32", "shape": [0, 1e30], "data_offsets": [0, 0]}}, b"", "expected a list of non-negative integers"),
         ({"a": {"dtype": "F32", "shape": ["4"], "data_offsets": [0, 16]}}, bytes(16), "expected a list of non-negative integers"),
-        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(16), "overlaps"),
-        ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, bytes(12), "gap"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+            },
+            bytes(16),
+            "overlaps",
+        ),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
+            },
+            bytes(12),
+            "gap",
+        ),
     ],
 )
 def test_malformed_safetensors_are_refused_in_one_line(tmp_path, capsys, header, data, message):

@@ -133,7 +133,9 @@ def test_verify_against_names_the_source_file_the_archive_lacks(tree, tmp_path, 
         f"fp8ray: error: archive {arch} failed verification (1 problem(s))",
     ]
     (tree / "tenant_b" / "extra.safetensors").unlink()
-    save_file({**small(3), "layer9.k": torch.zeros(2, 64, dtype=torch.bfloat16)}, str(tree / "req03.safetensors"), {"request": "3"})
+    save_file(
+        {**small(3), "layer9.k": torch.zeros(2, 64, dtype=torch.bfloat16)}, str(tree / "req03.safetensors"), {"request": "3"}
+    )
     code, _, err = run(capsys, "verify", arch, "--against", tree, *INLINE)
     assert code == 1
     assert "fp8ray: 1 block(s) of source file req03.safetensors are not in the archive, e.g. 'layer9.k'" in err.splitlines()
@@ -160,7 +162,8 @@ def test_decompress_never_removes_what_it_did_not_write(tree, tmp_path, capsys):
     assert digests(out) == before
     code, stdout, err = run(capsys, "decompress", arch, out, "--force-replace", *INLINE, "--json")
     assert code == 0 and err == (
-        f"fp8ray: --force-replace: replacing {out} deletes 2 entries the archive does not describe: notes.txt, tenant_b/mine/x.bin\n"
+        f"fp8ray: --force-replace: replacing {out} deletes 2 entries the archive does not describe: "
+        f"notes.txt, tenant_b/mine/x.bin\n"
     )
     assert json.loads(stdout)["deleted"] == ["notes.txt", "tenant_b/mine/x.bin"]
     assert digests(out) == taken(tree)

@@ -34,7 +34,9 @@ def imported(stderr: str) -> set[str]:
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["compress", "--help"]])
 def test_the_command_answers_help_and_version_without_heavy_imports(argv):
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "fp8ray.cli", *argv], env=env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fp8ray.cli", *argv], env=env(), capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage: fp8ray" in result.stdout or result.stdout.startswith("fp8ray ")
     names = imported(result.stderr)
@@ -66,8 +68,8 @@ for argv in seen:
             main([*argv, "--help"])
         except SystemExit as exc:
             assert exc.code == 0, argv
-print(len(seen), sorted({m.split(".")[0] for m in sys.modules} & set(%r)))
-""" % (HEAVY,)
+print(len(seen), sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY)))
+""".replace("HEAVY", repr(HEAVY))
     result = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     count, heavy = result.stdout.split(" ", 1)
@@ -76,7 +78,10 @@ print(len(seen), sorted({m.split(".")[0] for m in sys.modules} & set(%r)))
 
 def test_import_fp8ray_keeps_its_public_names():
     """`from fp8ray import ...` as the README writes it still gives the codec, loaded then."""
-    code = "import sys, fp8ray; a = 'torch' in sys.modules; from fp8ray import Fp8Codec, decode, CodecOptions; print(a, 'torch' in sys.modules, Fp8Codec.__module__)"
+    code = (
+        "import sys, fp8ray; a = 'torch' in sys.modules; from fp8ray import Fp8Codec, decode, CodecOptions; "
+        "print(a, 'torch' in sys.modules, Fp8Codec.__module__)"
+    )
     result = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
     assert result.stdout.split() == ["False", "True", "fp8ray.codec.fp8codec"], result.stderr[-2000:]
 
@@ -132,8 +137,12 @@ def test_ctrl_c_while_the_command_starts_exits_130_in_one_line(source, tmp_path,
     ignored, so the child restores the default first, as a shell does."""
     dest = tmp_path / "kv.fp8"
     proc = subprocess.Popen(
-        [*FP8RAY, "compress", str(source), str(dest), "--address", "inline"], env=env(), cwd=tmp_path,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [*FP8RAY, "compress", str(source), str(dest), "--address", "inline"],
+        env=env(),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     time.sleep(moment)
@@ -159,7 +168,11 @@ def test_bench_startup_prints_help_beside_the_bare_interpreter(capsys):
 
     assert main(["bench", "startup", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
-    found = re.fullmatch(r"fp8ray bench startup \(best of 2\): fp8ray --help (\d+) ms, python -c pass (\d+) ms: ([0-9.]+)x the interpreter's own start\n", out)
+    found = re.fullmatch(
+        r"fp8ray bench startup \(best of 2\): fp8ray --help (\d+) ms, python -c pass (\d+) ms: "
+        r"([0-9.]+)x the interpreter's own start\n",
+        out,
+    )
     assert found, out
     help_ms, bare_ms, ratio = int(found[1]), int(found[2]), float(found[3])
     assert 0 < bare_ms <= help_ms and abs(ratio - help_ms / bare_ms) < 0.1 + 0.05 * ratio

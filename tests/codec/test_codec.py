@@ -95,7 +95,9 @@ def test_scale_search_is_never_worse_than_amax_in_any_group(scaling, scale_dtype
     groups = x.reshape(-1, group)
     magnitudes = groups.abs()
     amax_scales = reference.amax_to_scale(magnitudes.amax(dim=1), fmt, scale_dtype=scale_dtype)
-    mse_scales = torch.from_numpy(frame.scales_of(frame.as_byte_array(mse_frame), frame.parse(frame.as_byte_array(mse_frame))).copy())
+    mse_scales = torch.from_numpy(
+        frame.scales_of(frame.as_byte_array(mse_frame), frame.parse(frame.as_byte_array(mse_frame))).copy()
+    )
     assert (reference.search_error(magnitudes, mse_scales, fmt) <= reference.search_error(magnitudes, amax_scales, fmt)).all()
     before, after = group_squared_errors(x, amax, group).sqrt(), group_squared_errors(x, mse, group).sqrt()
     slack = 2.0**-21 * groups.double().norm(dim=1)
@@ -292,7 +294,11 @@ def test_numpy_input():
         ({"nonfinite": "ignore"}, ValueError, "unknown nonfinite policy 'ignore'"),
         ({"scale_dtype": "float16"}, ValueError, "unknown scale_dtype 'float16'"),
         ({"scale_choice": "best"}, ValueError, "unknown scale_choice 'best'"),
-        ({"scaling": "tensor", "scale_choice": "mse"}, ValueError, "scale_choice 'mse' needs scaling 'token' or 'block', not 'tensor'"),
+        (
+            {"scaling": "tensor", "scale_choice": "mse"},
+            ValueError,
+            "scale_choice 'mse' needs scaling 'token' or 'block', not 'tensor'",
+        ),
         ({"scaling": "channel", "scale_choice": "mse"}, ValueError, "not 'channel'"),
         ({"scaling": "none", "scale_choice": "mse"}, ValueError, "not 'none'"),
     ],
@@ -341,7 +347,9 @@ def test_one_default_mode_and_options_override_only_themselves():
     assert repr(default) == (
         "Fp8Codec(fp8='e4m3fn', scaling='block', block_size=32, scale_dtype='bfloat16', scale_choice='mse', nonfinite='error')"
     )
-    assert Fp8Codec(fp8="e5m2").options == CodecOptions(fp8="e5m2", scaling="block", block_size=32, scale_dtype="bfloat16", scale_choice="mse")
+    assert Fp8Codec(fp8="e5m2").options == CodecOptions(
+        fp8="e5m2", scaling="block", block_size=32, scale_dtype="bfloat16", scale_choice="mse"
+    )
     # scale_choice left out follows the scaling: mse where it can search, amax elsewhere.
     assert Fp8Codec(scaling="token").scale_choice == "mse" and Fp8Codec(scaling="tensor").scale_choice == "amax"
 

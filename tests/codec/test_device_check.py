@@ -43,7 +43,10 @@ def test_without_a_gpu_it_says_so_and_exits_0(launcher):
 def test_cpu_self_check_runs_the_whole_script():
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--mib", "1", "--repeat", "2"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -57,11 +60,17 @@ def test_cpu_self_check_runs_the_whole_script():
 def test_the_grid_covers_every_format_scaling_scale_dtype_choice_and_dtype():
     script = load_script()
     seen = {(c.options.fp8, c.options.scaling, c.options.scale_dtype, c.options.scale_choice, c.x.dtype) for c in script.cases()}
-    for combo in [("e4m3fn", "none", "float32", "amax"), ("e5m2", "token", "bfloat16", "mse"), ("e5m2", "block", "float32", "mse")]:
+    for combo in [
+        ("e4m3fn", "none", "float32", "amax"),
+        ("e5m2", "token", "bfloat16", "mse"),
+        ("e5m2", "block", "float32", "mse"),
+    ]:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             assert (*combo, dtype) in seen
     assert not any(mode[3] == "mse" and mode[1] not in ("token", "block") for mode in seen)
-    assert len({mode[:4] for mode in seen}) == 2 * (3 * 2 + 2 * 4)  # formats x (plain x scale dtypes + searched x dtypes x choices)
+    assert len({mode[:4] for mode in seen}) == 2 * (
+        3 * 2 + 2 * 4
+    )  # formats x (plain x scale dtypes + searched x dtypes x choices)
 
 
 def test_a_mismatch_names_the_mode_and_first_differing_byte_and_exits_1(monkeypatch, capsys):
@@ -70,7 +79,13 @@ def test_a_mismatch_names_the_mode_and_first_differing_byte_and_exits_1(monkeypa
 
     def damaged_encode(codec, x, device):
         f = real_encode(codec, x, device).copy()
-        if codec.options.scaling == "block" and codec.options.scale_choice == "mse" and codec.options.nonfinite == "error" and x.dtype == torch.float16 and x.dim() == 3:
+        if (
+            codec.options.scaling == "block"
+            and codec.options.scale_choice == "mse"
+            and codec.options.nonfinite == "error"
+            and x.dtype == torch.float16
+            and x.dim() == 3
+        ):
             header = frame.parse(f)
             f[header.codes_offset + 100] ^= 0x01
         return f
@@ -81,7 +96,8 @@ def test_a_mismatch_names_the_mode_and_first_differing_byte_and_exits_1(monkeypa
     mismatches = [line for line in out.splitlines() if line.startswith("MISMATCH")]
     assert len(mismatches) == 4  # e4m3fn and e5m2, bfloat16 and float32 scales
     assert (
-        "MISMATCH encode [e4m3fn:block:block_size=32:scale_dtype=bfloat16:scale_choice=mse:nonfinite=error, float16 [3, 37, 130]]: "
+        "MISMATCH encode [e4m3fn:block:block_size=32:scale_dtype=bfloat16:scale_choice=mse:nonfinite=error, "
+        "float16 [3, 37, 130]]: "
         "first differing byte" in out
     )
     assert "(code of element 100)" in mismatches[0] and "1 bytes differ" in mismatches[0]
@@ -112,7 +128,12 @@ def test_frame_difference_says_where_the_byte_lies():
     f = np.frombuffer(Fp8Codec(scaling="token", scale_dtype="float32").encode(torch.randn(4, 8)), np.uint8)
     header = frame.parse(f)
     assert script.frame_difference(f, f.copy()) is None
-    for at, where in [(5, "header"), (header.scales_offset + 9, "scale 2"), (header.codes_offset + 7, "code of element 7"), (f.size - 1, "checksum")]:
+    for at, where in [
+        (5, "header"),
+        (header.scales_offset + 9, "scale 2"),
+        (header.codes_offset + 7, "code of element 7"),
+        (f.size - 1, "checksum"),
+    ]:
         damaged = f.copy()
         damaged[at] ^= 0xFF
         assert f"first differing byte {at} of {f.size} ({where})" in script.frame_difference(f, damaged)

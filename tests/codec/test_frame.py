@@ -34,9 +34,7 @@ def test_layout_matches_the_spec():
     x = kv_like((2, 3, 8), torch.bfloat16)
     f = bytes(Fp8Codec("e5m2", "block", block_size=5, scale_dtype="float32").encode(x))
     magic, version, fmt, scaling, dtype, ndim, scale_dtype, reserved, block = struct.unpack("<4sBBBBBB2sI", f[:16])
-    assert (magic, version, fmt, scaling, dtype, ndim, scale_dtype, reserved, block) == (
-        b"FP8R", 1, 2, 4, 3, 3, 0, b"\0\0", 5
-    )
+    assert (magic, version, fmt, scaling, dtype, ndim, scale_dtype, reserved, block) == (b"FP8R", 1, 2, 4, 3, 3, 0, b"\0\0", 5)
     assert struct.unpack("<3Q", f[16:40]) == (2, 3, 8)
     n_scales = -(-48 // 5)
     assert len(f) == 40 + 4 * n_scales + 48 + 4

@@ -186,7 +186,9 @@ ADVERSARIAL_GROUPS = {
     "fp8 grid values": lambda fmt: torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float().nan_to_num(0, 0, 0)[:64],
     "fp32 subnormals": lambda fmt: torch.tensor([2.0**-149 * k for k in range(1, 34)]),
     "fp8 subnormal quotients": lambda fmt: torch.cat([torch.ones(1), torch.linspace(0, 2.0**-14, 47)]),
-    "ties at grid midpoints": lambda fmt: torch.tensor([fmt.max] + [1.0 + (2 * k + 1) * 2.0 ** -(fmt.mantissa_bits + 1) for k in range(31)]),
+    "ties at grid midpoints": lambda fmt: torch.tensor(
+        [fmt.max] + [1.0 + (2 * k + 1) * 2.0 ** -(fmt.mantissa_bits + 1) for k in range(31)]
+    ),
     "signs mixed": lambda fmt: torch.tensor([(-1.0) ** k * (k + 0.5) for k in range(70)]),
 }
 

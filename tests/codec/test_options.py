@@ -72,7 +72,9 @@ def test_bad_options_name_the_field(given, field, pattern):
 
 def test_mode_strings():
     assert CodecOptions.from_mode("e5m2:token") == CodecOptions("e5m2", "token")
-    assert CodecOptions.from_mode("e4m3fn:block:block_size=64:scale_dtype=float32") == CodecOptions(block_size=64, scale_dtype="float32")
+    assert CodecOptions.from_mode("e4m3fn:block:block_size=64:scale_dtype=float32") == CodecOptions(
+        block_size=64, scale_dtype="float32"
+    )
     assert CodecOptions.mode_values("e4m3fn:block:block_size=64") == {"fp8": "e4m3fn", "scaling": "block", "block_size": 64}
     for bad, pattern in [
         ("e4m3fn", "expected FP8:SCALING"),

@@ -229,7 +229,9 @@ def test_the_file_column_goes_through_both_ways():
 
 
 def test_empty_batch():
-    empty = raw_table({}).cast(pa.schema([("key", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("data", pa.binary())]))
+    empty = raw_table({}).cast(
+        pa.schema([("key", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("data", pa.binary())])
+    )
     out = Fp8Encoder()(empty)
     assert out.num_rows == 0 and out.schema.equals(archive.SCHEMA)
     back = Fp8Decoder()(out)
@@ -263,18 +265,49 @@ def bad(table: pa.Table, column: str, row: int, value) -> pa.Table:
 @pytest.mark.parametrize(
     "change, error, message, field",
     [
-        (lambda t: t.drop_columns(["data"]), BadInputError, r"needs columns \['key', 'dtype', 'shape', 'data'\]; the batch lacks \['data'\]", "data"),
+        (
+            lambda t: t.drop_columns(["data"]),
+            BadInputError,
+            r"needs columns \['key', 'dtype', 'shape', 'data'\]; the batch lacks \['data'\]",
+            "data",
+        ),
         (lambda t: bad(t, "dtype", 1, "int8"), BadInputError, r"block 'b01': column 'dtype' holds 'int8'", "b01"),
         (lambda t: bad(t, "dtype", 1, None), BadInputError, r"block 'b01': column 'dtype' holds None", "b01"),
-        (lambda t: bad(t, "shape", 2, [1, 34]), BadInputError, r"block 'b02': column 'data' holds 132 bytes, its shape \[1, 34\] float32 needs 136", "b02"),
+        (
+            lambda t: bad(t, "shape", 2, [1, 34]),
+            BadInputError,
+            r"block 'b02': column 'data' holds 132 bytes, its shape \[1, 34\] float32 needs 136",
+            "b02",
+        ),
         (lambda t: bad(t, "shape", 2, [-1, 33]), BadInputError, r"block 'b02': column 'shape' holds \[-1, 33\]", "b02"),
         (lambda t: bad(t, "shape", 2, None), BadInputError, r"block 'b02': column 'shape' holds None", "b02"),
-        (lambda t: bad(t, "data", 3, b"\0" * 7), BadInputError, r"block 'b03': column 'data' holds 7 bytes, its shape \[3, 1, 65\] bfloat16 needs 390", "b03"),
+        (
+            lambda t: bad(t, "data", 3, b"\0" * 7),
+            BadInputError,
+            r"block 'b03': column 'data' holds 7 bytes, its shape \[3, 1, 65\] bfloat16 needs 390",
+            "b03",
+        ),
         (lambda t: bad(t, "data", 3, None), BadInputError, r"block 'b03': column 'data' is null", "b03"),
         (lambda t: bad(t, "key", 0, None), BadInputError, r"column 'key': row 0 holds None", "key"),
-        (lambda t: t.set_column(3, "data", pa.array(["x"] * t.num_rows)), BadInputError, r"column 'data' must be binary or large_binary, not string", "data"),
+        (
+            lambda t: t.set_column(3, "data", pa.array(["x"] * t.num_rows)),
+            BadInputError,
+            r"column 'data' must be binary or large_binary, not string",
+            "data",
+        ),
     ],
-    ids=["missing-column", "unknown-dtype", "null-dtype", "shape-vs-data", "negative-dim", "null-shape", "short-data", "null-data", "null-key", "data-not-binary"],
+    ids=[
+        "missing-column",
+        "unknown-dtype",
+        "null-dtype",
+        "shape-vs-data",
+        "negative-dim",
+        "null-shape",
+        "short-data",
+        "null-data",
+        "null-key",
+        "data-not-binary",
+    ],
 )
 def test_encoder_refuses_bad_rows_naming_column_or_key(change, error, message, field):
     with pytest.raises(error, match=message) as info:
@@ -323,9 +356,22 @@ def test_truncated_frame_raises_corrupt_frame_error(encoded, columns):
 @pytest.mark.parametrize(
     "column, value, message",
     [
-        ("dtype", "float16", r"block 'b00': columns 'dtype' and 'shape' say \[2, 3, 16, 24\] float16, its frame holds \[2, 3, 16, 24\] bfloat16"),
-        ("shape", [3, 2, 16, 24], r"block 'b00': columns 'dtype' and 'shape' say \[3, 2, 16, 24\] bfloat16, its frame holds \[2, 3, 16, 24\] bfloat16"),
-        ("shape", [2**40, 2**20], r"block 'b00': columns 'dtype' and 'shape' say \[1099511627776, 1048576\] bfloat16, more elements than its \d+-byte frame"),
+        (
+            "dtype",
+            "float16",
+            r"block 'b00': columns 'dtype' and 'shape' say \[2, 3, 16, 24\] float16, its frame holds \[2, 3, 16, 24\] bfloat16",
+        ),
+        (
+            "shape",
+            [3, 2, 16, 24],
+            r"block 'b00': columns 'dtype' and 'shape' say \[3, 2, 16, 24\] bfloat16, its frame holds \[2, 3, 16, 24\] bfloat16",
+        ),
+        (
+            "shape",
+            [2**40, 2**20],
+            r"block 'b00': columns 'dtype' and 'shape' say \[1099511627776, 1048576\] bfloat16, "
+            r"more elements than its \d+-byte frame",
+        ),
     ],
     ids=["dtype", "shape", "huge-shape"],
 )

@@ -82,7 +82,9 @@ def blocks_of(path: Path) -> list[Block]:
         code = "\n".join(line[indent:] if not line[:indent].strip() else line.lstrip() for line in lines[i + 1 : end]) + "\n"
         before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         marker = MARKER.match(before)
-        found.append(Block(path, i + 1, opening["lang"], marker["kind"] if marker else None, marker["note"] if marker else "", code))
+        found.append(
+            Block(path, i + 1, opening["lang"], marker["kind"] if marker else None, marker["note"] if marker else "", code)
+        )
         i = end + 1
     return found
 
@@ -102,8 +104,11 @@ def kv_cache(seed: int) -> dict:
 
     from fp8ray.eval.sample import sample_kv_chunk
 
-    return {f"layer{i}.{kv}": sample_kv_chunk(layers=1, tokens=64, seed=seed * 100 + i * 2 + (kv == "v"), dtype=torch.bfloat16)[0]
-            for i in range(4) for kv in ("k", "v")}
+    return {
+        f"layer{i}.{kv}": sample_kv_chunk(layers=1, tokens=64, seed=seed * 100 + i * 2 + (kv == "v"), dtype=torch.bfloat16)[0]
+        for i in range(4)
+        for kv in ("k", "v")
+    }
 
 
 def make_scratch(root: Path) -> Path:
@@ -157,7 +162,11 @@ class Server:
 
     def __init__(self):
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "fp8ray"), "serve"], env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [str(Path(sys.executable).parent / "fp8ray"), "serve"],
+            env=base_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,
         )
         deadline = time.monotonic() + 240
@@ -226,12 +235,16 @@ class FileRun:
         try:
             result = subprocess.run(argv, cwd=self.scratch, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
-            raise AssertionError(f"{block.name} ran over {BLOCK_TIMEOUT_S} s: {str(exc.stdout)[-1000:]} {str(exc.stderr)[-2000:]}") from None
+            raise AssertionError(
+                f"{block.name} ran over {BLOCK_TIMEOUT_S} s: {str(exc.stdout)[-1000:]} {str(exc.stderr)[-2000:]}"
+            ) from None
         finally:
             if ray_tmp:
                 kill_all(processes_with("RAY_TMPDIR", ray_tmp))
                 shutil.rmtree(ray_tmp, ignore_errors=True)
-        assert result.returncode == 0, f"{block.name} exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, (
+            f"{block.name} exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -264,8 +277,12 @@ def file_runs(tmp_path_factory, server):
 def plan(block: Block) -> str:
     """``"run"``, ``"skip"`` or ``"not run"`` (not a command); a block that says nothing
     of what it is, or a marker that does not fit it, fails."""
-    assert block.lang, f"{block.name}: a code block with no language; tag it (text for what is not a command, bash or python to run it)"
-    assert block.kind is None or block.kind in KINDS, f"{block.name}: unknown doc-run marker {block.kind!r}; expected one of {KINDS}"
+    assert block.lang, (
+        f"{block.name}: a code block with no language; tag it (text for what is not a command, bash or python to run it)"
+    )
+    assert block.kind is None or block.kind in KINDS, (
+        f"{block.name}: unknown doc-run marker {block.kind!r}; expected one of {KINDS}"
+    )
     if block.kind == "skip":
         assert block.note, f"{block.name}: a doc-run skip marker must give its reason"
         assert block.lang in SHELL + PYTHON, f"{block.name}: a {block.lang} block is never run; drop its skip marker"
@@ -291,7 +308,8 @@ def test_a_block_that_says_nothing_of_itself_fails(tmp_path):
     doc = tmp_path / "DOC.md"
     doc.write_text(
         "Text.\n\n```\nfp8ray --version\n```\n\n<!-- doc-run: sever -->\n```bash\ncurl x\n```\n\n"
-        "<!-- doc-run: skip -->\n```python\npass\n```\n\n- a list:\n\n  <!-- doc-run: skip needs a GPU -->\n  ```python\n  if True:\n      pass\n  ```\n"
+        "<!-- doc-run: skip -->\n```python\npass\n```\n\n"
+        "- a list:\n\n  <!-- doc-run: skip needs a GPU -->\n  ```python\n  if True:\n      pass\n  ```\n"
         "\n```text\nfp8ray compress SRC DST\n```\n"
     )
     untagged, unknown, reasonless, indented, synopsis = blocks_of(doc)

@@ -60,7 +60,10 @@ def test_two_nodes_spread_and_give_identical_parts(kv_source, tmp_path, ray_sess
     env.pop("RAY_ADDRESS", None)
     result = subprocess.run(
         [sys.executable, "-c", TWO_NODES, str(src), str(tmp_path / "cluster"), str(files)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     outcome = json.loads(result.stdout.strip().splitlines()[-1])

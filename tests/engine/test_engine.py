@@ -282,7 +282,9 @@ def test_inline_workers_write_the_same_archive_and_output(kv_source, tmp_path):
     parts, manifest and restored file as Ray's actors write, and errors as their own class."""
     src, _ = kv_source
     compress_archive(str(src), str(tmp_path / "ray"), part_bytes=PART, pool=fp8ray.PoolSettings(num_workers=2))
-    compress_archive(str(src), str(tmp_path / "inline"), part_bytes=PART, pool=fp8ray.PoolSettings(num_workers=2, address="inline"))
+    compress_archive(
+        str(src), str(tmp_path / "inline"), part_bytes=PART, pool=fp8ray.PoolSettings(num_workers=2, address="inline")
+    )
     assert part_bytes(tmp_path / "inline") == part_bytes(tmp_path / "ray")
     assert (tmp_path / "inline/_manifest.json").read_bytes() == (tmp_path / "ray/_manifest.json").read_bytes()
     assert verify_archive(str(tmp_path / "inline"), against=str(src), pool=fp8ray.PoolSettings(address="inline")).ok
@@ -291,7 +293,10 @@ def test_inline_workers_write_the_same_archive_and_output(kv_source, tmp_path):
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
     threads = os.environ.get("FP8RAY_NUM_THREADS")
     tensors = [torch.ones(4, 8), torch.tensor([[1.0, float("nan")]])]
-    with QuantPool(num_workers=2, address="inline") as pool, pytest.raises(fp8ray.NonFiniteError, match=r"block '1': 1 non-finite"):
+    with (
+        QuantPool(num_workers=2, address="inline") as pool,
+        pytest.raises(fp8ray.NonFiniteError, match=r"block '1': 1 non-finite"),
+    ):
         pool.encode_many(tensors, batch_size=1)
     assert os.environ.get("FP8RAY_NUM_THREADS") == threads  # the workers' thread setting is not left behind
 
@@ -320,7 +325,9 @@ def test_empty_tensors_and_inline_results_that_are_their_own(tmp_path):
     tensors = [torch.zeros(0, 4, dtype=torch.bfloat16), torch.full((3, 8), 1.0), torch.full((3, 8), 2.0), torch.full((3, 8), 3.0)]
     for address in (None, "inline"):
         with QuantPool(num_workers=2, address=address) as pool:
-            back = pool.decode_many(pool.encode_many(tensors, batch_size=1, scale_choice="amax", scale_dtype="float32"), batch_size=1)
+            back = pool.decode_many(
+                pool.encode_many(tensors, batch_size=1, scale_choice="amax", scale_dtype="float32"), batch_size=1
+            )
         assert [t.shape for t in back] == [t.shape for t in tensors]
         assert [float(t.max()) for t in back[1:]] == [1.0, 2.0, 3.0], address
     from safetensors.torch import save_file

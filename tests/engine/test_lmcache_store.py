@@ -97,8 +97,12 @@ def store(tmp_path):
     (src / "notes.data").write_bytes(b"\0" * RAW)  # right size, not a chunk name
     (src / "m@0x1@zz@00.data").write_bytes(b"\0" * RAW)  # object_group_id is not hex
     (src / "tmp").mkdir()  # e.g. LMCache's relative_tmp_dir
-    skipped = {short: "bytes, the layout bfloat16:2,2,16,64 needs", "notes.data": "not an LMCache chunk name",
-               "m@0x1@zz@00.data": "not an LMCache chunk name", "tmp": "not a regular file"}
+    skipped = {
+        short: "bytes, the layout bfloat16:2,2,16,64 needs",
+        "notes.data": "not an LMCache chunk name",
+        "m@0x1@zz@00.data": "not an LMCache chunk name",
+        "tmp": "not a regular file",
+    }
     return src, tensors, skipped
 
 
@@ -138,8 +142,6 @@ def test_layout_parsing():
             parse_layout(text)
 
 
-
-
 def test_chunk_names_equal_lmcaches_own():
     """fp8ray writes and reads the names of lmcache 0.5.6's FS adapter (fs_l2_adapter.py's
     _object_key_to_filename / _filename_to_object_key): same name for every key, same
@@ -148,11 +150,19 @@ def test_chunk_names_equal_lmcaches_own():
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _filename_to_object_key, _object_key_to_filename
 
     keys = [
-        ObjectKey(chunk_hash=c.chunk_hash, model_name=c.model, kv_rank=c.kv_rank, object_group_id=c.object_group_id, cache_salt=c.cache_salt)
+        ObjectKey(
+            chunk_hash=c.chunk_hash,
+            model_name=c.model,
+            kv_rank=c.kv_rank,
+            object_group_id=c.object_group_id,
+            cache_salt=c.cache_salt,
+        )
         for c in CHUNKS
     ] + [
         ObjectKey(chunk_hash=b"", model_name="", kv_rank=0),
-        ObjectKey(chunk_hash=bytes(range(256)), model_name="a/b/c d_é", kv_rank=2**32 - 1, object_group_id=2**40, cache_salt="x" * 128),
+        ObjectKey(
+            chunk_hash=bytes(range(256)), model_name="a/b/c d_é", kv_rank=2**32 - 1, object_group_id=2**40, cache_salt="x" * 128
+        ),
         ObjectKey(chunk_hash=b"\x00", model_name="m-SEP-n", kv_rank=7, cache_salt="tenant\x1b[31m"),
     ]
     for key in keys:
@@ -162,9 +172,23 @@ def test_chunk_names_equal_lmcaches_own():
         theirs = _filename_to_object_key(name)
         parsed = parse_chunk_name(name)
         assert (parsed.model, parsed.kv_rank, parsed.object_group_id, parsed.chunk_hash, parsed.cache_salt) == (
-            theirs.model_name, theirs.kv_rank, theirs.object_group_id, theirs.chunk_hash, theirs.cache_salt)
-    for name in ("m@0x1@0@ab.bin", "m@0x1@ab.data", "m@0x1@0@ab@s@x.data", "m@0x1@0@abc.data", "m@zz@0@ab.data",
-                 "m@0x1@-1@ab.data", f"m@0x1@0@ab@{'s' * 129}.data", "m@0x1@0@ab@a\\b.data", ".data"):
+            theirs.model_name,
+            theirs.kv_rank,
+            theirs.object_group_id,
+            theirs.chunk_hash,
+            theirs.cache_salt,
+        )
+    for name in (
+        "m@0x1@0@ab.bin",
+        "m@0x1@ab.data",
+        "m@0x1@0@ab@s@x.data",
+        "m@0x1@0@abc.data",
+        "m@zz@0@ab.data",
+        "m@0x1@-1@ab.data",
+        f"m@0x1@0@ab@{'s' * 129}.data",
+        "m@0x1@0@ab@a\\b.data",
+        ".data",
+    ):
         assert _filename_to_object_key(name) is None
         with pytest.raises(ValueError):
             parse_chunk_name(name)
@@ -196,19 +220,30 @@ def test_chunk_file_forms(tmp_path):
     for data in (frame_default, frame_token):  # any options: the header says how long the frame is
         assert form_of(layout, len(data), data[:600]) == ("fp8ray", "")
     other = bytes(Fp8Codec().encode(x[:, :, :8]))
-    assert form_of(layout, len(other), other) == (None, "an fp8ray frame of bfloat16:2,2,8,64, not of the layout bfloat16:2,2,16,64")
+    assert form_of(layout, len(other), other) == (
+        None,
+        "an fp8ray frame of bfloat16:2,2,8,64, not of the layout bfloat16:2,2,16,64",
+    )
     form, reason = form_of(layout, len(frame_default) - 3, frame_default[:600])
     assert form is None and "truncated or padded" in reason
     form, reason = form_of(layout, 100, b"\0" * 100)
     assert form is None and reason == (
-        "100 bytes, the layout bfloat16:2,2,16,64 needs 8192 bytes (bfloat16), 4096 (LMCache fp8) or an fp8ray frame of that shape"
+        "100 bytes, the layout bfloat16:2,2,16,64 needs 8192 bytes (bfloat16), "
+        "4096 (LMCache fp8) or an fp8ray frame of that shape"
     )
-    for name, data in (("a@0x1@0@01.data", tensor_bytes(x)), ("a@0x1@0@02.data", fp8_bytes(x)), ("a@0x1@0@03.data", frame_token),
-                       ("a@0x1@0@04.data", other)):
+    for name, data in (
+        ("a@0x1@0@01.data", tensor_bytes(x)),
+        ("a@0x1@0@02.data", fp8_bytes(x)),
+        ("a@0x1@0@03.data", frame_token),
+        ("a@0x1@0@04.data", other),
+    ):
         (tmp_path / name).write_bytes(data)
     scan = scan_store(str(tmp_path), layout)
     assert [(c.name, c.form, c.size) for c in scan.chunks] == [
-        ("a@0x1@0@01.data", "raw", RAW), ("a@0x1@0@02.data", "fp8", NUMEL), ("a@0x1@0@03.data", "fp8ray", len(frame_token))]
+        ("a@0x1@0@01.data", "raw", RAW),
+        ("a@0x1@0@02.data", "fp8", NUMEL),
+        ("a@0x1@0@03.data", "fp8ray", len(frame_token)),
+    ]
     assert [s["name"] for s in scan.skipped] == ["a@0x1@0@04.data"]
 
 
@@ -271,7 +306,9 @@ def test_every_form_converts_to_every_other_as_lmcaches_serializers_write(store,
     src, tensors, _ = store
     options = CodecOptions(scaling="token", scale_dtype="float32")
     frames = tmp_path / "frames"
-    report = compress_store(str(src), str(frames), LAYOUT, serde="fp8ray", options=options, pool=fp8ray.PoolSettings(num_workers=2))
+    report = compress_store(
+        str(src), str(frames), LAYOUT, serde="fp8ray", options=options, pool=fp8ray.PoolSettings(num_workers=2)
+    )
     assert report.target == "fp8ray" and report.codec == options.as_dict() and report.files == len(tensors)
     for name, x in tensors.items():
         assert (frames / name).read_bytes() == bytes(Fp8Codec(options=options).encode(x)), name
@@ -428,7 +465,10 @@ def test_cli_json_overwrite_and_errors(store, tmp_path, capsys):
     assert report["bytes_before"] == 2 * report["bytes_after"] and report["fp8"] == "e4m3fn" and report["target"] == "fp8"
     assert sorted(os.listdir(dst)) == sorted(tensors)  # "stale" went with the old destination
 
-    assert main(["lmcache-compress", str(src), str(tmp_path / "f"), "--layout", LAYOUT, "--serde", "fp8ray", "--scaling", "token"]) == 0
+    assert (
+        main(["lmcache-compress", str(src), str(tmp_path / "f"), "--layout", LAYOUT, "--serde", "fp8ray", "--scaling", "token"])
+        == 0
+    )
     out, err = capsys.readouterr()
     assert f"compressed {len(tensors)} chunk files ({len(tensors)} raw) to fp8ray" in out
     assert err.count("fp8ray: skipped") == len(skipped)
@@ -527,16 +567,21 @@ def test_stores_of_lmcaches_fs_adapter_with_the_fp8ray_serde_convert_both_ways(t
     assert sorted(os.listdir(written)) == names
 
     raw = tmp_path / "raw"
-    assert decompress_store(str(written), str(raw), LAYOUT, pool=fp8ray.PoolSettings(num_workers=1)).converted_from == {"fp8ray": len(names)}
+    assert decompress_store(str(written), str(raw), LAYOUT, pool=fp8ray.PoolSettings(num_workers=1)).converted_from == {
+        "fp8ray": len(names)
+    }
     for name in names:
         assert torch.equal(from_raw((raw / name).read_bytes()), fp8ray.decode((written / name).read_bytes()))
 
     back = tmp_path / "back"
-    assert compress_store(str(raw), str(back), LAYOUT, serde="fp8ray", pool=fp8ray.PoolSettings(num_workers=1)).files == len(names)
+    assert compress_store(str(raw), str(back), LAYOUT, serde="fp8ray", pool=fp8ray.PoolSettings(num_workers=1)).files == len(
+        names
+    )
     adapter, l1 = lmcache_fs_adapter(back, {"type": "fp8ray"})
     try:
-        dsts = l1.reserve_write([object_key(ChunkName("load", 1, 0, bytes([i]))) for i in range(len(names))],
-                                [True] * len(names), layout, tag="load")
+        dsts = l1.reserve_write(
+            [object_key(ChunkName("load", 1, 0, bytes([i]))) for i in range(len(names))], [True] * len(names), layout, tag="load"
+        )
         objs = [v[1] for v in dsts.values()]
         keys = [object_key(c) for c in CHUNKS]
         task = adapter.submit_load_task(keys, objs)

@@ -59,8 +59,11 @@ def request_dir(tmp_path_factory):
     root.mkdir()
     files = {}
     for r in range(4):
-        tensors = {f"layer{i}.{kv}": sample_kv_chunk(layers=1, tokens=16 + r, seed=10 * r + i, dtype=torch.bfloat16)[0, 0]
-                   for i in range(3) for kv in "kv"}
+        tensors = {
+            f"layer{i}.{kv}": sample_kv_chunk(layers=1, tokens=16 + r, seed=10 * r + i, dtype=torch.bfloat16)[0, 0]
+            for i in range(3)
+            for kv in "kv"
+        }
         save_file(tensors, str(root / f"req{r}.safetensors"), {"request": str(r)})
         files[f"req{r}.safetensors"] = tensors
     save_file({}, str(root / "empty.safetensors"), {"note": "metadata only"})
@@ -112,9 +115,16 @@ def test_single_file_refuses_keys_that_repeat_across_files(request_dir, tmp_path
 def test_a_parquet_source_comes_back_with_its_columns(tmp_path):
     rng = np.random.default_rng(1)
     arrays = [rng.standard_normal((3, 40)).astype(np.float16) for _ in range(7)]
-    schema = pa.schema([("key", pa.large_string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int32())), ("data", pa.binary())])
+    schema = pa.schema(
+        [("key", pa.large_string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int32())), ("data", pa.binary())]
+    )
     table = pa.table(
-        {"key": [f"b{i}" for i in range(7)], "dtype": ["float16"] * 7, "shape": [[3, 40]] * 7, "data": [a.tobytes() for a in arrays]},
+        {
+            "key": [f"b{i}" for i in range(7)],
+            "dtype": ["float16"] * 7,
+            "shape": [[3, 40]] * 7,
+            "data": [a.tobytes() for a in arrays],
+        },
         schema=schema,
     )
     pq.write_table(table, tmp_path / "raw.parquet", row_group_size=3)
@@ -186,7 +196,10 @@ def many_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("many") / "kv"
     root.mkdir()
     for f in range(24):
-        save_file({f"c{i}": sample_kv_chunk(layers=2, tokens=64, seed=100 * f + i) for i in range(4)}, str(root / f"f{f:02d}.safetensors"))
+        save_file(
+            {f"c{i}": sample_kv_chunk(layers=2, tokens=64, seed=100 * f + i) for i in range(4)},
+            str(root / f"f{f:02d}.safetensors"),
+        )
     return root
 
 

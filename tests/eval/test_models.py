@@ -197,7 +197,9 @@ def test_compare_logits_against_hand_computed_values():
     p1 = 1 / (1 + math.exp(2.0))  # reference probability of token 0 in row 1
     assert got["ppl"] == pytest.approx(math.exp(-(math.log(0.25) + math.log(p1)) / 2), rel=1e-12)
     assert got["ppl_reference"] == pytest.approx(math.exp(-(math.log(0.5) + math.log(p1)) / 2), rel=1e-12)
-    assert compare_logits(reference, torch.tensor([[0.0, 1.0], [0.0, 2.0]], dtype=torch.float64), targets)["top1_agreement"] == 0.5
+    assert (
+        compare_logits(reference, torch.tensor([[0.0, 1.0], [0.0, 2.0]], dtype=torch.float64), targets)["top1_agreement"] == 0.5
+    )
 
 
 @pytest.fixture(scope="module")
@@ -257,8 +259,19 @@ def test_eval_model_command(results, tmp_path, capsys):
     in the fixture's run, where e5m2:none ran first."""
     png = tmp_path / "kl.png"
     code, out, err = run(
-        capsys, "eval-model", "--text", TEXT, "--prefix", PREFIX, "--continuation", CONTINUATION,
-        "--modes", "e4m3fn:token", "--json", "--plot", png,
+        capsys,
+        "eval-model",
+        "--text",
+        TEXT,
+        "--prefix",
+        PREFIX,
+        "--continuation",
+        CONTINUATION,
+        "--modes",
+        "e4m3fn:token",
+        "--json",
+        "--plot",
+        png,
     )
     assert code == 0, err
     rows = json.loads(out)["results"]

@@ -39,7 +39,12 @@ def test_parts_follow_the_files():
     blocks = refs([60, 60, 60, 60, 300, 300, 50, 50], "aabbccdd")
     parts = archive.plan_parts(blocks, 200)
     assert [[r.key for r in p] for p in parts] == [["k0", "k1"], ["k2", "k3"], ["k4"], ["k5"], ["k6", "k7"]]
-    assert [[r.key for r in p] for p in archive.plan_parts(blocks, 250)] == [["k0", "k1", "k2", "k3"], ["k4"], ["k5"], ["k6", "k7"]]
+    assert [[r.key for r in p] for p in archive.plan_parts(blocks, 250)] == [
+        ["k0", "k1", "k2", "k3"],
+        ["k4"],
+        ["k5"],
+        ["k6", "k7"],
+    ]
     assert all(len({r.file for r in p}) == 1 or sum(r.nbytes for r in p) <= 200 for p in parts)
 
 
@@ -102,7 +107,9 @@ def test_a_part_is_written_described_and_checked(tmp_path):
 
 def test_manifest_is_written_last_and_read_back(tmp_path):
     codec, _, blocks, sizes, frames = encoded_part()
-    info = archive.write_part(FS, str(tmp_path), 0, archive.part_rows(blocks, codec.options, sizes, archive.frame_column(frames, sizes)))
+    info = archive.write_part(
+        FS, str(tmp_path), 0, archive.part_rows(blocks, codec.options, sizes, archive.frame_column(frames, sizes))
+    )
     with pytest.raises(CorruptArchiveError, match="no _manifest.json: not a complete fp8ray archive"):
         archive.read_manifest(FS, str(tmp_path))
     layout = SourceLayout("safetensors", "file", (SourceFile("src", 3),))
@@ -118,7 +125,9 @@ def test_manifest_is_written_last_and_read_back(tmp_path):
 
 def test_manifests_from_before_the_scale_options_read_as_written():
     layout = SourceLayout("safetensors", "file", (SourceFile("src", 0),))
-    manifest = archive.build_manifest("src", layout, {"fp8": "e4m3fn", "scaling": "token", "block_size": 128}, "none", {}, 0, [], "0")
+    manifest = archive.build_manifest(
+        "src", layout, {"fp8": "e4m3fn", "scaling": "token", "block_size": 128}, "none", {}, 0, [], "0"
+    )
     old = archive.Manifest.from_json(manifest.to_json(), "_manifest.json")
     assert old.options == CodecOptions("e4m3fn", "token", 128, "float32", "amax")
 

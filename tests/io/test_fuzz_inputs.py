@@ -33,8 +33,12 @@ def seed_bodies() -> list[bytes]:
     g = torch.Generator().manual_seed(0)
     bodies = []
     for n in (1, 2, 5):
-        tensors = [(f"t{i}", "bfloat16" if i % 2 else "float32", (2, i + 1), torch.randn(2, i + 1, generator=g)) for i in range(n)]
-        bodies.append(build_body([(k, d, s, t.to(getattr(torch, d)).view(torch.uint8).numpy()) for k, d, s, t in tensors], {"m": "v"}))
+        tensors = [
+            (f"t{i}", "bfloat16" if i % 2 else "float32", (2, i + 1), torch.randn(2, i + 1, generator=g)) for i in range(n)
+        ]
+        bodies.append(
+            build_body([(k, d, s, t.to(getattr(torch, d)).view(torch.uint8).numpy()) for k, d, s, t in tensors], {"m": "v"})
+        )
     return bodies
 
 

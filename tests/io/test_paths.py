@@ -23,7 +23,11 @@ def test_local_paths_resolve_to_absolute_paths(tmp_path, monkeypatch):
     [
         ("/data/kv", "/data/kv/a.safetensors", "/data/kv/a.safetensors"),
         ("s3://bucket/kv", "bucket/kv/a.safetensors", "s3://bucket/kv/a.safetensors"),
-        ("s3://key:secret@bucket/kv?endpoint_override=127.0.0.1:9000", "bucket/kv/a", "s3://key:secret@bucket/kv/a?endpoint_override=127.0.0.1:9000"),
+        (
+            "s3://key:secret@bucket/kv?endpoint_override=127.0.0.1:9000",
+            "bucket/kv/a",
+            "s3://key:secret@bucket/kv/a?endpoint_override=127.0.0.1:9000",
+        ),
         ("file:///data/kv", "/data/kv/a", "file:///data/kv/a"),
     ],
 )
@@ -121,5 +125,7 @@ def test_a_tree_is_listed_alike_on_a_local_disk_and_on_a_store_without_folders(t
     (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
     local = list_tree(pafs.LocalFileSystem(), str(tmp_path))
     assert [e for e in local if e not in expected] == [
-        TreeEntry("broken", "broken link"), TreeEntry("file_link", "file link"), TreeEntry("link/", "folder link")
+        TreeEntry("broken", "broken link"),
+        TreeEntry("file_link", "file link"),
+        TreeEntry("link/", "folder link"),
     ]

@@ -72,13 +72,26 @@ CORPUS = [
     ("metadata value not a string", body({"__metadata__": {"k": 1}, "a": t()}, b"ab")),
     ("metadata not an object", body({"__metadata__": "k", "a": t()}, b"ab")),
     ("duplicate field in an entry", body(None, b"ab", raw=b'{"a":{"dtype":"U8","shape":[2],"shape":[2],"data_offsets":[0,2]}}')),
-    ("duplicate __metadata__", body(None, b"ab", raw=b'{"__metadata__":{},"__metadata__":{},"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}')),
+    (
+        "duplicate __metadata__",
+        body(None, b"ab", raw=b'{"__metadata__":{},"__metadata__":{},"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}'),
+    ),
 ]
 # Where fp8ray refuses on purpose what the package accepts: a key given twice. The
 # package keeps the last one silently; for fp8ray that would lose a tensor without a word.
 STRICTER = [
-    ("duplicate tensor key", body(None, b"ab", raw=b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}')),
-    ("duplicate metadata key", body(None, b"ab", raw=b'{"__metadata__":{"k":"1","k":"2"},"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}')),
+    (
+        "duplicate tensor key",
+        body(
+            None,
+            b"ab",
+            raw=b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}',
+        ),
+    ),
+    (
+        "duplicate metadata key",
+        body(None, b"ab", raw=b'{"__metadata__":{"k":"1","k":"2"},"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}'),
+    ),
 ]
 
 
@@ -143,7 +156,10 @@ def test_errors_name_the_key_and_the_numbers():
 
 def test_bodies_round_trip_and_agree_with_the_package():
     tensors = {"k": torch.randn(3, 4, dtype=torch.bfloat16), "v": torch.randn(5, dtype=torch.float32)}
-    data = build_body([(k, str(v.dtype).removeprefix("torch."), tuple(v.shape), v.view(torch.uint8).numpy()) for k, v in tensors.items()], {"m": "1"})
+    data = build_body(
+        [(k, str(v.dtype).removeprefix("torch."), tuple(v.shape), v.view(torch.uint8).numpy()) for k, v in tensors.items()],
+        {"m": "1"},
+    )
     loaded = safetensors.torch.load(data)
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
     entries, metadata = parse_body(data, ("BF16", "F32"))
@@ -168,9 +184,8 @@ def test_writer_leaves_nothing_when_it_fails(tmp_path):
     with pytest.raises(ValueError, match=r"got 3 bytes, expected 4"):
         with SafetensorsWriter(str(path), [("a", "float16", (2,))]) as w:
             w.write(np.zeros(3, np.uint8))
-    with pytest.raises(ValueError, match="only 0 of 1 tensors"):
-        with SafetensorsWriter(str(path), [("a", "float16", (2,))]):
-            pass
+    with pytest.raises(ValueError, match="only 0 of 1 tensors"), SafetensorsWriter(str(path), [("a", "float16", (2,))]):
+        pass
     assert list(tmp_path.iterdir()) == []
 
 

@@ -179,7 +179,10 @@ def test_memory_layout_desc_needs_one_dtype_per_shape():
 
 
 def test_seed_pair_writes_each_kernel_group_in_turn():
-    groups = [kv_like((2, 3, 8, 16), torch.bfloat16, seed=1).clamp(-448, 448), kv_like((2, 3, 8, 8), torch.float16, seed=2).clamp(-448, 448)]
+    groups = [
+        kv_like((2, 3, 8, 16), torch.bfloat16, seed=1).clamp(-448, 448),
+        kv_like((2, 3, 8, 8), torch.float16, seed=2).clamp(-448, 448),
+    ]
     layout = MemoryLayoutDesc(shapes=[g.shape for g in groups], dtypes=[g.dtype for g in groups])
     ser, de = Fp8QuantizationSerializer(), Fp8QuantizationDeserializer()
     buf = torch.empty(ser.estimate_serialized_size(layout), dtype=torch.uint8)
@@ -225,7 +228,7 @@ def test_frames_of_several_kernel_groups_lie_end_to_end():
     assert frame.parse(buf[sizes[0] :].numpy()).dtype == torch.float32
     out = [torch.empty_like(g) for g in groups]
     Fp8FrameDeserializer().deserialize(obj(buf), MultiObj(out))
-    for g, o, size, start in zip(groups, out, sizes, (0, sizes[0])):
+    for o, size, start in zip(out, sizes, (0, sizes[0])):
         assert torch.equal(o, fp8ray.decode(buf[start : start + size]))
 
 
@@ -296,7 +299,11 @@ def test_both_pairs_take_tensors_and_a_buffer_as_they_take_lmcaches_objects():
 
 def test_serde_options_default_to_the_default_mode_and_name_what_is_wrong():
     assert serde_options({}) == serde_options(None) == (CodecOptions(), 1, "refuse")
-    assert serde_options({"scaling": "token", "block_size": 64, "max_workers": 4}) == (CodecOptions(scaling="token", block_size=64), 4, "refuse")
+    assert serde_options({"scaling": "token", "block_size": 64, "max_workers": 4}) == (
+        CodecOptions(scaling="token", block_size=64),
+        4,
+        "refuse",
+    )
     assert serde_options({"fp8": "float8_e5m2", "max_workers": "2"}) == (CodecOptions(fp8="e5m2"), 2, "refuse")
     assert serde_options({"fp8_input": "passthrough"}).fp8_input == "passthrough"
     bad = {
@@ -394,7 +401,9 @@ def test_frame_pair_takes_k_and_v_groups_and_skips_a_none_destination_slot():
         assert bytes(buf.numpy()) == bytes(Fp8Codec().encode(k)) + bytes(Fp8Codec().encode(v))
         k_out, v_out = torch.empty_like(k), torch.empty_like(v)
         de.deserialize(obj(buf), (obj(k_out), obj(v_out)), KEY)
-        assert torch.equal(k_out, fp8ray.decode(bytes(Fp8Codec().encode(k)))) and torch.equal(v_out, fp8ray.decode(bytes(Fp8Codec().encode(v))))
+        assert torch.equal(k_out, fp8ray.decode(bytes(Fp8Codec().encode(k)))) and torch.equal(
+            v_out, fp8ray.decode(bytes(Fp8Codec().encode(v)))
+        )
         v_only = torch.zeros_like(v)
         de.deserialize(obj(buf), (None, obj(v_only)), KEY)  # V-only retrieval: K's frame is skipped
         assert torch.equal(v_only, v_out)
@@ -429,10 +438,14 @@ def test_a_one_byte_source_is_refused_naming_its_dtype_unless_passed_through(dty
     size = ser.estimate_serialized_size((MemoryLayoutDesc([k.shape], [k.dtype]), layout))
     dst = ByteBuffer(size)
     assert ser.serialize((obj(k), obj(codes)), dst, KEY) == size == Fp8Codec().encoded_size(k.shape, k.dtype) + codes.numel()
-    assert dst.used == [size] and bytes(dst.tensor[-codes.numel() :].numpy()) == bytes(codes.view(torch.uint8).reshape(-1).numpy())
+    assert dst.used == [size] and bytes(dst.tensor[-codes.numel() :].numpy()) == bytes(
+        codes.view(torch.uint8).reshape(-1).numpy()
+    )
     k_out, v_out = torch.empty_like(k), torch.empty_like(codes)
     de.deserialize(dst, (obj(k_out), obj(v_out)), KEY)
-    assert torch.equal(v_out.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(k_out, fp8ray.decode(bytes(Fp8Codec().encode(k))))
+    assert torch.equal(v_out.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(
+        k_out, fp8ray.decode(bytes(Fp8Codec().encode(k)))
+    )
     with pytest.raises(InvalidOptionError, match="fp8_input must be one of"):
         Fp8FrameSerializer(fp8_input="keep")
 
@@ -487,7 +500,9 @@ def test_register_declares_the_exact_size_contract_where_the_registry_takes_one(
     monkeypatch.setattr(module, "_lmcache_serde", lambda: serde)
     assert module.exact_size_contract(serde) is expected
     assert module.register() is expected
-    assert serde.contracts == {"fp8ray": expected} and serde.factory._SERDE_FACTORY_REGISTRY["fp8ray"] is module.make_serde_processor
+    assert (
+        serde.contracts == {"fp8ray": expected} and serde.factory._SERDE_FACTORY_REGISTRY["fp8ray"] is module.make_serde_processor
+    )
     assert module.register() is expected and list(serde.contracts) == ["fp8ray"]  # a second call is a no-op
     serde.register_serde_factory("taken", lambda kwargs: None)
     with pytest.raises(ValueError, match="'taken' is already registered by another factory"):

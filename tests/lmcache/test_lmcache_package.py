@@ -89,7 +89,9 @@ def test_seed_pair_equals_lmcaches_fp8_serde_called_with_a_key(fp8, dtype):
     assert n_ours == n_theirs == src.tensor.numel()
     assert torch.equal(ours.tensor, theirs.tensor)
     layout = MemoryLayoutDesc(shapes=[torch.Size([2, 4, 32, 64]), torch.Size([3, 5])], dtypes=[dtype, dtype])
-    assert Fp8QuantizationSerializer(fp8).estimate_serialized_size(layout) == LMCacheFp8Serializer(fp8).estimate_serialized_size(layout)
+    assert Fp8QuantizationSerializer(fp8).estimate_serialized_size(layout) == LMCacheFp8Serializer(fp8).estimate_serialized_size(
+        layout
+    )
 
     every_code = byte_obj(4 * 256)
     every_code.tensor.copy_(torch.arange(256, dtype=torch.uint8).repeat(4))
@@ -143,7 +145,9 @@ def adapter_config(spec: dict):
 
 
 def test_an_adapters_serde_json_builds_fp8rays_processor(tmp_path):
-    config = adapter_config({"type": "fs", "base_path": str(tmp_path), "serde": {"type": "fp8ray", "scaling": "token", "max_workers": 2}})
+    config = adapter_config(
+        {"type": "fs", "base_path": str(tmp_path), "serde": {"type": "fp8ray", "scaling": "token", "max_workers": 2}}
+    )
     assert config.serde_config == SerdeConfig("fp8ray", {"scaling": "token", "max_workers": 2})
     processor = create_serde_processor(config.serde_config)
     try:
@@ -153,7 +157,11 @@ def test_an_adapters_serde_json_builds_fp8rays_processor(tmp_path):
         assert processor.estimate_serialized_size(layout_of(x)) == Fp8Codec(scaling="token").encoded_size(x.shape, x.dtype)
     finally:
         processor.close()
-    for kwargs, field in (({"fp8_dtype": "float8_e4m3fn"}, "fp8_dtype"), ({"block_size": -1}, "block_size"), ({"max_workers": 0}, "max_workers")):
+    for kwargs, field in (
+        ({"fp8_dtype": "float8_e4m3fn"}, "fp8_dtype"),
+        ({"block_size": -1}, "block_size"),
+        ({"max_workers": 0}, "max_workers"),
+    ):
         with pytest.raises(ValueError, match=field):  # at build time, naming the key
             create_serde_processor(SerdeConfig("fp8ray", kwargs))
 
@@ -241,7 +249,11 @@ def test_lmcaches_fs_adapter_stores_and_loads_fp8ray_frames(real_chunks, tmp_pat
     try:
         expected = {}
         for c, x in enumerate(real_chunks):  # one store task per shape, as LMCache's store controller groups them
-            keys = [ObjectKey(chunk_hash=bytes([c]) * 32, model_name="HuggingFaceTB/SmolLM2-135M", kv_rank=0x01000100, cache_salt="t1")]
+            keys = [
+                ObjectKey(
+                    chunk_hash=bytes([c]) * 32, model_name="HuggingFaceTB/SmolLM2-135M", kv_rank=0x01000100, cache_salt="t1"
+                )
+            ]
             reserved = l1.reserve_write(keys, [False], layout_of(x), tag="test")
             obj = reserved[keys[0]][1]
             obj.tensor.copy_(x)
@@ -260,14 +272,16 @@ def test_lmcaches_fs_adapter_stores_and_loads_fp8ray_frames(real_chunks, tmp_pat
             assert (store / name).read_bytes() == bytes(codec.encode(x))
 
         def load(keys):
-            outs = [l1.reserve_write([ObjectKey(os.urandom(8), "load", 1)], [True], layout_of(expected[k]), tag="load") for k in keys]
+            outs = [
+                l1.reserve_write([ObjectKey(os.urandom(8), "load", 1)], [True], layout_of(expected[k]), tag="load") for k in keys
+            ]
             objs = [next(iter(o.values()))[1] for o in outs]
             task = adapter.submit_load_task(keys, objs)
             wait_for_lmcache_fd(adapter.get_load_event_fd())
             bitmap = adapter.query_load_result(task)
             return [bitmap.test(i) for i in range(len(keys))], objs
 
-        for key, x in expected.items():  # loaded one shape at a time, into fresh L1 buffers
+        for key in expected:  # loaded one shape at a time, into fresh L1 buffers
             loaded, (obj,) = load([key])
             assert loaded == [True] and torch.equal(obj.tensor, fp8ray.decode((store / names[key]).read_bytes()))
 
@@ -368,12 +382,17 @@ def test_bench_lmcache_measures_every_serde_on_the_same_chunks():
 
     chunks = [sample_kv_chunk(layers=2, tokens=16, seed=s) for s in range(2)]
     rows = bench_lmcache(chunks, [CodecOptions(), CodecOptions(scaling="token")], repeat=1)
-    assert [r.serde for r in rows] == ["LMCache fp8", "fp8ray e4m3fn, block 32, bfloat16 scales by mse",
-                                       "fp8ray e4m3fn, token, bfloat16 scales by mse"]
+    assert [r.serde for r in rows] == [
+        "LMCache fp8",
+        "fp8ray e4m3fn, block 32, bfloat16 scales by mse",
+        "fp8ray e4m3fn, token, bfloat16 scales by mse",
+    ]
     assert rows[0].bytes_per_chunk == chunks[0].numel() and rows[0].raw_per_chunk == 2 * chunks[0].numel()
     assert rows[2].bytes_per_chunk == Fp8Codec(scaling="token").encoded_size(chunks[0].shape, torch.bfloat16)
     plain = [c.to(torch.float8_e4m3fn).to(torch.bfloat16) for c in chunks]
-    k = sum(error_sums(c[0], p[0]).err2 for c, p in zip(chunks, plain)) / sum(error_sums(c[0], p[0]).ref2 for c, p in zip(chunks, plain))
+    k = sum(error_sums(c[0], p[0]).err2 for c, p in zip(chunks, plain)) / sum(
+        error_sums(c[0], p[0]).ref2 for c, p in zip(chunks, plain)
+    )
     assert rows[0].k_err == pytest.approx(k**0.5, rel=1e-12)
     assert all(r.serialize_gbps > 0 and r.deserialize_gbps > 0 for r in rows)
     table = format_table(rows, "title")

@@ -129,14 +129,21 @@ def test_http_round_trip_equals_the_codec(service, dtype, options):
 
 def test_safetensors_bodies_carry_many_blocks(service):
     client, _ = service
-    blocks = {f"chunk{i}": sample_kv_chunk(layers=2, tokens=16, seed=i, dtype=dt) for i, dt in enumerate([torch.bfloat16, torch.float16, torch.float32] * 2)}
-    body = build_safetensors([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_to_bytes(t)) for k, t in blocks.items()], {"a": "b"})
-    r = client.post("/v1/encode", params={"scaling": "token"}, content=body, headers={"Content-Type": "application/x-safetensors"})
+    blocks = {
+        f"chunk{i}": sample_kv_chunk(layers=2, tokens=16, seed=i, dtype=dt)
+        for i, dt in enumerate([torch.bfloat16, torch.float16, torch.float32] * 2)
+    }
+    body = build_safetensors(
+        [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_to_bytes(t)) for k, t in blocks.items()], {"a": "b"}
+    )
+    r = client.post(
+        "/v1/encode", params={"scaling": "token"}, content=body, headers={"Content-Type": "application/x-safetensors"}
+    )
     assert r.status_code == 200, r.text
     frames, metadata = parse_safetensors(r.content, ("U8",))
     assert metadata == {"a": "b", "fp8ray": "frames"} and [k for k, *_ in frames] == list(blocks)
     codec = service_codec(scaling="token")
-    for key, dtype, shape, data in frames:
+    for key, dtype, _shape, data in frames:
         assert dtype == "uint8" and digest(data) == digest(codec.encode(blocks[key])), key
     back = client.post("/v1/decode", content=r.content, headers={"Content-Type": "application/x-safetensors"})
     assert back.status_code == 200, back.text
@@ -184,7 +191,11 @@ def error_of(r: httpx.Response) -> dict:
         ({"dtype": "bfloat16", "shape": "4", "fp8": "e3m4"}, 8, "fp8"),
         ({"dtype": "bfloat16", "shape": "4", "block_size": "0"}, 8, "block_size"),
         ({"dtype": "bfloat16", "shape": "4", "scale_dtype": "float8"}, 8, "scale_dtype"),
-        ({"dtype": "bfloat16", "shape": "4", "scaling": "tensor", "scale_choice": "mse"}, 8, "scale_choice"),  # needs token or block
+        (
+            {"dtype": "bfloat16", "shape": "4", "scaling": "tensor", "scale_choice": "mse"},
+            8,
+            "scale_choice",
+        ),  # needs token or block
     ],
 )
 def test_bad_encode_requests_answer_400_naming_the_field(service, params, body_len, field):
@@ -239,7 +250,9 @@ def expected_answer(route: str, params: dict, body: bytes, safetensors_body: boo
                     return None
                 decoded = [(e.key, decode(data)) for e, data in entries]
                 kept = {k: v for k, v in metadata.items() if k != "fp8ray"} or None
-                return build_safetensors([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_to_bytes(t)) for k, t in decoded], kept)
+                return build_safetensors(
+                    [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_to_bytes(t)) for k, t in decoded], kept
+                )
             return tensor_to_bytes(decode(body)).tobytes()
         if safetensors_body:
             if "dtype" in params or "shape" in params:
@@ -255,7 +268,11 @@ def expected_answer(route: str, params: dict, body: bytes, safetensors_body: boo
             return build_safetensors([(k, d, (len(f),), f) for k, d, _, f in frames], {**metadata, "fp8ray": "frames"})
         codec = Fp8Codec(options=codec_options(params, ignore=("dtype", "shape")))
         dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
-        t = torch.frombuffer(bytearray(body), dtype=getattr(torch, dtype)).reshape(shape) if body else torch.empty(shape, dtype=getattr(torch, dtype))
+        t = (
+            torch.frombuffer(bytearray(body), dtype=getattr(torch, dtype)).reshape(shape)
+            if body
+            else torch.empty(shape, dtype=getattr(torch, dtype))
+        )
         return bytes(codec.encode(t))
     except (Fp8rayError, ValueError, TypeError):
         return None
@@ -274,10 +291,16 @@ def test_fuzzed_requests_get_the_right_answer_or_a_json_refusal(service, capsys)
     st = {"Content-Type": "application/x-safetensors"}
     t = sample_kv_chunk(layers=1, tokens=8, seed=1, dtype=torch.bfloat16)[0, 0]
     frame = bytes(Fp8Codec().encode(t))
-    st_body = build_safetensors([("a", "bfloat16", tuple(t.shape), tensor_to_bytes(t)), ("b", "float32", (3,), np.ones(3, np.float32))])
+    st_body = build_safetensors(
+        [("a", "bfloat16", tuple(t.shape), tensor_to_bytes(t)), ("b", "float32", (3,), np.ones(3, np.float32))]
+    )
     frames_body = client.post("/v1/encode", content=st_body, headers=st).content
-    seeds = [("/v1/decode", {}, frame, False), ("/v1/encode", {"dtype": "bfloat16", "shape": "8,64"}, tensor_to_bytes(t).tobytes(), False),
-             ("/v1/encode", {"scaling": "token"}, st_body, True), ("/v1/decode", {}, frames_body, True)]
+    seeds = [
+        ("/v1/decode", {}, frame, False),
+        ("/v1/encode", {"dtype": "bfloat16", "shape": "8,64"}, tensor_to_bytes(t).tobytes(), False),
+        ("/v1/encode", {"scaling": "token"}, st_body, True),
+        ("/v1/decode", {}, frames_body, True),
+    ]
     outcomes: dict[int, int] = {}
     requests = 300
     for _ in range(requests):
@@ -360,8 +383,14 @@ def test_archive_paths_outside_the_root_are_refused(service, archives_root, tmp_
     (root / "alias").symlink_to(root / "kv.fp8")
     relative_out = os.path.relpath(outside, root)
     try:
-        for archive, status in [(relative_out, 403), ("kv.fp8/../../" + relative_out, 403), (str(outside), 400),
-                                (str(root / "kv.fp8"), 400), ("escape", 403), ("escape/", 403)]:
+        for archive, status in [
+            (relative_out, 403),
+            ("kv.fp8/../../" + relative_out, 403),
+            (str(outside), 400),
+            (str(root / "kv.fp8"), 400),
+            ("escape", 403),
+            ("escape/", 403),
+        ]:
             r = client.get("/v1/archive/block", params={"archive": archive, "key": "only0"})
             assert r.status_code == status, (archive, r.text)
             answer = error_of(r)
@@ -468,7 +497,9 @@ def test_sigkill_of_a_worker_under_load_gives_no_wrong_answer(service, ray_sessi
     victim = serve_worker_info(ray_session)[0].pid
     retries_before = client.get("/v1/stats").json()["retries"]
     outcome = asyncio.run(
-        _load(str(client.base_url), clients=8, requests=20, blocks=one_mib_blocks(4), kill=lambda: os.kill(victim, signal.SIGKILL))
+        _load(
+            str(client.base_url), clients=8, requests=20, blocks=one_mib_blocks(4), kill=lambda: os.kill(victim, signal.SIGKILL)
+        )
     )
     assert outcome["wrong"] == 0 and outcome["other"] == 0, outcome
     assert outcome["ok"] + outcome["503"] == 160 and outcome["ok"] >= 80, outcome
@@ -509,10 +540,14 @@ def test_fp8ray_serve_command_serves_until_sigterm(tmp_path):
     port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    log = open(tmp_path / "serve.log", "w+")
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 (the server writes it until the finally below closes it)
     proc = subprocess.Popen(
         [sys.executable, "-m", "fp8ray.cli", "serve", "--port", str(port), "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 180
@@ -520,15 +555,23 @@ def test_fp8ray_serve_command_serves_until_sigterm(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(0.5)
         t = torch.randn(4, 64)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/encode", params=encode_params(t), content=tensor_to_bytes(t).tobytes(), timeout=60)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/encode", params=encode_params(t), content=tensor_to_bytes(t).tobytes(), timeout=60
+        )
         assert r.status_code == 200 and digest(r.content) == digest(service_codec().encode(t))
         r = httpx.get(f"http://127.0.0.1:{port}/v1/archive/block", params={"archive": "kv.fp8", "key": "a"}, timeout=60)
         assert r.status_code == 404 and "without --archives" in r.json()["error"], r.text
         # The README's Serve-handle snippet, as written, in the Ray the command printed.
         address = re.search(r"RAY_ADDRESS=(\S+)", (tmp_path / "serve.log").read_text())[1]
         (tmp_path / "handle.py").write_text(readme_handle_snippet() + "\nassert tensor.shape == (2, 30, 256, 192)\n")
-        client = subprocess.run([sys.executable, "handle.py"], cwd=tmp_path, env={**env, "RAY_ADDRESS": address},
-                                capture_output=True, text=True, timeout=180)
+        client = subprocess.run(
+            [sys.executable, "handle.py"],
+            cwd=tmp_path,
+            env={**env, "RAY_ADDRESS": address},
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert client.returncode == 0, client.stderr[-3000:]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
@@ -549,8 +592,13 @@ def test_fp8ray_serve_refuses_an_archives_root_that_is_not_a_directory(tmp_path)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     missing = tmp_path / "no-such-dir"
-    result = subprocess.run([sys.executable, "-m", "fp8ray.cli", "serve", "--port", str(free_port()), "--archives", str(missing)],
-                            capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "fp8ray.cli", "serve", "--port", str(free_port()), "--archives", str(missing)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         f"fp8ray: error: archives root {str(missing)!r} is not a directory"
     ], result.stderr

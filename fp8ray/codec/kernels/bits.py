@@ -173,9 +173,7 @@ def _fp8_to_f32(typingctx, code, dp):
         shifted = builder.shl(mag, shift)
         normal = builder.bitcast(builder.or_(builder.add(shifted, rebias), sign), _F32)
         special = builder.bitcast(builder.or_(builder.or_(shifted, _i32(_INF_BITS)), sign), _F32)
-        sub_bits = builder.bitcast(
-            builder.fmul(builder.uitofp(builder.and_(mag, mantissa_mask), _F32), subnormal_unit), _I32
-        )
+        sub_bits = builder.bitcast(builder.fmul(builder.uitofp(builder.and_(mag, mantissa_mask), _F32), subnormal_unit), _I32)
         sub = builder.bitcast(builder.or_(sub_bits, sign), _F32)
         is_special = builder.icmp_unsigned("==", builder.and_(mag, special_mask), special_mask)
         is_sub = builder.icmp_unsigned("==", builder.and_(mag, exponent_mask), _i32(0))
@@ -321,8 +319,6 @@ def _fp8_code(v, scale, p):
     q = fmax if q > fmax else q
     q = -fmax if q < -fmax else q
     return np.uint8(_fp8_code_bits(q, v, p))
-
-
 
 
 @njit(cache=True, error_model="numpy")

@@ -20,7 +20,6 @@ def _count_nonfinite(codes, p):
     return bad
 
 
-
 # The span helpers are inlined by numba (inline="always") so that the format constants
 # reach their loops: LLVM does not inline a function that holds a loop.
 # Every loop below runs over ``range(view.size)`` of a slice taken inside the kernel: with

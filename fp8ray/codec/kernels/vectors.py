@@ -42,7 +42,9 @@ def halve(builder, v, combine):
     undef = ir.Constant(v.type, ir.Undefined)
     w = count // 2
     while w:
-        v = combine(v, builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, count), [(j + w) % count for j in range(count)])))
+        v = combine(
+            v, builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, count), [(j + w) % count for j in range(count)]))
+        )
         w //= 2
     return builder.extract_element(v, _i32(0))
 
@@ -58,7 +60,9 @@ def candidate_scales(builder, amax, divisors, mask):
     zero_group = builder.fcmp_ordered("==", amaxes, ir.Constant(divisors.type, [0.0] * width))
     scales = builder.select(zero_group, ir.Constant(divisors.type, [1.0] * width), scales)
     int_type = ir.VectorType(_I32, width)
-    return builder.bitcast(builder.and_(builder.bitcast(scales, int_type), splat(builder, builder.trunc(mask, _I32), int_type)), divisors.type)
+    return builder.bitcast(
+        builder.and_(builder.bitcast(scales, int_type), splat(builder, builder.trunc(mask, _I32), int_type)), divisors.type
+    )
 
 
 def _chunk_loader(context, builder, array_type, array):
