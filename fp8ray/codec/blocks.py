@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,6 +105,29 @@ def frame_sizes(codec: Fp8Codec, blocks: Sequence[BlockSpec]) -> list[int]:
     return sizes
 
 
+def encode_tensors_into(
+    codec: Fp8Codec,
+    named: Iterable[tuple[str, torch.Tensor]],
+    out: np.ndarray,
+    sizes: Sequence[int],
+    *,
+    threads: int | None = None,
+) -> None:
+    """The batch loop of encoding: each ``(name, tensor)``'s frame, end to end from the start
+    of ``out`` (a writable 1-D uint8 array), ``sizes`` being the frames' exact sizes. A
+    tensor may be on any device (CUDA through the reference path: the same bytes).
+    ``threads``: the CPU kernels' threads. A tensor that fails raises naming it."""
+    if sum(sizes) > out.size:
+        raise BadInputError(f"out holds {out.size} bytes, the frames of {len(sizes)} tensors need {sum(sizes)}")
+    start = 0
+    for (name, tensor), size in zip(named, sizes, strict=True):
+        try:
+            codec.encode(tensor, out=out[start : start + size], threads=threads)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise block_error(name, exc) from exc
+        start += size
+
+
 def encode_into(
     codec: Fp8Codec,
     blocks: Sequence[Block],
@@ -116,22 +139,12 @@ def encode_into(
 ) -> list[int]:
     """Encode each block's frame, end to end from the start of ``out`` (a writable 1-D uint8
     array); returns the frame sizes (``sizes``, when the caller already has them from
-    :func:`frame_sizes`). ``device``: where to encode (``"cuda"``: the block goes to the
+    :func:`frame_sizes`). ``device``: where to encode (``"cuda"``: each block goes to the
     GPU first; the frame is the same bytes). ``threads``: the CPU kernels' threads.
     A block that fails raises naming its key."""
     sizes = list(sizes) if sizes is not None else frame_sizes(codec, blocks)
-    if sum(sizes) > out.size:
-        raise BadInputError(f"out holds {out.size} bytes, the frames of {len(blocks)} blocks need {sum(sizes)}")
-    start = 0
-    for block, size in zip(blocks, sizes, strict=True):
-        try:
-            tensor = block.tensor()
-            if device != "cpu":
-                tensor = tensor.to(device)
-            codec.encode(tensor, out=out[start : start + size], threads=threads)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            raise block_error(block.key, exc) from exc
-        start += size
+    named = ((b.key, b.tensor() if device == "cpu" else b.tensor().to(device)) for b in blocks)
+    encode_tensors_into(codec, named, out, sizes, threads=threads)
     return sizes
 
 
@@ -144,6 +157,32 @@ def read_headers(frames: Sequence[tuple[str, object]]) -> list[frame.FrameHeader
         except (ValueError, TypeError) as exc:
             raise block_error(key, exc) from exc
     return headers
+
+
+def decode_frames_into(
+    frames: Iterable[tuple[str, object]],
+    targets: Iterable[torch.Tensor],
+    *,
+    device: str | None = None,
+    threads: int | None = None,
+) -> None:
+    """The batch loop of decoding: each ``(name, frame)`` into its target tensor (of the
+    frame's dtype and shape, on any device). ``device``: where to decode when it is not
+    the target's (``"cuda"`` into a CPU target: on the GPU, then copied). A frame that
+    fails (damaged, or holding another dtype or shape) raises naming it."""
+    for (name, f), target in zip(frames, targets, strict=True):
+        try:
+            if device is None or torch.device(device) == target.device:
+                decode(f, out=target, threads=threads)
+            else:
+                result = decode(f, device=device)
+                if (result.dtype, tuple(result.shape)) != (target.dtype, tuple(target.shape)):  # copy_ would convert or broadcast
+                    raise MismatchError(
+                        f"the frame holds {list(result.shape)} {result.dtype}, not {list(target.shape)} {target.dtype}"
+                    )
+                target.copy_(result)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise block_error(name, exc) from exc
 
 
 def decode_into(
@@ -162,23 +201,9 @@ def decode_into(
     fails raises naming its key."""
     if specs is None:
         specs = [BlockSpec(key, DTYPE_NAMES[h.dtype], h.shape) for (key, _), h in zip(frames, read_headers(frames))]
-    sizes = [spec.nbytes for spec in specs]
-    if sum(sizes) > out.size:
-        raise BadInputError(f"out holds {out.size} bytes, the blocks of {len(frames)} frames need {sum(sizes)}")
-    start = 0
-    for (key, f), spec, size in zip(frames, specs, sizes, strict=True):
-        try:
-            target = bytes_to_tensor(out[start : start + size], spec.dtype, spec.shape)
-            if device == "cpu":
-                decode(f, out=target, threads=threads)
-            else:
-                result = decode(f, device=device)
-                if (result.dtype, tuple(result.shape)) != (target.dtype, tuple(target.shape)):  # copy_ would convert or broadcast
-                    raise MismatchError(
-                        f"the frame holds {list(result.shape)} {result.dtype}, not {list(spec.shape)} {spec.dtype}"
-                    )
-                target.copy_(result)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            raise block_error(key, exc) from exc
-        start += size
+    ends = np.cumsum([spec.nbytes for spec in specs], dtype=np.int64).tolist()
+    if ends and ends[-1] > out.size:
+        raise BadInputError(f"out holds {out.size} bytes, the blocks of {len(frames)} frames need {ends[-1]}")
+    targets = (bytes_to_tensor(out[end - spec.nbytes : end], spec.dtype, spec.shape) for spec, end in zip(specs, ends))
+    decode_frames_into(frames, targets, device=device, threads=threads)
     return list(specs)

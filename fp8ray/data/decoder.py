@@ -90,17 +90,14 @@ class Fp8Decoder:
         except CorruptDataError:
             raise  # named by its key
         except BadInputError as exc:  # a sound frame that disagrees with its row's columns?
-            index = keys.index(exc.field) if exc.field in keys else None
-            if index is None:
-                raise
-            held = _parse(keys[index], frames[index])
-            spec = specs[index]
-            if (held.dtype, held.shape) != (DTYPES_BY_NAME[spec.dtype], spec.shape):
-                raise MismatchError(
-                    f"block {spec.key!r}: columns 'dtype' and 'shape' say {list(spec.shape)} {spec.dtype}, "
-                    f"its frame holds {list(held.shape)} {DTYPE_NAMES[held.dtype]}",
-                    field=spec.key,
-                ) from exc
+            for key, f, spec in zip(keys, frames, specs):
+                held = _parse(key, f)
+                if (held.dtype, held.shape) != (DTYPES_BY_NAME[spec.dtype], spec.shape):
+                    raise MismatchError(
+                        f"block {key!r}: columns 'dtype' and 'shape' say {list(spec.shape)} {spec.dtype}, "
+                        f"its frame holds {list(held.shape)} {DTYPE_NAMES[held.dtype]}",
+                        field=key,
+                    ) from exc
             raise
         columns = {"key": keys, "dtype": dtypes, "shape": [list(s) for s in shapes], "data": archive.frame_column(out, sizes)}
         if files is None:

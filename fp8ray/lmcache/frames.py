@@ -26,9 +26,10 @@ import numpy as np
 import torch
 
 from ..codec import frame
-from ..codec.fp8codec import Fp8Codec, decode
+from ..codec.blocks import decode_frames_into, encode_tensors_into
+from ..codec.fp8codec import Fp8Codec
 from ..codec.options import CodecOptions
-from ..errors import BadInputError, CorruptDataError, CorruptFrameError, InvalidOptionError, MismatchError
+from ..errors import BadInputError, CorruptFrameError, InvalidOptionError, MismatchError
 from .objects import Shape, byte_view, check_dtype, check_group, is_group, kv_tensors, layout_pairs, one_byte
 
 FP8_INPUT_POLICIES = ("refuse", "passthrough")  # what the frame pair does with 1-byte sources
@@ -160,13 +161,20 @@ class Fp8FrameSerializer(_FramePair):
         # The frames are written in place on the CPU; a CUDA buffer gets them from a
         # host copy (the codec's CUDA path computes on the GPU, then copies to the host).
         host = target[:total].numpy() if target.device.type == "cpu" else np.empty(total, dtype=np.uint8)
-        offset = 0
-        for t, size in zip(tensors, sizes):
-            if one_byte(t.dtype):  # passthrough (refused above otherwise)
-                host[offset : offset + size] = t.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
-            else:
-                self.codec.encode(t, out=host[offset : offset + size])
-            offset += size
+        named = [
+            (f"src tensor {i + 1} of {len(tensors)}" if len(tensors) > 1 else "src tensor", t) for i, t in enumerate(tensors)
+        ]
+        if not any(one_byte(t.dtype) for t in tensors):
+            encode_tensors_into(self.codec, named, host, sizes)
+        else:  # passthrough tensors (refused above otherwise) keep their bytes, between frames
+            offset = 0
+            for (name, t), size in zip(named, sizes):
+                piece = host[offset : offset + size]
+                if one_byte(t.dtype):
+                    piece[:] = t.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
+                else:
+                    encode_tensors_into(self.codec, [(name, t)], piece, [size])
+                offset += size
         if target.device.type != "cpu":
             target[:total].copy_(torch.from_numpy(host))
         return total
@@ -212,6 +220,7 @@ class Fp8FrameDeserializer(_FramePair):
             src_bytes = src_bytes.cpu()
         data = src_bytes.numpy()
         offset = 0
+        to_decode: list[tuple[str, np.ndarray, torch.Tensor]] = []  # every frame is checked for room first
         for i, t in enumerate(tensors):
             where = f"frame {i + 1} of {len(tensors)}" if len(tensors) > 1 else "frame"
             if t is None:  # a slot the caller does not want: skip its frame by its header
@@ -235,13 +244,9 @@ class Fp8FrameDeserializer(_FramePair):
             if one_byte(t.dtype):  # passthrough: the bytes as they were stored
                 t.copy_(torch.from_numpy(chunk.copy()).view(t.dtype).reshape(t.shape).to(t.device))
             else:
-                try:
-                    decode(chunk, out=t)
-                except CorruptDataError as exc:
-                    raise CorruptFrameError(f"{where}: {exc}") from None
-                except ValueError as exc:  # a sound frame of another dtype or shape
-                    raise MismatchError(f"{where}: {exc}") from None
+                to_decode.append((where, chunk, t))
             offset += size
+        decode_frames_into([(where, chunk) for where, chunk, _ in to_decode], [t for *_, t in to_decode])
 
 
 class Fp8FrameMultiSerializer(Fp8FrameSerializer):

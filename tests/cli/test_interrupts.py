@@ -5,6 +5,7 @@ Most points run the workers inline (`--address inline`); a few start the embedde
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -243,6 +244,7 @@ def test_an_interrupted_compress_keeps_its_finished_parts_for_resume(reference, 
     finished = []
     compress_part = QuantWorker.compress_part
 
+    @functools.wraps(compress_part)  # still QuantWorker.compress_part to the pool
     def then_interrupt(self, *args):
         result = compress_part(self, *args)
         finished.append(result)
