@@ -16,7 +16,6 @@ BENCHMARKS.md ("One block out of an archive") come from this script.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import shutil
 import statistics
@@ -26,71 +25,13 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import pyarrow as pa  # noqa: E402
 import pyarrow.fs as pafs  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import fp8ray  # noqa: E402
+from fp8ray.bench.readcount import CountingHandler  # noqa: E402
 from fp8ray.engine.pool import PoolSettings  # noqa: E402
-
-
-class _CountedFile(io.RawIOBase):
-    def __init__(self, inner: pa.NativeFile, counter: list[int]):
-        self.inner, self.counter = inner, counter
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self.inner.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self.inner.tell()
-
-    def readinto(self, buffer) -> int:
-        data = self.inner.read(len(buffer))
-        buffer[: len(data)] = data
-        self.counter[0] += len(data)
-        return len(data)
-
-    def close(self) -> None:
-        self.inner.close()
-        super().close()
-
-
-class CountingLocal(pafs.FileSystemHandler):
-    """The local filesystem, read-only, adding up the bytes read through it in ``read[0]``."""
-
-    def __init__(self):
-        self.fs, self.read = pafs.LocalFileSystem(), [0]
-
-    def get_type_name(self):
-        return "counting"
-
-    def normalize_path(self, path):
-        return path
-
-    def get_file_info(self, paths):
-        return self.fs.get_file_info(paths)
-
-    def get_file_info_selector(self, selector):
-        return self.fs.get_file_info(selector)
-
-    def open_input_file(self, path):
-        return pa.PythonFile(_CountedFile(self.fs.open_input_file(path), self.read), mode="r")
-
-    def open_input_stream(self, path):
-        return self.open_input_file(path)
-
-    def _read_only(self, *args):
-        raise OSError("read only")
-
-    create_dir = delete_dir = delete_dir_contents = delete_root_dir_contents = delete_file = _read_only
-    move = copy_file = open_output_stream = open_append_stream = _read_only
 
 
 def make_archive(base: Path, gib: float, block_mib: float) -> tuple[Path, list[str]]:
@@ -115,7 +56,7 @@ def make_archive(base: Path, gib: float, block_mib: float) -> tuple[Path, list[s
     return archive, files
 
 
-def reads(archive: Path, files: list[str], args, r: int, counting: CountingLocal | None) -> list[tuple[float, int]]:
+def reads(archive: Path, files: list[str], args, r: int, counting: CountingHandler | None) -> list[tuple[float, int]]:
     """``[(bytes read, seconds)]`` of: opening the archive, a cold get, a warm get, a cold get
     of a file's last block (run ``r`` of the sequence)."""
     fs = pafs.PyFileSystem(counting) if counting is not None else None
@@ -154,7 +95,7 @@ def main() -> None:
         size = sum(p.stat().st_size for p in archive.iterdir())
         # Bytes are counted through the wrapper; times are taken without it (its reads
         # are Python calls), in the same sequence of reads.
-        counted = [reads(archive, files, args, r, CountingLocal()) for r in range(args.repeat)]
+        counted = [reads(archive, files, args, r, CountingHandler()) for r in range(args.repeat)]
         timed = [reads(archive, files, args, r, None) for r in range(args.repeat)]
         mib = 2**20
 

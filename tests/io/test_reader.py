@@ -4,11 +4,9 @@ damaged part named in one line."""
 
 from __future__ import annotations
 
-import io
 import shutil
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
@@ -17,6 +15,7 @@ from _util import moto_s3
 from safetensors.torch import load_file, save_file
 
 import fp8ray
+from fp8ray.bench.readcount import CountingHandler
 from fp8ray.engine.archives import compress_archive, decompress_archive
 from fp8ray.engine.pool import PoolSettings
 from fp8ray.errors import BadInputError, CorruptArchiveError
@@ -59,66 +58,6 @@ def test_every_block_read_alone_equals_decompress(multi):
             assert block.dtype == tensor.dtype and torch.equal(block, tensor), (name, key)
     assert reader.get("only1").equal(restored["deep/b.safetensors"]["only1"])  # a key in one file needs no file
     assert reader.keys() == [k for name in FILES for k in restored[name]]
-
-
-class _Counting(io.RawIOBase):
-    """A file whose reads are added up in ``counter``."""
-
-    def __init__(self, inner: pa.NativeFile, counter: list[int]):
-        self.inner, self.counter = inner, counter
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self.inner.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self.inner.tell()
-
-    def readinto(self, buffer) -> int:
-        data = self.inner.read(len(buffer))
-        buffer[: len(data)] = data
-        self.counter[0] += len(data)
-        return len(data)
-
-    def close(self) -> None:
-        self.inner.close()
-        super().close()
-
-
-class CountingHandler(pafs.FileSystemHandler):
-    """A local filesystem that counts the bytes read through it."""
-
-    def __init__(self):
-        self.fs, self.read = pafs.LocalFileSystem(), [0]
-
-    def get_type_name(self):
-        return "counting"
-
-    def normalize_path(self, path):
-        return path
-
-    def get_file_info(self, paths):
-        return self.fs.get_file_info(paths)
-
-    def get_file_info_selector(self, selector):
-        return self.fs.get_file_info(selector)
-
-    def open_input_file(self, path):
-        return pa.PythonFile(_Counting(self.fs.open_input_file(path), self.read), mode="r")
-
-    def open_input_stream(self, path):
-        return self.open_input_file(path)
-
-    def _read_only(self, *args):
-        raise OSError("read only")
-
-    create_dir = delete_dir = delete_dir_contents = delete_root_dir_contents = delete_file = _read_only
-    move = copy_file = open_output_stream = open_append_stream = _read_only
 
 
 def test_one_block_reads_little_more_than_its_frame(multi):
