@@ -6,7 +6,6 @@ The archive format itself is :mod:`fp8ray.io.archive`.
 
 from __future__ import annotations
 
-import dataclasses
 import posixpath
 import time
 from collections.abc import Callable, Mapping
@@ -233,9 +232,9 @@ def compress_archive(
         seconds = time.perf_counter() - start
         bound = bound_constants(codec.fmt, codec.scaling)
         entries = [infos[i] for i in range(len(parts))]
-        manifest = archive.build_manifest(source, layout, codec.as_dict(), lossless, bound, len(refs), entries, __version__)
-        if made_for.recorded():
-            manifest = dataclasses.replace(manifest, provenance=made_for)
+        manifest = archive.build_manifest(
+            source, layout, codec.as_dict(), lossless, bound, len(refs), entries, __version__, made_for
+        )
         archive.write_manifest(fs, work, manifest)
         archive.clean_scratch(fs, work)
     except BaseException:

@@ -28,6 +28,7 @@ from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError, Mis
 from .blocks import BlockRef, SourceLayout
 from .lossless import DEFAULT_LOSSLESS, LOSSLESS_CODECS  # noqa: F401 (DEFAULT_LOSSLESS re-exported)
 from .paths import TMP_MARK, os_reason, redact, write_atomic
+from .provenance import Provenance
 from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, Manifest, Part, Plan
 
 MANIFEST_NAME = "_manifest.json"
@@ -267,9 +268,11 @@ def build_manifest(
     blocks: int,
     parts: list[Part],
     fp8ray_version: str,
+    provenance: Provenance | None = None,
 ) -> Manifest:
     """The manifest of a finished archive: what it holds, the source's layout (to give it
-    back), the codec's error bound (to verify against), and each part's size and CRC-32C."""
+    back), the codec's error bound (to verify against), each part's size and CRC-32C, and
+    what the cache was made for (recorded only where a field of ``provenance`` is given)."""
     return Manifest(
         version=ARCHIVE_VERSION,
         fp8ray_version=fp8ray_version,
@@ -283,6 +286,7 @@ def build_manifest(
         frame_bytes=sum(p.frame_bytes for p in parts),
         archive_bytes=sum(p.file_bytes for p in parts),
         parts=tuple(parts),
+        provenance=provenance if provenance is not None and provenance.recorded() else None,
     )
 
 

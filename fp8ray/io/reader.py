@@ -163,7 +163,7 @@ class ArchiveReader:
         """The one file holding ``key``, when no file is named."""
         if len(self._file_rows) == 1:
             return next(iter(self._file_rows))
-        holding = [name for name in self.files() if (name, key) in self._idents_set(name)]
+        holding = [name for name in self.files() if self._locate(name, key) is not None]
         if not holding:
             raise BadInputError(f"no block {printable(key)!r} in any file of archive {self._shown}", field="key")
         if len(holding) > 1:
@@ -185,9 +185,6 @@ class ArchiveReader:
 
     def _idents(self, file: str) -> list[tuple[str, str]]:
         return [ident for i in self._parts_of(file) for ident in self._index(i).keys]
-
-    def _idents_set(self, file: str) -> set[tuple[str, str]]:
-        return {ident for i in self._parts_of(file) for ident in self._index(i).rows}
 
     def _locate(self, file: str, key: str) -> tuple[int, int] | None:
         for i in self._parts_of(file):
