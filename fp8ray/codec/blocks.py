@@ -64,6 +64,10 @@ class Block(BlockSpec):
     @classmethod
     def of(cls, key: str, tensor: torch.Tensor) -> Block:
         """The block of a bf16/fp16/fp32 tensor (its bytes copied to the CPU if needed)."""
+        if tensor.dtype not in DTYPE_NAMES:  # refused by its key, as __post_init__ refuses a dtype name
+            raise BlockError(
+                f"block {key!r}: unsupported dtype {tensor.dtype}; expected one of {sorted(DTYPES_BY_NAME)}", field=key
+            )
         return cls(key, dtype_name(tensor), tuple(tensor.shape), tensor_to_bytes(tensor.cpu()))
 
     def tensor(self) -> torch.Tensor:

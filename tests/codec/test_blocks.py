@@ -60,6 +60,8 @@ def test_a_bad_block_is_refused_where_it_is_made_naming_its_key():
         Block("k", "bfloat16", (2, 2), np.zeros(6, np.uint8))
     with pytest.raises(BlockError, match=r"block 'k': unsupported dtype 'int8'"):
         Block("k", "int8", (2,), np.zeros(2, np.uint8))
+    with pytest.raises(BlockError, match=r"block 'k': unsupported dtype torch.int8"):
+        Block.of("k", torch.zeros(2, dtype=torch.int8))
     with pytest.raises(BlockError, match=r"block 'k': data must be a 1-D uint8 array"):
         Block("k", "float32", (1,), b"\0\0\0\0")
 
