@@ -1,10 +1,12 @@
 """Reading single blocks out of an archive, as ``safetensors.safe_open`` reads one tensor.
 
-:func:`open_archive` reads the manifest; a block's file and key are found in the
-``file``/``key`` columns of the parts that hold that file (the layout says which rows
-are whose: parts hold the blocks in source order), each part's Parquet footer read once
-and kept. :meth:`ArchiveReader.get` then reads the ``frame`` column of the one row group
-holding the block, and decodes it, checked by the frame's own CRC-32C (the part's CRC
+:func:`open_archive` reads the manifest; a block's part is found by its key among the
+keys of the parts that hold its file (the layout says which rows are whose: parts hold
+the blocks in source order), each part's Parquet footer read once and kept. Where each
+row group of a part holds one block (large blocks), the keys are the footer's
+statistics of the ``key`` column; otherwise that column is read.
+:meth:`ArchiveReader.get` then reads the ``frame`` column of the one row group holding
+the block, and decodes it, checked by the frame's own CRC-32C (the part's CRC
 covers the whole file: it is checked by ``verify`` and ``decompress``, not here). Parts
 written since row groups were bounded in bytes (:data:`fp8ray.io.archive.ROW_GROUP_BYTES`)
 give a large block a row group of its own; older parts are read a row group (up to 64
@@ -194,28 +196,59 @@ class ArchiveReader:
         return None
 
     def _index(self, i: int) -> _PartIndex:
-        """Part ``i``'s footer and ``file``/``key`` columns, read on first use."""
+        """Part ``i``'s footer and the ``(file, key)`` of its rows, read on first use. A
+        row's file is known from the layout (each file's rows are consecutive); its key from
+        the footer's statistics where every row group holds one block (large blocks: no
+        column read at all), else from the ``key`` column."""
         if i not in self._parts:
             part = self.manifest.parts[i]
-            columns = ["file", "key"] if self.manifest.version >= 2 else ["key"]
             try:
                 with archive.open_part(self._fs, f"{self._dir}/{part.name}", part, self._shown) as f:
                     parquet = pq.ParquetFile(f)
-                    table = parquet.read(columns=columns)
+                    metadata = parquet.metadata
+                    keys = _keys_in_footer(metadata)
+                    if keys is None:
+                        keys = parquet.read(columns=["key"], use_threads=False).column("key").to_pylist()
             except (OSError, pa.ArrowException) as exc:
                 raise CorruptArchiveError(
                     f"part {part.name} of {self._shown} is damaged: not readable as Parquet ({_one_line(exc)})"
                 ) from None
-            keys = table.column("key").to_pylist()
-            files = table.column("file").to_pylist() if "file" in columns else [""] * len(keys)
-            idents = list(zip(files, keys))
-            metadata = parquet.metadata
+            if len(keys) != part.blocks:
+                raise CorruptArchiveError(
+                    f"part {part.name} of {self._shown} is damaged: it holds {len(keys)} blocks, its manifest entry {part.blocks}"
+                )
+            idents = list(zip(self._files_of_rows(self._part_starts[i], len(keys)), keys))
             starts, row = [], 0
             for g in range(metadata.num_row_groups):
                 starts.append(row)
                 row += metadata.row_group(g).num_rows
             self._parts[i] = _PartIndex(metadata, {ident: r for r, ident in enumerate(idents)}, idents, starts)
         return self._parts[i]
+
+    def _files_of_rows(self, first: int, count: int) -> list[str]:
+        """The file of each of the archive's rows ``first`` to ``first + count``."""
+        names = []
+        for name, (start, end) in self._file_rows.items():
+            overlap = min(end, first + count) - max(start, first)
+            names += [name] * max(overlap, 0)
+        return names
+
+
+def _keys_in_footer(metadata: pq.FileMetaData) -> list[str] | None:
+    """Each row's key from the ``key`` column's statistics, where every row group holds
+    one row (its minimum is its key); ``None`` where any row group holds more or records
+    no statistics (Parquet leaves out those of a value over 4 KiB)."""
+    column = metadata.schema.names.index("key")
+    keys = []
+    for g in range(metadata.num_row_groups):
+        group = metadata.row_group(g)
+        if group.num_rows == 0:
+            continue
+        stats = group.column(column).statistics
+        if group.num_rows != 1 or stats is None or not stats.has_min_max or stats.min != stats.max:
+            return None
+        keys.append(stats.min)
+    return keys
 
 
 def _one_line(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ from fp8ray.engine.pool import PoolSettings
 from fp8ray.errors import BadInputError, CorruptArchiveError
 from fp8ray.io import archive
 from fp8ray.io.paths import resolve
+from fp8ray.io.reader import _keys_in_footer
 
 INLINE = {"pool": PoolSettings(num_workers=1, address="inline")}
 DATA = Path(__file__).parent / "data"
@@ -136,3 +137,35 @@ def test_a_damaged_part_names_the_block_in_one_line(multi, tmp_path):
     part.unlink()
     with pytest.raises(CorruptArchiveError, match=r"^block 'a.safetensors:layer0.kv': part part-00000.parquet is missing"):
         fp8ray.open_archive(str(tmp_path / "arch")).get("layer0.kv", "a.safetensors")
+
+
+def test_keys_come_from_the_footer_where_each_row_group_holds_one_block(multi):
+    """A part of large blocks (a row group each) gives its keys from its footer's
+    statistics, equal to its key column; a part with a row group of several blocks gives
+    none (its key column is read)."""
+    arch, _ = multi
+    seen = set()
+    for part in fp8ray.open_archive(str(arch)).manifest.parts:
+        parquet = pq.ParquetFile(arch / part.name)
+        column = parquet.read(columns=["key"]).column("key").to_pylist()
+        one_each = all(parquet.metadata.row_group(g).num_rows == 1 for g in range(parquet.metadata.num_row_groups))
+        assert _keys_in_footer(parquet.metadata) == (column if one_each else None), part.name
+        seen.add(one_each)
+    assert seen == {True, False}  # both ways are exercised by the tests above
+
+
+def test_a_key_too_long_for_statistics_is_read_from_its_column(tmp_path):
+    """Parquet records no statistics for a value over 4 KiB: such a key is found in the
+    key column instead."""
+    long_key = "k" * 5000
+    tensors = {long_key: torch.randn(4, 64).to(torch.bfloat16), "short": torch.randn(4, 64).to(torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "src.safetensors"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(archive, "ROW_GROUP_BYTES", 1)  # a row group per block
+        compress_archive(str(tmp_path / "src.safetensors"), str(tmp_path / "arch"), lossless="none", **INLINE)
+    reader = fp8ray.open_archive(str(tmp_path / "arch"))
+    (part,) = reader.manifest.parts
+    assert _keys_in_footer(pq.ParquetFile(tmp_path / "arch" / part.name).metadata) is None
+    codec = fp8ray.Fp8Codec(options=reader.manifest.options)
+    for key, tensor in tensors.items():
+        assert torch.equal(reader.get(key), codec.decode(codec.encode(tensor))), key[:10]
