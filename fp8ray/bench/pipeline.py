@@ -16,6 +16,10 @@ codec alone.
   ``Fp8Codec`` in this process with all its threads; and **by reference**,
   ``encode_refs``/``decode_refs`` of the blocks already in Ray's object store (as upstream
   tasks leave them), until every result is there, the driver fetching nothing.
+- **small blocks**: the same bytes as blocks of ``small_block_kib`` KiB (as per-layer KV
+  files and small LMCache chunks come), compressed and decompressed on the same pool:
+  the work as a multiple of the sample chunks', and the per-block overhead, the
+  extra seconds over the extra blocks.
 
 Each figure is the median of ``repeat`` runs, but the I/O bound, which is the best of
 them: on a VM, writes into memory the guest has not touched before run at a fraction of
@@ -85,6 +89,7 @@ def bench_pipeline(
     lossless: str = DEFAULT_LOSSLESS,
     address: str | None = None,
     files: int = 8,
+    small_block_kib: int = 16,
 ) -> str:
     """The table of the module docstring, for 1..``max_workers`` workers, on a source of
     ``files`` safetensors files (a directory, or one file for ``files=1``)."""
@@ -144,10 +149,13 @@ def bench_pipeline(
                     f"| {raw / d / 1e9:.2f} | {raw / bd / 1e9:.2f} | {bd / d:.2f} | {decode_seconds / d:.2f} |"
                 )
                 if workers == max_workers:
+                    small_row = _small_blocks(pool, tmp, tensors, files, small_block_kib, options, lossless, repeat, (c, d))
                     store_row = _object_store(pool, blocks, options, repeat)
                     refs_row = None if pool.inline else _by_reference(pool, blocks, options, repeat)
         enc, dec = store_row
         lines += [
+            "",
+            small_row,
             "",
             f"object store, {max_workers} workers (QuantPool.encode_many / decode_many, blocks in and out of this process): "
             f"encode {raw / enc / 1e9:.2f} GB/s ({codec_seconds / enc:.2f} of the codec alone), "
@@ -179,6 +187,32 @@ def _write_source(tmp: str, tensors: dict, files: int) -> str:
             for k in group:
                 writer.write(tensor_to_bytes(tensors[k]))
     return root if files > 1 else os.path.join(tmp, "kv.safetensors")
+
+
+def _small_blocks(pool, tmp, tensors, files, block_kib, options, lossless, repeat, chunk_seconds) -> str:
+    """The line of the small blocks: the same bytes cut into ``block_kib`` KiB blocks."""
+    rows = block_kib * 1024 // (2 * 64)  # [rows, 64] bf16 blocks
+    small = {f"{key}.{j:04d}": piece for key, t in tensors.items() for j, piece in enumerate(t.reshape(-1, rows, 64))}
+    root = os.path.join(tmp, "small")
+    source = _write_source(root, small, files)
+    runs = []
+    for _ in range(repeat):
+        arch, out = os.path.join(root, "arch"), os.path.join(root, "out" if files > 1 else "out.safetensors")
+        os.sync()
+        compressed = compress_archive(source, arch, options=options, lossless=lossless, pool=pool)
+        os.sync()
+        restored = decompress_archive(arch, out, pool=pool)
+        shutil.rmtree(arch)
+        shutil.rmtree(out) if files > 1 else os.unlink(out)
+        runs.append((compressed.seconds, restored.seconds))
+    shutil.rmtree(root)
+    c, d = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    extra = len(small) - len(tensors)
+    return (
+        f"small blocks, {pool.num_workers} workers: {len(small)} blocks of {block_kib} KiB instead of {len(tensors)}: "
+        f"compress {c / chunk_seconds[0]:.2f} times the work ({(c - chunk_seconds[0]) / extra * 1e6:.1f} us per extra block), "
+        f"decompress {d / chunk_seconds[1]:.2f} times ({(d - chunk_seconds[1]) / extra * 1e6:.1f} us per extra block)"
+    )
 
 
 def _codec_alone(codec: Fp8Codec, blocks: list, repeat: int) -> tuple[float, float]:

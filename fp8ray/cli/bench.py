@@ -37,6 +37,13 @@ def add_commands(commands) -> None:
         "--files", type=positive_int, default=8, help="safetensors files the source is spread over; 1: a single file (default 8)"
     )
     pipeline.add_argument(
+        "--small-block-kib",
+        type=positive_int,
+        default=16,
+        metavar="KIB",
+        help="the small-blocks row cuts the same bytes into blocks of this many KiB (a multiple of 16; default 16)",
+    )
+    pipeline.add_argument(
         "--lossless",
         default=DEFAULT_LOSSLESS,
         metavar="CODEC[:LEVEL]",
@@ -119,7 +126,18 @@ def run_bench_codec(args) -> int:
 def run_bench_pipeline(args) -> int:
     from ..bench.pipeline import bench_pipeline
 
-    print(bench_pipeline(args.mib, args.max_workers, codec_options(args), args.repeat, args.lossless, args.address, args.files))
+    print(
+        bench_pipeline(
+            args.mib,
+            args.max_workers,
+            codec_options(args),
+            args.repeat,
+            args.lossless,
+            args.address,
+            args.files,
+            args.small_block_kib,
+        )
+    )
     return 0
 
 

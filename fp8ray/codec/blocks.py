@@ -15,6 +15,7 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from ..errors import BadInputError, BlockError, MismatchError, block_error
 from . import frame
 from .formats import DTYPE_NAMES, DTYPES_BY_NAME
 from .fp8codec import Fp8Codec, decode
+from .runs import decode_run, encode_run, fits_run, runs_of, small
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class BlockSpec:
     dtype: str  # "bfloat16" | "float16" | "float32"
     shape: tuple[int, ...]
 
-    @property
+    @cached_property  # asked for several times per block on the way through a part
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES_BY_NAME[self.dtype].itemsize
 
@@ -99,13 +101,17 @@ def dtype_name(t: torch.Tensor) -> str:
 def frame_sizes(codec: Fp8Codec, blocks: Sequence[BlockSpec]) -> list[int]:
     """The exact frame size of each block (anything with ``key``, ``dtype`` and ``shape``)."""
     sizes = []
+    known: dict[tuple, int] = {}  # many blocks share a dtype and shape
     for b in blocks:
-        try:
-            if b.dtype not in DTYPES_BY_NAME:
-                raise TypeError(f"unsupported dtype {b.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
-            sizes.append(codec.encoded_size(b.shape, DTYPES_BY_NAME[b.dtype]))
-        except (ValueError, TypeError) as exc:
-            raise block_error(b.key, exc) from exc
+        size = known.get((b.dtype, b.shape))
+        if size is None:
+            try:
+                if b.dtype not in DTYPES_BY_NAME:
+                    raise TypeError(f"unsupported dtype {b.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
+                size = known[(b.dtype, b.shape)] = codec.encoded_size(b.shape, DTYPES_BY_NAME[b.dtype])
+            except (ValueError, TypeError) as exc:
+                raise block_error(b.key, exc) from exc
+        sizes.append(size)
     return sizes
 
 
@@ -147,8 +153,26 @@ def encode_into(
     GPU first; the frame is the same bytes). ``threads``: the CPU kernels' threads.
     A block that fails raises naming its key."""
     sizes = list(sizes) if sizes is not None else frame_sizes(codec, blocks)
-    named = ((b.key, b.tensor() if device == "cpu" else b.tensor().to(device)) for b in blocks)
-    encode_tensors_into(codec, named, out, sizes, threads=threads)
+    if device != "cpu":
+        encode_tensors_into(codec, ((b.key, b.tensor().to(device)) for b in blocks), out, sizes, threads=threads)
+        return sizes
+    if sum(sizes) > out.size:
+        raise BadInputError(f"out holds {out.size} bytes, the frames of {len(sizes)} blocks need {sum(sizes)}")
+    ends = np.cumsum([0, *sizes]).tolist()
+    done = 0  # blocks before this one are encoded
+
+    def one_at_a_time(start: int, stop: int) -> None:
+        named = ((b.key, b.tensor()) for b in blocks[start:stop])
+        encode_tensors_into(codec, named, out[ends[start] : ends[stop]], sizes[start:stop], threads=threads)
+
+    for start, stop in runs_of(blocks, lambda b: fits_run(codec.scaling, codec.block_size, b.dtype, b.shape)):
+        one_at_a_time(done, start)
+        run = blocks[start:stop]
+        frames = out[ends[start] : ends[stop]].reshape(stop - start, sizes[start])
+        if encode_run(codec, run[0].dtype, run[0].shape, [b.data for b in run], frames, threads):
+            one_at_a_time(start, stop)  # a refused non-finite value: named by its block
+        done = stop
+    one_at_a_time(done, len(blocks))
     return sizes
 
 
@@ -208,6 +232,23 @@ def decode_into(
     ends = np.cumsum([spec.nbytes for spec in specs], dtype=np.int64).tolist()
     if ends and ends[-1] > out.size:
         raise BadInputError(f"out holds {out.size} bytes, the blocks of {len(frames)} frames need {ends[-1]}")
-    targets = (bytes_to_tensor(out[end - spec.nbytes : end], spec.dtype, spec.shape) for spec, end in zip(specs, ends))
-    decode_frames_into(frames, targets, device=device, threads=threads)
+    starts = [end - spec.nbytes for spec, end in zip(specs, ends)]
+
+    def one_at_a_time(start: int, stop: int) -> None:
+        targets = (bytes_to_tensor(out[starts[i] : ends[i]], specs[i].dtype, specs[i].shape) for i in range(start, stop))
+        decode_frames_into(frames[start:stop], targets, device=device, threads=threads)
+
+    done = 0
+    if device == "cpu":
+        for start, stop in runs_of(specs, lambda spec: small(spec.dtype, spec.shape)):
+            one_at_a_time(done, start + 1)  # the run's first frame, checked whole, gives its header
+            run = [frame.as_byte_array(f) for _, f in frames[start:stop]]
+            header = frame.parse_header(run[0])
+            decoded = fits_run(header.scaling, header.block_size, specs[start].dtype, specs[start].shape) and decode_run(
+                run[1:], header, out[starts[start + 1] : ends[stop - 1]], threads
+            )
+            done = stop if decoded else start + 1
+        one_at_a_time(done, len(frames))
+    else:
+        one_at_a_time(0, len(frames))
     return list(specs)

@@ -34,9 +34,10 @@ from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, Manifest, Part, 
 MANIFEST_NAME = "_manifest.json"
 PLAN_NAME = "_plan.json"
 DEFAULT_PART_BYTES = 64 << 20
-# A part's row groups hold at most 64 blocks and, past its first block, 1 MiB of frames:
-# reading one block alone (fp8ray.io.reader) reads its row group's frames.
-ROW_GROUP_ROWS = 64
+# A part's row groups hold, past their first block, at most 1 MiB of frames: reading one
+# block alone (fp8ray.io.reader) reads its row group's frames. Each row group costs about
+# a millisecond to write (ten column chunks): small blocks fill one to the byte bound.
+ROW_GROUP_ROWS = 1024
 ROW_GROUP_BYTES = 1 << 20
 
 SCHEMA = pa.schema(

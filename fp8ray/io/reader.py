@@ -10,7 +10,7 @@ the block, and decodes it, checked by the frame's own CRC-32C (the part's CRC
 covers the whole file: it is checked by ``verify`` and ``decompress``, not here). Parts
 written since row groups were bounded in bytes (:data:`fp8ray.io.archive.ROW_GROUP_BYTES`)
 give a large block a row group of its own; older parts are read a row group (up to 64
-blocks) at a time.
+blocks) at a time, as are small blocks (up to 1 MiB of them).
 """
 
 from __future__ import annotations

@@ -61,9 +61,10 @@ def encoded_part(n: int = 3):
     return codec, tensors, blocks, sizes, frames
 
 
-def test_row_groups_hold_64_blocks_or_1_mib_of_frames():
+def test_row_groups_hold_1024_blocks_or_1_mib_of_frames():
     """A block read alone reads its row group's frames: a large block gets one of its own."""
-    assert archive.row_groups([10] * 130) == [64, 64, 2]
+    assert archive.row_groups([10] * 2100) == [1024, 1024, 52]
+    assert archive.row_groups([16_000] * 140) == [65, 65, 10]  # small blocks: 1 MiB of them
     assert archive.row_groups([600_000] * 3) == [1, 1, 1]
     assert archive.row_groups([400_000, 400_000, 400_000, 3 << 20, 10]) == [2, 1, 1, 1]
     assert archive.row_groups([]) == []

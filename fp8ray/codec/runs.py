@@ -1,0 +1,140 @@
+"""Runs: many small blocks of one dtype and shape, encoded (or decoded) in one kernel call.
+
+A 16 KiB block's kernel work takes a few microseconds; the Python around a frame (its
+header, views, checks) takes tens. The blocks of a run share one header, and their
+scale groups line up with the blocks: a token scale covers a row of one block, a block
+scale ``block_size`` elements when that divides the block, and the tensor scale of each
+block is a token scale over the block's elements taken as one row. So one kernel call
+over the run's elements, laid end to end, gives each block the codes and scales of
+encoding it alone, bit for bit (``tests/codec/test_runs.py``). numpy then copies those
+codes and scales into the N frames at once. Only the CRC-32C is still taken per frame.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import crc32c
+import numpy as np
+import torch
+
+from . import cpu, frame
+from .formats import DTYPES_BY_NAME
+from .fp8codec import Fp8Codec
+
+# Blocks up to this size go in runs: for larger ones the per-frame Python is lost in the
+# kernel's own time.
+RUN_BLOCK_BYTES = 1 << 20
+# A run's temporaries (the blocks' elements end to end, their codes) stay this small.
+RUN_BYTES = 32 << 20
+
+
+def runs_of(specs, fits) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each run of consecutive ``specs`` (anything with ``dtype`` and
+    ``shape``) of one dtype and shape for which ``fits(spec)`` holds, 2 or more long and
+    at most :data:`RUN_BYTES`; other specs are left out (encoded one at a time)."""
+    runs = []
+    start = 0
+    while start < len(specs):
+        first = specs[start]
+        stop = start + 1
+        if fits(first):
+            each = math.prod(first.shape) * DTYPES_BY_NAME[first.dtype].itemsize
+            limit = start + max(RUN_BYTES // max(each, 1), 1)
+            while stop < min(len(specs), limit) and (specs[stop].dtype, specs[stop].shape) == (first.dtype, first.shape):
+                stop += 1
+            if stop - start >= 2:
+                runs.append((start, stop))
+        start = stop
+    return runs
+
+
+def _grouping(header: frame.FrameHeader, count: int) -> tuple[str, tuple[int, ...]]:
+    """The scaling and shape whose groups, over ``count`` blocks end to end, are each
+    block's own: a tensor scale becomes one token scale per block."""
+    numel = header.numel
+    if header.scaling == "tensor":
+        return "token", (count, numel)
+    if header.scaling == "token":
+        last = header.shape[-1] if header.shape else 1
+        return "token", (count * numel // last, last)
+    return header.scaling, (count * numel,)
+
+
+def fits_run(scaling: str, block_size: int, dtype: str, shape: tuple[int, ...]) -> bool:
+    """Whether blocks of ``dtype`` and ``shape`` may be coded in a run under ``scaling``:
+    small, not empty, and with scale groups that do not cross from one block into the
+    next (channel scales span a whole block's rows, and a ``block_size`` that does not
+    divide the block leaves a short last group)."""
+    if not small(dtype, shape) or scaling == "channel":
+        return False
+    return scaling != "block" or math.prod(shape) % block_size == 0
+
+
+def small(dtype: str, shape: tuple[int, ...]) -> bool:
+    """Whether a block is small enough to gain from a run (and not empty)."""
+    numel = math.prod(shape)
+    return 0 < numel * DTYPES_BY_NAME[dtype].itemsize <= RUN_BLOCK_BYTES
+
+
+def encode_run(
+    codec: Fp8Codec, dtype: str, shape: tuple[int, ...], sources: list[np.ndarray], frames: np.ndarray, threads=None
+) -> int:
+    """Encode ``sources`` (each block's raw bytes, all of ``dtype`` and ``shape``) into the
+    rows of ``frames`` (a writable ``[len(sources), frame_size]`` uint8 array); returns the
+    count of non-finite inputs (their frames are left unsealed where the codec refuses
+    them: the caller encodes those blocks alone to name the first)."""
+    count = len(sources)
+    header = codec._header(shape, DTYPES_BY_NAME[dtype])
+    scaling, grouped = _grouping(header, count)
+    x = torch.from_numpy(np.concatenate(sources)).view(header.dtype).reshape(grouped)
+    num_scales = header.num_scales
+    codes = np.empty(count * header.numel, np.uint8)
+    scales = np.empty(count * num_scales, np.float32)
+    # The tensor scale is amax's alone (scale_choice applies to token and block scaling).
+    choice = "amax" if codec.scaling == "tensor" else codec.scale_choice
+    bad = cpu.quantize(x, codec.fmt, scaling, codec.block_size, codes, scales, codec.scale_dtype, choice, threads)
+    if bad and codec.nonfinite == "error":
+        return bad
+    frame.write_header(frames[0], header)
+    frames[1:, : header.scales_offset] = frames[0, : header.scales_offset]
+    if num_scales:
+        stored = scales.view(np.uint32) >> 16 if header.scale_dtype == "bfloat16" else scales.view(np.uint32)
+        narrow = stored.astype("<u2") if header.scale_dtype == "bfloat16" else stored.astype("<u4")
+        frames[:, header.scales_offset : header.codes_offset] = narrow.view(np.uint8).reshape(count, -1)
+    frames[:, header.codes_offset : header.codes_offset + header.numel] = codes.reshape(count, -1)
+    tail = frame.CHECKSUM_BYTES
+    checksums = np.array([crc32c.crc32c(row[:-tail]) for row in frames], "<u4")
+    frames[:, -tail:] = checksums.view(np.uint8).reshape(count, tail)
+    return bad
+
+
+def decode_run(frames: list[np.ndarray], header: frame.FrameHeader, out: np.ndarray, threads=None) -> bool:
+    """Decode ``frames`` (each a uint8 array) whose headers are all ``header`` into ``out``
+    (their raw bytes end to end); ``False``, with ``out`` untouched, where any frame's
+    header bytes, size or checksum differ from what ``header`` says (the caller decodes
+    them one at a time to name the damaged one)."""
+    count = len(frames)
+    size = header.frame_size
+    if any(f.size != size for f in frames):
+        return False
+    stacked = np.stack(frames)
+    expected = np.empty(header.scales_offset, np.uint8)
+    frame.write_header(expected, header)
+    if not (stacked[:, : header.scales_offset] == expected).all():
+        return False
+    if any(struct.unpack("<I", f[-frame.CHECKSUM_BYTES :])[0] != crc32c.crc32c(f[: -frame.CHECKSUM_BYTES]) for f in frames):
+        return False
+    raw = stacked[:, header.scales_offset : header.codes_offset].reshape(-1)
+    if header.scale_dtype == "bfloat16":
+        scales = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    else:
+        scales = raw.view("<f4")
+    if scales.size and not (np.isfinite(scales).all() and (scales > 0).all()):
+        return False
+    codes = np.ascontiguousarray(stacked[:, header.codes_offset : header.codes_offset + header.numel]).reshape(-1)
+    scaling, grouped = _grouping(header, count)
+    target = torch.from_numpy(out[: count * header.numel * header.dtype.itemsize]).view(header.dtype).reshape(grouped)
+    cpu.dequantize(codes, np.ascontiguousarray(scales), header.fmt, scaling, grouped, header.block_size, target, threads)
+    return True

@@ -1,0 +1,137 @@
+"""Runs of same-shape small blocks (fp8ray.codec.runs): encode_into and decode_into give,
+byte for byte, the frames and tensors of coding each block alone, in every mode and on
+adversarial values; a damaged frame or refused value inside a run is named by its key."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from fp8ray import CodecOptions, Fp8Codec, decode
+from fp8ray.codec import frame, runs
+from fp8ray.codec.blocks import Block, BlockSpec, decode_into, encode_into, frame_sizes
+from fp8ray.errors import CorruptFrameError, NonFiniteError
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _modes():
+    for fp8, scaling, scale_dtype in itertools.product(
+        ["e4m3fn", "e5m2"], ["none", "tensor", "channel", "token", "block"], ["float32", "bfloat16"]
+    ):
+        choices = ["amax", "mse"] if scaling in ("token", "block") else ["amax"]
+        for choice in choices:
+            if scaling == "none" and scale_dtype == "bfloat16":
+                continue
+            yield CodecOptions(fp8=fp8, scaling=scaling, scale_dtype=scale_dtype, scale_choice=choice, nonfinite="keep")
+
+
+def _adversarial(shape, dtype, g, i) -> torch.Tensor:
+    """Random values, with every few blocks zeros, subnormals, a single huge element,
+    all-equal values or non-finite ones."""
+    x = torch.randn(shape, generator=g) * float(10 ** (i % 5 - 2))
+    flat = x.view(-1)
+    kind = i % 6
+    if kind == 1:
+        flat.zero_()
+    elif kind == 2:
+        flat[::3] = torch.finfo(dtype).tiny / 4  # subnormal in fp16 and fp32 (bf16: rounds to its own)
+    elif kind == 3:
+        flat[5] = torch.finfo(dtype).max / 2
+    elif kind == 4:
+        flat.fill_(0.375)
+    elif kind == 5:
+        flat[1], flat[7], flat[9] = float("nan"), float("inf"), float("-inf")
+    return x.to(dtype)
+
+
+def _blocks(shapes, dtype, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [Block.of(f"k{i}", _adversarial(shape, dtype, g, i)) for i, shape in enumerate(shapes)]
+
+
+# Two runs of one shape, a block of another shape between them, a block whose size no
+# block_size of 32 divides, and blocks too large for a run.
+SHAPES = [(4, 64)] * 7 + [(2, 3, 32)] + [(4, 64)] * 3 + [(3, 7)] * 3 + [(2, 128)] * 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", list(_modes()), ids=lambda o: o.label())
+def test_runs_equal_coding_each_block_alone(options, dtype):
+    codec = Fp8Codec(options=options)
+    blocks = _blocks(SHAPES, dtype)
+    sizes = frame_sizes(codec, blocks)
+    out = np.zeros(sum(sizes), np.uint8)
+    encode_into(codec, blocks, out, sizes, threads=2)
+    ends = np.cumsum(sizes).tolist()
+    frames = [(b.key, out[end - size : end]) for b, size, end in zip(blocks, sizes, ends)]
+    for block, (_, f) in zip(blocks, frames):
+        assert f.tobytes() == bytes(codec.encode(block.tensor())), block.key
+
+    raw = np.zeros(sum(b.nbytes for b in blocks), np.uint8)
+    decode_into(frames, raw, [BlockSpec(b.key, b.dtype, b.shape) for b in blocks], threads=2)
+    start = 0
+    for block, (_, f) in zip(blocks, frames):
+        alone = decode(f)
+        got = torch.from_numpy(raw[start : start + block.nbytes].copy()).view(alone.dtype).reshape(alone.shape)
+        assert torch.equal(got.view(torch.uint8), alone.view(torch.uint8)), block.key  # bits, NaN included
+        start += block.nbytes
+
+
+def test_blocks_are_coded_in_runs():
+    """The runs are what the batch path takes: same dtype and shape, small, consecutive."""
+    codec = Fp8Codec()
+    blocks = _blocks(SHAPES, torch.bfloat16)
+    fits = [runs.fits_run(codec.scaling, codec.block_size, b.dtype, b.shape) for b in blocks]
+    assert fits == [True] * 7 + [True] + [True] * 3 + [False] * 3 + [True] * 2  # 21 elements: no block of 32
+    assert runs.runs_of(blocks, lambda b: runs.fits_run(codec.scaling, codec.block_size, b.dtype, b.shape)) == [
+        (0, 7),
+        (8, 11),
+        (14, 16),
+    ]
+    big = [BlockSpec(f"b{i}", "bfloat16", (runs.RUN_BLOCK_BYTES // 2 + 32,)) for i in range(3)]
+    assert runs.runs_of(big, lambda b: runs.small(b.dtype, b.shape)) == []
+    per_run = runs.RUN_BYTES // 4096
+    many = [BlockSpec(f"m{i}", "float32", (1024,)) for i in range(per_run + 5)]
+    assert runs.runs_of(many, lambda b: runs.small(b.dtype, b.shape)) == [(0, per_run), (per_run, len(many))]
+
+
+def test_a_refused_value_in_a_run_is_named_by_its_block():
+    codec = Fp8Codec()  # nonfinite="error"
+    blocks = [Block.of(f"k{i}", torch.ones(4, 64, dtype=torch.bfloat16)) for i in range(6)]
+    bad = torch.ones(4, 64, dtype=torch.bfloat16)
+    bad[2, 5] = float("inf")
+    blocks[4] = Block.of("k4", bad)
+    sizes = frame_sizes(codec, blocks)
+    with pytest.raises(NonFiniteError, match=r"^block 'k4': .*inf at index \[2, 5\]"):
+        encode_into(codec, blocks, np.zeros(sum(sizes), np.uint8), sizes)
+
+
+@pytest.mark.parametrize("where", ["crc", "header", "scale"])
+def test_a_damaged_frame_in_a_run_is_named_by_its_key(where):
+    codec = Fp8Codec(nonfinite="keep")
+    blocks = _blocks([(4, 64)] * 6, torch.bfloat16, seed=9)
+    sizes = frame_sizes(codec, blocks)
+    out = np.zeros(sum(sizes), np.uint8)
+    encode_into(codec, blocks, out, sizes)
+    frames = [(b.key, out[i * sizes[0] : (i + 1) * sizes[0]].copy()) for i, b in enumerate(blocks)]
+    damaged = frames[3][1]
+    if where == "crc":
+        damaged[-20] ^= 1
+    elif where == "header":
+        damaged[5] = 2  # e5m2 in an e4m3fn run, resealed: a valid frame of other options
+    else:
+        header = codec._header((4, 64), torch.bfloat16)
+        damaged[header.scales_offset : header.scales_offset + 2] = 0  # scale 0, resealed
+    if where != "crc":
+        frame.seal(damaged)
+    specs = [BlockSpec(b.key, b.dtype, b.shape) for b in blocks]
+    raw = np.zeros(sum(b.nbytes for b in blocks), np.uint8)
+    if where == "header":  # not damaged: decoded alone, as its own header says
+        decode_into(frames, raw, specs)
+        got = torch.from_numpy(raw[3 * 512 : 4 * 512].copy()).view(torch.bfloat16).reshape(4, 64)
+        assert torch.equal(got.view(torch.int16), decode(damaged).view(torch.int16))  # bits: e5m2 reads give NaN
+        return
+    with pytest.raises(CorruptFrameError, match=r"^block 'k3'"):
+        decode_into(frames, raw, specs)
