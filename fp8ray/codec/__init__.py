@@ -11,6 +11,7 @@
 - :mod:`~fp8ray.codec.cpu`: runs the kernels on a thread pool.
 - :mod:`~fp8ray.codec.fp8codec`: :class:`Fp8Codec` and :func:`decode`.
 - :mod:`~fp8ray.codec.blocks`: blocks, and the one batch path (``encode_into``, ``decode_into``).
+- :mod:`~fp8ray.codec.runs`: runs of same-shape small blocks, coded in one kernel call.
 - :mod:`~fp8ray.codec.metrics`: error metrics of a round trip.
 """
 
