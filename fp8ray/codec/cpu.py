@@ -110,9 +110,7 @@ def quantize_checksummed(
     the frame's checksum needs no pass of its own over them."""
     tasks = _encode_tasks(x, fmt, scaling, block_size, codes, scales, scale_dtype, scale_choice, threads)
     done = _run([lambda t=t, a=a, b=b: (t(), checksum.crc32c(codes[a:b])) for t, (a, b) in tasks], threads)
-    crc = 0
-    for (_, piece), (_, (a, b)) in zip(done, tasks):
-        crc = checksum.combine(crc, piece, b - a)
+    crc = checksum.combine_all((piece, b - a) for (_, piece), (_, (a, b)) in zip(done, tasks))
     return sum(bad for bad, _ in done), crc
 
 
