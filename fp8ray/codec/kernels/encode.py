@@ -92,7 +92,8 @@ def quantize_groups(x, codes, scales, group, group_start, group_stop, tag, mask)
         stop = min(start + group, n)
         xs = x[start:stop]
         if xs.size % LANES == 0 and g + 1 < group_stop and stop + group <= n:  # two whole groups
-            first, second, count = encode_pair_amax(xs, codes[start:stop], x[stop : stop + group], codes[stop : stop + group], mask, p)
+            after = stop + group
+            first, second, count = encode_pair_amax(xs, codes[start:stop], x[stop:after], codes[stop:after], mask, p)
             scales[g] = first
             scales[g + 1] = second
             bad += count
