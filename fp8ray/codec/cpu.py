@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import kernels
+from . import checksum, kernels
 from .formats import SCALE_MASKS, Fp8Format, scale_candidates
 
 # Elements per task: big enough to amortise a thread hand-off (~10 us), small enough
@@ -47,9 +47,17 @@ def _run(tasks: list, threads: int | None) -> list:
     return [f.result() for f in [pool.submit(task) for task in tasks]]
 
 
-def _spans(count: int, per_task: int) -> list[tuple[int, int]]:
-    per_task = max(1, per_task)
-    return [(s, min(s + per_task, count)) for s in range(0, count, per_task)] or [(0, 0)]
+def _spans(count: int, per_task: int, threads: int | None) -> list[tuple[int, int]]:
+    """``count`` items in spans of at most ``per_task``, in order, as many spans as a
+    multiple of the thread count (where there are items enough), their sizes within one of
+    each other: 3 spans on 2 threads would leave one thread idle for a third of the call
+    (an LMCache chunk of 2.9M elements did)."""
+    tasks = -(-count // max(1, per_task))
+    if tasks > 1:
+        threads = threads or num_threads()
+        tasks = min(count, -(-tasks // threads) * threads)
+    bounds = [i * count // tasks for i in range(tasks + 1)] if tasks else [0, 0]
+    return list(zip(bounds, bounds[1:]))
 
 
 def as_flat_array(t: torch.Tensor) -> np.ndarray:
@@ -82,6 +90,35 @@ def quantize(
 
     Returns the number of non-finite inputs (their codes are the format's NaN/inf codes).
     """
+    tasks = _encode_tasks(x, fmt, scaling, block_size, codes, scales, scale_dtype, scale_choice, threads)
+    return sum(_run([task for task, _ in tasks], threads))
+
+
+def quantize_checksummed(
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    scaling: str,
+    block_size: int,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    scale_dtype: str = "float32",
+    scale_choice: str = "amax",
+    threads: int | None = None,
+) -> tuple[int, int]:
+    """:func:`quantize`, and the CRC-32C of ``codes``: each task takes that of the codes it
+    has just written, still in cache, on its own thread, and the pieces are combined, so
+    the frame's checksum needs no pass of its own over them."""
+    tasks = _encode_tasks(x, fmt, scaling, block_size, codes, scales, scale_dtype, scale_choice, threads)
+    done = _run([lambda t=t, a=a, b=b: (t(), checksum.crc32c(codes[a:b])) for t, (a, b) in tasks], threads)
+    crc = checksum.combine_all((piece, b - a) for (_, piece), (_, (a, b)) in zip(done, tasks))
+    return sum(bad for bad, _ in done), crc
+
+
+def _encode_tasks(x, fmt, scaling, block_size, codes, scales, scale_dtype, scale_choice, threads) -> list:
+    """The tasks of :func:`quantize`, each with the range of ``codes`` it writes:
+    ``(callable returning its count of non-finite inputs, (start, stop))``, the ranges in
+    order and covering ``codes``. Scales that need a pass of their own (tensor, channel)
+    are computed here."""
     src = as_flat_array(x)
     n = src.size
     tag = kernels.FORMAT_TAGS[fmt.name]
@@ -89,27 +126,28 @@ def quantize(
     mask = np.int64(SCALE_MASKS[scale_dtype])
     shape = tuple(x.shape)
     if scaling in ("none", "tensor"):
-        spans = _spans(n, CHUNK_ELEMENTS)
+        spans = _spans(n, CHUNK_ELEMENTS, threads)
         scale = np.float32(1.0)
         if scaling == "tensor":
             amax = max(_run([lambda s=s, e=e: kernels.amax_span(src, s, e) for s, e in spans], threads))
             scale = np.float32(kernels.scale_from_amax(np.float32(amax), fmax, mask))
             scales[0] = scale
-        return sum(_run([lambda s=s, e=e: kernels.quantize_uniform(src, codes, s, e, scale, tag) for s, e in spans], threads))
+        return [(lambda s=s, e=e: kernels.quantize_uniform(src, codes, s, e, scale, tag), (s, e)) for s, e in spans]
     if scaling == "channel":
         columns = shape[-1] if shape else 1
         rows = n // columns if columns else 0
-        spans = _spans(rows, CHUNK_ELEMENTS // max(columns, 1))
+        spans = _spans(rows, CHUNK_ELEMENTS // max(columns, 1), threads)
         partial = _run([lambda s=s, e=e: _column_amax(src, columns, s, e) for s, e in spans], threads)
         amax = np.maximum.reduce(partial) if len(partial) > 1 else partial[0]
         kernels.amax_to_scales(amax, fmax, mask, scales)
-        return sum(
-            _run([lambda s=s, e=e: kernels.quantize_columns(src, codes, scales, columns, s, e, tag) for s, e in spans], threads)
-        )
+        return [
+            (lambda s=s, e=e: kernels.quantize_columns(src, codes, scales, columns, s, e, tag), (s * columns, e * columns))
+            for s, e in spans
+        ]
     # token and block: contiguous groups, amax (and scale search) and cast fused per group.
     group = (shape[-1] if shape else 1) if scaling == "token" else block_size
     groups = scales.size
-    spans = _spans(groups, CHUNK_ELEMENTS // max(group, 1))
+    spans = _spans(groups, CHUNK_ELEMENTS // max(group, 1), threads)
     candidates = scale_candidates(fmt, scale_choice)
     if len(candidates) == 1:
         tasks = [lambda s=s, e=e: kernels.quantize_groups(src, codes, scales, group, s, e, tag, mask) for s, e in spans]
@@ -119,7 +157,7 @@ def quantize(
             lambda s=s, e=e: kernels.quantize_groups_search(src, codes, scales, group, s, e, tag, mask, divisors)
             for s, e in spans
         ]
-    return sum(_run(tasks, threads))
+    return [(task, (s * group, min(e * group, n))) for task, (s, e) in zip(tasks, spans)]
 
 
 def _column_amax(src: np.ndarray, columns: int, row_start: int, row_stop: int) -> np.ndarray:
@@ -147,13 +185,13 @@ def dequantize(
         # One scale: decode the 256 codes once, then every element is a table lookup.
         table = np.empty(_TABLE_SIZE, dtype=dst.dtype)
         kernels.dequantize_uniform(_ALL_CODES, tag, scale, table, 0, _TABLE_SIZE)
-        _run([lambda s=s, e=e: kernels.lookup(codes, table, dst, s, e) for s, e in _spans(n, CHUNK_ELEMENTS)], threads)
+        _run([lambda s=s, e=e: kernels.lookup(codes, table, dst, s, e) for s, e in _spans(n, CHUNK_ELEMENTS, threads)], threads)
     elif scaling == "channel":
         columns = shape[-1] if shape else 1
         rows = n // columns if columns else 0
-        spans = _spans(rows, CHUNK_ELEMENTS // max(columns, 1))
+        spans = _spans(rows, CHUNK_ELEMENTS // max(columns, 1), threads)
         _run([lambda s=s, e=e: kernels.dequantize_columns(codes, tag, scales, columns, dst, s, e) for s, e in spans], threads)
     else:
         group = (shape[-1] if shape else 1) if scaling == "token" else block_size
-        spans = _spans(scales.size, CHUNK_ELEMENTS // max(group, 1))
+        spans = _spans(scales.size, CHUNK_ELEMENTS // max(group, 1), threads)
         _run([lambda s=s, e=e: kernels.dequantize_groups(codes, tag, scales, group, dst, s, e) for s, e in spans], threads)

@@ -154,8 +154,11 @@ class Fp8Codec:
         scales = stored.view(np.float32) if header.scale_dtype == "float32" else np.empty(header.num_scales, np.float32)
         codes = frame.codes_of(buf, header)
         options = (self.scale_dtype, self.scale_choice)
+        codes_crc = None  # the CRC-32C of the codes, where the kernels' threads took it
         if x.device.type == "cpu":
-            nonfinite = cpu.quantize(x.contiguous(), self.fmt, self.scaling, self.block_size, codes, scales, *options, threads)
+            nonfinite, codes_crc = cpu.quantize_checksummed(
+                x.contiguous(), self.fmt, self.scaling, self.block_size, codes, scales, *options, threads
+            )
         else:
             ref_codes, ref_scales, nonfinite = reference.quantize(
                 x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep", *options
@@ -166,7 +169,7 @@ class Fp8Codec:
             stored.view("<u2")[:] = scales.view(np.uint32) >> 16  # exact: the low 16 bits are zero
         if nonfinite and self.nonfinite == "error":
             _raise_nonfinite(x, nonfinite)
-        frame.seal(buf)
+        frame.seal(buf, None if codes_crc is None else (header.codes_offset, codes_crc))
         return memoryview(buf)
 
     def decode(self, data, *, out: torch.Tensor | None = None, device=None, threads: int | None = None) -> torch.Tensor:

@@ -27,11 +27,11 @@ import math
 import struct
 from dataclasses import dataclass
 
-import crc32c
 import numpy as np
 import torch
 
 from ..errors import BadInputError, CorruptFrameError
+from . import checksum
 from .formats import (
     DTYPES,
     DTYPES_BY_CODE,
@@ -131,10 +131,18 @@ def write_header(buf: np.ndarray, header: FrameHeader) -> None:
     buf[: header.scales_offset] = np.frombuffer(fixed + shape, dtype=np.uint8)
 
 
-def seal(buf: np.ndarray) -> None:
-    """Write the CRC-32C of everything before the last 4 bytes into them."""
+def seal(buf: np.ndarray, tail: tuple[int, int] | None = None) -> None:
+    """Write the CRC-32C of everything before the last 4 bytes into them. ``tail``: ``(offset,
+    crc)``, the CRC-32C of the bytes from ``offset`` up to the checksum when the caller has
+    it (the encoder's threads take that of the codes they write): only the bytes before
+    ``offset`` are read then, and the two CRCs combined (:mod:`.checksum`)."""
     body = buf[:-CHECKSUM_BYTES]
-    buf[-CHECKSUM_BYTES:] = np.frombuffer(struct.pack("<I", crc32c.crc32c(body)), dtype=np.uint8)
+    if tail is None:
+        crc = checksum.crc32c(body)
+    else:
+        offset, tail_crc = tail
+        crc = checksum.combine(checksum.crc32c(body[:offset]), tail_crc, body.size - offset)
+    buf[-CHECKSUM_BYTES:] = np.frombuffer(struct.pack("<I", crc), dtype=np.uint8)
 
 
 def as_byte_array(frame) -> np.ndarray:
@@ -225,7 +233,7 @@ def parse(buf: np.ndarray) -> FrameHeader:
     except ValueError as exc:
         raise CorruptFrameError(f"frame header: {exc}") from None
     stored = struct.unpack("<I", buf[-CHECKSUM_BYTES:].tobytes())[0]
-    actual = crc32c.crc32c(buf[:-CHECKSUM_BYTES])
+    actual = checksum.crc32c(buf[:-CHECKSUM_BYTES])
     if stored != actual:
         raise CorruptFrameError(f"frame checksum mismatch: stored crc32c {stored:#010x}, computed {actual:#010x}")
     return header

@@ -218,6 +218,29 @@ def test_group_kernels_match_reference_on_adversarial_groups(fmt_name, dtype, sc
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("choice", SCALE_CHOICES)
+def test_groups_encoded_in_pairs_match_reference_whatever_their_neighbour(fmt_name, dtype, choice):
+    """Whole groups are encoded two at a time, in the same loops: every adversarial group
+    beside every other (and itself), a NaN and an inf beside finite groups, an odd number
+    of groups (the last one alone), each as blocks of 32 and of 16, equals the reference."""
+    fmt = FORMATS[fmt_name]
+    groups = [ADVERSARIAL_GROUPS[name](fmt)[:32] for name in ADVERSARIAL_GROUPS]
+    groups = [torch.cat([g, g.flip(0)])[:32] for g in groups]  # each 32 elements
+    groups.append(torch.cat([torch.tensor([float("nan"), float("inf")]), torch.linspace(-2, 2, 30)]))
+    x = torch.cat([torch.cat([a, b]) for a in groups for b in groups] + [groups[1]])  # an odd count of groups
+    if dtype != torch.float32:
+        x = torch.where(x.isfinite(), x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max), x)
+    x = x.to(dtype)
+    for block in (32, 16):
+        codes, scales, bad = fast_quantize(x, fmt, "block", block, "bfloat16", choice)
+        ref_codes, ref_scales, ref_bad = reference.quantize(x, fmt, "block", block, True, "bfloat16", choice)
+        assert torch.equal(codes, ref_codes), block
+        assert bad == ref_bad == 2 * 2 * len(groups)  # the NaN and inf group: once in each pair with it
+        assert_same_bits(scales, ref_scales)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
 def test_group_kernels_match_reference_on_every_bf16_value(fmt_name):
     """Every finite bf16 value, shuffled into blocks of 32 under each scale dtype: every
     exponent the search's rounding meets, in groups of every spread."""

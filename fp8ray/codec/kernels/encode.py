@@ -6,7 +6,7 @@ import numpy as np
 from numba import njit
 
 from .bits import _bits_to_f32, _encode_params, _finite_key, _fp8_code, _load, scale_from_amax
-from .vectors import LANES, encode_group_amax
+from .vectors import LANES, encode_group_amax, encode_pair_amax
 
 
 @njit(inline="always", error_model="numpy")
@@ -79,24 +79,36 @@ def quantize_groups(x, codes, scales, group, group_start, group_stop, tag, mask)
     """Per-group amax, scale and codes for contiguous groups of ``group`` elements.
 
     One read of each group from memory: the second pass over a group hits the cache. A
-    group of a multiple of 16 elements is encoded in vectors whole (:mod:`.vectors`).
+    group of a multiple of 16 elements is encoded in vectors whole (:mod:`.vectors`), two
+    such groups at a time where they follow each other (their dependent steps overlap).
     """
     p = _encode_params(tag)
     n = x.size
     fmax = p[0]
     bad = 0
-    for g in range(group_start, group_stop):
+    g = group_start
+    while g < group_stop:
         start = g * group
         stop = min(start + group, n)
         xs = x[start:stop]
+        if xs.size % LANES == 0 and g + 1 < group_stop and stop + group <= n:  # two whole groups
+            after = stop + group
+            first, second, count = encode_pair_amax(xs, codes[start:stop], x[stop:after], codes[stop:after], mask, p)
+            scales[g] = first
+            scales[g + 1] = second
+            bad += count
+            g += 2
+            continue
         if xs.size % LANES == 0:
             scale, count = encode_group_amax(xs, codes[start:stop], mask, p)
             scales[g] = scale
             bad += count
+            g += 1
             continue
         scale = scale_from_amax(_bits_to_f32(np.int64(_span_key(xs))), fmax, mask)
         scales[g] = scale
         bad += _quantize_span(xs, codes[start:stop], scale, p)
+        g += 1
     return bad
 
 

@@ -22,7 +22,20 @@ from numba.extending import intrinsic
 from ...errors import InvalidOptionError
 from .bits import _F32, _I32, _bits_to_f32, _encode_params, _i32, _load
 from .encode import _quantize_span, _span_key
-from .vectors import ENCODED, INF_BITS, LANES, VF, VI, candidate_scales, emit_encode_group, halve, is_source, splat
+from .vectors import (
+    ENCODED,
+    ENCODED_PAIR,
+    INF_BITS,
+    LANES,
+    VF,
+    VI,
+    candidate_scales,
+    emit_encode_group,
+    emit_encode_pair,
+    halve,
+    is_source,
+    splat,
+)
 
 SEARCH_WIDTH = 8  # candidates per search: e4m3fn's 8; fewer are padded (see pad_candidates)
 _WF = ir.VectorType(_F32, SEARCH_WIDTH)
@@ -46,28 +59,38 @@ def pad_candidates(divisors: tuple[float, ...], fmax: float) -> np.ndarray:
     return np.array(divisors + divisors[-1:] * (SEARCH_WIDTH - len(divisors)), dtype=np.float32)
 
 
-def _emit_best_scale(builder, chunks, load_magnitudes, amax, divisors_ptr, mask, params):
-    """IR: the first of the scales ``amax / divisors[k]`` with the least search error over
-    the group whose 16-element chunk ``i`` has the magnitudes ``load_magnitudes(i)``
-    (|x|, non-finite as 0; zero past the group's end)."""
-    scales = candidate_scales(builder, amax, builder.load(builder.bitcast(divisors_ptr, _WF.as_pointer()), align=4), mask)
-    reciprocals = builder.fdiv(ir.Constant(_WF, [1.0] * SEARCH_WIDTH), scales)
+def _emit_best_scales(builder, chunks, magnitude_loaders, amaxes, divisors_ptr, mask, params):
+    """IR: for each group, the first of the scales ``amax / divisors[k]`` with the least
+    search error over the group whose 16-element chunk ``i`` has the magnitudes
+    ``magnitude_loaders[group](i)`` (|x|, non-finite as 0; zero past the group's end).
+    The groups (of as many chunks each) share one loop, so their chains overlap."""
+    divisors = builder.load(builder.bitcast(divisors_ptr, _WF.as_pointer()), align=4)
     exponent_to_magic = splat(builder, builder.shl(builder.trunc(builder.extract_value(params, 1), _I32), _i32(23)), VI)
     subnormal_magic = splat(builder, builder.trunc(builder.extract_value(params, 4), _I32), VI)
-    r = [splat(builder, builder.extract_element(reciprocals, _i32(k)), VF) for k in range(SEARCH_WIDTH)]
-    # Sums start at -0.0, which LLVM may drop from the first addition (+0.0 it may not,
-    # as -0.0 + +0.0 is +0.0); the terms are squares, so the sums are the same.
-    sums = [cgutils.alloca_once_value(builder, ir.Constant(VF, [-0.0] * LANES)) for _ in range(SEARCH_WIDTH)]
+    scales, r, sums = [], [], []
+    for amax in amaxes:
+        scales.append(candidate_scales(builder, amax, divisors, mask))
+        reciprocals = builder.fdiv(ir.Constant(_WF, [1.0] * SEARCH_WIDTH), scales[-1])
+        r.append([splat(builder, builder.extract_element(reciprocals, _i32(k)), VF) for k in range(SEARCH_WIDTH)])
+        # Sums start at -0.0, which LLVM may drop from the first addition (+0.0 it may not,
+        # as -0.0 + +0.0 is +0.0); the terms are squares, so the sums are the same.
+        sums.append([cgutils.alloca_once_value(builder, ir.Constant(VF, [-0.0] * LANES)) for _ in range(SEARCH_WIDTH)])
     with cgutils.for_range(builder, chunks) as loop:
-        x = load_magnitudes(loop.index)
-        for k in range(SEARCH_WIDTH):
-            q = builder.fmul(x, r[k])  # no clamp needed: see pad_candidates
-            # q rounded to the fp8 grid: q + m - m, m the power of two whose fp32 ulp is
-            # the grid's spacing at q (2**shift times q's binade; the subnormal magic below it).
-            m = builder.add(builder.and_(builder.bitcast(q, VI), ir.Constant(VI, [INF_BITS] * LANES)), exponent_to_magic)
-            m = builder.bitcast(builder.select(builder.icmp_signed(">", m, subnormal_magic), m, subnormal_magic), VF)
-            d = builder.fsub(builder.fsub(builder.fadd(q, m), m), q)
-            builder.store(builder.fadd(builder.load(sums[k]), builder.fmul(d, d)), sums[k])
+        for load_magnitudes, group_r, group_sums in zip(magnitude_loaders, r, sums):
+            x = load_magnitudes(loop.index)
+            for k in range(SEARCH_WIDTH):
+                q = builder.fmul(x, group_r[k])  # no clamp needed: see pad_candidates
+                # q rounded to the fp8 grid: q + m - m, m the power of two whose fp32 ulp is
+                # the grid's spacing at q (2**shift times q's binade; the subnormal magic below it).
+                m = builder.add(builder.and_(builder.bitcast(q, VI), ir.Constant(VI, [INF_BITS] * LANES)), exponent_to_magic)
+                m = builder.bitcast(builder.select(builder.icmp_signed(">", m, subnormal_magic), m, subnormal_magic), VF)
+                d = builder.fsub(builder.fsub(builder.fadd(q, m), m), q)
+                builder.store(builder.fadd(builder.load(group_sums[k]), builder.fmul(d, d)), group_sums[k])
+    return [_least_error(builder, group_scales, group_sums) for group_scales, group_sums in zip(scales, sums)]
+
+
+def _least_error(builder, scales, sums):
+    """IR: the first of ``scales`` whose lane sums ``sums`` (halved to one) give the least error."""
     totals = ir.Constant(_WF, ir.Undefined)
     for k in range(SEARCH_WIDTH):
         totals = builder.insert_element(totals, halve(builder, builder.load(sums[k]), builder.fadd), _i32(k))
@@ -98,7 +121,7 @@ def _best_scale(typingctx, magnitudes, amax, divisors, mask, p):
         data = builder.bitcast(mag_array.data, VF.as_pointer())
         chunks = builder.udiv(builder.extract_value(mag_array.shape, 0), ir.Constant(ir.IntType(64), LANES))
         load = lambda i: builder.load(builder.gep(data, [i]), align=4)  # noqa: E731
-        return _emit_best_scale(builder, chunks, load, amax, div_array.data, mask, params)
+        return _emit_best_scales(builder, chunks, [load], [amax], div_array.data, mask, params)[0]
 
     return types.float32(magnitudes, amax, divisors, mask, p), codegen
 
@@ -114,12 +137,31 @@ def _encode_full_group(typingctx, xs, codes, divisors, mask, p):
         divisors = context.make_array(signature.args[2])(context, builder, args[2]).data
         mask, params = args[3], args[4]
 
-        def choose(amax, chunks, load_magnitudes):
-            return _emit_best_scale(builder, chunks, load_magnitudes, amax, divisors, mask, params)
+        def choose(amaxes, chunks, magnitude_loaders):
+            return _emit_best_scales(builder, chunks, magnitude_loaders, amaxes, divisors, mask, params)
 
         return emit_encode_group(context, builder, signature, args, choose)
 
     return ENCODED(xs, codes, divisors, mask, p), codegen
+
+
+@intrinsic
+def _encode_full_pair(typingctx, xs, codes, xs2, codes2, divisors, mask, p):
+    """Two groups of the same multiple of 16 elements, each under its searched scale, in
+    the same loops (:func:`.vectors.emit_encode_pair`): (first scale, second, non-finite inputs)."""
+    if not (is_source(xs) and xs2 == xs and isinstance(codes, types.Array) and codes2 == codes):
+        return None
+
+    def codegen(context, builder, signature, args):
+        divisors = context.make_array(signature.args[4])(context, builder, args[4]).data
+        mask, params = args[5], args[6]
+
+        def choose(amaxes, chunks, magnitude_loaders):
+            return _emit_best_scales(builder, chunks, magnitude_loaders, amaxes, divisors, mask, params)
+
+        return emit_encode_pair(context, builder, signature, args, choose)
+
+    return ENCODED_PAIR(xs, codes, xs2, codes2, divisors, mask, p), codegen
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -131,14 +173,23 @@ def quantize_groups_search(x, codes, scales, group, group_start, group_stop, tag
     inf = np.float32(np.inf)
     magnitudes = np.zeros(-(-group // LANES) * LANES, dtype=np.float32)
     bad = 0
-    for g in range(group_start, group_stop):
+    g = group_start
+    while g < group_stop:
         start = g * group
         stop = min(start + group, n)
         xs = x[start:stop]
+        if xs.size % LANES == 0 and g + 1 < group_stop and stop + group <= n:  # two whole groups
+            pair = _encode_full_pair(xs, codes[start:stop], x[stop : stop + group], codes[stop : stop + group], divisors, mask, p)
+            scales[g] = pair[0]
+            scales[g + 1] = pair[1]
+            bad += pair[2]
+            g += 2
+            continue
         if xs.size % LANES == 0:
             scale, count = _encode_full_group(xs, codes[start:stop], divisors, mask, p)
             scales[g] = scale
             bad += count
+            g += 1
             continue
         for i in range(xs.size):
             v = abs(_load(xs, i))
@@ -148,4 +199,5 @@ def quantize_groups_search(x, codes, scales, group, group_start, group_stop, tag
         scale = _best_scale(magnitudes, _bits_to_f32(np.int64(_span_key(xs))), divisors, mask, p)
         scales[g] = scale
         bad += _quantize_span(xs, codes[start:stop], scale, p)
+        g += 1
     return bad
