@@ -48,6 +48,13 @@ def add_commands(commands) -> None:
     compress.add_argument(
         "--overwrite", action="store_true", help="replace an existing destination (never one that overlaps the source)"
     )
+    compress.add_argument(
+        "--lmcache-layout",
+        metavar="DTYPE:SHAPE",
+        help="SOURCE is an LMCache filesystem store (its base_path) whose chunks have this layout, e.g. "
+        "bfloat16:2,30,256,192: every chunk file (raw, fp8 or fp8ray form; flat or in hash-prefix folders) is archived "
+        "under its name",
+    )
     _provenance_flags(compress, "", "record in the manifest the {} the cache was made for")
     engine_arguments(compress)
     compress.set_defaults(handler=run_compress)
@@ -73,6 +80,12 @@ def add_commands(commands) -> None:
         help="replace an existing output directory even if it holds other files, deleting them (named first)",
     )
     decompress.add_argument("--parents", action="store_true", help="create the output's missing parent directories")
+    decompress.add_argument(
+        "--lmcache-form",
+        choices=("raw", "fp8ray"),
+        help="an archive of an LMCache store (compress --lmcache-layout) comes back as a store directory: raw chunk files "
+        "(LMCache with no serde) or the archive's fp8ray frames (LMCache's fp8ray serde in the archive's options)",
+    )
     _provenance_flags(decompress, "expect-", "refuse an archive that does not record this {} (from compress)")
     engine_arguments(decompress)
     decompress.set_defaults(handler=run_decompress)
@@ -100,9 +113,13 @@ def _finish(args, bar, report, summary: str) -> None:
 def run_compress(args) -> int:
     from ..engine.archives import compress_archive
     from ..io.blocks import list_blocks
+    from ..io.store_source import scan_store_source
 
     options = codec_options(args)  # bad options fail before Ray starts
-    bar, update = progress(args, lambda: len(list_blocks(args.source)))
+    if args.lmcache_layout is None:
+        bar, update = progress(args, lambda: len(list_blocks(args.source)))
+    else:
+        bar, update = progress(args, lambda: len(scan_store_source(args.source, args.lmcache_layout)[1]))
     report = compress_archive(
         args.source,
         args.destination,
@@ -116,6 +133,7 @@ def run_compress(args) -> int:
         lossless=args.lossless,
         progress=update,
         provenance=_provenance(args),
+        lmcache_layout=args.lmcache_layout,
     )
     _finish(
         args,
@@ -167,15 +185,18 @@ def run_decompress(args) -> int:
         progress=update,
         announce=warn,
         expect=_provenance(args, "expect_"),
+        lmcache_form=args.lmcache_form,
     )
+    as_store = f" as {args.lmcache_form} LMCache chunk files" if args.lmcache_form else ""
+    serde = f'; LMCache\'s fs adapter loads it with "serde": {json.dumps(report.lmcache_serde)}' if report.lmcache_serde else ""
     _finish(
         args,
         bar,
         report,
         (
             f"decompressed {report.blocks} blocks ({report.raw_bytes / 2**20:.1f} MiB) "
-            f"into {report.files} file(s) at {report.output}, "
-            f"{report.output_gbps:.2f} GB/s of output on {args.workers} workers"
+            f"into {report.files} file(s){as_store} at {report.output}, "
+            f"{report.output_gbps:.2f} GB/s of output on {args.workers} workers{serde}"
         ),
     )
     return 0

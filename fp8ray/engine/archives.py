@@ -21,6 +21,7 @@ from ..io import archive
 from ..io.archive import DEFAULT_LOSSLESS, DEFAULT_PART_BYTES
 from ..io.blocks import scan_source
 from ..io.destinations import check_output, clean_temporaries, prepare_destination, undo_compress
+from ..io.lmcache_store import Layout
 from ..io.paths import (
     check_apart,
     name_list,
@@ -35,7 +36,9 @@ from ..io.paths import (
 )
 from ..io.provenance import Provenance, check_provenance
 from ..io.restore import plan_restore
+from ..io.store_source import scan_store_source
 from .pool import PoolSettings, QuantPool, check_pool, use_pool
+from .stores import check_store_restore, restored_serde
 from .worker import QuantWorker
 
 Progress = Callable[[int], None]  # called with the number of blocks just finished
@@ -80,6 +83,7 @@ class DecompressReport:
     files: int
     nodes: int = 0  # distinct Ray nodes that wrote files
     deleted: list[str] = field(default_factory=list)  # what --force-replace deleted that the archive does not describe
+    lmcache_serde: dict | None = None  # a store given back as fp8ray files: the "serde" LMCache loads them with
 
     @property
     def output_gbps(self) -> float:
@@ -105,10 +109,11 @@ class VerifyReport:
         return {**asdict(self), "ok": self.ok}
 
 
-def _scan_compressible(source: str, strict: bool = False):
+def _scan_compressible(source: str, strict: bool = False, lmcache_layout: Layout | str | None = None):
     """The source's layout and blocks, refused before anything is written if it holds no
-    tensor, or one no frame can hold, or (``strict``) anything it does not take."""
-    layout, refs = scan_source(source)
+    tensor, or one no frame can hold, or (``strict``) anything it does not take.
+    ``lmcache_layout``: the source is an LMCache store of chunks of that layout."""
+    layout, refs = scan_source(source) if lmcache_layout is None else scan_store_source(source, lmcache_layout)
     if strict and layout.skipped:
         raise SourceError(
             f"source {redact(source)} holds {len(layout.skipped)} entr{'y' if len(layout.skipped) == 1 else 'ies'} "
@@ -153,6 +158,7 @@ def compress_archive(
     progress: Progress | None = None,
     pool: QuantPool | PoolSettings | None = None,
     provenance: Provenance | Mapping[str, str] | None = None,
+    lmcache_layout: Layout | str | None = None,
     **codec_options,
 ) -> CompressReport:
     """Compress a safetensors file, a directory of them or a raw-block Parquet archive
@@ -185,13 +191,21 @@ def compress_archive(
     or a mapping of its fields: ``model``, ``revision``, ``kv_layout``), recorded in the
     manifest for ``open_archive(..., expect=...)`` and ``decompress_archive(expect=...)``
     to check. None given: the manifest records none.
+
+    ``lmcache_layout``: the source is an LMCache filesystem store (a local directory)
+    whose chunks are of this layout (``"bfloat16:2,30,256,192"``,
+    :class:`~fp8ray.io.lmcache_store.Layout`): every chunk file, raw or in the ``fp8`` or
+    ``fp8ray`` serde's form, flat or in hash-prefix folders, becomes one block, recorded
+    under its path in the store (:mod:`fp8ray.io.store_source`); ``decompress_archive``
+    with ``lmcache_form`` gives the store back.
     """
     codec = CodecOptions.parse(codec_options, base=options)  # bad options fail before any work
     made_for = Provenance.parse(provenance)
     check_pool(pool)
     archive.parse_lossless(lossless)
     check_apart(source, destination)
-    layout, refs = _scan_compressible(source, strict)
+    layout, refs = _scan_compressible(source, strict, lmcache_layout)
+    compress_part = QuantWorker.compress_part if lmcache_layout is None else QuantWorker.compress_store_part
     parts = archive.plan_parts(refs, part_bytes)
     try:
         dest = prepare_destination(destination, resume, overwrite, parents)
@@ -221,7 +235,7 @@ def compress_archive(
         with use_pool(pool) as running:
             start = time.perf_counter()
             tasks = ((parts[i], codec, work_uri, i, lossless) for i in todo)
-            for i, result in zip(todo, running.map(QuantWorker.compress_part, tasks, on_result=count_finished)):
+            for i, result in zip(todo, running.map(compress_part, tasks, on_result=count_finished)):
                 infos[i] = result.info
                 devices.add(result.device)
                 nodes.add(result.node_id)
@@ -275,6 +289,7 @@ def decompress_archive(
     pool: QuantPool | PoolSettings | None = None,
     announce: Callable[[str], None] | None = None,
     expect: Provenance | Mapping[str, str] | None = None,
+    lmcache_form: str | None = None,
 ) -> DecompressReport:
     """Give back what was compressed: the source's own files at ``output`` (a directory of
     the same files, keys, order and metadata; a single file; a raw-block Parquet file with
@@ -291,12 +306,20 @@ def decompress_archive(
     (some of ``model``, ``revision``, ``kv_layout``); an archive made for anything else,
     or recording none, is refused with a :class:`~fp8ray.errors.MismatchError` naming
     the field, before any work.
+
+    ``lmcache_form``: an archive of an LMCache store (``compress_archive(...,
+    lmcache_layout=...)``) comes back as a store at ``output``, the same file names in the
+    same folders, each file ``"raw"`` (the layout's dtype: an LMCache with no serde loads
+    it) or ``"fp8ray"`` (the archive's frames as they are: the fp8ray serde in the
+    archive's codec options loads it; ``lmcache_serde`` in the report). An archive of a
+    store needs one (or ``single_file``); any other archive refuses one.
     """
     check_pool(pool)
     expect = Provenance.parse(expect)  # a bad field name fails before anything is read
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path, archive_uri)
     check_provenance(manifest.provenance, expect, f"archive {redact(archive_uri)}")
+    check_store_restore(manifest, lmcache_form, single_file, redact(archive_uri))
     check_apart(archive_uri, output)
     columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key", "dtype", "shape"], archive_uri)
     out_fs, out_path = resolve(output)
@@ -313,13 +336,18 @@ def decompress_archive(
     except OSError as exc:
         raise DestinationError(f"cannot write output {redact(output)}: {os_reason(exc)}") from None
     report = DecompressReport(redact(archive_uri), redact(output), 0, 0, 0.0, 0, deleted=foreign)
+    report.lmcache_serde = restored_serde(manifest, lmcache_form)
     nodes = set()
     try:
         with use_pool(pool) as running:
             start = time.perf_counter()
             scratch_uri = uri_for(output, scratch)
             tasks = ((archive_uri, {i: manifest.parts[i] for i in t.parts}, t, scratch_uri) for t in plan.tasks)
-            for result in running.map(QuantWorker.restore_files, tasks):
+            if lmcache_form is not None:  # a store's chunk files, in the form asked for
+                results = running.map(QuantWorker.restore_store_files, ((*task, lmcache_form) for task in tasks))
+            else:
+                results = running.map(QuantWorker.restore_files, tasks)
+            for result in results:
                 report.files += result.files
                 report.blocks += result.blocks
                 report.raw_bytes += result.raw_bytes

@@ -14,6 +14,10 @@ actors, a shard of files per call; docs/LMCACHE.md has the contract.
 Nothing is written at the destination until every file is converted: workers write into
 a temporary directory beside it, which is renamed into place at the end, and removed if
 anything failed. Nothing read is modified.
+
+A store is also an archive's source and an archive's output, through ``compress_archive``
+and ``decompress_archive`` (:mod:`fp8ray.engine.archives`, keywords ``lmcache_layout``
+and ``lmcache_form``); what they check of a store archive is :func:`check_store_restore`.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ..io.lmcache_store import (
     FP8,
     FRAMES,
     RAW,
+    STORE_KIND,
     ChunkFile,
     Layout,
     StoreScan,
@@ -56,12 +61,14 @@ from ..io.paths import (
     temporary_name,
 )
 from ..io.provenance import Provenance, check_provenance
+from ..io.records import Manifest
 from ..lmcache.store_files import StoreConversion
 from .pool import PoolSettings, QuantPool, check_pool, use_pool
 from .worker import QuantWorker
 
 SHARD_BYTES = 64 << 20  # input bytes per worker call
 SERDES = (FP8, FRAMES)  # the forms compress_store writes: LMCache's serde types
+RESTORE_FORMS = (RAW, FRAMES)  # the forms an archive of a store comes back in
 
 
 @dataclass
@@ -147,7 +154,7 @@ def _check_models(scan: StoreScan, expect_model: str | None, source: str) -> Non
         return
     expect = Provenance(model=expect_model)  # an empty or unprintable name is refused here
     for chunk in scan.chunks:
-        made_for = Provenance(model=parse_chunk_name(chunk.name).model)
+        made_for = Provenance(model=parse_chunk_name(os.path.basename(chunk.name)).model)
         if made_for != expect:
             check_provenance(made_for, expect, f"chunk file {printable(chunk.name)} of store {printable(source)}")
 
@@ -250,3 +257,44 @@ def compress_store(source: str, destination: str, layout: Layout | str, serde: s
 def decompress_store(source: str, destination: str, layout: Layout | str, **options) -> StoreReport:
     """An LMCache store of ``fp8`` or ``fp8ray`` chunk files -> raw chunk files in the layout's dtype."""
     return convert_store(source, destination, layout, RAW, **options)
+
+
+def check_store_restore(manifest: Manifest, lmcache_form: str | None, single_file: bool, archive: str) -> None:
+    """Refuse, before any work, a decompress that cannot give a store back as asked: an
+    ``lmcache_form`` other than ``"raw"`` or ``"fp8ray"``, or given for an archive not made
+    from a store, or with ``single_file``; and an archive of a store decompressed with
+    neither (its chunk files would not be what any LMCache loads)."""
+    kind = manifest.layout.kind if manifest.layout is not None else "safetensors"
+    if lmcache_form is None:
+        if kind == STORE_KIND and not single_file:
+            raise BadInputError(
+                f"archive {archive} holds an LMCache store ({manifest.blocks} chunk files): pass --lmcache-form raw "
+                "(for an LMCache with no serde) or fp8ray (for the fp8ray serde), or --single-file for one "
+                ".safetensors file",
+                field="lmcache_form",
+            )
+        return
+    if lmcache_form not in RESTORE_FORMS:
+        raise InvalidOptionError(
+            f"--lmcache-form must be one of {list(RESTORE_FORMS)}, got {lmcache_form!r}", field="lmcache_form"
+        )
+    if single_file:
+        raise InvalidOptionError(
+            "--lmcache-form gives back a store directory; it does not go with --single-file", field="lmcache_form"
+        )
+    if kind != STORE_KIND:
+        raise BadInputError(
+            f"archive {archive} was not made from an LMCache store (its source was {kind} files): --lmcache-form "
+            "applies only to archives compressed with --lmcache-layout",
+            field="lmcache_form",
+        )
+
+
+def restored_serde(manifest: Manifest, lmcache_form: str) -> dict | None:
+    """The ``"serde"`` an LMCache ``fs`` adapter needs to load a store given back in
+    ``lmcache_form`` (None: raw, no serde): the fp8ray serde in the archive's codec
+    options, whose frames the files are as they were archived (LMCache reads a file
+    into a buffer of the serde's exact size, so the options must be the archive's)."""
+    if lmcache_form != FRAMES:
+        return None
+    return {"type": FRAMES, **manifest.options.as_dict()}

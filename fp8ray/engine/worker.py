@@ -40,7 +40,7 @@ from ..io import archive
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
 from ..io.restore import RestoreTask
-from ..lmcache.store_files import ConvertedFile, convert_files
+from ..lmcache.store_files import ConvertedFile, convert_files, encode_chunk_files, restore_chunk_files
 
 
 @dataclass(frozen=True)
@@ -301,6 +301,28 @@ class QuantWorker:
         ``StoreConversion``) says: the job of :mod:`fp8ray.engine.stores`, done by
         :func:`fp8ray.lmcache.store_files.convert_files`."""
         return convert_files(conversion, chunks)
+
+    def compress_store_part(
+        self, refs: list[BlockRef], options: CodecOptions, directory: str, index: int, lossless: str = "none"
+    ) -> PartResult:
+        """:meth:`compress_part` for blocks that are the chunk files of an LMCache store
+        (:mod:`fp8ray.io.store_source`), read in whatever form each is in
+        (:func:`fp8ray.lmcache.store_files.encode_chunk_files`)."""
+        codec = self._codec(options)
+        sizes = frame_sizes(codec, refs)
+        frames = np.empty(sum(sizes), dtype=np.uint8)
+        encode_chunk_files(refs, codec, frames, sizes, self.threads)
+        rows = archive.part_rows(refs, options, sizes, archive.frame_column(frames, sizes))
+        fs, path = resolve(directory)
+        return PartResult(archive.write_part(fs, path, index, rows, lossless), self.device, _node_id())
+
+    def restore_store_files(
+        self, archive_uri: str, parts: dict[int, archive.Part], task: RestoreTask, directory: str, form: str
+    ) -> RestoreResult:
+        """:meth:`restore_files` for an archive of an LMCache store: its chunk files, in
+        the store ``form`` asked for (:func:`fp8ray.lmcache.store_files.restore_chunk_files`)."""
+        done = restore_chunk_files(archive_uri, parts, task, directory, form, self.threads)
+        return RestoreResult(files=done.files, blocks=done.files, raw_bytes=done.raw_bytes, node_id=_node_id())
 
 
 def _split(buffer: np.ndarray, sizes: list[int]) -> list[np.ndarray]:

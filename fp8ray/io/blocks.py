@@ -43,7 +43,7 @@ class BlockRef(BlockSpec):
     ``path`` is the file's local path or URI, ``file`` its name relative to the source;
     ``offset`` is a byte offset into a safetensors file, or a row index into a Parquet file."""
 
-    kind: str  # "safetensors" | "parquet"
+    kind: str  # "safetensors" | "parquet" | "lmcache" (a store's chunk file: fp8ray.io.store_source)
     path: str
     offset: int
     file: str = ""

@@ -7,7 +7,9 @@ lmcache 0.5.6: ``_object_key_to_filename``) keeps one file per chunk, flat in it
 
     <model, '/' -> '-SEP-'>@<kv_rank as 0x%08x>@<object_group_id, hex>@<chunk_hash, hex>[@<cache_salt>].data
 
-The name is the same whatever the adapter's serde; the file holds the bytes the serde
+The name is the same whatever the adapter's serde. LMCache's native filesystem connector
+can also spread the files into hash-prefix folders (its ``hash_subdir_levels``): level
+``i`` is the ``i``-th pair of hex digits of the chunk hash, ``9f/3a/<name>``. The file holds the bytes the serde
 wrote, with no header of LMCache's own. For a chunk of layout ``dtype:shape`` that is
 one of three forms:
 
@@ -17,7 +19,8 @@ one of three forms:
   of that dtype and shape, whose header gives its length.
 
 The conversion itself is :mod:`fp8ray.lmcache.store_files`, run on the engine
-(:mod:`fp8ray.engine.stores`); docs/LMCACHE.md has the contract.
+(:mod:`fp8ray.engine.stores`); a store as an archive's source is
+:mod:`fp8ray.io.store_source`; docs/LMCACHE.md has the contract.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ LAYOUT_DTYPES = DTYPES_BY_NAME  # the dtypes a layout may name: fp8ray's source 
 RAW, FP8, FRAMES = "raw", "fp8", "fp8ray"
 FORMS = (RAW, FP8, FRAMES)  # the forms a chunk file takes (module docstring)
 HEADER_BYTES = MAX_HEADER_BYTES  # enough of a file to read any frame header
+STORE_KIND = "lmcache"  # an archive's source kind (its manifest's layout) for a store
+HEX_DIGITS = frozenset("0123456789abcdef")  # a hash-prefix folder's name: two of them, as chunk names write hashes
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,8 @@ def parse_layout(text: str) -> Layout:
 
 @dataclass(frozen=True)
 class ChunkFile:
-    """A chunk file of a store: its name, its form (one of :data:`FORMS`) and its size."""
+    """A chunk file of a store: its name (relative to the store: ``9f/3a/<name>`` in
+    hash-prefix folders), its form (one of :data:`FORMS`) and its size."""
 
     name: str
     form: str
@@ -180,38 +186,72 @@ def form_of(layout: Layout, size: int, prefix: bytes) -> tuple[str | None, str]:
     return None, f"{size} bytes, the layout {layout} needs {sizes}" + (f"; {malformed}" if malformed else "")
 
 
+def is_hash_folder(name: str) -> bool:
+    """Whether a folder's name is one level of LMCache's hash-prefix folders (two hex digits)."""
+    return len(name) == 2 and set(name) <= HEX_DIGITS
+
+
+def hash_folders(chunk: ChunkName, levels: int) -> str:
+    """The hash-prefix folders of a chunk at ``levels`` levels (``"9f/3a/"``; ``""`` at 0),
+    as LMCache's native filesystem connector (``hash_subdir_levels``) places it."""
+    digits = chunk.chunk_hash.hex()
+    return "".join(f"{digits[2 * i : 2 * i + 2]}/" for i in range(levels))
+
+
 def scan_store(directory: str, layout: Layout) -> StoreScan:
     """Sort the entries of a store directory into chunk files of ``layout`` (by form)
     and skipped ones (not a regular file, a name that is not a chunk name, a file of
-    none of the forms). Like LMCache's FS adapter, only the directory's own entries
-    count (no recursion). Reads the first bytes of a file only when its size is not the
-    fp8 form's (a frame is always longer)."""
+    none of the forms, a chunk in a hash-prefix folder that is not its hash's).
+    LMCache's FS adapter keeps chunks flat in the directory; its native connector may put
+    them in hash-prefix folders (two hex digits a level, :func:`hash_folders`), which are
+    entered, every other folder being skipped. Names are relative to ``directory``, ``/``
+    between parts. Reads the first bytes of a file only when its size is not the fp8
+    form's (a frame is always longer)."""
     scan = StoreScan()
-    with os.scandir(directory) as entries:
-        for entry in sorted(entries, key=lambda e: e.name):
-            if entry.is_symlink():
-                scan.skipped.append({"name": entry.name, "reason": "a symbolic link"})
-                continue
-            if not entry.is_file():
-                scan.skipped.append({"name": entry.name, "reason": "not a regular file (LMCache keeps chunks flat)"})
-                continue
-            try:
-                parse_chunk_name(entry.name)
-            except ValueError as exc:
-                scan.skipped.append({"name": entry.name, "reason": f"not an LMCache chunk name: it {exc}"})
-                continue
-            size = entry.stat().st_size
-            prefix = b""
-            if size != layout.numel:
-                try:
-                    with open(entry.path, "rb") as f:
-                        prefix = f.read(HEADER_BYTES)
-                except OSError as exc:
-                    scan.skipped.append({"name": entry.name, "reason": f"unreadable: {exc.strerror or exc}"})
-                    continue
-            form, reason = form_of(layout, size, prefix)
-            if form is None:
-                scan.skipped.append({"name": entry.name, "reason": reason})
-            else:
-                scan.chunks.append(ChunkFile(entry.name, form, size))
+    _scan_folder(directory, "", layout, scan)
     return scan
+
+
+def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> None:
+    """Scan the folder ``prefix`` (``""``, or hash-prefix folders ending in ``/``) of ``root``."""
+    with os.scandir(os.path.join(root, prefix) if prefix else root) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    if not entries and prefix:
+        scan.skipped.append({"name": prefix, "reason": "an empty hash-prefix folder"})
+    for entry in entries:
+        name = prefix + entry.name
+        if entry.is_symlink():
+            scan.skipped.append({"name": name, "reason": "a symbolic link"})
+            continue
+        if entry.is_dir() and is_hash_folder(entry.name):
+            _scan_folder(root, name + "/", layout, scan)
+            continue
+        if not entry.is_file():
+            scan.skipped.append(
+                {"name": name, "reason": "not a regular file, nor a hash-prefix folder (two hex digits) of chunk files"}
+            )
+            continue
+        try:
+            chunk = parse_chunk_name(entry.name)
+        except ValueError as exc:
+            scan.skipped.append({"name": name, "reason": f"not an LMCache chunk name: it {exc}"})
+            continue
+        if prefix and hash_folders(chunk, prefix.count("/")) != prefix:
+            scan.skipped.append(
+                {"name": name, "reason": f"in folder {prefix}, not its hash's prefix folder: LMCache would not find it there"}
+            )
+            continue
+        size = entry.stat().st_size
+        prefix_bytes = b""
+        if size != layout.numel:
+            try:
+                with open(entry.path, "rb") as f:
+                    prefix_bytes = f.read(HEADER_BYTES)
+            except OSError as exc:
+                scan.skipped.append({"name": name, "reason": f"unreadable: {exc.strerror or exc}"})
+                continue
+        form, reason = form_of(layout, size, prefix_bytes)
+        if form is None:
+            scan.skipped.append({"name": name, "reason": reason})
+        else:
+            scan.chunks.append(ChunkFile(name, form, size))

@@ -17,6 +17,7 @@ from ..codec.bound import bound_constants
 from ..codec.options import CodecOptions
 from ..errors import CorruptArchiveError, InvalidOptionError
 from .blocks import SUFFIXES, SourceLayout
+from .lmcache_store import STORE_KIND
 from .provenance import Provenance, short_repr
 
 ARCHIVE_FORMAT = "fp8ray-archive"
@@ -28,6 +29,7 @@ PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 # What a manifest written before an option existed leaves out, and what it was then.
 LEGACY_CODEC = {"scale_dtype": "float32", "scale_choice": "amax", "nonfinite": "error"}
 CONTAINERS = ("file", "directory")
+SOURCE_KINDS = (*SUFFIXES.values(), STORE_KIND)  # an LMCache store (fp8ray.io.store_source) too
 
 
 # How errors name what a field should have been.
@@ -117,8 +119,8 @@ def _layout(obj: object, label: str) -> SourceLayout:
     """The source's layout a manifest records, checked field by field."""
     field = _Fields(obj, label)
     kind, container = field("kind", str), field("container", str)
-    if kind not in SUFFIXES.values():
-        raise CorruptArchiveError(f"{label}'s 'kind' is {kind!r}, not one of {sorted(SUFFIXES.values())}")
+    if kind not in SOURCE_KINDS:
+        raise CorruptArchiveError(f"{label}'s 'kind' is {kind!r}, not one of {sorted(SUFFIXES.values())} or {STORE_KIND!r}")
     if container not in CONTAINERS:
         raise CorruptArchiveError(f"{label}'s 'container' is {container!r}, not one of {list(CONTAINERS)}")
     for i, entry in enumerate(field("files", list)):

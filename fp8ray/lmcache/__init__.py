@@ -23,7 +23,8 @@ without LMCache's objects: ``serialize_tensors(tensors, buffer) -> int``,
 - :mod:`~fp8ray.lmcache.registry`: :func:`register` (serde type ``"fp8ray"``, with the
   exact size contract where LMCache has one) and the pairs as LMCache's own classes.
 - :mod:`~fp8ray.lmcache.store_files`: converting an LMCache filesystem store's chunk
-  files between forms (the file names, layouts and forms are :mod:`fp8ray.io.lmcache_store`'s).
+  files between forms, and into and out of an archive's frames (the file names, layouts
+  and forms are :mod:`fp8ray.io.lmcache_store`'s).
 """
 
 from .frames import (
