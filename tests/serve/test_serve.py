@@ -452,6 +452,62 @@ def test_health_stats_and_prometheus_metrics(service, ray_session):
     assert 'status="400"' in text
 
 
+def app_actor(ray, name: str):
+    """The app's deployment-scoped actor ``name``, found by name as a replica would."""
+    from ray.util import list_named_actors
+
+    [found] = [a for a in list_named_actors(all_namespaces=True) if a["name"].endswith(name)]
+    return ray.get_actor(found["name"], namespace=found["namespace"])
+
+
+def test_no_per_request_call_to_another_actor_than_the_quantworkers(service, ray_session):
+    """The replica counts its requests itself: the stats actor hears from it now and then
+    (REPORT_INTERVAL_S), not once per request, and the app has no other actor to call."""
+    from ray.util import list_named_actors
+
+    from fp8ray.serve.deployment import STATS_ACTOR, WORKER_PREFIX
+    from fp8ray.serve.stats import REPORT_INTERVAL_S
+
+    client, _ = service
+    # The actors the app made beside its replicas: the QuantWorkers and the stats actor.
+    actors = {a["name"] for a in list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_DEPLOYMENT_ACTOR::fp8ray::")}
+    assert len(actors) == 3 and {n for n in actors if WORKER_PREFIX not in n and not n.endswith(STATS_ACTOR)} == set(), actors
+    stats = app_actor(ray_session, STATS_ACTOR)
+    t = torch.randn(8, 64)
+    body = tensor_to_bytes(t).tobytes()
+    requests = 80
+    before = ray_session.get(stats.report_count.remote())
+    start = time.monotonic()
+    for _ in range(requests):
+        assert client.post("/v1/encode", params=encode_params(t), content=body).status_code == 200
+    elapsed = time.monotonic() - start
+    reports = ray_session.get(stats.report_count.remote()) - before
+    # One report per interval at most (and one in flight at either end), whatever the requests.
+    assert reports <= elapsed / REPORT_INTERVAL_S + 2 < requests, (reports, elapsed)
+    counts = client.get("/v1/stats").json()  # and the read has them all: it reports first
+    assert counts["requests"] >= requests
+
+
+def test_no_access_log_line_per_request(service, ray_session):
+    """Serve writes an access-log line per request in the replica's log unless told not
+    to; the deployment tells it not to."""
+    from ray._private.worker import _global_node
+
+    client, _ = service
+    logs = Path(_global_node.get_logs_dir_path()) / "serve"
+    replica_logs = sorted(logs.glob("replica_fp8ray_Fp8Service_*.log"))
+    assert replica_logs, sorted(p.name for p in logs.iterdir())  # the replica logs there
+
+    def route_lines() -> int:
+        return sum(p.read_text(errors="replace").count("/v1/encode") for p in replica_logs)
+
+    before = route_lines()
+    t = torch.randn(4, 32)
+    for _ in range(20):
+        assert client.post("/v1/encode", params=encode_params(t), content=tensor_to_bytes(t).tobytes()).status_code == 200
+    assert route_lines() == before
+
+
 async def _load(url: str, clients: int, requests: int, blocks: list[tuple[dict, bytes, str]], kill=None) -> dict:
     """``clients`` concurrent clients, ``requests`` each; every answer checked against the
     codec's own frame. Returns counts of each outcome."""
