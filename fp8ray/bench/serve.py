@@ -165,9 +165,9 @@ def _cpu_line(label: str, best: Round) -> str:
 
 def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service_options: dict) -> str:
     """Start a local Ray, the service and the bare app; run both per block size; a table."""
-    from ..serve.environment import apply_serve_environment
-
     import ray
+
+    from ..serve.environment import apply_serve_environment
 
     state = tempfile.mkdtemp(prefix="fp8ray-serve-")
     if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
@@ -210,9 +210,9 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
                 if _digest(answer) != expected:
                     raise AssertionError("the service answered a wrong frame")
 
-            def check_length(answer: bytes, length=len(frame)) -> None:
-                if len(answer) != length:
-                    raise AssertionError(f"the bare app answered {len(answer)} bytes, not {length}")
+            def check_length(answer: bytes, frame=frame) -> None:
+                if len(answer) != len(frame):
+                    raise AssertionError(f"the bare app answered {len(answer)} bytes, not {len(frame)}")
 
             requests = max(16, min(2000, bytes_per_size // len(body)) // ROUNDS)
             serve_params = {"dtype": "bfloat16", "shape": f"{rows},{ROW}", **query}
@@ -221,7 +221,7 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
                 "serve": (serve_url, serve_params, check_frame),
             }
             best: dict[str, Round] = {}
-            for path, (url, params, check) in paths.items():  # warm up
+            for url, params, check in paths.values():  # warm up
                 asyncio.run(_load(url, params, body, min(requests, 2 * concurrency), concurrency, check))
             for _ in range(ROUNDS):
                 for path, (url, params, check) in paths.items():

@@ -83,9 +83,7 @@ api = FastAPI(title="fp8ray", description="fp8 encode/decode of LLM KV-cache blo
 
 # No access-log line per request (Serve's default writes one to the replica's log):
 # the Prometheus metrics and /v1/stats count requests, and a line costs each request.
-@serve.deployment(
-    ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64, logging_config={"enable_access_log": False}
-)
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64, logging_config={"enable_access_log": False})
 @serve.ingress(api)
 class Fp8Service:
     """The ingress replica: request checks, then awaited calls on the shared QuantWorkers."""

@@ -19,7 +19,6 @@ import os
 import socket
 from collections.abc import MutableMapping
 
-MAX_INLINE_BYTES = 17 * 2**20  # a 16 MiB body and its call's own bytes
 # Serve's switches (and one of Ray's), each kept where the environment sets it already.
 SERVE_SWITCHES = {
     # HAProxy in front (it implies direct ingress: each replica serves HTTP itself).
@@ -35,10 +34,10 @@ SERVE_SWITCHES = {
     # shutdown of `fp8ray serve` that long).
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     # Ray's, not Serve's: objects up to this size travel inside the call that passes or
-    # returns them, not through the object store (Ray's default: 100 KiB). A body and its
-    # frame go from the replica to a QuantWorker and back without the raylet's help.
-    "RAY_max_direct_call_object_size": str(MAX_INLINE_BYTES),
-    "RAY_task_rpc_inlined_bytes_limit": str(MAX_INLINE_BYTES),
+    # returns them, not through the object store (Ray's default: 100 KiB), so a body of up
+    # to 2 MiB and its frame go to a QuantWorker and back without the raylet. Larger ones
+    # still go through the store: its one copy costs less than the call's copies of 16 MiB.
+    "RAY_max_direct_call_object_size": str(2 * 2**20),
 }
 # HAProxy's files, by default under /tmp/haproxy-serve: under the run's own directory
 # instead, removed with it.

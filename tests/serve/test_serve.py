@@ -470,7 +470,8 @@ def test_no_per_request_call_to_another_actor_than_the_quantworkers(service, ray
 
     client, _ = service
     # The actors the app made beside its replicas: the QuantWorkers and the stats actor.
-    actors = {a["name"] for a in list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_DEPLOYMENT_ACTOR::fp8ray::")}
+    named = [a["name"] for a in list_named_actors(all_namespaces=True)]
+    actors = {n for n in named if n.startswith("SERVE_DEPLOYMENT_ACTOR::fp8ray::")}
     assert len(actors) == 3 and {n for n in actors if WORKER_PREFIX not in n and not n.endswith(STATS_ACTOR)} == set(), actors
     stats = app_actor(ray_session, STATS_ACTOR)
     t = torch.randn(8, 64)
