@@ -65,6 +65,14 @@ HEALTH_TIMEOUT_S = 10.0
 # The __metadata__ key that marks a safetensors body of frames, beside the body's own keys.
 FRAMES_MARK = "fp8ray"
 BLOCK_PARAMS = ("archive", "key", "file")  # the query of GET /v1/archive/block
+BATCH_BLOCKS = 16  # raw requests answered by one round of QuantWorker calls, at most
+
+
+def _answer_of(answer):
+    """A batched request's own answer, or the exception it raised, raised here."""
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
 
 
 def _refusal_response(status: int, message: str, field: str | None) -> JSONResponse:
@@ -144,6 +152,45 @@ class Fp8Service:
         groups = split(items, self.num_workers)
         results = await asyncio.gather(*(self._call(method, group, *extra) for group in groups))
         return [r for group in results for r in group]
+
+    # Raw bodies, one block each, that arrive together go to the workers together: a
+    # QuantWorker call costs the replica and the worker about a millisecond of CPU each
+    # (BENCHMARKS.md, "Serve at the HTTP limit"), its codec work for 64 KiB 0.1 ms.
+    # No wait for company: a batch is what is queued when the last one has left.
+    @serve.batch(max_batch_size=BATCH_BLOCKS, batch_wait_timeout_s=0.0, max_concurrent_batches=2)
+    async def _encode_one(self, requests: list[tuple[Block, object]]) -> list:
+        """Each ``(block, options)``'s ``(frame, meta)``, or the exception it raised."""
+        by_options: dict = {}
+        for index, (block, options) in enumerate(requests):
+            by_options.setdefault(options, []).append((index, block))
+        answers: list = [None] * len(requests)
+        groups = list(by_options.items())
+        results = await asyncio.gather(
+            *(self._batch(QuantWorker.encode_batch, [b for _, b in group], options) for options, group in groups)
+        )
+        for (_, group), answered in zip(groups, results):
+            for (index, _), answer in zip(group, answered):
+                answers[index] = answer
+        return answers
+
+    @serve.batch(max_batch_size=BATCH_BLOCKS, batch_wait_timeout_s=0.0, max_concurrent_batches=2)
+    async def _decode_one(self, frames: list[tuple[str, np.ndarray]]) -> list:
+        """Each ``(key, frame)``'s ``(raw, meta)``, or the exception it raised."""
+        return await self._batch(QuantWorker.decode_batch, frames)
+
+    async def _batch(self, method: Callable, items: list, *extra) -> list:
+        """``method`` over ``items`` of several requests (spread over the workers); where a
+        call fails on its data, its items once more one by one, so that each request gets
+        its own answer or its own error, never another request's."""
+        try:
+            return await self._map(method, items, *extra)
+        except WorkersUnavailableError:
+            raise
+        except Exception:
+            if len(items) == 1:
+                raise
+        answers = await asyncio.gather(*(self._call(method, [item], *extra) for item in items), return_exceptions=True)
+        return [a if isinstance(a, BaseException) else a[0] for a in answers]
 
     def _record(self, **deltas: int) -> None:
         """Count in this replica; :meth:`_report_loop` reports the totals now and then."""
@@ -276,9 +323,7 @@ class Fp8Service:
             return Response(build_body(frames, {**metadata, FRAMES_MARK: "frames"}), media_type=SAFETENSORS)
         options = codec_options(params, ignore=("dtype", "shape"))
         dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
-        [(f, meta)] = await self._call(
-            QuantWorker.encode_batch, [Block("body", dtype, shape, np.frombuffer(body, dtype=np.uint8))], options
-        )
+        f, meta = _answer_of(await self._encode_one((Block("body", dtype, shape, np.frombuffer(body, dtype=np.uint8)), options)))
         return Response(f.tobytes(), media_type=OCTET_STREAM, headers={"X-Fp8ray-Device": meta.device})
 
     async def _decode_body(self, request: Request, body: bytes) -> Response:
@@ -291,7 +336,7 @@ class Fp8Service:
             tensors = [(meta.key, meta.dtype, meta.shape, raw) for raw, meta in results]
             kept = {k: v for k, v in metadata.items() if k != FRAMES_MARK}
             return Response(build_body(tensors, kept or None), media_type=SAFETENSORS)
-        [(raw, meta)] = await self._call(QuantWorker.decode_batch, [("body", np.frombuffer(body, dtype=np.uint8))])
+        raw, meta = _answer_of(await self._decode_one(("body", np.frombuffer(body, dtype=np.uint8))))
         headers = {"X-Fp8ray-Dtype": meta.dtype, "X-Fp8ray-Shape": ",".join(map(str, meta.shape)), "X-Fp8ray-Device": meta.device}
         return Response(raw.tobytes(), media_type=OCTET_STREAM, headers=headers)
 

@@ -489,6 +489,36 @@ def test_no_per_request_call_to_another_actor_than_the_quantworkers(service, ray
     assert counts["requests"] >= requests
 
 
+def test_concurrent_requests_each_get_their_own_answer_or_error(service):
+    """Raw requests that arrive together are encoded (and decoded) together: a bad block
+    among them (non-finite values, another mode, a corrupt frame) is refused alone, and
+    every other request gets its own right answer."""
+    client, _ = service
+    requests = []
+    for i in range(24):
+        t = torch.randn(16, 64, generator=torch.Generator().manual_seed(i))
+        options = {"scaling": "token"} if i % 3 else {"fp8": "e5m2"}
+        if i % 4 == 1:
+            t[3, 5] = float("inf")
+        expected = None if i % 4 == 1 else bytes(service_codec(**options).encode(t))
+        requests.append(("/v1/encode", encode_params(t, **options), tensor_to_bytes(t).tobytes(), expected))
+    frame = bytes(service_codec().encode(torch.randn(8, 8)))
+    for i in range(8):
+        corrupt = i % 2 == 1
+        body = frame[:40] + bytes([frame[40] ^ 1]) + frame[41:] if corrupt else frame
+        requests.append(("/v1/decode", {}, body, None if corrupt else tensor_to_bytes(decode(frame)).tobytes()))
+
+    async def send_all():
+        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=120) as c:
+            return await asyncio.gather(*(c.post(route, params=params, content=body) for route, params, body, _ in requests))
+
+    for (route, params, _, expected), r in zip(requests, asyncio.run(send_all())):
+        if expected is None:
+            assert r.status_code == 422, (route, params, r.text)
+        else:
+            assert r.status_code == 200 and digest(r.content) == digest(expected), (route, params, r.status_code)
+
+
 def test_no_access_log_line_per_request(service, ray_session):
     """Serve writes an access-log line per request in the replica's log unless told not
     to; the deployment tells it not to."""
