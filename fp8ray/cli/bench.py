@@ -73,7 +73,9 @@ def add_commands(commands) -> None:
     lossless.add_argument("--repeat", type=positive_int, default=5, help="runs per figure; the median is shown (default 5)")
     lossless.set_defaults(handler=run_bench_lossless)
 
-    serve = kinds.add_parser("serve", help="HTTP service throughput and latency vs direct QuantWorker calls")
+    serve = kinds.add_parser(
+        "serve", help="HTTP service throughput and latency vs a bare FastAPI/uvicorn app, with CPU per request by process"
+    )
     serve.add_argument("--sizes", default="64K,1M,16M", help="block sizes, comma-separated, K/M suffixes (default 64K,1M,16M)")
     serve.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight (default 8)")
     serve.add_argument("--mib-per-size", type=positive_float, default=256.0, help="MiB sent per block size (default 256)")

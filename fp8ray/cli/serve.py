@@ -60,6 +60,30 @@ def _check_port(host: str, port: int) -> None:
 
 
 def run_serve(args) -> int:
+    import shutil
+    import tempfile
+
+    from ..serve import ServiceOptions
+    from ..serve.environment import apply_serve_environment
+
+    options = service_args(args)
+    if args.archives:
+        options["archives"] = os.path.abspath(args.archives)  # the replicas' working directory is Ray's, not ours
+    ServiceOptions.from_args(options)  # bad options fail before Ray starts
+    state = None
+    if not (args.address or os.environ.get("RAY_ADDRESS")):
+        _check_port(args.host, args.port)  # an embedded Ray's proxy binds here, on this machine
+        # Serve reads these as it is imported, in every process of the Ray started below.
+        state = tempfile.mkdtemp(prefix="fp8ray-serve-")
+        apply_serve_environment(state)
+    try:
+        return _serve(args, options)
+    finally:
+        if state:
+            shutil.rmtree(state, ignore_errors=True)
+
+
+def _serve(args, options: dict) -> int:
     import logging
     import signal
     import threading
@@ -68,14 +92,8 @@ def run_serve(args) -> int:
     from ray import serve
 
     from ..engine.runtime import connect_ray, disconnect_ray
-    from ..serve import ServiceOptions, build_app
+    from ..serve import build_app
 
-    options = service_args(args)
-    if args.archives:
-        options["archives"] = os.path.abspath(args.archives)  # the replicas' working directory is Ray's, not ours
-    ServiceOptions.from_args(options)  # bad options fail before Ray starts
-    if not (args.address or os.environ.get("RAY_ADDRESS")):
-        _check_port(args.host, args.port)  # an embedded Ray's proxy binds here, on this machine
     owns_ray = connect_ray(args.address, None)
     # Serve's own lines (started, "Connecting to existing Serve app ... will not be
     # applied" from its second start inside serve.run, ready) say nothing ours does not.

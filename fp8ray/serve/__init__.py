@@ -4,6 +4,8 @@
 - :mod:`~fp8ray.serve.requests`: what a request means, and every refusal's status (no Serve).
 - :mod:`~fp8ray.serve.options`: ``ServiceOptions``, what the application is built with.
 - :mod:`~fp8ray.serve.archives`: which archives the block route reads, and the open readers (no Serve).
+- :mod:`~fp8ray.serve.stats`: the counters each replica keeps, summed on read (no Serve).
+- :mod:`~fp8ray.serve.environment`: the Serve settings ``fp8ray serve`` starts Ray with.
 - :mod:`~fp8ray.serve.deployment`: ``Fp8Service`` and ``build_app``.
 
 Ray Serve is imported on first use of ``app``, ``build_app`` or ``Fp8Service``, so that

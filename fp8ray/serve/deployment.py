@@ -57,6 +57,7 @@ from .requests import (
     response_limit,
     split,
 )
+from .stats import REPORT_INTERVAL_S, ReplicaCounts, ServiceStats
 
 WORKER_PREFIX = "quant-worker-"
 STATS_ACTOR = "service-stats"
@@ -64,21 +65,14 @@ HEALTH_TIMEOUT_S = 10.0
 # The __metadata__ key that marks a safetensors body of frames, beside the body's own keys.
 FRAMES_MARK = "fp8ray"
 BLOCK_PARAMS = ("archive", "key", "file")  # the query of GET /v1/archive/block
+BATCH_BLOCKS = 16  # raw requests answered by one round of QuantWorker calls, at most
 
 
-class ServiceStats:
-    """Counters shared by every replica (a deployment-scoped actor): requests, bytes in
-    and out, errors. Replicas report without waiting; a lost report only undercounts."""
-
-    def __init__(self):
-        self.counts = {"requests": 0, "bytes_in": 0, "bytes_out": 0, "errors": 0, "retries": 0}
-
-    def record(self, **deltas: int) -> None:
-        for name, value in deltas.items():
-            self.counts[name] += value
-
-    def snapshot(self) -> dict:
-        return dict(self.counts)
+def _answer_of(answer):
+    """A batched request's own answer, or the exception it raised, raised here."""
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
 
 
 def _refusal_response(status: int, message: str, field: str | None) -> JSONResponse:
@@ -95,7 +89,9 @@ logger = logging.getLogger("ray.serve")
 api = FastAPI(title="fp8ray", description="fp8 encode/decode of LLM KV-cache blocks")
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+# No access-log line per request (Serve's default writes one to the replica's log):
+# the Prometheus metrics and /v1/stats count requests, and a line costs each request.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64, logging_config={"enable_access_log": False})
 @serve.ingress(api)
 class Fp8Service:
     """The ingress replica: request checks, then awaited calls on the shared QuantWorkers."""
@@ -118,7 +114,9 @@ class Fp8Service:
             boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
             tag_keys=("route",),
         )
-        self._stats = None
+        self._stats = None  # the stats actor's handle, looked up when first reported to
+        self._counts = ReplicaCounts()
+        self._reporter: asyncio.Task | None = None
 
     # --- the worker pool -------------------------------------------------------------
 
@@ -155,13 +153,77 @@ class Fp8Service:
         results = await asyncio.gather(*(self._call(method, group, *extra) for group in groups))
         return [r for group in results for r in group]
 
+    # Raw bodies, one block each, that arrive together go to the workers together: a
+    # QuantWorker call costs the replica and the worker about a millisecond of CPU each
+    # (BENCHMARKS.md, "Serve at the HTTP limit"), its codec work for 64 KiB 0.1 ms.
+    # No wait for company: a batch is what is queued when the last one has left.
+    @serve.batch(max_batch_size=BATCH_BLOCKS, batch_wait_timeout_s=0.0, max_concurrent_batches=2)
+    async def _encode_one(self, requests: list[tuple[Block, object]]) -> list:
+        """Each ``(block, options)``'s ``(frame, meta)``, or the exception it raised."""
+        by_options: dict = {}
+        for index, (block, options) in enumerate(requests):
+            by_options.setdefault(options, []).append((index, block))
+        answers: list = [None] * len(requests)
+        groups = list(by_options.items())
+        results = await asyncio.gather(
+            *(self._batch(QuantWorker.encode_batch, [b for _, b in group], options) for options, group in groups)
+        )
+        for (_, group), answered in zip(groups, results):
+            for (index, _), answer in zip(group, answered):
+                answers[index] = answer
+        return answers
+
+    @serve.batch(max_batch_size=BATCH_BLOCKS, batch_wait_timeout_s=0.0, max_concurrent_batches=2)
+    async def _decode_one(self, frames: list[tuple[str, np.ndarray]]) -> list:
+        """Each ``(key, frame)``'s ``(raw, meta)``, or the exception it raised."""
+        return await self._batch(QuantWorker.decode_batch, frames)
+
+    async def _batch(self, method: Callable, items: list, *extra) -> list:
+        """``method`` over ``items`` of several requests (spread over the workers); where a
+        call fails on its data, its items once more one by one, so that each request gets
+        its own answer or its own error, never another request's."""
+        try:
+            return await self._map(method, items, *extra)
+        except WorkersUnavailableError:
+            raise
+        except Exception:
+            if len(items) == 1:
+                raise
+        answers = await asyncio.gather(*(self._call(method, [item], *extra) for item in items), return_exceptions=True)
+        return [a if isinstance(a, BaseException) else a[0] for a in answers]
+
     def _record(self, **deltas: int) -> None:
-        if self._stats is None:
+        """Count in this replica; :meth:`_report_loop` reports the totals now and then."""
+        self._counts.add(**deltas)
+        if self._reporter is None:
+            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REPORT_INTERVAL_S)
             try:
-                self._stats = serve.get_deployment_actor(STATS_ACTOR)
-            except ValueError:
-                return
-        self._stats.record.remote(**deltas)  # not awaited: counters never slow a request
+                await self._report()
+            except Exception:  # a bug: say so, and keep counting
+                logger.exception("reporting the replica's counts failed")
+
+    def _stats_actor(self):
+        """The stats actor's handle; ``ValueError`` while the controller recreates it."""
+        if self._stats is None:
+            self._stats = serve.get_deployment_actor(STATS_ACTOR)
+        return self._stats
+
+    async def _report(self) -> bool:
+        """Report this replica's totals to the stats actor if they changed; whether it has them."""
+        totals = self._counts.unreported()
+        if totals is None:
+            return True
+        try:
+            await self._stats_actor().report.remote(serve.get_replica_context().replica_id.unique_id, totals)
+        except (ValueError, RayActorError, ActorUnavailableError):  # being recreated: the next report carries them
+            self._stats = None
+            return False
+        self._counts.reported(totals)
+        return True
 
     # --- HTTP --------------------------------------------------------------------------
 
@@ -261,9 +323,7 @@ class Fp8Service:
             return Response(build_body(frames, {**metadata, FRAMES_MARK: "frames"}), media_type=SAFETENSORS)
         options = codec_options(params, ignore=("dtype", "shape"))
         dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
-        [(f, meta)] = await self._call(
-            QuantWorker.encode_batch, [Block("body", dtype, shape, np.frombuffer(body, dtype=np.uint8))], options
-        )
+        f, meta = _answer_of(await self._encode_one((Block("body", dtype, shape, np.frombuffer(body, dtype=np.uint8)), options)))
         return Response(f.tobytes(), media_type=OCTET_STREAM, headers={"X-Fp8ray-Device": meta.device})
 
     async def _decode_body(self, request: Request, body: bytes) -> Response:
@@ -276,7 +336,7 @@ class Fp8Service:
             tensors = [(meta.key, meta.dtype, meta.shape, raw) for raw, meta in results]
             kept = {k: v for k, v in metadata.items() if k != FRAMES_MARK}
             return Response(build_body(tensors, kept or None), media_type=SAFETENSORS)
-        [(raw, meta)] = await self._call(QuantWorker.decode_batch, [("body", np.frombuffer(body, dtype=np.uint8))])
+        raw, meta = _answer_of(await self._decode_one(("body", np.frombuffer(body, dtype=np.uint8))))
         headers = {"X-Fp8ray-Dtype": meta.dtype, "X-Fp8ray-Shape": ",".join(map(str, meta.shape)), "X-Fp8ray-Device": meta.device}
         return Response(raw.tobytes(), media_type=OCTET_STREAM, headers=headers)
 
@@ -341,10 +401,14 @@ class Fp8Service:
         return JSONResponse({"status": "ok", "workers_alive": alive, "workers": self.num_workers})
 
     async def _stats_body(self, request: Request, body: bytes) -> Response:
+        """The totals of every replica: this one's as of now, the others' as of their last
+        report (at most ``REPORT_INTERVAL_S`` old)."""
+        if not await self._report():
+            raise RequestError("the stats actor is restarting", 503)
         try:
-            counts = await serve.get_deployment_actor(STATS_ACTOR).snapshot.remote()
+            counts = await self._stats_actor().snapshot.remote()
         except (ValueError, RayActorError, ActorUnavailableError):  # being recreated
-            self._stats = None  # and this replica's handle to it with it
+            self._stats = None
             raise RequestError("the stats actor is restarting", 503) from None
         return JSONResponse({**counts, "workers": self.num_workers, "workers_alive": await self._alive_workers()})
 

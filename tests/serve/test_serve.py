@@ -452,6 +452,93 @@ def test_health_stats_and_prometheus_metrics(service, ray_session):
     assert 'status="400"' in text
 
 
+def app_actor(ray, name: str):
+    """The app's deployment-scoped actor ``name``, found by name as a replica would."""
+    from ray.util import list_named_actors
+
+    [found] = [a for a in list_named_actors(all_namespaces=True) if a["name"].endswith(name)]
+    return ray.get_actor(found["name"], namespace=found["namespace"])
+
+
+def test_no_per_request_call_to_another_actor_than_the_quantworkers(service, ray_session):
+    """The replica counts its requests itself: the stats actor hears from it now and then
+    (REPORT_INTERVAL_S), not once per request, and the app has no other actor to call."""
+    from ray.util import list_named_actors
+
+    from fp8ray.serve.deployment import STATS_ACTOR, WORKER_PREFIX
+    from fp8ray.serve.stats import REPORT_INTERVAL_S
+
+    client, _ = service
+    # The actors the app made beside its replicas: the QuantWorkers and the stats actor.
+    named = [a["name"] for a in list_named_actors(all_namespaces=True)]
+    actors = {n for n in named if n.startswith("SERVE_DEPLOYMENT_ACTOR::fp8ray::")}
+    assert len(actors) == 3 and {n for n in actors if WORKER_PREFIX not in n and not n.endswith(STATS_ACTOR)} == set(), actors
+    stats = app_actor(ray_session, STATS_ACTOR)
+    t = torch.randn(8, 64)
+    body = tensor_to_bytes(t).tobytes()
+    requests = 80
+    before = ray_session.get(stats.report_count.remote())
+    start = time.monotonic()
+    for _ in range(requests):
+        assert client.post("/v1/encode", params=encode_params(t), content=body).status_code == 200
+    elapsed = time.monotonic() - start
+    reports = ray_session.get(stats.report_count.remote()) - before
+    # One report per interval at most (and one in flight at either end), whatever the requests.
+    assert reports <= elapsed / REPORT_INTERVAL_S + 2 < requests, (reports, elapsed)
+    counts = client.get("/v1/stats").json()  # and the read has them all: it reports first
+    assert counts["requests"] >= requests
+
+
+def test_concurrent_requests_each_get_their_own_answer_or_error(service):
+    """Raw requests that arrive together are encoded (and decoded) together: a bad block
+    among them (non-finite values, another mode, a corrupt frame) is refused alone, and
+    every other request gets its own right answer."""
+    client, _ = service
+    requests = []
+    for i in range(24):
+        t = torch.randn(16, 64, generator=torch.Generator().manual_seed(i))
+        options = {"scaling": "token"} if i % 3 else {"fp8": "e5m2"}
+        if i % 4 == 1:
+            t[3, 5] = float("inf")
+        expected = None if i % 4 == 1 else bytes(service_codec(**options).encode(t))
+        requests.append(("/v1/encode", encode_params(t, **options), tensor_to_bytes(t).tobytes(), expected))
+    frame = bytes(service_codec().encode(torch.randn(8, 8)))
+    for i in range(8):
+        corrupt = i % 2 == 1
+        body = frame[:40] + bytes([frame[40] ^ 1]) + frame[41:] if corrupt else frame
+        requests.append(("/v1/decode", {}, body, None if corrupt else tensor_to_bytes(decode(frame)).tobytes()))
+
+    async def send_all():
+        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=120) as c:
+            return await asyncio.gather(*(c.post(route, params=params, content=body) for route, params, body, _ in requests))
+
+    for (route, params, _, expected), r in zip(requests, asyncio.run(send_all())):
+        if expected is None:
+            assert r.status_code == 422, (route, params, r.text)
+        else:
+            assert r.status_code == 200 and digest(r.content) == digest(expected), (route, params, r.status_code)
+
+
+def test_no_access_log_line_per_request(service, ray_session):
+    """Serve writes an access-log line per request in the replica's log unless told not
+    to; the deployment tells it not to."""
+    from ray._private.worker import _global_node
+
+    client, _ = service
+    logs = Path(_global_node.get_logs_dir_path()) / "serve"
+    replica_logs = sorted(logs.glob("replica_fp8ray_Fp8Service_*.log"))
+    assert replica_logs, sorted(p.name for p in logs.iterdir())  # the replica logs there
+
+    def route_lines() -> int:
+        return sum(p.read_text(errors="replace").count("/v1/encode") for p in replica_logs)
+
+    before = route_lines()
+    t = torch.randn(4, 32)
+    for _ in range(20):
+        assert client.post("/v1/encode", params=encode_params(t), content=tensor_to_bytes(t).tobytes()).status_code == 200
+    assert route_lines() == before
+
+
 async def _load(url: str, clients: int, requests: int, blocks: list[tuple[dict, bytes, str]], kill=None) -> dict:
     """``clients`` concurrent clients, ``requests`` each; every answer checked against the
     codec's own frame. Returns counts of each outcome."""

@@ -1,0 +1,53 @@
+"""The service's counters: counted in each replica, summed on read (no Serve here).
+
+A replica counts its own requests in a :class:`ReplicaCounts` (no call per request to
+anything). Every ``REPORT_INTERVAL_S`` in which they changed, and before answering
+``GET /v1/stats``, it reports their running totals to the :class:`ServiceStats` actor,
+which keeps the latest totals of each replica and sums them when read. Totals, not
+increments: a report that is lost is made good by the next one, and a replica that
+dies keeps the counts of its last report.
+"""
+
+from __future__ import annotations
+
+COUNTS = ("requests", "bytes_in", "bytes_out", "errors", "retries")
+REPORT_INTERVAL_S = 1.0  # the most a replica's counts lag behind in another replica's /v1/stats
+
+
+class ReplicaCounts:
+    """One replica's running totals, and those its last report carried."""
+
+    def __init__(self):
+        self.totals = dict.fromkeys(COUNTS, 0)
+        self._reported = dict(self.totals)
+
+    def add(self, **deltas: int) -> None:
+        for name, value in deltas.items():
+            self.totals[name] += value
+
+    def unreported(self) -> dict[str, int] | None:
+        """A copy of the totals to report, or ``None`` when the last report holds them."""
+        return dict(self.totals) if self.totals != self._reported else None
+
+    def reported(self, totals: dict[str, int]) -> None:
+        """``totals`` (from :meth:`unreported`) reached the stats actor."""
+        self._reported = totals
+
+
+class ServiceStats:
+    """The latest totals each replica reported, summed on read (a deployment-scoped actor).
+    ``reports`` counts the reports received: it grows with time, not with requests."""
+
+    def __init__(self):
+        self.by_replica: dict[str, dict[str, int]] = {}
+        self.reports = 0
+
+    def report(self, replica: str, totals: dict[str, int]) -> None:
+        self.reports += 1
+        self.by_replica[replica] = totals
+
+    def snapshot(self) -> dict[str, int]:
+        return {name: sum(t.get(name, 0) for t in self.by_replica.values()) for name in COUNTS}
+
+    def report_count(self) -> int:
+        return self.reports

@@ -1,0 +1,29 @@
+"""The environment `fp8ray serve` starts Ray with, without starting it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fp8ray.serve.environment import HAPROXY_FILES, HAPROXY_PORTS, SERVE_SWITCHES, apply_serve_environment
+
+
+def test_each_setting_is_set_once_and_one_already_given_is_kept(tmp_path):
+    environ = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_HAPROXY_STATS_PORT": "8404"}
+    applied = apply_serve_environment(str(tmp_path), environ)
+    assert applied == {name: environ[name] for name in applied}
+    assert environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "8404"
+    assert environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == SERVE_SWITCHES["RAY_SERVE_THROUGHPUT_OPTIMIZED"]
+    for name in HAPROXY_FILES:  # HAProxy's files under the run's directory, removed with it
+        assert Path(environ[name]).parent == tmp_path or Path(environ[name]) == tmp_path, (name, environ[name])
+    metrics_port = int(environ["RAY_SERVE_HAPROXY_METRICS_PORT"])
+    assert 0 < metrics_port < 65536 and metrics_port != 8404
+
+
+def test_every_name_is_one_that_serve_reads():
+    """A misspelt name would be set and ignored: each RAY_SERVE_ one is in Serve's constants."""
+    import ray.serve._private.constants as constants
+
+    source = Path(constants.__file__).read_text()
+    for name in [*SERVE_SWITCHES, *HAPROXY_FILES, *HAPROXY_PORTS]:
+        if name.startswith("RAY_SERVE_"):
+            assert f'"{name}"' in source, name

@@ -1,0 +1,30 @@
+"""The service's counters without Serve: counted per replica, summed on read."""
+
+from __future__ import annotations
+
+from fp8ray.serve.stats import COUNTS, ReplicaCounts, ServiceStats
+
+
+def test_a_replica_reports_only_what_changed_and_a_lost_report_is_made_good():
+    counts = ReplicaCounts()
+    assert counts.unreported() is None  # nothing counted: nothing to report
+    counts.add(requests=2, bytes_in=10)
+    first = counts.unreported()
+    assert first == {**dict.fromkeys(COUNTS, 0), "requests": 2, "bytes_in": 10}
+    # That report was lost (never marked reported): the next one carries it, as totals.
+    counts.add(requests=1, errors=1)
+    second = counts.unreported()
+    assert (second["requests"], second["bytes_in"], second["errors"]) == (3, 10, 1)
+    counts.reported(second)
+    assert counts.unreported() is None
+    counts.add(retries=1)
+    assert counts.unreported()["retries"] == 1
+
+
+def test_the_stats_actor_sums_the_latest_totals_of_each_replica():
+    stats = ServiceStats()
+    stats.report("a", {**dict.fromkeys(COUNTS, 0), "requests": 5, "bytes_out": 7})
+    stats.report("b", {**dict.fromkeys(COUNTS, 0), "requests": 1})
+    stats.report("a", {**dict.fromkeys(COUNTS, 0), "requests": 6, "bytes_out": 9})  # a's newer totals replace its older
+    assert stats.snapshot() == {**dict.fromkeys(COUNTS, 0), "requests": 7, "bytes_out": 9}
+    assert stats.report_count() == 3
