@@ -114,6 +114,30 @@ def test_single_file_of_a_tree_is_shared_too(tmp_path):
     assert out.read_bytes() == expected
 
 
+def test_a_tree_shares_its_large_file_in_a_subfolder_and_streams_the_small_ones(tmp_path):
+    src = tmp_path / "tree"
+    (src / "sub").mkdir(parents=True)
+    write_source(src / "a.safetensors", 1)
+    write_source(src / "sub" / "big.safetensors", 7)
+    write_source(src / "z.safetensors", 1)
+    arch = archive_of(src, tmp_path / "arch", part_bytes=2 * BLOCK_BYTES)
+    plan = restore_plan(arch, ranged=True)
+    assert [f.name for f in plan.shared] == ["sub/big.safetensors"]
+    assert sorted(f.name for t in plan.tasks for f in t.files) == ["a.safetensors", "z.safetensors"]
+    streamed = restore_plan(arch, ranged=False)
+    manifest = archive.read_manifest(*resolve(str(arch)))
+    (tmp_path / "one-writer").mkdir()
+    worker = QuantWorker(reuse_buffers=False, device="cpu")
+    for task in streamed.tasks:
+        (tmp_path / "one-writer" / "sub").mkdir(exist_ok=True)
+        worker.restore_files(str(arch), {i: manifest.parts[i] for i in task.parts}, task, str(tmp_path / "one-writer"))
+    out = tmp_path / "out"
+    report = decompress_archive(str(arch), str(out), pool=fp8ray.PoolSettings(num_workers=2))
+    assert report.files == 3 and report.blocks == 9
+    for name in ("a.safetensors", "sub/big.safetensors", "z.safetensors"):
+        assert (out / name).read_bytes() == (tmp_path / "one-writer" / name).read_bytes(), name
+
+
 def test_ranges_written_again_in_any_order_over_anything_give_the_same_file(big_file, tmp_path):
     """What a retry after a worker killed mid-write does: the ranges are absolute, so a
     task run again, after others or over bytes a dying writer left, writes the same file."""
