@@ -293,9 +293,14 @@ def decompress_archive(
 ) -> DecompressReport:
     """Give back what was compressed: the source's own files at ``output`` (a directory of
     the same files, keys, order and metadata; a single file; a raw-block Parquet file with
-    the same columns), each written by the worker that decodes its blocks, straight to the
+    the same columns), written by the workers that decode their blocks, straight to the
     destination; the driver moves only metadata. With ``single_file`` (and for archives
     written before the layout was recorded), every block into one ``.safetensors`` file.
+    On a local output, a safetensors file whose blocks lie in several parts (a large
+    file, or ``single_file``) is written by several workers at once: the driver writes
+    its header and size, and each part's task its blocks' byte ranges; elsewhere (an
+    object store: no writes at offsets) each file has one writer. Either way a worker
+    holds one part at a time, whatever the file's size (:mod:`fp8ray.io.restore`).
 
     The destination is checked before any work; the output appears by rename only when
     complete, and a damaged part or frame leaves nothing behind. Nothing decompress did
@@ -323,7 +328,10 @@ def decompress_archive(
     check_apart(archive_uri, output)
     columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key", "dtype", "shape"], archive_uri)
     out_fs, out_path = resolve(output)
-    plan = plan_restore(manifest, columns, posixpath.basename(out_path) if single_file else None)
+    # A local output is written at offsets: a file from several parts, by several workers at once.
+    # Files written in ranges by several workers: local safetensors outputs (a store's chunk files are one block each).
+    ranged = isinstance(out_fs, pafs.LocalFileSystem) and lmcache_form is None
+    plan = plan_restore(manifest, columns, posixpath.basename(out_path) if single_file else None, ranged)
     foreign = check_output(out_fs, out_path, output, plan, overwrite or force_replace, force_replace, parents)
     if foreign and announce:
         announce(
@@ -341,6 +349,8 @@ def decompress_archive(
     try:
         with use_pool(pool) as running:
             start = time.perf_counter()
+            for f in plan.shared:  # its header and size, before the tasks write their ranges of it
+                f.create_presized(scratch)
             scratch_uri = uri_for(output, scratch)
             tasks = ((archive_uri, {i: manifest.parts[i] for i in t.parts}, t, scratch_uri) for t in plan.tasks)
             if lmcache_form is not None:  # a store's chunk files, in the form asked for
@@ -354,6 +364,7 @@ def decompress_archive(
                 nodes.add(result.node_id)
                 if progress:
                     progress(result.blocks)
+            report.files += len(plan.shared)
             report.seconds = time.perf_counter() - start
             report.nodes = len(nodes - {None})
         clean_temporaries(out_fs, scratch)  # of workers killed mid-file; their files were rewritten

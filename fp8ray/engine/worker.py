@@ -16,6 +16,7 @@ import math
 import os
 import posixpath
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,7 @@ from ..io import archive
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
 from ..io.restore import RestoreTask
+from ..io.safetensors import RangeWriter
 from ..lmcache.store_files import ConvertedFile, convert_files, encode_chunk_files, restore_chunk_files
 
 
@@ -192,40 +194,54 @@ class QuantWorker:
         return PartResult(archive.write_part(fs, path, index, rows, lossless), self.device, _node_id())
 
     def restore_files(self, archive_uri: str, parts: dict[int, archive.Part], task: RestoreTask, directory: str) -> RestoreResult:
-        """Write the files of ``task`` into ``directory`` (local path or URI), decoding
-        their blocks from ``parts`` (manifest entries by index; each checked against its
-        CRC-32C once). A damaged part or frame raises, naming the block."""
+        """Write the files of ``task`` into ``directory`` (local path or URI), and its
+        ranges of shared files (which the driver created there) in place, decoding their
+        blocks from ``parts`` (manifest entries by index; each checked against its
+        CRC-32C once, and dropped after its last block here). A damaged part or frame
+        raises, naming the block."""
         fs, path = resolve(archive_uri)
         out_fs, out_dir = resolve(directory)
         # A local file takes each block before the next is decoded into the same buffer;
         # an object store's stream may still be uploading it in the background.
         keep = (lambda data: data) if isinstance(out_fs, LocalFileSystem) else (lambda data: data.copy())
-        last_use = {p: i for i, f in enumerate(task.files) for p, *_ in f.blocks}
+        pieces = (*task.ranges, *task.files)
+        left = Counter(p for piece in pieces for p, *_ in piece.blocks)  # blocks still to decode, by part
         frames: dict[int, list] = {}
         buffer = np.empty(0, np.uint8)  # reused: fresh pages for every block cost more than decoding
         result = RestoreResult(node_id=_node_id())
-        for i, f in enumerate(task.files):
+
+        def decoded(part: int, row: int, key: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+            nonlocal buffer
+            if part not in frames:
+                frames[part] = _frames_of(archive.read_part(fs, path, parts[part], columns=["frame"], uri=archive_uri))
+            nbytes = math.prod(shape) * DTYPES_BY_NAME[dtype].itemsize
+            if buffer.size < nbytes:
+                buffer = np.empty(nbytes, np.uint8)
+            try:
+                decode(frames[part][row], out=bytes_to_tensor(buffer[:nbytes], dtype, shape), threads=self.threads)
+            except (ValueError, TypeError) as exc:
+                raise block_error(key, exc, f" in {parts[part].name}") from exc
+            left[part] -= 1
+            if not left[part]:
+                del frames[part]  # its last block here: a part is held only while a block still needs it
+            result.blocks += 1
+            result.raw_bytes += nbytes
+            return buffer[:nbytes]
+
+        for r in task.ranges:
+            with RangeWriter(f"{out_dir}/{r.name}") as writer:
+                offset = r.offset
+                for block in r.blocks:
+                    data = decoded(*block)
+                    writer.write_at(offset, data)
+                    offset += data.size
+        for f in task.files:
             if "/" in f.name and isinstance(out_fs, LocalFileSystem):  # a file in a subfolder of the source
                 out_fs.create_dir(posixpath.dirname(f"{out_dir}/{f.name}"), recursive=True)
             with f.writer(uri_for(directory, f"{out_dir}/{f.name}")) as writer:
                 for part, row, key, dtype, shape in f.blocks:
-                    if part not in frames:
-                        table = archive.read_part(fs, path, parts[part], columns=["frame"], uri=archive_uri)
-                        frames[part] = list(archive.iter_frames(table))
-                    nbytes = math.prod(shape) * DTYPES_BY_NAME[dtype].itemsize
-                    if buffer.size < nbytes:
-                        buffer = np.empty(nbytes, np.uint8)
-                    out = bytes_to_tensor(buffer[:nbytes], dtype, shape)
-                    try:
-                        decode(frames[part][row], out=out, threads=self.threads)
-                    except (ValueError, TypeError) as exc:
-                        raise block_error(key, exc, f" in {parts[part].name}") from exc
-                    writer.write_block(key, dtype, shape, keep(buffer[:nbytes]))
-                    result.blocks += 1
-                    result.raw_bytes += nbytes
+                    writer.write_block(key, dtype, shape, keep(decoded(part, row, key, dtype, shape)))
             result.files += 1
-            for part in [p for p, last in last_use.items() if last == i and p in frames]:
-                del frames[part]  # not needed by the files still to write
         return result
 
     def verify_part(
@@ -323,6 +339,11 @@ class QuantWorker:
         the store ``form`` asked for (:func:`fp8ray.lmcache.store_files.restore_chunk_files`)."""
         done = restore_chunk_files(archive_uri, parts, task, directory, form, self.threads)
         return RestoreResult(files=done.files, blocks=done.files, raw_bytes=done.raw_bytes, node_id=_node_id())
+
+
+def _frames_of(table) -> list[memoryview]:
+    """A part's frames, holding its table (and nothing else) alive for as long as they are."""
+    return list(archive.iter_frames(table))
 
 
 def _split(buffer: np.ndarray, sizes: list[int]) -> list[np.ndarray]:

@@ -3,24 +3,32 @@ worker runs on its own.
 
 An archive (version 2) records its source's layout; its parts hold the blocks in source
 order, each row naming its file. A :class:`RestoreFile` is one output file with its
-blocks in file order (part, row, key, dtype, shape); a :class:`RestoreTask` is a set of
-files and the parts that hold their blocks, closed under sharing a part, so that every
-file is written by exactly one worker and no two tasks write the same file. Parts follow
-the source's files (:func:`fp8ray.io.archive.plan_parts`), so a task is usually one
-part of whole files, or the parts of one large file (with the small files that share its
-last part).
+blocks in file order (part, row, key, dtype, shape). A :class:`RestoreTask` writes whole
+files, streamed by one writer, and :class:`RestoreRange` s: the byte ranges of a shared
+file that one part's blocks fill. Tasks are closed under sharing a part, so that each
+task reads its parts and no two tasks write the same bytes.
+
+On a local output (writable at offsets), a safetensors file whose blocks lie in more
+than one part is shared: its header is known before any data, so the driver creates it
+at its full size (:attr:`RestorePlan.shared`) and each part's task writes its blocks'
+ranges, several workers at once, each holding one part at a time whatever the file's
+size; a retried task writes the same bytes again. Elsewhere (object stores, which have
+no writes at offsets) and for Parquet outputs, such a file is written by one task, in
+order, from all its parts, each part dropped after its last block.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
+from itertools import accumulate, groupby
 
 from ..errors import CorruptArchiveError, DestinationError
 from .blocks import RawBlockParquetWriter, SourceLayout, parquet_schema
 from .paths import TMP_MARK, printable
 from .records import Manifest
-from .safetensors import SafetensorsWriter
+from .safetensors import SafetensorsLayout, SafetensorsWriter, create_presized
 
 SINGLE_FILE_METADATA_KEY = "fp8ray_archive"
 
@@ -36,21 +44,44 @@ class RestoreFile:
     metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__
     schema: str | None = None  # parquet: the source file's Arrow schema
 
+    @property
+    def tensors(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        return [(key, dtype, shape) for _, _, key, dtype, shape in self.blocks]
+
     def writer(self, uri: str):
         """A streaming writer of this file at ``uri`` (temporary name, then rename)."""
         if self.kind == "parquet":
             return RawBlockParquetWriter(uri, parquet_schema(self.schema))
-        return SafetensorsWriter(uri, [(key, dtype, shape) for _, _, key, dtype, shape in self.blocks], self.metadata)
+        return SafetensorsWriter(uri, self.tensors, self.metadata)
+
+    def create_presized(self, directory: str) -> None:
+        """Create this (safetensors) file in the local ``directory``, its header written and
+        its data a hole of its full size, for the tasks of its :class:`RestoreRange` s."""
+        path = f"{directory}/{self.name}"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        create_presized(path, SafetensorsLayout.of(self.tensors, self.metadata))
+
+
+@dataclass(frozen=True)
+class RestoreRange:
+    """Consecutive blocks of a shared safetensors file, all from one part: the first
+    one's bytes go at ``offset`` in the file (header included), the others end to end
+    after it."""
+
+    name: str  # the file's, in the output directory
+    offset: int
+    blocks: tuple[tuple[int, int, str, str, tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True)
 class RestoreTask:
     parts: tuple[int, ...]  # indices into the manifest's parts, in order
-    files: tuple[RestoreFile, ...]
+    files: tuple[RestoreFile, ...]  # written whole, by this task alone
+    ranges: tuple[RestoreRange, ...] = ()  # of shared files, which the driver creates first
 
     @property
     def blocks(self) -> int:
-        return sum(len(f.blocks) for f in self.files)
+        return sum(len(f.blocks) for f in (*self.files, *self.ranges))
 
 
 @dataclass(frozen=True)
@@ -59,17 +90,22 @@ class RestorePlan:
 
     container: str  # "file" | "directory"
     tasks: tuple[RestoreTask, ...]
+    shared: tuple[RestoreFile, ...] = ()  # created by the driver, filled by several tasks' ranges
 
     @property
     def files(self) -> list[RestoreFile]:
-        return [f for task in self.tasks for f in task.files]
+        return [f for task in self.tasks for f in task.files] + list(self.shared)
 
 
-def plan_restore(manifest: Manifest, columns: list[dict[str, list]], single_file_name: str | None = None) -> RestorePlan:
+def plan_restore(
+    manifest: Manifest, columns: list[dict[str, list]], single_file_name: str | None = None, ranged: bool = False
+) -> RestorePlan:
     """The files to write and the tasks that write them, from the manifest and each part's
     ``file``, ``key``, ``dtype``, ``shape`` columns. ``single_file_name``: every block into
     one safetensors file of that name (keys must then be unique); archives written before
-    the layout was recorded restore that way too."""
+    the layout was recorded restore that way too. ``ranged``: the output is written at
+    offsets (a local filesystem), so a safetensors file from several parts is shared,
+    one task per part (module docstring)."""
     layout = manifest.layout
     rows = [
         (part, row, file, key, dtype, tuple(shape))
@@ -88,10 +124,18 @@ def plan_restore(manifest: Manifest, columns: list[dict[str, list]], single_file
         metadata = {SINGLE_FILE_METADATA_KEY: json.dumps(manifest.codec)}
         name = single_file_name or "restored.safetensors"
         blocks = tuple((p, r, key, dtype, shape) for p, r, _, key, dtype, shape in rows)
-        only = RestoreFile(name, "safetensors", blocks, metadata)
-        return RestorePlan("file", (RestoreTask(tuple(range(len(columns))), (only,)),))
-    files = _layout_files(layout, rows)
-    return RestorePlan(layout.container, _group(files))
+        container, files = "file", [RestoreFile(name, "safetensors", blocks, metadata)]
+    else:
+        container, files = layout.container, _layout_files(layout, rows)
+    shared: list[RestoreFile] = []
+    pieces: list[RestoreFile | RestoreRange] = []
+    for f in files:
+        if ranged and f.kind == "safetensors" and len({p for p, *_ in f.blocks}) > 1:
+            shared.append(f)
+            pieces += _ranges(f)
+        else:
+            pieces.append(f)
+    return RestorePlan(container, _group(pieces), tuple(shared))
 
 
 def _checked_name(name) -> str:
@@ -130,14 +174,33 @@ def _layout_files(layout: SourceLayout, rows: list) -> list[RestoreFile]:
     return out
 
 
-def _group(files: list[RestoreFile]) -> tuple[RestoreTask, ...]:
-    """Files that share a part go into one task, with every part they need (in order)."""
-    tasks: list[tuple[set[int], list[RestoreFile]]] = []
-    for f in files:  # in source order, so files sharing a part are neighbours
-        parts = {p for p, *_ in f.blocks}
+def _ranges(f: RestoreFile) -> list[RestoreRange]:
+    """A shared file's blocks, one range per part, each at its offset in the file."""
+    layout = SafetensorsLayout.of(f.tensors, f.metadata)
+    starts = list(accumulate(layout.sizes, initial=len(layout.prefix)))
+    out, first = [], 0
+    for _, blocks in groupby(f.blocks, key=lambda block: block[0]):
+        blocks = tuple(blocks)
+        out.append(RestoreRange(f.name, starts[first], blocks))
+        first += len(blocks)
+    return out
+
+
+def _group(pieces: list[RestoreFile | RestoreRange]) -> tuple[RestoreTask, ...]:
+    """Files and ranges that share a part go into one task, with every part they need (in order)."""
+    tasks: list[tuple[set[int], list[RestoreFile | RestoreRange]]] = []
+    for piece in pieces:  # in source order, so pieces sharing a part are neighbours
+        parts = {p for p, *_ in piece.blocks}
         if tasks and (not parts or tasks[-1][0] & parts):  # a file without blocks joins its neighbour
             tasks[-1][0].update(parts)
-            tasks[-1][1].append(f)
+            tasks[-1][1].append(piece)
         else:
-            tasks.append((parts, [f]))
-    return tuple(RestoreTask(tuple(sorted(parts)), tuple(fs)) for parts, fs in tasks)
+            tasks.append((parts, [piece]))
+    return tuple(
+        RestoreTask(
+            tuple(sorted(parts)),
+            tuple(p for p in group if isinstance(p, RestoreFile)),
+            tuple(p for p in group if isinstance(p, RestoreRange)),
+        )
+        for parts, group in tasks
+    )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 
@@ -223,9 +224,67 @@ def build_body(tensors: list[tuple[str, str, tuple[int, ...], object]], metadata
     return b"".join([prefix, *views])
 
 
+@dataclass(frozen=True)
+class SafetensorsLayout:
+    """Where everything lies in a safetensors file of ``tensors``, ``(key, fp8ray dtype
+    name, shape)``, in this order: the 8-byte length and header (``prefix``), then each
+    tensor's ``sizes[i]`` bytes end to end."""
+
+    prefix: bytes
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> SafetensorsLayout:
+        sizes = tuple(math.prod(shape) * DTYPES_BY_NAME[dtype].itemsize for _, dtype, shape in tensors)
+        prefix = header_prefix(
+            [(key, SAFETENSORS_NAMES[dtype], shape, n) for (key, dtype, shape), n in zip(tensors, sizes)], metadata
+        )
+        return cls(prefix, sizes)
+
+    @property
+    def file_bytes(self) -> int:
+        return len(self.prefix) + sum(self.sizes)
+
+
+def create_presized(path: str, layout: SafetensorsLayout) -> None:
+    """Create the local file ``path`` with its header and its full length, the data still
+    a hole (zeros), for :class:`RangeWriter` s to fill: several processes at once, each
+    its tensors' byte ranges. A file that is there is replaced."""
+    with open(path, "wb") as f:
+        f.write(layout.prefix)
+        f.truncate(layout.file_bytes)
+
+
+class RangeWriter:
+    """Writes byte ranges of an existing local file in place: opened without truncation
+    (and never created: a file that is gone is an error), each range written at its
+    offset, so that several processes fill one file at once and a range written again
+    (a retried task) leaves the same bytes. Object stores have no such writes."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+
+    def write_at(self, offset: int, data) -> None:
+        view = memoryview(data).cast("B")
+        while view:  # pwrite may write less than asked (a signal, a full disk raises)
+            written = os.pwrite(self.fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> RangeWriter:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
+
 class SafetensorsWriter(CompleteOrNothing):
     """Stream tensors into a safetensors file: the header (all offsets) first, then each
-    tensor's bytes in order; written to a temporary name and renamed when complete.
+    tensor's bytes in order; written to a temporary name and renamed when complete. The
+    one writer of a file on any filesystem, object stores included (where a file cannot
+    be written at offsets, as :class:`RangeWriter` does locally).
 
     ``tensors`` are ``(key, fp8ray dtype name, shape)``; use as a context manager, or call
     :meth:`close` (rename) or :meth:`abort` (delete) yourself.
@@ -234,13 +293,11 @@ class SafetensorsWriter(CompleteOrNothing):
     def __init__(self, uri: str, tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None):
         self.fs, self.path = resolve(uri)
         self.tensors = tensors
-        self.sizes = [math.prod(shape) * DTYPES_BY_NAME[dtype].itemsize for _, dtype, shape in tensors]
-        prefix = header_prefix(
-            [(key, SAFETENSORS_NAMES[dtype], shape, n) for (key, dtype, shape), n in zip(tensors, self.sizes)], metadata
-        )
+        layout = SafetensorsLayout.of(tensors, metadata)
+        self.sizes = layout.sizes
         self.tmp = temporary_name(self.path)
         self.stream = self.fs.open_output_stream(self.tmp)
-        self.stream.write(prefix)
+        self.stream.write(layout.prefix)
         self.written = 0
 
     def write(self, data) -> None:
@@ -275,8 +332,11 @@ class SafetensorsWriter(CompleteOrNothing):
 
 __all__ = [
     "Entry",
+    "RangeWriter",
+    "SafetensorsLayout",
     "SafetensorsWriter",
     "build_body",
+    "create_presized",
     "header_prefix",
     "parse_body",
     "parse_header",
