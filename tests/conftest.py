@@ -17,10 +17,8 @@ os.environ.pop("RAY_ADDRESS", None)
 RAY_TMPDIR = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="frt", dir="/tmp")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _remove_ray_tmpdir():
-    yield
-    shutil.rmtree(RAY_TMPDIR, ignore_errors=True)
+def pytest_unconfigure(config):
+    shutil.rmtree(RAY_TMPDIR, ignore_errors=True)  # after every run, a collection alone included
 
 
 @pytest.fixture(scope="session")
