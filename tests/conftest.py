@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 # Pin Ray's auth mode for every Ray the tests start, before anything imports Ray.
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ.pop("RAY_ADDRESS", None)
+# Ray's temporary directory, the suite's own: a command given no address joins the
+# cluster recorded there (ray_current_cluster), so none that another user, or another
+# suite, runs on this machine. Short: Ray's socket paths are limited.
+RAY_TMPDIR = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="frt", dir="/tmp")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(RAY_TMPDIR, ignore_errors=True)  # after every run, a collection alone included
 
 
 @pytest.fixture(scope="session")

@@ -97,8 +97,23 @@ def add_commands(commands) -> None:
     lmcache.add_argument("--repeat", type=positive_int, default=9, help="timed runs per figure; the median is shown (default 9)")
     lmcache.set_defaults(handler=run_bench_lmcache)
 
-    startup = kinds.add_parser("startup", help="wall time of fp8ray --help beside python -c pass")
+    startup = kinds.add_parser(
+        "startup", help="wall time of fp8ray --help beside python -c pass; of a one-shot compress beside its work"
+    )
     startup.add_argument("--repeat", type=positive_int, default=9, help="runs of each; the best is shown (default 9)")
+    startup.add_argument(
+        "--compress-mib",
+        type=lambda text: [positive_float(size) for size in text.split(",")],
+        metavar="M[,M...]",
+        help="also time `fp8ray compress` of a bf16 file of each size (MiB) beside its work (e.g. 1,512)",
+    )
+    startup.add_argument(
+        "--addresses",
+        type=lambda text: [a.strip() for a in text.split(",") if a.strip()],
+        default=["inline", "default"],
+        metavar="A[,A...]",
+        help="the --address of each compress timed; 'default' gives none (default inline,default)",
+    )
     startup.set_defaults(handler=run_bench_startup)
 
 
@@ -191,7 +206,9 @@ def run_bench_lmcache(args) -> int:
 
 
 def run_bench_startup(args) -> int:
-    from ..bench.startup import bench_startup
+    from ..bench.startup import bench_compress, bench_startup
 
     print(bench_startup(args.repeat))
+    if args.compress_mib:
+        print(bench_compress(args.compress_mib, args.addresses, args.repeat))
     return 0

@@ -89,8 +89,9 @@ def engine_arguments(parser: argparse.ArgumentParser, gpus: bool = True) -> None
         )
     group.add_argument(
         "--address",
-        help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray); "
-        "'inline': no Ray, the workers on threads of this process (fastest start for a local job)",
+        help="Ray cluster to join; 'local': start an embedded Ray for this command; 'inline': no Ray, the "
+        "workers on threads of this process (default: RAY_ADDRESS, else the cluster a `ray start` runs on "
+        "this machine, else inline)",
     )
     json_argument(group)
 

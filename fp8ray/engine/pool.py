@@ -2,7 +2,7 @@
 
 >>> import torch
 >>> tensors = [torch.randn(2, 16, 64, dtype=torch.bfloat16) for _ in range(3)]
->>> with QuantPool(num_workers=2) as pool:                  # joins Ray, or starts a local one
+>>> with QuantPool(num_workers=2) as pool:                  # joins a running Ray, or runs inline
 ...     frames = pool.encode_many(tensors, scaling="token")  # in input order
 ...     restored = pool.decode_many(frames)
 >>> [tuple(t.shape) for t in restored]
@@ -31,12 +31,12 @@ from ..codec import CodecOptions
 from ..codec.blocks import Block, bytes_to_tensor
 from ..codec.formats import DTYPE_NAMES
 from ..errors import InvalidOptionError, PoolStartError, WorkerLostError
+from .address import INLINE, default_address
 from .backends import InlineBackend, RayBackend, WorkerDied
 from .worker import QuantWorker, WorkerInfo
 
-# The address that runs the workers on this process's threads, without Ray; Ray is then
-# never imported (a third of a second of a one-shot command), so it is imported where used.
-INLINE = "inline"
+# Inline, Ray is never imported (a third of a second of a one-shot command), so it is
+# imported where used.
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,15 @@ class PoolSettings:
         num_workers: workers to start (actors spread across nodes).
         gpus_per_worker: GPUs each actor asks Ray for; fractions share a GPU.
         cpus_per_worker: CPUs each actor asks for, and the codec threads it runs.
-        address: a cluster to join; ``None`` means ``RAY_ADDRESS`` if set, else an
-            embedded local Ray (``"local"``). ``"inline"``: no Ray at all, the workers
-            are ``QuantWorker`` objects run on threads of this process (the kernels,
-            file I/O and Parquet release the GIL): no start-up cost, for local jobs;
-            with ``gpus_per_worker > 0`` they all use this process's CUDA device.
+        address: a cluster to join; ``"local"``: an embedded Ray, started for the pool
+            and removed with it; ``"inline"``: no Ray at all, the workers are
+            ``QuantWorker`` objects run on threads of this process (the kernels, file
+            I/O and Parquet release the GIL): no start-up cost, for local jobs; with
+            ``gpus_per_worker > 0`` they all use this process's CUDA device. ``None``
+            (the default) is chosen as the pool starts
+            (:func:`~fp8ray.engine.address.default_address`): the Ray this process is
+            already connected to, else ``RAY_ADDRESS``, else a cluster ``ray start``
+            runs on this machine, else inline.
         window: calls in flight at most (default two per worker); bounds the driver's memory.
         max_attempts: times a call is tried when its worker dies.
         start_timeout: seconds to wait for the actors to start before failing (a
@@ -97,17 +101,21 @@ class QuantPool:
         self.num_workers = self.settings.num_workers
         self.window = self.settings.window or 2 * self.num_workers
         self.replaced = 0
+        # The address the workers run at: the settings' until the pool starts, then the
+        # one it chose where they named none.
+        self.address = self.settings.address
         self._backend: InlineBackend | RayBackend | None = None
         self._owns_ray = False
 
     @property
     def inline(self) -> bool:
-        return self.settings.inline
+        return self.address == INLINE
 
     def __enter__(self) -> QuantPool:
         s = self.settings
+        self.address = s.address or default_address()
         threads = max(1, int(s.cpus_per_worker))
-        if s.inline:
+        if self.inline:
             # Inline workers share this process's GPU when asked for one (Ray is not
             # there to hand out devices).
             device = "cuda" if s.gpus_per_worker > 0 else "cpu"
@@ -120,7 +128,7 @@ class QuantPool:
         from .runtime import connect_ray, disconnect_ray
 
         embedded_cpus = max(int(s.num_workers * s.cpus_per_worker), os.cpu_count() or 1)
-        self._owns_ray = connect_ray(s.address, embedded_cpus)
+        self._owns_ray = connect_ray(self.address, embedded_cpus)
         try:
             self._backend = RayBackend(s.num_workers, s.cpus_per_worker, s.gpus_per_worker, s.start_timeout)
         except BaseException:
@@ -271,7 +279,9 @@ class QuantPool:
     def _by_reference(self, method: Callable, calls: list[tuple]) -> list:
         if self.inline:
             raise InvalidOptionError(
-                "encode_refs and decode_refs take object-store refs: they need Ray workers, not address='inline'", field="address"
+                "encode_refs and decode_refs take object-store refs: they need Ray workers, not inline ones "
+                "(address='inline', or no address with no Ray running: give address='local' or a cluster's)",
+                field="address",
             )
         check = _signature_check(method)
         backend = self._running

@@ -12,6 +12,8 @@ import threading
 import psutil
 import ray
 
+from .address import LOCAL
+
 # What the embedded Ray this process started left on the machine, removed when it stops:
 # its temporary directory (the session's logs and sockets) and the processes it started.
 _started_dir: str | None = None
@@ -26,10 +28,12 @@ KILL_SECONDS = 3.0
 def connect_ray(address: str | None, num_cpus: int | None) -> bool:
     """Connect to Ray, or start an embedded one. Returns whether this call started it.
 
-    ``address`` ``None`` means ``RAY_ADDRESS`` if set, else an embedded local Ray
-    (``"local"``) with ``num_cpus`` CPUs, no dashboard, its own temporary directory (under
-    ``RAY_TMPDIR`` or the system's) and Ray's auth mode pinned (``FP8RAY_RAY_AUTH_MODE``,
-    default ``disabled``) so a later ``ray start`` cannot disagree with it.
+    ``address`` ``None`` means ``RAY_ADDRESS`` if set, else an embedded local Ray (for
+    what needs Ray whatever runs, as Serve; a pool given no address chooses its own,
+    :func:`~fp8ray.engine.address.default_address`). An embedded Ray (``"local"``) has
+    ``num_cpus`` CPUs, no dashboard, its own temporary directory (under ``RAY_TMPDIR``
+    or the system's) and Ray's auth mode pinned (``FP8RAY_RAY_AUTH_MODE``, default
+    ``disabled``) so a later ``ray start`` cannot disagree with it.
 
     The process's SIGINT and SIGTERM handlers are kept as they were (``ray.init``
     installs its own). SIGINT or SIGTERM while Ray starts is held until it has started;
@@ -38,7 +42,7 @@ def connect_ray(address: str | None, num_cpus: int | None) -> bool:
     global _started_dir, _before
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS") or "local"
+    address = address or os.environ.get("RAY_ADDRESS") or LOCAL
     handlers = _signal_handlers()
     # An interrupt inside ray.init leaves a driver half connected that ray.shutdown does
     # not stop, and whose threads crash the process as it exits (SIGSEGV): one that comes
@@ -48,7 +52,7 @@ def connect_ray(address: str | None, num_cpus: int | None) -> bool:
         if handler is not signal.SIG_IGN:
             signal.signal(sig, lambda signum, _: held.append(signum))
     try:
-        if address == "local":
+        if address == LOCAL:
             os.environ["RAY_AUTH_MODE"] = os.environ.get("FP8RAY_RAY_AUTH_MODE", "disabled")
             _before = _children()
             # Short, own and removed whole: Ray's socket paths are limited to ~100 bytes.

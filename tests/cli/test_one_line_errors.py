@@ -1,5 +1,6 @@
 """Every user mistake or damaged input is one line on stderr and a non-zero exit, never a
-traceback: through the installed `fp8ray` command (its own embedded Ray), as users run it."""
+traceback: through the installed `fp8ray` command, as users run it (inline, the default
+here; a worker's errors through an embedded Ray too, `--address local`, where Ray wraps them)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_nan_in_a_source_names_the_block_and_the_flag(tmp_path):
     x = torch.ones(4, 64, dtype=torch.bfloat16)
     x[1, 3] = float("nan")
     save_file({"layer0.k": x}, str(tmp_path / "nan.safetensors"))
-    result = fp8ray("compress", tmp_path / "nan.safetensors", tmp_path / "arch", "--workers", "1")
+    result = fp8ray("compress", tmp_path / "nan.safetensors", tmp_path / "arch", "--workers", "1", "--address", "local")
     assert_one_line(result, "block 'layer0.k'", "1 non-finite value", "--nonfinite keep")
     assert not (tmp_path / "arch").exists()
 
@@ -48,7 +49,7 @@ def test_a_corrupt_part_in_decompress(kv_source, tmp_path):
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0xFF
     part.write_bytes(bytes(data))
-    result = fp8ray("decompress", tmp_path / "arch", tmp_path / "out.safetensors", "--workers", "1")
+    result = fp8ray("decompress", tmp_path / "arch", tmp_path / "out.safetensors", "--workers", "1", "--address", "local")
     assert_one_line(result, part.name)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["arch"]
 

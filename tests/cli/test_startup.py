@@ -176,3 +176,19 @@ def test_bench_startup_prints_help_beside_the_bare_interpreter(capsys):
     assert found, out
     help_ms, bare_ms, ratio = int(found[1]), int(found[2]), float(found[3])
     assert 0 < bare_ms <= help_ms and abs(ratio - help_ms / bare_ms) < 0.1 + 0.05 * ratio
+
+
+def test_bench_startup_times_a_one_shot_compress_beside_its_work(capsys):
+    """The command's wall (Python's start, imports, kernels, the work) beside the work
+    alone (kernels loaded): its row, and the ratio between them."""
+    import re
+
+    from fp8ray.cli import main
+
+    assert main(["bench", "startup", "--repeat", "1", "--compress-mib", "4", "--addresses", "inline"]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"^\| 4 MiB \| inline \| ([0-9.]+) ms \| ([0-9.]+) s \| ([0-9.]+)x \| ([0-9.]+) s \|$", out, re.M)
+    assert found, out
+    work, wall, ratio, reported = float(found[1]) / 1000, float(found[2]), float(found[3]), float(found[4])
+    assert 0 < work < reported < wall, out  # the command's own seconds include loading its kernels
+    assert abs(ratio - wall / work) < 0.1 + 0.05 * ratio, out

@@ -1,0 +1,70 @@
+"""Where a pool's workers run when no address is given: the Ray this process is already
+connected to, ``RAY_ADDRESS``, a cluster running on this machine, else inline.
+
+Nothing here imports Ray: finding that no cluster is running must not cost a one-shot
+command Ray's import (a third of a second), let alone its start (seconds). A running
+local cluster is found as Ray 2.60's own ``ray.init()`` finds it
+(``ray._private.services.get_ray_address_from_environment``): ``ray start`` writes its
+GCS address to ``ray_current_cluster`` in Ray's temporary directory; that file outlives
+the cluster (a crash, a ``kill``), so the address counts only if its port answers.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+
+# The addresses fp8ray gives a meaning of its own; any other names a Ray cluster.
+INLINE = "inline"  # no Ray at all: QuantWorker objects on threads of this process
+LOCAL = "local"  # an embedded Ray, started for the pool and removed with it
+
+# How long the GCS port of the address in ray_current_cluster gets to accept a connection.
+# The address is this machine's (or its cluster head's, from a `ray start --address`): a
+# refused connection comes back at once, so this bounds only an unreachable head.
+ANSWER_SECONDS = 0.5
+
+
+def default_address() -> str:
+    """The address a pool given none uses, in this order: the Ray this process already
+    runs in (``ray.init`` done, or a Ray task or actor); ``RAY_ADDRESS`` (set in Ray
+    jobs); the cluster a ``ray start`` runs on this machine; else :data:`INLINE`."""
+    ray = sys.modules.get("ray")  # imported only if something else already has
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().gcs_address
+    return os.environ.get("RAY_ADDRESS") or running_local_cluster() or INLINE
+
+
+def running_local_cluster() -> str | None:
+    """The GCS address of the Ray cluster ``ray start`` left running on this machine, or
+    None: no ``ray_current_cluster`` file, an unreadable one, or a cluster gone (its port
+    does not answer)."""
+    try:
+        with open(os.path.join(ray_temp_dir(), "ray_current_cluster")) as f:
+            address = f.read().strip()
+    except OSError:
+        return None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=ANSWER_SECONDS):
+            return address
+    except OSError:
+        return None
+
+
+def ray_temp_dir() -> str:
+    """Ray's default temporary directory, where ``ray start`` records its cluster
+    (``ray._common.utils.get_default_ray_temp_dir`` in Ray 2.60): under ``RAY_TMPDIR``,
+    else (Linux) ``TMPDIR``, else ``/tmp``."""
+    if "RAY_TMPDIR" in os.environ:
+        base = os.environ["RAY_TMPDIR"]
+    elif sys.platform.startswith("linux") and "TMPDIR" in os.environ:
+        base = os.environ["TMPDIR"]
+    elif sys.platform.startswith(("linux", "darwin")):
+        base = "/tmp"
+    else:
+        base = tempfile.gettempdir()
+    return os.path.join(base, "ray")

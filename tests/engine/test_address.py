@@ -1,0 +1,213 @@
+"""The default address: without ``--address`` and ``RAY_ADDRESS``, a command (and
+``PoolSettings()``) joins the cluster a ``ray start`` runs on this machine, else runs its
+workers inline without importing Ray; a ``ray_current_cluster`` file left by a cluster
+that is gone means inline, at once.
+
+Every command here runs with its own ``RAY_TMPDIR``, so that the ``ray_current_cluster``
+it reads is this test's, never that of a cluster someone else runs on the machine."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fp8ray.engine import address as addresses
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+# Compresses with the command line's defaults, then starts a pool from PoolSettings();
+# prints what ran where, and whether Ray was imported at all.
+RUN = r"""
+import json, os, sys
+import psutil
+from fp8ray import PoolSettings, QuantPool
+from fp8ray.cli import main
+
+code = main(["compress", sys.argv[1], sys.argv[2], "--scaling", "tensor", "--json"])
+with QuantPool(PoolSettings(num_workers=1)) as pool:
+    address, inline, pids = pool.address, pool.inline, [i.pid for i in pool.worker_info()]
+    parents = [psutil.Process(pid).ppid() for pid in pids]  # a Ray worker's: its raylet
+print(json.dumps({"code": code, "address": address, "inline": inline, "worker_pids": pids, "parents": parents,
+                  "ray_imported": "ray" in sys.modules, "children": [p.pid for p in psutil.Process().children(recursive=True)]}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(ray_tmp: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.fixture
+def ray_tmp():
+    path = tempfile.mkdtemp(prefix="fad", dir="/tmp")  # short: Ray's socket paths are limited
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("address") / "kv.safetensors"
+    save_file({"layer0.k": torch.randn(2, 64, 256).to(torch.bfloat16)}, str(path))
+    return path
+
+
+def run(source: Path, destination: Path, ray_tmp: str, timeout: float = 300) -> tuple[dict, int]:
+    """RUN in a fresh Python with ``RAY_TMPDIR=ray_tmp``: its outcome and its PID."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RUN, str(source), str(destination)],
+        env=env_for(ray_tmp),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), proc.pid
+
+
+def write_cluster_file(ray_tmp: str, address: str) -> None:
+    os.makedirs(os.path.join(ray_tmp, "ray"), exist_ok=True)
+    Path(ray_tmp, "ray", "ray_current_cluster").write_text(address)
+
+
+def test_ray_temp_dir_is_rays_own(monkeypatch, tmp_path):
+    """The directory the address file is looked for in is the one Ray 2.60 itself uses."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    for variables in ({"RAY_TMPDIR": str(tmp_path / "a")}, {"TMPDIR": str(tmp_path / "b")}, {}):
+        monkeypatch.delenv("RAY_TMPDIR", raising=False)
+        monkeypatch.delenv("TMPDIR", raising=False)
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        assert addresses.ray_temp_dir() == get_default_ray_temp_dir(), variables
+
+
+def test_a_cluster_is_running_only_where_its_port_answers(monkeypatch, ray_tmp):
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    assert addresses.running_local_cluster() is None  # no file
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        live = f"127.0.0.1:{listening.getsockname()[1]}"
+        write_cluster_file(ray_tmp, live + "\n")
+        assert addresses.running_local_cluster() == live
+    gone = f"127.0.0.1:{free_port()}"  # nothing listens there any more
+    for text in (gone, "not an address", "", "127.0.0.1:port"):
+        write_cluster_file(ray_tmp, text)
+        start = time.perf_counter()
+        assert addresses.running_local_cluster() is None, text
+        assert time.perf_counter() - start < addresses.ANSWER_SECONDS + 0.5, text
+
+
+def test_the_default_address_in_order(monkeypatch, ray_tmp):
+    """RAY_ADDRESS first, then a running local cluster, else inline (in a process not
+    already connected to Ray: this test's own Ray, if any, hidden from it)."""
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert addresses.default_address() == addresses.INLINE
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        live = f"127.0.0.1:{listening.getsockname()[1]}"
+        write_cluster_file(ray_tmp, live)
+        assert addresses.default_address() == live
+        monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+        assert addresses.default_address() == "10.0.0.1:6379"
+
+
+@pytest.mark.parametrize("cluster_file", ["none", "stale"])
+def test_without_a_cluster_a_command_runs_inline_and_never_imports_ray(source, tmp_path, ray_tmp, cluster_file):
+    if cluster_file == "stale":  # what a cluster that crashed leaves: the file, no one at the port
+        write_cluster_file(ray_tmp, f"127.0.0.1:{free_port()}")
+    outcome, pid = run(source, tmp_path / "kv.fp8", ray_tmp, timeout=120)
+    assert outcome["code"] == 0 and (tmp_path / "kv.fp8" / "_manifest.json").exists()
+    assert outcome["address"] == "inline" and outcome["inline"]
+    assert outcome["worker_pids"] == [pid] and not outcome["ray_imported"], outcome  # the worker: the process itself
+    assert outcome["children"] == []  # no raylet, no Ray worker: nothing started
+    assert os.listdir(ray_tmp) == (["ray"] if cluster_file == "stale" else [])  # no Ray session written
+
+
+def _processes_with_ray_tmp(ray_tmp: str) -> list[psutil.Process]:
+    """The processes `ray start` started with this RAY_TMPDIR (they inherit it), and theirs."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("RAY_TMPDIR") == ray_tmp:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.fixture
+def local_cluster(ray_tmp):
+    """A `ray start --head` as a user runs it (recorded in RAY_TMPDIR's ray_current_cluster),
+    on ports of its own; its processes stopped by PID afterwards."""
+    gcs_port = free_port()
+    ports = {
+        "--port": gcs_port,
+        "--ray-client-server-port": free_port(),
+        "--dashboard-agent-listen-port": free_port(),
+        "--dashboard-agent-grpc-port": free_port(),
+        "--metrics-export-port": free_port(),
+        "--runtime-env-agent-port": free_port(),
+    }
+    argv = [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false"]
+    argv += [f"{flag}={port}" for flag, port in ports.items()] + ["--disable-usage-stats"]
+    try:
+        subprocess.run(argv, env=env_for(ray_tmp), check=True, capture_output=True, timeout=180)
+        recorded = Path(ray_tmp, "ray", "ray_current_cluster").read_text().strip()  # the GCS at the machine's own IP
+        assert recorded.endswith(f":{gcs_port}"), recorded
+        yield recorded
+    finally:
+        ours = _processes_with_ray_tmp(ray_tmp)
+        for p in ours:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(ours, timeout=5)
+        for p in alive:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+
+
+@pytest.mark.slow
+def test_with_a_local_cluster_running_a_command_joins_it(source, tmp_path, ray_tmp, local_cluster):
+    outcome, pid = run(source, tmp_path / "kv.fp8", ray_tmp)
+    assert outcome["code"] == 0 and (tmp_path / "kv.fp8" / "_manifest.json").exists()
+    assert outcome["address"] == local_cluster and not outcome["inline"]  # PoolSettings()
+    # The pool's worker was started by that cluster's raylet (still running), not by a Ray
+    # the command started (gone with it).
+    raylets = {p.pid for p in _processes_with_ray_tmp(ray_tmp) if p.name() == "raylet"}
+    assert len(raylets) == 1 and set(outcome["parents"]) == raylets, (outcome, raylets)
+    # The command and the pool were each a driver (a job) of that cluster: their logs are
+    # in its session (an embedded Ray's would be in a session of its own, removed with it).
+    logs = glob.glob(os.path.join(ray_tmp, "ray", "session_latest", "logs", f"python-core-driver-*_{pid}.log"))
+    assert len(logs) == 2, sorted(os.listdir(os.path.join(ray_tmp, "ray", "session_latest", "logs")))
