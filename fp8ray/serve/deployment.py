@@ -186,9 +186,9 @@ class Fp8Service:
             return await self._map(method, items, *extra)
         except WorkersUnavailableError:
             raise
-        except Exception:
-            if len(items) == 1:
-                raise
+        except Exception as exc:
+            if len(items) == 1:  # its request's own error: raised, it would fail the whole serve batch
+                return [exc]
         answers = await asyncio.gather(*(self._call(method, [item], *extra) for item in items), return_exceptions=True)
         return [a if isinstance(a, BaseException) else a[0] for a in answers]
 

@@ -516,7 +516,7 @@ def test_concurrent_requests_each_get_their_own_answer_or_error(service):
         if expected is None:
             assert r.status_code == 422, (route, params, r.text)
         else:
-            assert r.status_code == 200 and digest(r.content) == digest(expected), (route, params, r.status_code)
+            assert r.status_code == 200 and digest(r.content) == digest(expected), (route, params, r.status_code, r.text[:300])
 
 
 def test_no_access_log_line_per_request(service, ray_session):
