@@ -153,7 +153,7 @@ def _start_bare_app() -> tuple[subprocess.Popen, str]:
         except OSError:
             if process.poll() is not None or time.monotonic() > deadline:
                 process.kill()
-                raise RuntimeError(f"the bare app did not start: {process.stderr.read().decode()[-2000:]}") from None
+                raise ChildProcessError(f"the bare app did not start: {process.stderr.read().decode()[-2000:]}") from None
             time.sleep(0.2)
 
 

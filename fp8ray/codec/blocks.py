@@ -193,11 +193,13 @@ def decode_frames_into(
     *,
     device: str | None = None,
     threads: int | None = None,
+    where: str = "",
 ) -> None:
     """The batch loop of decoding: each ``(name, frame)`` into its target tensor (of the
     frame's dtype and shape, on any device). ``device``: where to decode when it is not
     the target's (``"cuda"`` into a CPU target: on the GPU, then copied). A frame that
-    fails (damaged, or holding another dtype or shape) raises naming it."""
+    fails (damaged, or holding another dtype or shape) raises naming it (and ``where``
+    the frames are, after its name: ``" in part-00003.parquet"``)."""
     for (name, f), target in zip(frames, targets, strict=True):
         try:
             if device is None or torch.device(device) == target.device:
@@ -210,7 +212,7 @@ def decode_frames_into(
                     )
                 target.copy_(result)
         except (ValueError, TypeError, RuntimeError) as exc:
-            raise block_error(name, exc) from exc
+            raise block_error(name, exc, where) from exc
 
 
 def decode_into(
@@ -220,13 +222,14 @@ def decode_into(
     *,
     device: str = "cpu",
     threads: int | None = None,
+    where: str = "",
 ) -> list[BlockSpec]:
     """Decode each ``(key, frame)`` to its raw little-endian bytes, end to end from the start
     of ``out`` (a writable 1-D uint8 array); returns each block's spec. ``specs``: what the
     caller expects each frame to hold (a frame that holds another dtype or shape fails);
     without them each frame's header is read first (one more pass of its checksum).
     ``device``: where to decode (``"cuda"``: on the GPU, then copied back). A frame that
-    fails raises naming its key."""
+    fails raises naming its key (and ``where``, as :func:`decode_frames_into`)."""
     if specs is None:
         specs = [BlockSpec(key, DTYPE_NAMES[h.dtype], h.shape) for (key, _), h in zip(frames, read_headers(frames))]
     ends = np.cumsum([spec.nbytes for spec in specs], dtype=np.int64).tolist()
@@ -236,7 +239,7 @@ def decode_into(
 
     def one_at_a_time(start: int, stop: int) -> None:
         targets = (bytes_to_tensor(out[starts[i] : ends[i]], specs[i].dtype, specs[i].shape) for i in range(start, stop))
-        decode_frames_into(frames[start:stop], targets, device=device, threads=threads)
+        decode_frames_into(frames[start:stop], targets, device=device, threads=threads, where=where)
 
     done = 0
     if device == "cpu":

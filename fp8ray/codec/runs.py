@@ -116,25 +116,24 @@ def decode_run(frames: list[np.ndarray], header: frame.FrameHeader, out: np.ndar
     header bytes, size or checksum differ from what ``header`` says (the caller decodes
     them one at a time to name the damaged one)."""
     count = len(frames)
-    size = header.frame_size
-    if any(f.size != size for f in frames):
-        return False
-    stacked = np.stack(frames)
     expected = np.empty(header.scales_offset, np.uint8)
     frame.write_header(expected, header)
-    if not (stacked[:, : header.scales_offset] == expected).all():
-        return False
-    if any(struct.unpack("<I", f[-frame.CHECKSUM_BYTES :])[0] != crc32c.crc32c(f[: -frame.CHECKSUM_BYTES]) for f in frames):
-        return False
-    raw = stacked[:, header.scales_offset : header.codes_offset].reshape(-1)
+    expected = expected.tobytes()
+    tail = frame.CHECKSUM_BYTES
+    for f in frames:
+        if f.size != header.frame_size or f[: header.scales_offset].tobytes() != expected:
+            return False
+        if struct.unpack("<I", f[-tail:])[0] != crc32c.crc32c(f[:-tail]):
+            return False
+    raw = np.concatenate([f[header.scales_offset : header.codes_offset] for f in frames])
     if header.scale_dtype == "bfloat16":
         scales = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
     else:
         scales = raw.view("<f4")
     if scales.size and not (np.isfinite(scales).all() and (scales > 0).all()):
         return False
-    codes = np.ascontiguousarray(stacked[:, header.codes_offset : header.codes_offset + header.numel]).reshape(-1)
+    codes = np.concatenate([f[header.codes_offset : header.codes_offset + header.numel] for f in frames])
     scaling, grouped = _grouping(header, count)
     target = torch.from_numpy(out[: count * header.numel * header.dtype.itemsize]).view(header.dtype).reshape(grouped)
-    cpu.dequantize(codes, np.ascontiguousarray(scales), header.fmt, scaling, grouped, header.block_size, target, threads)
+    cpu.dequantize(codes, scales, header.fmt, scaling, grouped, header.block_size, target, threads)
     return True

@@ -218,34 +218,16 @@ def compress_archive(
     plan = archive.plan_record(source, codec.as_dict(), lossless, parts)
     previous = archive.read_plan(fs, work) if resume and not dest.replacing else None
     reused = _resumable_parts(fs, work, plan, previous, destination)
-    infos: dict[int, archive.Part] = dict(reused)
-    devices, nodes = set(), set()
-    finished = []  # parts written in this run, in whatever order they arrived
     todo = [i for i in range(len(parts)) if i not in reused]
-
-    def count_finished(result) -> None:
-        finished.append(result)
-
+    run = _PartsRun(dict(reused))
     try:
         if previous is None:
             archive.write_plan(fs, work, plan)
         if progress:
             progress(sum(info.blocks for info in reused.values()))
-        work_uri = uri_for(destination, work)
-        with use_pool(pool) as running:
-            start = time.perf_counter()
-            tasks = ((parts[i], codec, work_uri, i, lossless) for i in todo)
-            for i, result in zip(todo, running.map(compress_part, tasks, on_result=count_finished)):
-                infos[i] = result.info
-                devices.add(result.device)
-                nodes.add(result.node_id)
-                if progress:
-                    progress(result.info.blocks)
-            replaced = running.replaced
-            workers = running.num_workers
-        seconds = time.perf_counter() - start
+        _write_parts(run, pool, compress_part, parts, todo, (codec, uri_for(destination, work), lossless), progress)
         bound = bound_constants(codec.fmt, codec.scaling)
-        entries = [infos[i] for i in range(len(parts))]
+        entries = [run.infos[i] for i in range(len(parts))]
         manifest = archive.build_manifest(
             source, layout, codec.as_dict(), lossless, bound, len(refs), entries, __version__, made_for
         )
@@ -254,7 +236,7 @@ def compress_archive(
     except BaseException:
         if dest.replacing:
             remove_quietly(fs, work)  # the old archive stays as it was
-        elif not finished and not reused:
+        elif not run.finished and not reused:
             undo_compress(dest, todo)
         raise
     if dest.replacing:
@@ -268,13 +250,46 @@ def compress_archive(
         raw_bytes=manifest.raw_bytes,
         frame_bytes=manifest.frame_bytes,
         archive_bytes=manifest.archive_bytes,
-        seconds=seconds,
-        workers=workers,
-        workers_replaced=replaced,
-        devices=sorted(devices),
-        nodes=len(nodes - {None}),
+        seconds=run.seconds,
+        workers=run.workers,
+        workers_replaced=run.replaced,
+        devices=sorted(run.devices),
+        nodes=len(run.nodes - {None}),
         skipped=[asdict(entry) for entry in layout.skipped],
     )
+
+
+@dataclass
+class _PartsRun:
+    """What writing an archive's parts gave: each part's manifest entry (those resumed
+    included), where they were written, and the pool's figures."""
+
+    infos: dict[int, archive.Part]
+    devices: set = field(default_factory=set)
+    nodes: set = field(default_factory=set)
+    finished: list = field(default_factory=list)  # parts written in this run, in whatever order they arrived
+    seconds: float = 0.0
+    workers: int = 0
+    replaced: int = 0
+
+
+def _write_parts(run: _PartsRun, pool, method: Callable, parts: list, todo: list[int], common: tuple, progress) -> None:
+    """Write parts ``todo`` on the pool with ``method`` (a ``QuantWorker`` method taking a
+    part's blocks, then ``common``: codec, work directory's URI, lossless stage; then the
+    part's index), recording each in ``run`` as it comes."""
+    codec, work_uri, lossless = common
+    with use_pool(pool) as running:
+        start = time.perf_counter()
+        tasks = ((parts[i], codec, work_uri, i, lossless) for i in todo)
+        for i, result in zip(todo, running.map(method, tasks, on_result=run.finished.append)):
+            run.infos[i] = result.info
+            run.devices.add(result.device)
+            run.nodes.add(result.node_id)
+            if progress:
+                progress(result.info.blocks)
+        run.replaced = running.replaced
+        run.workers = running.num_workers
+    run.seconds = time.perf_counter() - start
 
 
 def decompress_archive(

@@ -17,6 +17,7 @@ import os
 import posixpath
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +37,8 @@ from ..codec.bound import check_within_bound, element_scales
 from ..codec.devices import choose_device
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..codec.metrics import error_metrics
-from ..errors import MismatchError, block_error
+from ..codec.runs import RUN_BYTES
+from ..errors import MismatchError
 from ..io import archive
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
@@ -207,40 +209,44 @@ class QuantWorker:
         pieces = (*task.ranges, *task.files)
         left = Counter(p for piece in pieces for p, *_ in piece.blocks)  # blocks still to decode, by part
         frames: dict[int, list] = {}
-        buffer = np.empty(0, np.uint8)  # reused: fresh pages for every block cost more than decoding
+        buffer = np.empty(0, np.uint8)  # reused: fresh pages for every batch cost more than decoding
         result = RestoreResult(node_id=_node_id())
 
-        def decoded(part: int, row: int, key: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        def decoded(batch: list[tuple]) -> list[np.ndarray]:
+            """The raw bytes of a batch of blocks of one part, end to end in ``buffer``:
+            decoded together, so that small blocks of one shape go in runs."""
             nonlocal buffer
+            part = batch[0][0]
             if part not in frames:
                 frames[part] = _frames_of(archive.read_part(fs, path, parts[part], columns=["frame"], uri=archive_uri))
-            nbytes = math.prod(shape) * DTYPES_BY_NAME[dtype].itemsize
-            if buffer.size < nbytes:
-                buffer = np.empty(nbytes, np.uint8)
-            try:
-                decode(frames[part][row], out=bytes_to_tensor(buffer[:nbytes], dtype, shape), threads=self.threads)
-            except (ValueError, TypeError) as exc:
-                raise block_error(key, exc, f" in {parts[part].name}") from exc
-            left[part] -= 1
+            specs = [BlockSpec(key, dtype, shape) for _, _, key, dtype, shape in batch]
+            ends = np.cumsum([spec.nbytes for spec in specs]).tolist()
+            if buffer.size < ends[-1]:
+                buffer = np.empty(ends[-1], np.uint8)
+            pairs = [(key, frames[part][row]) for _, row, key, *_ in batch]
+            decode_into(pairs, buffer, specs, threads=self.threads, where=f" in {parts[part].name}")
+            left[part] -= len(batch)
             if not left[part]:
                 del frames[part]  # its last block here: a part is held only while a block still needs it
-            result.blocks += 1
-            result.raw_bytes += nbytes
-            return buffer[:nbytes]
+            result.blocks += len(batch)
+            result.raw_bytes += ends[-1]
+            return [buffer[end - spec.nbytes : end] for spec, end in zip(specs, ends)]
 
         for r in task.ranges:
             with RangeWriter(f"{out_dir}/{r.name}") as writer:
                 offset = r.offset
-                for block in r.blocks:
-                    data = decoded(*block)
-                    writer.write_at(offset, data)
-                    offset += data.size
+                for batch in _batches(r.blocks):
+                    data = decoded(batch)
+                    size = sum(d.size for d in data)
+                    writer.write_at(offset, buffer[:size])  # a batch's blocks lie end to end in the file too
+                    offset += size
         for f in task.files:
             if "/" in f.name and isinstance(out_fs, LocalFileSystem):  # a file in a subfolder of the source
                 out_fs.create_dir(posixpath.dirname(f"{out_dir}/{f.name}"), recursive=True)
             with f.writer(uri_for(directory, f"{out_dir}/{f.name}")) as writer:
-                for part, row, key, dtype, shape in f.blocks:
-                    writer.write_block(key, dtype, shape, keep(decoded(part, row, key, dtype, shape)))
+                for batch in _batches(f.blocks):
+                    for (_, _, key, dtype, shape), data in zip(batch, decoded(batch)):
+                        writer.write_block(key, dtype, shape, keep(data))
             result.files += 1
         return result
 
@@ -339,6 +345,22 @@ class QuantWorker:
         the store ``form`` asked for (:func:`fp8ray.lmcache.store_files.restore_chunk_files`)."""
         done = restore_chunk_files(archive_uri, parts, task, directory, form, self.threads)
         return RestoreResult(files=done.files, blocks=done.files, raw_bytes=done.raw_bytes, node_id=_node_id())
+
+
+def _batches(blocks) -> Iterator[list[tuple]]:
+    """``(part, row, key, dtype, shape)`` s a batch at a time: consecutive blocks of one
+    part, up to :data:`~fp8ray.codec.runs.RUN_BYTES` of raw bytes (or one larger block)."""
+    batch: list[tuple] = []
+    size = 0
+    for block in blocks:
+        nbytes = math.prod(block[4]) * DTYPES_BY_NAME[block[3]].itemsize
+        if batch and (block[0] != batch[0][0] or size + nbytes > RUN_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(block)
+        size += nbytes
+    if batch:
+        yield batch
 
 
 def _frames_of(table) -> list[memoryview]:

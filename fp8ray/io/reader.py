@@ -126,6 +126,21 @@ class ArchiveReader:
         Raises :class:`BadInputError` naming the key and file when the archive has no
         such block, and :class:`CorruptArchiveError`, in one line naming the block, when
         its part or frame is damaged."""
+        label, part, (frame,) = self._read_row(key, file, "frame")
+        try:
+            return decode(memoryview(frame.as_buffer()), device=device)
+        except (ValueError, TypeError) as exc:
+            raise self._damaged(label, part, _one_line(exc)) from None
+
+    def nbytes(self, key: str, file: str | None = None) -> int:
+        """The size of block ``key``'s tensor, read without its frame (to refuse a block
+        too large before reading it). Raises as :meth:`get` does."""
+        _, _, (raw_bytes,) = self._read_row(key, file, "raw_bytes")
+        return raw_bytes.as_py()
+
+    def _read_row(self, key: str, file: str | None, *columns: str) -> tuple[str, Part, list]:
+        """The block's label, its part, and its values of ``columns`` (read from its row
+        group alone)."""
         file = self._file_of(key) if file is None else file
         self._check_file(file)
         label = f"{file}:{key}" if len(self._file_rows) > 1 else key
@@ -139,16 +154,12 @@ class ArchiveReader:
             part, meta = self.manifest.parts[index], self._parts[index]
             group = bisect.bisect_right(meta.group_starts, row) - 1
             with archive.open_part(self._fs, f"{self._dir}/{part.name}", part, self._shown) as f:
-                table = pq.ParquetFile(f, metadata=meta.metadata).read_row_group(group, columns=["frame"])
-            frame = table.column("frame").combine_chunks()[row - meta.group_starts[group]].as_buffer()
+                table = pq.ParquetFile(f, metadata=meta.metadata).read_row_group(group, columns=list(columns))
+            return label, part, [table.column(c).combine_chunks()[row - meta.group_starts[group]] for c in columns]
         except CorruptArchiveError as exc:
             raise CorruptArchiveError(f"block {printable(label)!r}: {exc}") from None
         except (OSError, pa.ArrowException) as exc:
             raise self._damaged(label, part, f"not readable as Parquet ({_one_line(exc)})") from None
-        try:
-            return decode(memoryview(frame), device=device)
-        except (ValueError, TypeError) as exc:
-            raise self._damaged(label, part, _one_line(exc)) from None
 
     @property
     def _shown(self) -> str:

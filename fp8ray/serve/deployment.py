@@ -345,8 +345,8 @@ class Fp8Service:
         its key with its source file's ``__metadata__`` (a GET has no body whose type to
         follow, as /v1/decode follows its request's). Read and decoded here, in a thread,
         not on a QuantWorker: one block is one frame, and the replica keeps the archive's
-        reader (its manifest and part indexes) for the next read. A block that decodes
-        to more than ``max_body_bytes`` is refused with 413 once decoded, before it is sent."""
+        reader (its manifest and part indexes) for the next read. A block whose tensor is
+        more than ``max_body_bytes`` is refused with 413 before its frame is read."""
         if self._archives is None:
             raise RequestError("this service was started without --archives: it reads no archives", 404, None)
         params = request.query_params
@@ -363,19 +363,20 @@ class Fp8Service:
             reader = self._archives.reader(archive)
             if not named:
                 file = reader.file_of(key)
+            size = reader.nbytes(key, file)
+            if size > self.max_body_bytes:
+                raise RequestError(
+                    f"block {key!r} is {size} bytes, over the service's limit of {self.max_body_bytes} "
+                    "(--max-body-mb); read it with fp8ray get",
+                    413,
+                    "key",
+                )
             tensor = reader.get(key, file)
         except BadInputError as exc:
             # No such key or file: 404. A key in several files, none named: 400, naming them.
             raise RequestError(str(exc), 400 if not named and exc.field == "file" else 404, exc.field) from None
         except CorruptDataError as exc:  # a damaged manifest, part or frame, named in one line
             raise RequestError(str(exc), 422, "archive") from None
-        if tensor.nbytes > self.max_body_bytes:
-            raise RequestError(
-                f"block {key!r} is {tensor.nbytes} bytes, over the service's limit of {self.max_body_bytes} "
-                "(--max-body-mb); read it with fp8ray get",
-                413,
-                "key",
-            )
         metadata = reader.metadata(file) or None
         data = build_body([(key, dtype_name(tensor), tuple(tensor.shape), tensor_to_bytes(tensor))], metadata)
         return Response(data, media_type=SAFETENSORS)

@@ -245,5 +245,8 @@ def test_a_workers_peak_memory_is_bounded_by_a_part_not_by_the_file(tmp_path, mo
     frame_part = part_bytes // 2  # fp8: a byte per bf16 element, and little else
     # Under heavy load the larger file's peak was seen a part higher now and then (why is
     # not pinned down); holding every part, as before this change, is 12 parts more here.
-    assert peaks[64] <= 5 * frame_part + 2 * BLOCK_BYTES, held  # holding the 16 parts would be 8 MiB
+    # A batch of a part's blocks is decoded together (small blocks in runs): its raw bytes
+    # and its codes gathered, at most a part's worth, come on top.
+    batch = part_bytes + frame_part
+    assert peaks[64] <= 5 * frame_part + 2 * BLOCK_BYTES + batch, held  # holding the 16 parts would be 8 MiB
     assert peaks[64] - peaks[16] <= 2 * frame_part, held  # 4 times the file, at most 2 parts more

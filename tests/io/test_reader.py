@@ -57,6 +57,7 @@ def test_every_block_read_alone_equals_decompress(multi):
         for key, tensor in restored[name].items():
             block = reader.get(key, name)
             assert block.dtype == tensor.dtype and torch.equal(block, tensor), (name, key)
+            assert reader.nbytes(key, name) == tensor.nbytes, (name, key)
     assert reader.get("only1").equal(restored["deep/b.safetensors"]["only1"])  # a key in one file needs no file
     assert reader.keys() == [k for name in FILES for k in restored[name]]
 

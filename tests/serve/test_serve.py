@@ -697,6 +697,7 @@ def test_a_block_over_the_body_limit_is_refused_413(archives_root):
     from types import SimpleNamespace
 
     from fp8ray.errors import RequestError
+    from fp8ray.io.reader import ArchiveReader
     from fp8ray.serve.archives import ArchiveRoot
     from fp8ray.serve.deployment import Fp8Service
 
@@ -706,7 +707,12 @@ def test_a_block_over_the_body_limit_is_refused_413(archives_root):
     replica = SimpleNamespace(_archives=ArchiveRoot(str(root)), max_body_bytes=block.nbytes)
     assert read_block(replica, "kv.fp8", "shared", "a.safetensors").status_code == 200  # exactly at the limit
     replica.max_body_bytes = block.nbytes - 1
-    with pytest.raises(RequestError) as refused:
+
+    def not_read(*args, **kwargs):
+        raise AssertionError("a block over the limit is refused before its frame is read")
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(RequestError) as refused:
+        mp.setattr(ArchiveReader, "get", not_read)
         read_block(replica, "kv.fp8", "shared", "a.safetensors")
     assert (refused.value.status, refused.value.field) == (413, "key") and "--max-body-mb" in str(refused.value)
 
