@@ -105,3 +105,17 @@ def moto_s3(bucket: str):
         yield lambda key: f"s3://testing:testing@{bucket}/{key}?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
     finally:
         server.stop()
+
+
+def processes_with_ray_tmp(ray_tmp: str) -> list:
+    """The processes started with this ``RAY_TMPDIR`` (a Ray's, which inherit it)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("RAY_TMPDIR") == ray_tmp:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found

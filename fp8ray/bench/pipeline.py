@@ -124,16 +124,7 @@ def bench_pipeline(
                 pool_start = time.perf_counter() - start
                 runs = []
                 for _ in range(repeat):
-                    arch, out = os.path.join(tmp, "arch"), os.path.join(tmp, "out" if files > 1 else "out.safetensors")
-                    # Each timed step starts with no dirty pages left by the one before: the
-                    # kernel's write-back of earlier writes would otherwise land on it.
-                    os.sync()
-                    compressed = compress_archive(source, arch, options=options, lossless=lossless, pool=pool)
-                    os.sync()
-                    restored = decompress_archive(arch, out, pool=pool)
-                    archive_bytes = _size(arch)
-                    shutil.rmtree(arch)
-                    shutil.rmtree(out) if files > 1 else os.unlink(out)
+                    compressed, restored, archive_bytes = _round_trip(source, tmp, files, options, lossless, pool)
                     # The bound's writes go where the outputs were, as the operations' did.
                     os.sync()
                     bound_c = _read_seconds(source, buffer) + _write_seconds(tmp, archive_bytes, buffer)
@@ -189,6 +180,22 @@ def _write_source(tmp: str, tensors: dict, files: int) -> str:
     return root if files > 1 else os.path.join(tmp, "kv.safetensors")
 
 
+def _round_trip(source: str, tmp: str, files: int, options, lossless: str, pool):
+    """Compress ``source`` into ``tmp`` and decompress it back, removing both after; the
+    two reports and the archive's size."""
+    arch, out = os.path.join(tmp, "arch"), os.path.join(tmp, "out" if files > 1 else "out.safetensors")
+    # Each timed step starts with no dirty pages left by the one before: the kernel's
+    # write-back of earlier writes would otherwise land on it.
+    os.sync()
+    compressed = compress_archive(source, arch, options=options, lossless=lossless, pool=pool)
+    os.sync()
+    restored = decompress_archive(arch, out, pool=pool)
+    archive_bytes = _size(arch)
+    shutil.rmtree(arch)
+    shutil.rmtree(out) if files > 1 else os.unlink(out)
+    return compressed, restored, archive_bytes
+
+
 def _small_blocks(pool, tmp, tensors, files, block_kib, options, lossless, repeat, chunk_seconds) -> str:
     """The line of the small blocks: the same bytes cut into ``block_kib`` KiB blocks."""
     rows = block_kib * 1024 // (2 * 64)  # [rows, 64] bf16 blocks
@@ -197,13 +204,7 @@ def _small_blocks(pool, tmp, tensors, files, block_kib, options, lossless, repea
     source = _write_source(root, small, files)
     runs = []
     for _ in range(repeat):
-        arch, out = os.path.join(root, "arch"), os.path.join(root, "out" if files > 1 else "out.safetensors")
-        os.sync()
-        compressed = compress_archive(source, arch, options=options, lossless=lossless, pool=pool)
-        os.sync()
-        restored = decompress_archive(arch, out, pool=pool)
-        shutil.rmtree(arch)
-        shutil.rmtree(out) if files > 1 else os.unlink(out)
+        compressed, restored, _ = _round_trip(source, root, files, options, lossless, pool)
         runs.append((compressed.seconds, restored.seconds))
     shutil.rmtree(root)
     c, d = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)

@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from _util import processes_with_ray_tmp
 
 FP8RAY = [sys.executable, "-m", "fp8ray.cli"]
 SEED = 19
@@ -57,18 +57,6 @@ def reference(tmp_path_factory):
     return root
 
 
-def _ray_processes(ray_tmp: str) -> list[psutil.Process]:
-    """Processes started with this run's RAY_TMPDIR: the embedded Ray's, if any are left."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("RAY_TMPDIR") == ray_tmp:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
-
-
 def _interrupt(args: list[str], cwd: Path, ready, delay: float, sig: int) -> tuple[int, str, float]:
     """Run fp8ray ``args``, wait until ``ready(ray_tmp)`` (the command is at work) plus ``delay``
     seconds, send ``sig`` to its process group; its exit code, stderr and the seconds it
@@ -98,7 +86,7 @@ def _interrupt(args: list[str], cwd: Path, ready, delay: float, sig: int) -> tup
             pass
         _, err = proc.communicate(timeout=120)
         took = time.monotonic() - sent
-        left = _ray_processes(ray_tmp)
+        left = processes_with_ray_tmp(ray_tmp)
         assert not left, f"processes left running: {[p.pid for p in left]}"
         assert os.listdir(ray_tmp) == [], f"left in RAY_TMPDIR: {os.listdir(ray_tmp)}"
         return proc.returncode, err, took

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _util import processes_with_ray_tmp
 
 from fp8ray.engine import address as addresses
 
@@ -151,18 +152,6 @@ def test_without_a_cluster_a_command_runs_inline_and_never_imports_ray(source, t
     assert os.listdir(ray_tmp) == (["ray"] if cluster_file == "stale" else [])  # no Ray session written
 
 
-def _processes_with_ray_tmp(ray_tmp: str) -> list[psutil.Process]:
-    """The processes `ray start` started with this RAY_TMPDIR (they inherit it), and theirs."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("RAY_TMPDIR") == ray_tmp:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
-
-
 @pytest.fixture
 def local_cluster(ray_tmp):
     """A `ray start --head` as a user runs it (recorded in RAY_TMPDIR's ray_current_cluster),
@@ -184,7 +173,7 @@ def local_cluster(ray_tmp):
         assert recorded.endswith(f":{gcs_port}"), recorded
         yield recorded
     finally:
-        ours = _processes_with_ray_tmp(ray_tmp)
+        ours = processes_with_ray_tmp(ray_tmp)
         for p in ours:
             try:
                 p.terminate()
@@ -205,7 +194,7 @@ def test_with_a_local_cluster_running_a_command_joins_it(source, tmp_path, ray_t
     assert outcome["address"] == local_cluster and not outcome["inline"]  # PoolSettings()
     # The pool's worker was started by that cluster's raylet (still running), not by a Ray
     # the command started (gone with it).
-    raylets = {p.pid for p in _processes_with_ray_tmp(ray_tmp) if p.name() == "raylet"}
+    raylets = {p.pid for p in processes_with_ray_tmp(ray_tmp) if p.name() == "raylet"}
     assert len(raylets) == 1 and set(outcome["parents"]) == raylets, (outcome, raylets)
     # The command and the pool were each a driver (a job) of that cluster: their logs are
     # in its session (an embedded Ray's would be in a session of its own, removed with it).
