@@ -171,8 +171,8 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
 
     state = tempfile.mkdtemp(prefix="fp8ray-serve-")
     if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-        # The Ray started below runs Serve as `fp8ray serve` does: set before it starts.
-        apply_serve_environment(state)
+        # The Ray started below runs Serve as `fp8ray serve --haproxy` does: set before it starts.
+        apply_serve_environment(state, haproxy=True)  # measured as `fp8ray serve --haproxy` runs
     from ray import serve
 
     from ..engine.runtime import connect_ray, disconnect_ray

@@ -23,6 +23,13 @@ def add_commands(commands) -> None:
         "without it the route answers 404",
     )
     serve.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
+    serve.add_argument(
+        "--haproxy",
+        action="store_true",
+        help="put Ray Serve's HAProxy in front of the replicas (an embedded Ray only): near bare-HTTP throughput "
+        "(BENCHMARKS.md), but HAProxy also opens its statistics and Prometheus ports on every interface, "
+        "whatever --host says",
+    )
     serve.set_defaults(handler=run_serve)
 
 
@@ -75,7 +82,7 @@ def run_serve(args) -> int:
         _check_port(args.host, args.port)  # an embedded Ray's proxy binds here, on this machine
         # Serve reads these as it is imported, in every process of the Ray started below.
         state = tempfile.mkdtemp(prefix="fp8ray-serve-")
-        apply_serve_environment(state)
+        apply_serve_environment(state, args.haproxy)
     try:
         return _serve(args, options)
     finally:

@@ -103,14 +103,15 @@ def frame_sizes(codec: Fp8Codec, blocks: Sequence[BlockSpec]) -> list[int]:
     sizes = []
     known: dict[tuple, int] = {}  # many blocks share a dtype and shape
     for b in blocks:
-        size = known.get((b.dtype, b.shape))
-        if size is None:
-            try:
+        try:
+            kind = (b.dtype, tuple(b.shape))
+            size = known.get(kind)
+            if size is None:
                 if b.dtype not in DTYPES_BY_NAME:
                     raise TypeError(f"unsupported dtype {b.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
-                size = known[(b.dtype, b.shape)] = codec.encoded_size(b.shape, DTYPES_BY_NAME[b.dtype])
-            except (ValueError, TypeError) as exc:
-                raise block_error(b.key, exc) from exc
+                size = known[kind] = codec.encoded_size(b.shape, DTYPES_BY_NAME[b.dtype])
+        except (ValueError, TypeError) as exc:
+            raise block_error(b.key, exc) from exc
         sizes.append(size)
     return sizes
 

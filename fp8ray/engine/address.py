@@ -38,10 +38,14 @@ def default_address() -> str:
 
 def running_local_cluster() -> str | None:
     """The GCS address of the Ray cluster ``ray start`` left running on this machine, or
-    None: no ``ray_current_cluster`` file, an unreadable one, or a cluster gone (its port
-    does not answer)."""
+    None: no ``ray_current_cluster`` file, one another user wrote, an unreadable one, or a
+    cluster gone (its port does not answer)."""
+    path = os.path.join(ray_temp_dir(), "ray_current_cluster")
     try:
-        with open(os.path.join(ray_temp_dir(), "ray_current_cluster")) as f:
+        # Another user's cluster (a shared /tmp) is not one to send this user's data to.
+        if os.stat(path).st_uid != os.getuid():
+            return None
+        with open(path) as f:
             address = f.read().strip()
     except OSError:
         return None

@@ -343,10 +343,11 @@ def decompress_archive(
     check_apart(archive_uri, output)
     columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key", "dtype", "shape"], archive_uri)
     out_fs, out_path = resolve(output)
-    # A local output is written at offsets: a file from several parts, by several workers at once.
-    # Files written in ranges by several workers: local safetensors outputs (a store's chunk files are one block each).
+    # A local output is written at offsets: a safetensors file from several parts, by several
+    # workers at once (a store's chunk files are one block each) where they share this disk.
+    single_name = posixpath.basename(out_path) if single_file else None
     ranged = isinstance(out_fs, pafs.LocalFileSystem) and lmcache_form is None
-    plan = plan_restore(manifest, columns, posixpath.basename(out_path) if single_file else None, ranged)
+    plan = plan_restore(manifest, columns, single_name, ranged)
     foreign = check_output(out_fs, out_path, output, plan, overwrite or force_replace, force_replace, parents)
     if foreign and announce:
         announce(
@@ -364,6 +365,8 @@ def decompress_archive(
     try:
         with use_pool(pool) as running:
             start = time.perf_counter()
+            if plan.shared and not running.on_this_machine():  # workers elsewhere cannot write this disk's files
+                plan = plan_restore(manifest, columns, single_name, ranged=False)
             for f in plan.shared:  # its header and size, before the tasks write their ranges of it
                 f.create_presized(scratch)
             scratch_uri = uri_for(output, scratch)

@@ -159,6 +159,16 @@ class QuantPool:
     def worker_info(self) -> list[WorkerInfo]:
         return self._running.info()
 
+    def on_this_machine(self) -> bool:
+        """Whether every worker runs on this process's machine (inline, or Ray actors all
+        on this node), so that they can write into the same local file."""
+        if self.inline:
+            return True
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        return all(info.node_id == here for info in self.worker_info())
+
     def share(self, value):
         """``value`` as the workers should receive it when every call passes it: put in
         Ray's object store once (or as it is, inline)."""

@@ -66,6 +66,9 @@ HEALTH_TIMEOUT_S = 10.0
 FRAMES_MARK = "fp8ray"
 BLOCK_PARAMS = ("archive", "key", "file")  # the query of GET /v1/archive/block
 BATCH_BLOCKS = 16  # raw requests answered by one round of QuantWorker calls, at most
+# Raw bodies larger than this go to a QuantWorker alone: a batch of them would hold
+# BATCH_BLOCKS bodies' results in one worker, and small requests would wait behind them.
+BATCH_BODY_BYTES = 2 << 20
 
 
 def _answer_of(answer):
@@ -323,7 +326,11 @@ class Fp8Service:
             return Response(build_body(frames, {**metadata, FRAMES_MARK: "frames"}), media_type=SAFETENSORS)
         options = codec_options(params, ignore=("dtype", "shape"))
         dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
-        f, meta = _answer_of(await self._encode_one((Block("body", dtype, shape, np.frombuffer(body, dtype=np.uint8)), options)))
+        block = Block("body", dtype, shape, np.frombuffer(body, dtype=np.uint8))
+        if len(body) > BATCH_BODY_BYTES:
+            [(f, meta)] = await self._call(QuantWorker.encode_batch, [block], options)
+        else:
+            f, meta = _answer_of(await self._encode_one((block, options)))
         return Response(f.tobytes(), media_type=OCTET_STREAM, headers={"X-Fp8ray-Device": meta.device})
 
     async def _decode_body(self, request: Request, body: bytes) -> Response:
@@ -336,7 +343,11 @@ class Fp8Service:
             tensors = [(meta.key, meta.dtype, meta.shape, raw) for raw, meta in results]
             kept = {k: v for k, v in metadata.items() if k != FRAMES_MARK}
             return Response(build_body(tensors, kept or None), media_type=SAFETENSORS)
-        raw, meta = _answer_of(await self._decode_one(("body", np.frombuffer(body, dtype=np.uint8))))
+        frame = ("body", np.frombuffer(body, dtype=np.uint8))
+        if len(body) > BATCH_BODY_BYTES:
+            [(raw, meta)] = await self._call(QuantWorker.decode_batch, [frame])
+        else:
+            raw, meta = _answer_of(await self._decode_one(frame))
         headers = {"X-Fp8ray-Dtype": meta.dtype, "X-Fp8ray-Shape": ",".join(map(str, meta.shape)), "X-Fp8ray-Device": meta.device}
         return Response(raw.tobytes(), media_type=OCTET_STREAM, headers=headers)
 
@@ -372,6 +383,8 @@ class Fp8Service:
                     "key",
                 )
             tensor = reader.get(key, file)
+            if tensor.nbytes > self.max_body_bytes:  # the recorded size, checked by what the frame held
+                raise RequestError(f"block {key!r} is {tensor.nbytes} bytes, over the service's limit", 413, "key")
         except BadInputError as exc:
             # No such key or file: 404. A key in several files, none named: 400, naming them.
             raise RequestError(str(exc), 400 if not named and exc.field == "file" else 404, exc.field) from None

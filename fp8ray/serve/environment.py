@@ -21,14 +21,9 @@ from collections.abc import MutableMapping
 
 # Serve's switches (and one of Ray's), each kept where the environment sets it already.
 SERVE_SWITCHES = {
-    # HAProxy in front (it implies direct ingress: each replica serves HTTP itself).
-    "RAY_SERVE_ENABLE_HA_PROXY": "1",
     # Serve's own throughput settings: user code on the replica's event loop, gRPC
     # between Serve's processes, request-path logs buffered.
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    # HAProxy sends one line per request to its metrics reader, a Python actor: off, the
-    # service's own Prometheus metrics (fp8ray_serve_*) count requests in the replica.
-    "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
     # A replica being removed serves on this long for an outside load balancer to notice;
     # here HAProxy is Serve's own and is told at once (Serve's default, 30 s, held every
     # shutdown of `fp8ray serve` that long).
@@ -38,6 +33,15 @@ SERVE_SWITCHES = {
     # to 2 MiB and its frame go to a QuantWorker and back without the raylet. Larger ones
     # still go through the store: its one copy costs less than the call's copies of 16 MiB.
     "RAY_max_direct_call_object_size": str(2 * 2**20),
+}
+# HAProxy in front (it implies direct ingress: each replica serves HTTP itself), asked for
+# with `fp8ray serve --haproxy`: Ray's HAProxy also serves its statistics and Prometheus
+# ports on every interface, whatever --host says, so it is not the default.
+HAPROXY_SWITCHES = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    # HAProxy sends one line per request to its metrics reader, a Python actor: off, the
+    # service's own Prometheus metrics (fp8ray_serve_*) count requests in the replica.
+    "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
 }
 # HAProxy's files, by default under /tmp/haproxy-serve: under the run's own directory
 # instead, removed with it.
@@ -59,14 +63,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def apply_serve_environment(directory: str, environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """Set Serve's switches, HAProxy's files (under ``directory``) and ports, each where
-    ``environ`` does not set it already; returns every one of them as now in force."""
+def apply_serve_environment(
+    directory: str, haproxy: bool = False, environ: MutableMapping[str, str] = os.environ
+) -> dict[str, str]:
+    """Set Serve's switches and, with ``haproxy``, HAProxy's, its files (under
+    ``directory``) and ports, each where ``environ`` does not set it already; returns every
+    one of them as now in force."""
     wanted = dict(SERVE_SWITCHES)
-    wanted.update({name: os.path.join(directory, leaf) for name, leaf in HAPROXY_FILES.items()})
-    for name in HAPROXY_PORTS:
-        if name not in environ:
-            wanted[name] = str(_free_port())
+    if haproxy:
+        wanted.update(HAPROXY_SWITCHES)
+        wanted.update({name: os.path.join(directory, leaf) for name, leaf in HAPROXY_FILES.items()})
+        for name in HAPROXY_PORTS:
+            if name not in environ:
+                wanted[name] = str(_free_port())
     for name, value in wanted.items():
         environ.setdefault(name, value)
     return {name: environ[name] for name in wanted}

@@ -5,13 +5,17 @@ anything). Every ``REPORT_INTERVAL_S`` in which they changed, and before answeri
 ``GET /v1/stats``, it reports their running totals to the :class:`ServiceStats` actor,
 which keeps the latest totals of each replica and sums them when read. Totals, not
 increments: a report that is lost is made good by the next one, and a replica that
-dies keeps the counts of its last report.
+dies keeps the counts of its last report. Unchanged totals are sent again every
+``RESEND_S``, so that a stats actor recreated empty gets back an idle replica's counts.
 """
 
 from __future__ import annotations
 
+import time
+
 COUNTS = ("requests", "bytes_in", "bytes_out", "errors", "retries")
 REPORT_INTERVAL_S = 1.0  # the most a replica's counts lag behind in another replica's /v1/stats
+RESEND_S = 10.0  # unchanged totals are reported again this often
 
 
 class ReplicaCounts:
@@ -20,18 +24,23 @@ class ReplicaCounts:
     def __init__(self):
         self.totals = dict.fromkeys(COUNTS, 0)
         self._reported = dict(self.totals)
+        self._reported_at = time.monotonic()
 
     def add(self, **deltas: int) -> None:
         for name, value in deltas.items():
             self.totals[name] += value
 
-    def unreported(self) -> dict[str, int] | None:
-        """A copy of the totals to report, or ``None`` when the last report holds them."""
-        return dict(self.totals) if self.totals != self._reported else None
+    def unreported(self, now: float | None = None) -> dict[str, int] | None:
+        """A copy of the totals to report, or ``None`` when the last report, less than
+        :data:`RESEND_S` ago, holds them."""
+        now = time.monotonic() if now is None else now
+        changed = self.totals != self._reported
+        return dict(self.totals) if changed or now - self._reported_at >= RESEND_S else None
 
-    def reported(self, totals: dict[str, int]) -> None:
+    def reported(self, totals: dict[str, int], now: float | None = None) -> None:
         """``totals`` (from :meth:`unreported`) reached the stats actor."""
         self._reported = totals
+        self._reported_at = time.monotonic() if now is None else now
 
 
 class ServiceStats:

@@ -82,3 +82,13 @@ def test_a_failing_frame_or_block_is_named_by_its_key():
         decode_into([("other", sound)], np.empty(64, np.uint8), [BlockSpec("other", "float16", (32,))])
     with pytest.raises(ValueError, match=r"out holds 3 bytes"):
         encode_into(codec, [good], np.empty(3, np.uint8))
+
+
+def test_frame_sizes_take_a_shape_given_as_a_list():
+    codec = Fp8Codec()
+    assert (
+        frame_sizes(codec, [BlockSpec("k", "float32", [2, 32]), BlockSpec("j", "float32", (2, 32))])
+        == [codec.encoded_size((2, 32), torch.float32)] * 2
+    )
+    with pytest.raises(BlockError, match="^block 'bad'"):
+        frame_sizes(codec, [BlockSpec("bad", "int8", [2])])

@@ -250,3 +250,26 @@ def test_a_workers_peak_memory_is_bounded_by_a_part_not_by_the_file(tmp_path, mo
     batch = part_bytes + frame_part
     assert peaks[64] <= 5 * frame_part + 2 * BLOCK_BYTES + batch, held  # holding the 16 parts would be 8 MiB
     assert peaks[64] - peaks[16] <= 2 * frame_part, held  # 4 times the file, at most 2 parts more
+
+
+def test_workers_off_this_machine_get_the_single_writer_plan(big_file, tmp_path, ray_session):
+    """Workers that are not all on this machine cannot write into its files: decompress
+    plans one writer per file instead, with the same output."""
+    from fp8ray.engine.pool import QuantPool
+    from fp8ray.io.restore import RestoreFile
+
+    arch, expected = big_file
+    with QuantPool(num_workers=2) as pool:
+        assert pool.on_this_machine()  # the suite's Ray has one node, this one
+    with QuantPool(num_workers=1, address="inline") as pool:
+        assert pool.on_this_machine()
+
+    def not_shared(*args, **kwargs):
+        raise AssertionError("no file is shared by workers elsewhere")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(QuantPool, "on_this_machine", lambda self: False)
+        mp.setattr(RestoreFile, "create_presized", not_shared)
+        out = tmp_path / "back.safetensors"
+        decompress_archive(str(arch), str(out), pool=fp8ray.PoolSettings(num_workers=2, address="inline"))
+    assert out.read_bytes() == expected

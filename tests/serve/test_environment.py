@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp8ray.serve.environment import HAPROXY_FILES, HAPROXY_PORTS, SERVE_SWITCHES, apply_serve_environment
+from fp8ray.serve.environment import HAPROXY_FILES, HAPROXY_PORTS, HAPROXY_SWITCHES, SERVE_SWITCHES, apply_serve_environment
 
 
 def test_each_setting_is_set_once_and_one_already_given_is_kept(tmp_path):
     environ = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_HAPROXY_STATS_PORT": "8404"}
-    applied = apply_serve_environment(str(tmp_path), environ)
+    applied = apply_serve_environment(str(tmp_path), haproxy=True, environ=environ)
     assert applied == {name: environ[name] for name in applied}
     assert environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "8404"
     assert environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == SERVE_SWITCHES["RAY_SERVE_THROUGHPUT_OPTIMIZED"]
@@ -24,6 +24,13 @@ def test_every_name_is_one_that_serve_reads():
     import ray.serve._private.constants as constants
 
     source = Path(constants.__file__).read_text()
-    for name in [*SERVE_SWITCHES, *HAPROXY_FILES, *HAPROXY_PORTS]:
+    for name in [*SERVE_SWITCHES, *HAPROXY_SWITCHES, *HAPROXY_FILES, *HAPROXY_PORTS]:
         if name.startswith("RAY_SERVE_"):
             assert f'"{name}"' in source, name
+
+
+def test_haproxy_only_when_asked_for(tmp_path):
+    """Ray's HAProxy serves its statistics and metrics on every interface: not by default."""
+    environ: dict[str, str] = {}
+    applied = apply_serve_environment(str(tmp_path), environ=environ)
+    assert set(applied) == set(SERVE_SWITCHES) and not any("HA_PROXY" in n or "HAPROXY" in n for n in environ), environ

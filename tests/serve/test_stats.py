@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fp8ray.serve.stats import COUNTS, ReplicaCounts, ServiceStats
+from fp8ray.serve.stats import COUNTS, RESEND_S, ReplicaCounts, ServiceStats
 
 
 def test_a_replica_reports_only_what_changed_and_a_lost_report_is_made_good():
@@ -19,6 +19,14 @@ def test_a_replica_reports_only_what_changed_and_a_lost_report_is_made_good():
     assert counts.unreported() is None
     counts.add(retries=1)
     assert counts.unreported()["retries"] == 1
+
+
+def test_unchanged_totals_are_sent_again_for_a_stats_actor_recreated_empty():
+    counts = ReplicaCounts()
+    counts.add(requests=4)
+    counts.reported(counts.unreported(now=100.0), now=100.0)
+    assert counts.unreported(now=100.0 + RESEND_S / 2) is None
+    assert counts.unreported(now=100.0 + RESEND_S)["requests"] == 4
 
 
 def test_the_stats_actor_sums_the_latest_totals_of_each_replica():
