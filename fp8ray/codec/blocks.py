@@ -170,7 +170,7 @@ def encode_into(
         one_at_a_time(done, start)
         run = blocks[start:stop]
         frames = out[ends[start] : ends[stop]].reshape(stop - start, sizes[start])
-        if encode_run(codec, run[0].dtype, run[0].shape, [b.data for b in run], frames, threads):
+        if not encode_run(codec, run[0].dtype, run[0].shape, [b.data for b in run], frames, threads):
             one_at_a_time(start, stop)  # a refused non-finite value: named by its block
         done = stop
     one_at_a_time(done, len(blocks))

@@ -232,25 +232,38 @@ def parse(buf: np.ndarray) -> FrameHeader:
         check_shape(header.shape)
     except ValueError as exc:
         raise CorruptFrameError(f"frame header: {exc}") from None
-    stored = struct.unpack("<I", buf[-CHECKSUM_BYTES:].tobytes())[0]
-    actual = checksum.crc32c(buf[:-CHECKSUM_BYTES])
+    stored, actual = checksums(buf)
     if stored != actual:
         raise CorruptFrameError(f"frame checksum mismatch: stored crc32c {stored:#010x}, computed {actual:#010x}")
     return header
 
 
+def checksums(buf: np.ndarray) -> tuple[int, int]:
+    """A whole frame's stored CRC-32C and the one its bytes have."""
+    return struct.unpack("<I", buf[-CHECKSUM_BYTES:].tobytes())[0], checksum.crc32c(buf[:-CHECKSUM_BYTES])
+
+
 def scales_of(buf: np.ndarray, header: FrameHeader) -> np.ndarray:
     """The frame's scales as fp32, checked to be finite and positive: a view of float32
     scales, a new array for bfloat16 ones (widened exactly: bf16 bits are fp32's top half)."""
-    raw = buf[header.scales_offset : header.codes_offset]
-    if header.scale_dtype == "bfloat16":
-        scales = (raw.copy().view("<u2").astype(np.uint32) << 16).view(np.float32)
-    else:
-        scales = raw.view(np.float32) if raw.ctypes.data % 4 == 0 else raw.copy().view(np.float32)
-    if scales.size and not (np.isfinite(scales).all() and (scales > 0).all()):
+    scales = widen_scales(buf[header.scales_offset : header.codes_offset], header.scale_dtype)
+    if scales.size and not scales_valid(scales):
         bad = int(np.flatnonzero(~(np.isfinite(scales) & (scales > 0)))[0])
         raise CorruptFrameError(f"scale {bad} of the frame is {float(scales[bad])}, expected a finite positive number")
     return scales
+
+
+def widen_scales(raw: np.ndarray, scale_dtype: str) -> np.ndarray:
+    """Stored scales (their bytes) as fp32: a view of float32 ones where aligned, a new
+    array for bfloat16 ones (widened exactly: bf16 bits are fp32's top half)."""
+    if scale_dtype == "bfloat16":
+        return (raw.copy().view("<u2").astype(np.uint32) << 16).view(np.float32)
+    return raw.view(np.float32) if raw.ctypes.data % 4 == 0 else raw.copy().view(np.float32)
+
+
+def scales_valid(scales: np.ndarray) -> bool:
+    """Whether every scale is finite and positive, as every frame's must be."""
+    return bool(np.isfinite(scales).all() and (scales > 0).all())
 
 
 def codes_of(buf: np.ndarray, header: FrameHeader) -> np.ndarray:

@@ -13,13 +13,11 @@ codes and scales into the N frames at once. Only the CRC-32C is still taken per 
 from __future__ import annotations
 
 import math
-import struct
 
-import crc32c
 import numpy as np
 import torch
 
-from . import cpu, frame
+from . import checksum, cpu, frame
 from .formats import DTYPES_BY_NAME
 from .fp8codec import Fp8Codec
 
@@ -80,11 +78,11 @@ def small(dtype: str, shape: tuple[int, ...]) -> bool:
 
 def encode_run(
     codec: Fp8Codec, dtype: str, shape: tuple[int, ...], sources: list[np.ndarray], frames: np.ndarray, threads=None
-) -> int:
+) -> bool:
     """Encode ``sources`` (each block's raw bytes, all of ``dtype`` and ``shape``) into the
-    rows of ``frames`` (a writable ``[len(sources), frame_size]`` uint8 array); returns the
-    count of non-finite inputs (their frames are left unsealed where the codec refuses
-    them: the caller encodes those blocks alone to name the first)."""
+    rows of ``frames`` (a writable ``[len(sources), frame_size]`` uint8 array); returns
+    whether it did: ``False`` where the codec refuses a non-finite input (the frames are
+    left unwritten; the caller encodes those blocks alone to name the first)."""
     count = len(sources)
     header = codec._header(shape, DTYPES_BY_NAME[dtype])
     scaling, grouped = _grouping(header, count)
@@ -96,7 +94,7 @@ def encode_run(
     choice = "amax" if codec.scaling == "tensor" else codec.scale_choice
     bad = cpu.quantize(x, codec.fmt, scaling, codec.block_size, codes, scales, codec.scale_dtype, choice, threads)
     if bad and codec.nonfinite == "error":
-        return bad
+        return False
     frame.write_header(frames[0], header)
     frames[1:, : header.scales_offset] = frames[0, : header.scales_offset]
     if num_scales:
@@ -105,9 +103,9 @@ def encode_run(
         frames[:, header.scales_offset : header.codes_offset] = narrow.view(np.uint8).reshape(count, -1)
     frames[:, header.codes_offset : header.codes_offset + header.numel] = codes.reshape(count, -1)
     tail = frame.CHECKSUM_BYTES
-    checksums = np.array([crc32c.crc32c(row[:-tail]) for row in frames], "<u4")
+    checksums = np.array([checksum.crc32c(row[:-tail]) for row in frames], "<u4")
     frames[:, -tail:] = checksums.view(np.uint8).reshape(count, tail)
-    return bad
+    return True
 
 
 def decode_run(frames: list[np.ndarray], header: frame.FrameHeader, out: np.ndarray, threads=None) -> bool:
@@ -119,18 +117,15 @@ def decode_run(frames: list[np.ndarray], header: frame.FrameHeader, out: np.ndar
     expected = np.empty(header.scales_offset, np.uint8)
     frame.write_header(expected, header)
     expected = expected.tobytes()
-    tail = frame.CHECKSUM_BYTES
     for f in frames:
         if f.size != header.frame_size or f[: header.scales_offset].tobytes() != expected:
             return False
-        if struct.unpack("<I", f[-tail:])[0] != crc32c.crc32c(f[:-tail]):
+        stored, actual = frame.checksums(f)
+        if stored != actual:
             return False
     raw = np.concatenate([f[header.scales_offset : header.codes_offset] for f in frames])
-    if header.scale_dtype == "bfloat16":
-        scales = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-    else:
-        scales = raw.view("<f4")
-    if scales.size and not (np.isfinite(scales).all() and (scales > 0).all()):
+    scales = frame.widen_scales(raw, header.scale_dtype)
+    if scales.size and not frame.scales_valid(scales):
         return False
     codes = np.concatenate([f[header.codes_offset : header.codes_offset + header.numel] for f in frames])
     scaling, grouped = _grouping(header, count)
