@@ -70,10 +70,6 @@ def as_flat_array(t: torch.Tensor) -> np.ndarray:
     return flat.numpy()
 
 
-_TABLE_SIZE = 256
-_ALL_CODES = np.arange(_TABLE_SIZE, dtype=np.uint8)
-
-
 def quantize(
     x: torch.Tensor,
     fmt: Fp8Format,
@@ -109,9 +105,18 @@ def quantize_checksummed(
     has just written, still in cache, on its own thread, and the pieces are combined, so
     the frame's checksum needs no pass of its own over them."""
     tasks = _encode_tasks(x, fmt, scaling, block_size, codes, scales, scale_dtype, scale_choice, threads)
-    done = _run([lambda t=t, a=a, b=b: (t(), checksum.crc32c(codes[a:b])) for t, (a, b) in tasks], threads)
-    crc = checksum.combine_all((piece, b - a) for (_, piece), (_, (a, b)) in zip(done, tasks))
-    return sum(bad for bad, _ in done), crc
+    done = _run([lambda t=t, a=a, b=b: _with_crc(t, codes[a:b]) for t, (a, b) in tasks], threads)
+    return sum(bad for bad, _ in done), _combined(done, tasks)
+
+
+def _with_crc(task, data: np.ndarray) -> tuple:
+    """Run ``task``, then take the CRC-32C of ``data``, bytes it has just touched, on the same thread."""
+    return task(), checksum.crc32c(data)
+
+
+def _combined(done: list[tuple], tasks: list) -> int:
+    """The CRC-32C of the tasks' ranges end to end, from each one's :func:`_with_crc`."""
+    return checksum.combine_all((piece, b - a) for (_, piece), (_, (a, b)) in zip(done, tasks))
 
 
 def _encode_tasks(x, fmt, scaling, block_size, codes, scales, scale_dtype, scale_choice, threads) -> list:
@@ -177,21 +182,48 @@ def dequantize(
     threads: int | None = None,
 ) -> None:
     """Decode ``codes`` with ``scales`` into the contiguous CPU tensor ``out``."""
+    _run([task for task, _ in _decode_tasks(codes, scales, fmt, scaling, shape, block_size, out, threads)], threads)
+
+
+def dequantize_checksummed(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    fmt: Fp8Format,
+    scaling: str,
+    shape: tuple[int, ...],
+    block_size: int,
+    out: torch.Tensor,
+    threads: int | None = None,
+) -> int:
+    """:func:`dequantize`, and the CRC-32C of ``codes``: each task takes that of the codes
+    it has just read, still in cache, and the pieces are combined (as
+    :func:`quantize_checksummed` does), so checking the frame needs no pass of its own."""
+    tasks = _decode_tasks(codes, scales, fmt, scaling, shape, block_size, out, threads)
+    return _combined(_run([lambda t=t, a=a, b=b: _with_crc(t, codes[a:b]) for t, (a, b) in tasks], threads), tasks)
+
+
+def _decode_tasks(codes, scales, fmt, scaling, shape, block_size, out, threads) -> list:
+    """The tasks of :func:`dequantize`, each with the range of ``codes`` it reads:
+    ``(callable, (start, stop))``, the ranges in order and covering ``codes``."""
     dst = as_flat_array(out)
     tag = kernels.FORMAT_TAGS[fmt.name]
     n = codes.size
     if scaling in ("none", "tensor"):
+        # One scale: the arithmetic is cheaper than a 256-entry table (a gather per element).
         scale = np.float32(1.0) if scaling == "none" else scales[0]
-        # One scale: decode the 256 codes once, then every element is a table lookup.
-        table = np.empty(_TABLE_SIZE, dtype=dst.dtype)
-        kernels.dequantize_uniform(_ALL_CODES, tag, scale, table, 0, _TABLE_SIZE)
-        _run([lambda s=s, e=e: kernels.lookup(codes, table, dst, s, e) for s, e in _spans(n, CHUNK_ELEMENTS, threads)], threads)
-    elif scaling == "channel":
+        spans = _spans(n, CHUNK_ELEMENTS, threads)
+        return [(lambda s=s, e=e: kernels.dequantize_uniform(codes, tag, scale, dst, s, e), (s, e)) for s, e in spans]
+    if scaling == "channel":
         columns = shape[-1] if shape else 1
         rows = n // columns if columns else 0
         spans = _spans(rows, CHUNK_ELEMENTS // max(columns, 1), threads)
-        _run([lambda s=s, e=e: kernels.dequantize_columns(codes, tag, scales, columns, dst, s, e) for s, e in spans], threads)
-    else:
-        group = (shape[-1] if shape else 1) if scaling == "token" else block_size
-        spans = _spans(scales.size, CHUNK_ELEMENTS // max(group, 1), threads)
-        _run([lambda s=s, e=e: kernels.dequantize_groups(codes, tag, scales, group, dst, s, e) for s, e in spans], threads)
+        return [
+            (lambda s=s, e=e: kernels.dequantize_columns(codes, tag, scales, columns, dst, s, e), (s * columns, e * columns))
+            for s, e in spans
+        ]
+    group = (shape[-1] if shape else 1) if scaling == "token" else block_size
+    spans = _spans(scales.size, CHUNK_ELEMENTS // max(group, 1), threads)
+    return [
+        (lambda s=s, e=e: kernels.dequantize_groups(codes, tag, scales, group, dst, s, e), (s * group, min(e * group, n)))
+        for s, e in spans
+    ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import BadInputError, BlockError, MismatchError, NonFiniteError
+from ..errors import BadInputError, BlockError, CorruptFrameError, MismatchError, NonFiniteError
 from . import cpu, frame, reference
 from .formats import DTYPE_NAMES, DTYPES, Fp8Format
 from .options import DEFAULT_OPTIONS, CodecOptions
@@ -182,8 +182,11 @@ def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int |
 
     Args:
         data: the frame, any bytes-like object (bytes, memoryview, uint8 numpy array or
-            CPU tensor). Its checksum and lengths are verified first.
-        out: optional tensor of the frame's shape and dtype to decode into.
+            CPU tensor). Its lengths and scales are checked first; its checksum on
+            CPU as the codes are decoded (each thread takes the CRC of the codes it has
+            just read), elsewhere first.
+        out: optional tensor of the frame's shape and dtype to decode into; if the frame
+            fails its checksum, ``out`` may have been written before the error is raised.
         device: where to decode (default CPU, or ``out``'s device); on CUDA the codes
             travel to the GPU and are decoded there.
         threads: how many threads the CPU kernels may use (as for :meth:`Fp8Codec.encode`).
@@ -192,8 +195,12 @@ def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int |
         CorruptFrameError: the frame is truncated, malformed or fails its checksum.
     """
     buf = frame.as_byte_array(data)
-    header = frame.parse(buf)
-    scales = frame.scales_of(buf, header)
+    header = frame.parse_layout(buf)  # the checksum is verified with the codes' CRC, below
+    try:
+        scales = frame.scales_of(buf, header)
+    except CorruptFrameError:
+        frame.verify(buf, header)  # a damaged frame is reported as such
+        raise
     codes = frame.codes_of(buf, header)
     if out is not None:
         if tuple(out.shape) != header.shape or out.dtype != header.dtype:
@@ -207,8 +214,12 @@ def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int |
         target = torch.device(device) if device is not None else torch.device("cpu")
     if target.type == "cpu":
         result = out if out is not None and out.is_contiguous() else torch.empty(header.shape, dtype=header.dtype)
-        cpu.dequantize(codes, scales, header.fmt, header.scaling, header.shape, header.block_size, result, threads)
+        codes_crc = cpu.dequantize_checksummed(
+            codes, scales, header.fmt, header.scaling, header.shape, header.block_size, result, threads
+        )
+        frame.verify(buf, header, codes_crc)
     else:
+        frame.verify(buf, header)
         result = reference.dequantize(
             torch.from_numpy(codes.copy()).to(target),
             torch.from_numpy(scales.copy()).to(target),

@@ -212,6 +212,14 @@ def parse(buf: np.ndarray) -> FrameHeader:
     Nothing is allocated from header values before they are checked against the
     frame's real length.
     """
+    header = parse_layout(buf)
+    verify(buf, header)
+    return header
+
+
+def parse_layout(buf: np.ndarray) -> FrameHeader:
+    """:func:`parse` but for the checksum, which the caller must :func:`verify` before it
+    trusts anything read from the frame (the decoder takes the codes' CRC as it decodes them)."""
     size = buf.size
     minimum = FIXED_HEADER.size + CHECKSUM_BYTES
     if size < minimum:
@@ -232,15 +240,29 @@ def parse(buf: np.ndarray) -> FrameHeader:
         check_shape(header.shape)
     except ValueError as exc:
         raise CorruptFrameError(f"frame header: {exc}") from None
-    stored, actual = checksums(buf)
+    return header
+
+
+def verify(buf: np.ndarray, header: FrameHeader, codes_crc: int | None = None) -> None:
+    """Raise :class:`CorruptFrameError` unless the frame's stored CRC-32C is that of its
+    bytes. ``codes_crc``: the CRC-32C of its codes where the caller has it (the decoder's
+    threads take it): only the bytes before the codes are read then."""
+    if codes_crc is None:
+        stored, actual = checksums(buf)
+    else:
+        stored = _stored_checksum(buf)
+        actual = checksum.combine(checksum.crc32c(buf[: header.codes_offset]), codes_crc, header.numel)
     if stored != actual:
         raise CorruptFrameError(f"frame checksum mismatch: stored crc32c {stored:#010x}, computed {actual:#010x}")
-    return header
 
 
 def checksums(buf: np.ndarray) -> tuple[int, int]:
     """A whole frame's stored CRC-32C and the one its bytes have."""
-    return struct.unpack("<I", buf[-CHECKSUM_BYTES:].tobytes())[0], checksum.crc32c(buf[:-CHECKSUM_BYTES])
+    return _stored_checksum(buf), checksum.crc32c(buf[:-CHECKSUM_BYTES])
+
+
+def _stored_checksum(buf: np.ndarray) -> int:
+    return struct.unpack("<I", buf[-CHECKSUM_BYTES:].tobytes())[0]
 
 
 def scales_of(buf: np.ndarray, header: FrameHeader) -> np.ndarray:

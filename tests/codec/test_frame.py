@@ -12,7 +12,7 @@ from _util import SCALINGS, kv_like
 
 import fp8ray
 from fp8ray import CorruptFrameError, Fp8Codec
-from fp8ray.codec import frame, reference
+from fp8ray.codec import cpu, frame, reference
 from fp8ray.codec.formats import FORMATS
 
 
@@ -84,6 +84,25 @@ def test_every_single_byte_corruption_is_detected(scaling, scale_dtype):
                 continue
             assert torch.equal(out, expected), f"byte {pos} ^ {delta:#x} decoded to different data"
             pytest.fail(f"byte {pos} ^ {delta:#x} went unnoticed")
+
+
+@pytest.mark.parametrize("scaling", ["none", "tensor", "channel", "token", "block"])
+def test_corrupt_codes_are_caught_in_every_decode_task(scaling):
+    """A frame of several decode tasks (the CPU decoder checks the codes' CRC in pieces,
+    one per task): a flipped byte in the first, a middle and the last task's codes, or in
+    the header, raises, into a new tensor and into ``out``."""
+    x = kv_like((3, cpu.CHUNK_ELEMENTS // 64, 64), torch.bfloat16, seed=5)  # 3 tasks' worth, at least
+    good = bytes(Fp8Codec("e4m3fn", scaling, block_size=32).encode(x))
+    header = frame.parse(np.frombuffer(good, np.uint8))
+    assert torch.equal(fp8ray.decode(good, threads=2), fp8ray.decode(good, threads=1))
+    for pos in (5, header.codes_offset, header.codes_offset + header.numel // 2 + 7, len(good) - 5, len(good) - 1):
+        bad = bytearray(good)
+        bad[pos] ^= 0x10
+        for threads in (1, 2):
+            with pytest.raises(CorruptFrameError):
+                fp8ray.decode(bad, threads=threads)
+            with pytest.raises(CorruptFrameError):
+                fp8ray.decode(bad, out=torch.empty_like(x), threads=threads)
 
 
 @pytest.mark.parametrize("scaling, scale_dtype", LAYOUTS)

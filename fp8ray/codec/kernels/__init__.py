@@ -18,7 +18,7 @@ on random data elsewhere.
 """
 
 from .bits import FORMAT_TAGS, decode_params, format_params, scale_from_amax
-from .decode import dequantize_columns, dequantize_groups, dequantize_uniform, lookup
+from .decode import dequantize_columns, dequantize_groups, dequantize_uniform
 from .encode import amax_columns, amax_span, amax_to_scales, quantize_columns, quantize_groups, quantize_uniform
 from .search import SEARCH_WIDTH, pad_candidates, quantize_groups_search
 
@@ -33,7 +33,6 @@ __all__ = [
     "dequantize_groups",
     "dequantize_uniform",
     "format_params",
-    "lookup",
     "pad_candidates",
     "quantize_columns",
     "quantize_groups",

@@ -19,16 +19,6 @@ def dequantize_uniform(codes, tag, scale, out, start, stop):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def lookup(codes, table, out, start, stop):
-    """out[i] = table[codes[i]]: decoding under one scale, with a 256-entry table of
-    output values made by :func:`dequantize_uniform` itself (so the same bits)."""
-    c = codes[start:stop]
-    o = out[start:stop]
-    for i in range(c.size):
-        o[i] = table[c[i]]
-
-
-@njit(nogil=True, cache=True, error_model="numpy")
 def dequantize_groups(codes, tag, scales, group, out, group_start, group_stop):
     dp = _decode_params(tag)
     n = codes.size
