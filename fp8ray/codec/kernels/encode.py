@@ -6,7 +6,7 @@ import numpy as np
 from numba import njit
 
 from .bits import _bits_to_f32, _encode_params, _finite_key, _fp8_code, _load, scale_from_amax
-from .vectors import LANES, encode_group_amax, encode_pair_amax
+from .vectors import LANES, encode_chunks_uniform, encode_group_amax, encode_pair_amax
 
 
 @njit(inline="always", error_model="numpy")
@@ -71,7 +71,10 @@ def amax_to_scales(amax, fmax, mask, scales):
 def quantize_uniform(x, codes, start, stop, scale, tag):
     """Codes of x[start:stop] under one scale; returns the count of non-finite inputs."""
     p = _encode_params(tag)
-    return _quantize_span(x[start:stop], codes[start:stop], scale, p)
+    xs = x[start:stop]
+    whole = xs.size - xs.size % LANES  # in vectors, the count in the same loop (:mod:`.vectors`)
+    bad = encode_chunks_uniform(xs[:whole], codes[start : start + whole], scale, p)
+    return bad + _quantize_span(xs[whole:], codes[start + whole : stop], scale, p)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")

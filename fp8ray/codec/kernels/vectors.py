@@ -82,6 +82,18 @@ def _chunk_loader(context, builder, array_type, array):
     return lambda i: emit_f16_bits_to_f32(builder, builder.load(builder.gep(ptr, [i]), align=2))
 
 
+def _codes_pointer(context, builder, array_type, array):
+    """The data of a uint8 codes array as a pointer to 16-code chunks."""
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(data, ir.VectorType(ir.IntType(8), LANES).as_pointer())
+
+
+def _chunk_count(context, builder, array_type, array):
+    """How many whole 16-element chunks the array holds (i64)."""
+    n = builder.extract_value(context.make_array(array_type)(context, builder, array).shape, 0)
+    return builder.udiv(n, ir.Constant(ir.IntType(64), LANES))
+
+
 ENCODED = types.Tuple((types.float32, types.int64))  # (the group's scale, its non-finite inputs)
 # Two groups side by side: (the first's scale, the second's, their non-finite inputs).
 ENCODED_PAIR = types.Tuple((types.float32, types.float32, types.int64))
@@ -111,15 +123,8 @@ def emit_encode_groups(context, builder, signature, args, count, choose_scales):
     ``choose_scales`` gives them. Returns (their scales, their non-finite inputs: i64)."""
     params = args[-1]
     loads = [_chunk_loader(context, builder, signature.args[2 * k], args[2 * k]) for k in range(count)]
-    codes_ptrs = [
-        builder.bitcast(
-            context.make_array(signature.args[2 * k + 1])(context, builder, args[2 * k + 1]).data,
-            ir.VectorType(ir.IntType(8), LANES).as_pointer(),
-        )
-        for k in range(count)
-    ]
-    n = builder.extract_value(context.make_array(signature.args[0])(context, builder, args[0]).shape, 0)
-    chunks = builder.udiv(n, ir.Constant(ir.IntType(64), LANES))
+    codes_ptrs = [_codes_pointer(context, builder, signature.args[2 * k + 1], args[2 * k + 1]) for k in range(count)]
+    chunks = _chunk_count(context, builder, signature.args[0], args[0])
 
     def finite_keys(load, i):  # |x|'s bits, 0 where x is not finite: ordered like |x|
         keys = builder.and_(builder.bitcast(load(i), VI), vi(_ABS_MASK))
@@ -135,7 +140,14 @@ def emit_encode_groups(context, builder, signature, args, count, choose_scales):
     amaxes = [builder.bitcast(halve(builder, builder.load(slot), larger), _F32) for slot in largest]
     magnitudes = [lambda i, load=load: builder.bitcast(finite_keys(load, i), VF) for load in loads]
     scales = choose_scales(amaxes, chunks, magnitudes)
+    return scales, emit_cast(builder, chunks, loads, codes_ptrs, scales, params)
 
+
+def emit_cast(builder, chunks, loads, codes_ptrs, scales, params):
+    """IR: the codes of ``x / scale`` (clamped) for each source ``loads[k]`` (a chunk
+    loader, :func:`_chunk_loader`) under ``scales[k]`` into ``codes_ptrs[k]`` (16 codes a
+    chunk), ``chunks`` chunks each, in one loop. Returns the non-finite inputs (i64),
+    counted in the same loop."""
     divisors = [splat(builder, scale, VF) for scale in scales]
     fmax = splat(builder, builder.extract_value(params, 0), VF)
     neg_fmax = builder.fneg(fmax)
@@ -152,7 +164,7 @@ def emit_encode_groups(context, builder, signature, args, count, choose_scales):
             bad = builder.icmp_unsigned(">=", builder.and_(builder.bitcast(x, VI), vi(_ABS_MASK)), vi(INF_BITS))
             builder.store(builder.add(builder.load(nonfinite), builder.zext(bad, VI)), nonfinite)
     total = halve(builder, builder.load(nonfinite), builder.add)
-    return scales, builder.zext(total, ir.IntType(64))
+    return builder.zext(total, ir.IntType(64))
 
 
 def is_source(array) -> bool:
@@ -194,3 +206,20 @@ def encode_pair_amax(typingctx, xs, codes, xs2, codes2, mask, p):
         return emit_encode_pair(context, builder, signature, args, _amax_chooser(builder, args[4], args[5]))
 
     return ENCODED_PAIR(xs, codes, xs2, codes2, mask, p), codegen
+
+
+@intrinsic
+def encode_chunks_uniform(typingctx, xs, codes, scale, p):
+    """The whole 16-element chunks of ``xs`` under the one ``scale``, into ``codes``
+    (:func:`emit_cast`): their non-finite inputs. The elements past the last whole chunk
+    are the caller's."""
+    if not (is_source(xs) and isinstance(codes, types.Array) and scale == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        chunks = _chunk_count(context, builder, signature.args[0], args[0])
+        load = _chunk_loader(context, builder, signature.args[0], args[0])
+        codes_ptr = _codes_pointer(context, builder, signature.args[1], args[1])
+        return emit_cast(builder, chunks, [load], [codes_ptr], [args[2]], args[3])
+
+    return types.int64(xs, codes, scale, p), codegen
