@@ -22,8 +22,9 @@ Two options refine the scale, both applied in fp32 after the rules above:
 - ``scale_choice="mse"`` (token and block scaling) tries the scales ``amax / c`` for every
   finite fp8 value ``c`` in (finfo.max / 2, finfo.max] (largest first; each maps the amax
   onto a grid point, and together they cover one binade of alignments) and keeps the first
-  with the least squared error, measured in units of the scale through its reciprocal
-  and summed in 16 fp32 lanes (:func:`fp8ray.codec.reference.search_error`, docs/FORMAT.md).
+  with the least squared error, measured in units of the scale through its reciprocal,
+  rounded on the bits and summed by fused multiply-adds in 16 fp32 lanes
+  (:func:`fp8ray.codec.reference.search_error`, docs/FORMAT.md).
   ``"amax"`` is ``c = finfo.max`` alone.
 """
 

@@ -57,17 +57,37 @@ def amax_to_scale(amax: torch.Tensor, fmt: Fp8Format, divisor: float | None = No
 SEARCH_LANES = 16  # partial sums per candidate in the mse search
 
 
-def lane_sums(terms: torch.Tensor) -> torch.Tensor:
-    """Row sums of fp32 ``terms`` in the search's fixed order, so that any implementation
-    can reproduce them bit for bit with vector adds: the row is zero-padded to a multiple
-    of SEARCH_LANES; lane ``j`` adds the terms ``j, j + 16, j + 32, ...`` in that order;
-    then ``lane[j] += lane[j + w]`` for w = 8, 4, 2, 1, and lane 0 is the sum."""
-    count = -(-terms.shape[1] // SEARCH_LANES)
-    padded = torch.nn.functional.pad(terms, (0, count * SEARCH_LANES - terms.shape[1]))
-    chunks = padded.reshape(terms.shape[0], count, SEARCH_LANES)
-    lanes = torch.zeros(terms.shape[0], SEARCH_LANES, dtype=terms.dtype, device=terms.device)
+def fused_square_add(d: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """fp32 ``d * d + acc`` rounded once, as a fused multiply-add computes it (``acc >= 0``).
+
+    In fp64 ``d * d`` is exact and the sum is rounded to odd (TwoSum gives the sum's
+    error; an inexact even result moves to its odd neighbour), and a round-to-odd result
+    with 53 >= 24 + 2 bits rounds to fp32 as the exact value would (Boldo and Melquiond).
+    """
+    a = d.double() * d.double()
+    b = acc.double()
+    s = a + b
+    b_part = s - a
+    err = (a - (s - b_part)) + (b - b_part)
+    bits = s.view(torch.int64)
+    toward_exact = torch.where(err > 0, 1, -1)  # s > 0 wherever err != 0
+    bits = torch.where((err != 0) & (bits & 1 == 0), bits + toward_exact, bits)
+    return bits.view(torch.float64).float()
+
+
+def lane_square_sums(d: torch.Tensor) -> torch.Tensor:
+    """Row sums of the squares of fp32 ``d`` in the search's fixed order, so that any
+    implementation can reproduce them bit for bit with vector fused multiply-adds: the
+    row is zero-padded to a multiple of SEARCH_LANES; lane ``j`` takes ``lane =
+    fma(d, d, lane)`` (one rounding, :func:`fused_square_add`) for ``d_j, d_(j+16),
+    d_(j+32), ...`` in that order, from 0; then ``lane[j] += lane[j + w]`` for w = 8, 4,
+    2, 1 in fp32, and lane 0 is the sum."""
+    count = -(-d.shape[1] // SEARCH_LANES)
+    padded = torch.nn.functional.pad(d, (0, count * SEARCH_LANES - d.shape[1]))
+    chunks = padded.reshape(d.shape[0], count, SEARCH_LANES)
+    lanes = torch.zeros(d.shape[0], SEARCH_LANES, dtype=torch.float32, device=d.device)
     for m in range(chunks.shape[1]):
-        lanes = lanes + chunks[:, m]
+        lanes = fused_square_add(chunks[:, m], lanes)
     w = SEARCH_LANES // 2
     while w:
         lanes = lanes[:, :w] + lanes[:, w : 2 * w]
@@ -75,18 +95,32 @@ def lane_sums(terms: torch.Tensor) -> torch.Tensor:
     return lanes[:, 0]
 
 
+def nearest_with_mantissa(q: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Non-negative fp32 ``q`` rounded to ``fmt``'s mantissa bits, relative at every
+    magnitude (no subnormal floor, no clamp), ties away from zero: two integer operations
+    on the bits. For the squared error that the search measures, a tie's direction does
+    not matter; below the format's smallest normal it measures the finer relative grid,
+    which changes only terms under ``2**(min_subnormal_exp - 1)`` in units of the scale."""
+    shift = 23 - fmt.mantissa_bits
+    return ((q.view(torch.int32) + (1 << (shift - 1))) & -(1 << shift)).view(torch.float32)
+
+
 def search_error(magnitudes: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """The mse search's error of each row of ``magnitudes`` (|x|, non-finite as 0) under
-    its scale, in fp64: ``scale**2 * lane_sums((fp8(min(q, max)) - q)**2)`` with
+    its scale, in fp64: ``scale**2 * lane_square_sums(nearest_with_mantissa(q) - q)`` with
     ``q = |x| * (1 / scale)``, every step in fp32 until the product by ``scale**2``.
 
-    It measures in units of the scale, through a reciprocal product, so that a vector unit
-    computes it fast; the codes are still ``x / scale`` (see :func:`quantize`).
+    It measures in units of the scale, through a reciprocal, with the grid's rounding
+    done on the bits and the squares summed by fused multiply-adds, so that a vector unit
+    computes it in five operations per element and candidate; the codes are still
+    ``x / scale`` (see :func:`quantize`). ``|x| / scale`` never exceeds the format's
+    largest value by more than its half-spacing there (:func:`fp8ray.codec.kernels.pad_candidates`),
+    so the unclamped rounding equals the clamped one.
     """
     q = magnitudes * (torch.ones_like(scales) / scales)[:, None]
-    d = q.clamp_max(fmt.max).to(fmt.dtype).float() - q
+    d = nearest_with_mantissa(q, fmt) - q
     wide = scales.double()
-    return lane_sums(d * d).double() * (wide * wide)
+    return lane_square_sums(d).double() * (wide * wide)
 
 
 def choose_scales(groups: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format, scale_dtype: str, scale_choice: str) -> torch.Tensor:

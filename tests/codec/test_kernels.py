@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -154,29 +156,73 @@ def test_scale_search_ties_keep_the_first_candidate(fmt_name, scale_dtype):
     assert scales[0] == scales[1] == 1.0
 
 
-def test_reference_lane_sums_follow_the_defined_order():
-    """The search's sums are defined lane by lane, then halved (reference.lane_sums); the
-    kernels add them so. Terms of widely spread magnitudes make any other association
-    round differently, and rows whose length is not a multiple of the lanes are padded."""
+def correctly_rounded_fma(d: float, acc: float) -> np.float32:
+    """fp32 ``d * d + acc`` rounded once, to nearest even, from the exact rational value."""
+    exact = Fraction(float(d)) ** 2 + Fraction(float(acc))
+    near = np.float32(float(exact))
+    candidates = [np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))]
+    return min(candidates, key=lambda c: (abs(Fraction(float(c)) - exact), int(np.float32(c).view(np.uint32)) & 1))
+
+
+def test_fused_square_add_rounds_once():
+    """reference.fused_square_add equals a correctly rounded fp32 fma, computed exactly
+    from rationals, over values whose squares and sums spread across 200 binades, and
+    differs from the unfused fp32 ``d * d + acc`` (two roundings) somewhere: the check can fail."""
+    rng = np.random.default_rng(7)
+    d = (np.exp2(rng.uniform(-70, 60, 4000)) * rng.uniform(0.5, 1, 4000)).astype(np.float32)
+    acc = (np.exp2(rng.uniform(-140, 120, 4000)) * rng.random(4000)).astype(np.float32)
+    acc[::7] = 0
+    got = reference.fused_square_add(torch.from_numpy(d), torch.from_numpy(acc)).numpy()
+    expected = np.array([correctly_rounded_fma(a, b) for a, b in zip(d, acc)], dtype=np.float32)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+    assert not np.array_equal(got, (d * d + acc).astype(np.float32))
+
+
+def test_reference_lane_square_sums_follow_the_defined_order():
+    """The search's sums are defined lane by lane, by fused multiply-adds, then halved
+    (reference.lane_square_sums); the kernels add them so. Values of widely spread
+    magnitudes make any other association round differently, and rows whose length is
+    not a multiple of the lanes are padded."""
     rng = np.random.default_rng(4)
     for width in (1, 15, 16, 32, 300):
-        terms = torch.from_numpy(np.exp2(rng.uniform(-60, 60, size=(64, width))) * rng.random((64, width))).float()
+        d = torch.from_numpy(np.exp2(rng.uniform(-30, 30, size=(16, width))) * rng.random((16, width))).float()
         expected = []
-        for row in terms.tolist():
+        for row in d.tolist():
             lanes = [np.float32(0.0)] * 16
-            for i, t in enumerate(row):
-                lanes[i % 16] = np.float32(lanes[i % 16] + np.float32(t))
+            for i, v in enumerate(row):
+                lanes[i % 16] = correctly_rounded_fma(v, lanes[i % 16])
             w = 8
             while w:
                 lanes = [np.float32(lanes[j] + lanes[j + w]) for j in range(w)]
                 w //= 2
             expected.append(lanes[0])
-        got = reference.lane_sums(terms)
+        got = reference.lane_square_sums(d)
         assert torch.equal(got, torch.tensor(expected, dtype=torch.float32)), width
-    sequential = terms[:, 0].clone()
-    for j in range(1, terms.shape[1]):
-        sequential = sequential + terms[:, j]
-    assert not torch.equal(sequential, reference.lane_sums(terms))  # the order matters: the check can fail
+    sequential = d[:, 0] * d[:, 0]
+    for j in range(1, d.shape[1]):
+        sequential = sequential + d[:, j] * d[:, j]
+    assert not torch.equal(sequential, reference.lane_square_sums(d))  # the order matters: the check can fail
+
+
+def test_search_rounding_is_the_format_grid_above_its_smallest_normal():
+    """reference.nearest_with_mantissa (the search's rounding on the bits) gives every
+    non-negative fp32 quotient from the format's smallest normal up to finfo.max (1 + 2**-6)
+    the distance to the fp8 grid that torch's cast gives (ties may go either way, their
+    distance is the same), and a finer one only below: the search's measure differs
+    from the codes' error only there."""
+    for fmt in FORMATS.values():
+        smallest_normal = 2.0 ** (1 - fmt.exponent_bias)
+        q = torch.from_numpy(np.random.default_rng(1).uniform(0, 1, 200_000).astype(np.float32))
+        q = torch.cat([q * fmt.max * (1 + 2.0**-6), torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float().abs()])
+        q = q[torch.isfinite(q) & (q <= fmt.max)]
+        mids = (q[:-1] + q[1:]) / 2
+        q = torch.cat([q, mids]).abs()
+        cast = q.clamp_max(fmt.max).to(fmt.dtype).float()
+        bits = reference.nearest_with_mantissa(q, fmt)
+        normal = q >= smallest_normal
+        assert torch.equal((bits - q).abs()[normal], (cast - q).abs()[normal])
+        assert ((bits - q).abs() <= (cast - q).abs())[~normal].all()
+        assert (bits != cast)[~normal].any()  # below the smallest normal the measures differ
 
 
 ADVERSARIAL_GROUPS = {
