@@ -26,13 +26,13 @@ from .bits import _F32, _I32, _bits_to_f32, _encode_params, _i32, _load
 from .encode import _quantize_span, _span_key
 from .vectors import (
     ENCODED,
-    ENCODED_PAIR,
+    ENCODED_QUAD,
     LANES,
     VF,
     VI,
     candidate_scales,
     emit_encode_group,
-    emit_encode_pair,
+    emit_encode_quad,
     is_source,
     splat,
 )
@@ -169,22 +169,24 @@ def _encode_full_group(typingctx, xs, codes, divisors, mask, p):
 
 
 @intrinsic
-def _encode_full_pair(typingctx, xs, codes, xs2, codes2, divisors, mask, p):
-    """Two groups of the same multiple of 16 elements, each under its searched scale, in
-    the same loops (:func:`.vectors.emit_encode_pair`): (first scale, second, non-finite inputs)."""
-    if not (is_source(xs) and xs2 == xs and isinstance(codes, types.Array) and codes2 == codes):
+def _encode_full_quad(typingctx, xs, codes, xs2, codes2, xs3, codes3, xs4, codes4, divisors, mask, p):
+    """Four groups of the same multiple of 16 elements, each under its searched scale, in
+    the same loops (:func:`.vectors.emit_encode_quad`): (their scales, non-finite inputs)."""
+    same_sources = xs2 == xs and xs3 == xs and xs4 == xs
+    same_targets = codes2 == codes and codes3 == codes and codes4 == codes
+    if not (is_source(xs) and isinstance(codes, types.Array) and same_sources and same_targets):
         return None
 
     def codegen(context, builder, signature, args):
-        divisors = context.make_array(signature.args[4])(context, builder, args[4]).data
-        mask, params = args[5], args[6]
+        divisors = context.make_array(signature.args[8])(context, builder, args[8]).data
+        mask, params = args[9], args[10]
 
         def choose(amaxes, chunks, magnitude_loaders):
             return _emit_best_scales(builder, chunks, magnitude_loaders, amaxes, divisors, mask, params)
 
-        return emit_encode_pair(context, builder, signature, args, choose)
+        return emit_encode_quad(context, builder, signature, args, choose)
 
-    return ENCODED_PAIR(xs, codes, xs2, codes2, divisors, mask, p), codegen
+    return ENCODED_QUAD(xs, codes, xs2, codes2, xs3, codes3, xs4, codes4, divisors, mask, p), codegen
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -201,12 +203,14 @@ def quantize_groups_search(x, codes, scales, group, group_start, group_stop, tag
         start = g * group
         stop = min(start + group, n)
         xs = x[start:stop]
-        if xs.size % LANES == 0 and g + 1 < group_stop and stop + group <= n:  # two whole groups
-            pair = _encode_full_pair(xs, codes[start:stop], x[stop : stop + group], codes[stop : stop + group], divisors, mask, p)
-            scales[g] = pair[0]
-            scales[g + 1] = pair[1]
-            bad += pair[2]
-            g += 2
+        if xs.size % LANES == 0 and g + 3 < group_stop and stop + 3 * group <= n:  # four whole groups
+            a, b, c = stop + group, stop + 2 * group, stop + 3 * group
+            quad = _encode_full_quad(
+                xs, codes[start:stop], x[stop:a], codes[stop:a], x[a:b], codes[a:b], x[b:c], codes[b:c], divisors, mask, p
+            )
+            scales[g], scales[g + 1], scales[g + 2], scales[g + 3], count = quad
+            bad += count
+            g += 4
             continue
         if xs.size % LANES == 0:
             scale, count = _encode_full_group(xs, codes[start:stop], divisors, mask, p)

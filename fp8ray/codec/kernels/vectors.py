@@ -9,6 +9,8 @@ Consecutive groups go two at a time through the same loops: a group of 32 is mos
 chain of dependent steps (amax, its reduction, the scale, the quotients, the rounding),
 and the CPU overlaps two independent chains. Measured on one thread, plain block 32 went
 from 29 to 17 ns per group and the search from 86 to 71 (BENCHMARKS.md), the same bits.
+The search, whose chain is longer (two divisions, the sums' reduction, the choice), goes
+four at a time: 51 to 46-48 ns per group of 32 (four groups' sums still fit the registers).
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def _chunk_count(context, builder, array_type, array):
 ENCODED = types.Tuple((types.float32, types.int64))  # (the group's scale, its non-finite inputs)
 # Two groups side by side: (the first's scale, the second's, their non-finite inputs).
 ENCODED_PAIR = types.Tuple((types.float32, types.float32, types.int64))
+# Four groups side by side: (their four scales, their non-finite inputs).
+ENCODED_QUAD = types.Tuple((types.float32,) * 4 + (types.int64,))
 
 
 def emit_encode_group(context, builder, signature, args, choose_scales):
@@ -115,6 +119,14 @@ def emit_encode_pair(context, builder, signature, args, choose_scales):
     docstring). Returns :data:`ENCODED_PAIR`."""
     (first, second), count = emit_encode_groups(context, builder, signature, args, 2, choose_scales)
     return context.make_tuple(builder, ENCODED_PAIR, [first, second, count])
+
+
+def emit_encode_quad(context, builder, signature, args, choose_scales):
+    """:func:`emit_encode_pair` for four groups (``args[2k]`` into ``args[2k + 1]``): the
+    scale search's chain of dependent steps per group is long enough that two groups
+    leave the CPU idle (BENCHMARKS.md). Returns :data:`ENCODED_QUAD`."""
+    scales, count = emit_encode_groups(context, builder, signature, args, 4, choose_scales)
+    return context.make_tuple(builder, ENCODED_QUAD, [*scales, count])
 
 
 def emit_encode_groups(context, builder, signature, args, count, choose_scales):
