@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from ..codec.blocks import BlockSpec, bytes_to_tensor, dtype_name, tensor_to_bytes  # noqa: F401 (used by this layer's callers)
 from ..codec.formats import DTYPES_BY_NAME
-from ..errors import SourceError
+from ..errors import MismatchError, SourceError
 from .paths import CompleteOrNothing, TreeEntry, list_tree, os_reason, printable, redact, resolve, temporary_name, uri_for
 from .safetensors import SOURCE_DTYPES, read_file_header
 
@@ -186,10 +186,10 @@ def _check_unique(refs: list[BlockRef], uri: str) -> None:
 
 
 def _safetensors_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tuple[SourceFile, list[BlockRef]]:
-    entries, metadata, data_start = read_file_header(fs, path, uri, tuple(SOURCE_DTYPES))
+    tensors, metadata, data_start = read_file_header(fs, path, uri, tuple(SOURCE_DTYPES))
     refs = [
-        BlockRef(e.key, e.fp8ray_dtype, e.shape, "safetensors", uri, data_start + e.begin, name)
-        for e in entries  # file order
+        BlockRef(key, SOURCE_DTYPES[dtype], shape, "safetensors", uri, data_start + begin, name)
+        for key, dtype, shape, begin in zip(tensors.keys, tensors.dtypes, tensors.shapes, tensors.begins)  # file order
     ]
     return SourceFile(name, len(refs), metadata), refs
 
@@ -349,6 +349,16 @@ class RawBlockParquetWriter(CompleteOrNothing):
             self.rows[name].append(value)
         if len(self.rows["key"]) >= self.ROWS_PER_GROUP:
             self._flush()
+
+    def write_blocks(self, tensors: list[tuple[str, str, tuple[int, ...]]], data) -> None:
+        """:meth:`write_block` of each of ``tensors`` (``(key, dtype, shape)``), their
+        bytes end to end in ``data`` (as :meth:`SafetensorsWriter.write_blocks`)."""
+        view = memoryview(data).cast("B")
+        ends = np.cumsum([BlockSpec(*t).nbytes for t in tensors]).tolist()
+        if (ends[-1] if ends else 0) != len(view):
+            raise MismatchError(f"{len(tensors)} tensors take {ends[-1] if ends else 0} bytes, got {len(view)}")
+        for (key, dtype, shape), start, end in zip(tensors, [0, *ends], ends):
+            self.write_block(key, dtype, shape, view[start:end])
 
     def _flush(self) -> None:
         if self.rows["key"]:
