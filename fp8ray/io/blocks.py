@@ -250,7 +250,8 @@ class BlockReader:
             raise SourceError(f"source file {redact(self._path)} cannot be read: {os_reason(exc)}") from None
 
     def _read(self, refs: list[BlockRef]) -> list[np.ndarray]:
-        total = sum(r.nbytes for r in refs if r.kind == "safetensors")
+        sizes = [r.nbytes for r in refs]  # looked up once: thousands of small blocks make a part
+        total = sum(size for r, size in zip(refs, sizes) if r.kind == "safetensors")
         if self._buffer.size < total:
             self._buffer = np.empty(total, np.uint8)
         result: list[np.ndarray | None] = [None] * len(refs)
@@ -263,15 +264,18 @@ class BlockReader:
                     result[i] = _checked(refs[i], np.frombuffer(value, dtype=np.uint8), path)
                 continue
             with fs.open_input_file(fpath) as f:
-                for run in _contiguous(refs, indices):
-                    first, last = refs[run[0]], refs[run[-1]]
-                    span = last.offset + last.nbytes - first.offset
+                for run in _contiguous(refs, sizes, indices):
+                    begin = refs[run[0]].offset
+                    span = refs[run[-1]].offset + sizes[run[-1]] - begin
                     target = self._buffer[position : position + span]
-                    f.seek(first.offset)
+                    f.seek(begin)
                     got = _read_fully(f, memoryview(target))
                     for i in run:
-                        start = refs[i].offset - first.offset
-                        result[i] = _checked(refs[i], target[start : min(start + refs[i].nbytes, got)], path)
+                        start = refs[i].offset - begin
+                        result[i] = target[start : start + sizes[i]]
+                    if got < span:  # the file ends early: name the first block cut short
+                        for i in run:
+                            _checked(refs[i], target[refs[i].offset - begin : min(refs[i].offset - begin + sizes[i], got)], path)
                     position += span
         return result  # type: ignore[return-value]
 
@@ -283,14 +287,16 @@ def _by_file(refs: list[BlockRef]) -> dict[str, list[int]]:
     return by_file
 
 
-def _contiguous(refs: list[BlockRef], indices: list[int]) -> list[list[int]]:
-    """``indices`` in runs whose blocks lie end to end in the file."""
+def _contiguous(refs: list[BlockRef], sizes: list[int], indices: list[int]) -> list[list[int]]:
+    """``indices`` in runs whose blocks (of ``sizes`` bytes) lie end to end in the file."""
     runs: list[list[int]] = []
+    end = None
     for i in indices:
-        if runs and refs[runs[-1][-1]].offset + refs[runs[-1][-1]].nbytes == refs[i].offset:
+        if runs and end == refs[i].offset:
             runs[-1].append(i)
         else:
             runs.append([i])
+        end = refs[i].offset + sizes[i]
     return runs
 
 

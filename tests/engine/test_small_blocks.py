@@ -5,6 +5,8 @@ block coding gives: each frame the codec's own frame of its block, each part the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
@@ -12,8 +14,9 @@ import torch
 
 import fp8ray
 from fp8ray.codec import CodecOptions, Fp8Codec, decode
+from fp8ray.errors import SourceError
 from fp8ray.io import archive
-from fp8ray.io.blocks import bytes_to_tensor, list_blocks, read_blocks, tensor_to_bytes
+from fp8ray.io.blocks import BlockReader, bytes_to_tensor, list_blocks, read_blocks, tensor_to_bytes
 from fp8ray.io.safetensors import SafetensorsWriter
 
 INLINE = fp8ray.PoolSettings(num_workers=1, address="inline")
@@ -64,3 +67,22 @@ def test_a_small_block_archive_is_block_by_block_coding(small_source, tmp_path, 
             for key, _, _ in tensors:
                 w.write(tensor_to_bytes(decode(frames[(name, key)])))
         assert (out / name).read_bytes() == (tmp_path / name).read_bytes(), name
+
+
+def test_the_reader_reads_a_part_in_runs_and_names_a_block_cut_short(small_source, tmp_path):
+    """Blocks end to end in a file are read with one call each run; a file cut short after
+    it was listed is refused naming the first block it cuts."""
+    refs = list_blocks(str(small_source))
+    picked = refs[:5] + refs[7:9] + refs[300:310]  # a gap, then another file
+    got = BlockReader().read(picked)
+    for ref, data in zip(picked, got):
+        with open(ref.path, "rb") as f:
+            f.seek(ref.offset)
+            assert data.tobytes() == f.read(ref.nbytes), ref.key
+    short = tmp_path / "short.safetensors"
+    short.write_bytes((small_source / "kv0.safetensors").read_bytes())
+    cut = [dataclasses.replace(r, path=str(short)) for r in refs[:300]]
+    with open(short, "r+b") as f:
+        f.truncate(cut[200].offset + 10)
+    with pytest.raises(SourceError, match=r"key 'f0\.0200' has 10 bytes, its shape \[128, 64\] bfloat16 needs 16384"):
+        BlockReader().read(cut)

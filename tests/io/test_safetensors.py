@@ -23,6 +23,7 @@ from fp8ray.io.safetensors import (
     _checked_entries,
     _valid_columns,
     build_body,
+    header_prefix,
     parse_body,
     read_file_header,
 )
@@ -283,3 +284,19 @@ def test_write_blocks_refuses_other_tensors_or_sizes(tmp_path):
         with SafetensorsWriter(str(tmp_path / "x.safetensors"), tensors) as w:
             w.write_blocks([*tensors, tensors[0]], np.zeros(14, np.uint8))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"k": "v", 'é"\\': "ü\n"}])
+def test_header_prefix_is_json_dumps_text(metadata):
+    """The header is written a tensor at a time, as the text ``json.dumps`` gives the whole."""
+    tensors = [("a", "BF16", (2, 3), 12), ('q"uote\\', "F32", (), 4), ("ключ\u2028", "U8", (0, 7), 0), ("z", "F16", (5,), 10)]
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key, dtype, shape, nbytes in tensors:
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    assert header_prefix(tensors, metadata) == struct.pack("<Q", len(raw)) + raw
+    with pytest.raises(SafetensorsFormatError, match="key 'a' appears twice"):
+        header_prefix([*tensors, ("a", "U8", (1,), 1)], metadata)
