@@ -170,11 +170,14 @@ def encode_data_into(
     *,
     device: str = "cpu",
     threads: int | None = None,
+    joined: np.ndarray | None = None,
 ) -> list[int]:
     """:func:`encode_into` of blocks given as their specs and, apart, their raw bytes
     (``data[i]``: a 1-D uint8 array of ``specs[i].nbytes``, which the caller has checked,
     as a :class:`Block` checks its own): a part's thousands of small blocks need no
-    object each."""
+    object each. ``joined``: the same bytes, every block's end to end in one array, where
+    the caller has them so (a :class:`~fp8ray.io.blocks.BlockReader` does): runs of small
+    blocks are encoded from it, not from a copy of their bytes put end to end."""
     sizes = list(sizes) if sizes is not None else frame_sizes(codec, specs)
 
     def tensors(start: int, stop: int) -> Iterable[tuple[str, torch.Tensor]]:
@@ -191,11 +194,14 @@ def encode_data_into(
     def one_at_a_time(start: int, stop: int) -> None:
         encode_tensors_into(codec, tensors(start, stop), out[ends[start] : ends[stop]], sizes[start:stop], threads=threads)
 
-    for start, stop in runs_of(specs, lambda b: fits_run(codec.scaling, codec.block_size, b.dtype, b.shape)):
+    runs = runs_of(specs, lambda b: fits_run(codec.scaling, codec.block_size, b.dtype, b.shape))
+    raw_ends = np.cumsum([0, *(spec.nbytes for spec in specs)]).tolist() if runs and joined is not None else None
+    for start, stop in runs:
         one_at_a_time(done, start)
         first = specs[start]
         frames = out[ends[start] : ends[stop]].reshape(stop - start, sizes[start])
-        if not encode_run(codec, first.dtype, first.shape, data[start:stop], frames, threads):
+        source = joined[raw_ends[start] : raw_ends[stop]] if raw_ends else np.concatenate(data[start:stop])
+        if not encode_run(codec, first.dtype, first.shape, source, frames, threads):
             one_at_a_time(start, stop)  # a refused non-finite value: named by its block
         done = stop
     one_at_a_time(done, len(specs))

@@ -77,17 +77,16 @@ def small(dtype: str, shape: tuple[int, ...]) -> bool:
     return 0 < numel * DTYPES_BY_NAME[dtype].itemsize <= RUN_BLOCK_BYTES
 
 
-def encode_run(
-    codec: Fp8Codec, dtype: str, shape: tuple[int, ...], sources: list[np.ndarray], frames: np.ndarray, threads=None
-) -> bool:
-    """Encode ``sources`` (each block's raw bytes, all of ``dtype`` and ``shape``) into the
-    rows of ``frames`` (a writable ``[len(sources), frame_size]`` uint8 array); returns
-    whether it did: ``False`` where the codec refuses a non-finite input (the frames are
-    left unwritten; the caller encodes those blocks alone to name the first)."""
-    count = len(sources)
+def encode_run(codec: Fp8Codec, dtype: str, shape: tuple[int, ...], source: np.ndarray, frames: np.ndarray, threads=None) -> bool:
+    """Encode ``source`` (the raw bytes of ``len(frames)`` blocks of ``dtype`` and ``shape``,
+    end to end in one uint8 array) into the rows of ``frames`` (a writable
+    ``[blocks, frame_size]`` uint8 array); returns whether it did: ``False`` where the codec
+    refuses a non-finite input (the frames are left unwritten; the caller encodes those
+    blocks alone to name the first)."""
+    count = len(frames)
     header = codec._header(shape, DTYPES_BY_NAME[dtype])
     scaling, grouped = _grouping(header, count)
-    x = torch.from_numpy(np.concatenate(sources)).view(header.dtype).reshape(grouped)
+    x = torch.from_numpy(source).view(header.dtype).reshape(grouped)
     num_scales = header.num_scales
     codes = np.empty(count * header.numel, np.uint8)
     scales = np.empty(count * num_scales, np.float32)

@@ -191,7 +191,8 @@ class QuantWorker:
             self._frames = np.empty(sum(sizes), dtype=np.uint8)
         frames = self._frames[: sum(sizes)]  # reused, as the reader's buffer is: the part is written before the next
         # Each block's bytes are checked against its ref's size as they are read: no Block needed.
-        encode_data_into(codec, refs, self._reader.read(refs), frames, sizes, device=self.device, threads=self.threads)
+        data = self._reader.read(refs)
+        encode_data_into(codec, refs, data, frames, sizes, device=self.device, threads=self.threads, joined=self._reader.joined)
         rows = archive.part_rows(refs, options, sizes, archive.frame_column(frames, sizes))
         fs, path = resolve(directory)
         return PartResult(archive.write_part(fs, path, index, rows, lossless), self.device, _node_id())

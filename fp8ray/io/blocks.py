@@ -242,8 +242,13 @@ class BlockReader:
     def __init__(self):
         self._buffer = np.empty(0, np.uint8)
         self._path = ""
+        # After a read: every block's bytes end to end in the order asked for, one view of
+        # the buffer, where the read laid them so (blocks of safetensors files in file
+        # order, as a part's are); else None.
+        self.joined: np.ndarray | None = None
 
     def read(self, refs: list[BlockRef]) -> list[np.ndarray]:
+        self.joined = None
         try:
             return self._read(refs)
         except OSError as exc:
@@ -256,6 +261,8 @@ class BlockReader:
             self._buffer = np.empty(total, np.uint8)
         result: list[np.ndarray | None] = [None] * len(refs)
         position = 0
+        in_order = total == sum(sizes)  # so far, each run read was the next blocks asked for
+        following = 0
         for path, indices in _by_file(refs).items():
             self._path = path  # for the message, should it fail
             fs, fpath = resolve(path)
@@ -277,6 +284,10 @@ class BlockReader:
                         for i in run:
                             _checked(refs[i], target[refs[i].offset - begin : min(refs[i].offset - begin + sizes[i], got)], path)
                     position += span
+                    in_order = in_order and run[0] == following and run[-1] - run[0] == len(run) - 1
+                    following = run[-1] + 1
+        if in_order:
+            self.joined = self._buffer[:total]
         return result  # type: ignore[return-value]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
@@ -74,11 +75,17 @@ def test_the_reader_reads_a_part_in_runs_and_names_a_block_cut_short(small_sourc
     it was listed is refused naming the first block it cuts."""
     refs = list_blocks(str(small_source))
     picked = refs[:5] + refs[7:9] + refs[300:310]  # a gap, then another file
-    got = BlockReader().read(picked)
+    reader = BlockReader()
+    got = reader.read(picked)
     for ref, data in zip(picked, got):
         with open(ref.path, "rb") as f:
             f.seek(ref.offset)
             assert data.tobytes() == f.read(ref.nbytes), ref.key
+    assert np.array_equal(reader.joined, np.concatenate(got))  # laid end to end in the order asked for
+    got = [d.copy() for d in got]  # views of the reader's buffer, which the next read reuses
+    interleaved = [refs[0], refs[300], refs[1]]  # read file by file: not in the order asked for
+    assert [d.tobytes() for d in reader.read(interleaved)] == [d.tobytes() for d in got[:1] + got[7:8] + got[1:2]]
+    assert reader.joined is None
     short = tmp_path / "short.safetensors"
     short.write_bytes((small_source / "kv0.safetensors").read_bytes())
     cut = [dataclasses.replace(r, path=str(short)) for r in refs[:300]]
