@@ -7,8 +7,9 @@ scale ``block_size`` elements when that divides the block, and the tensor scale 
 block is a token scale over the block's elements taken as one row. So one kernel call
 over the run's elements, laid end to end, gives each block the codes and scales of
 encoding it alone, bit for bit (``tests/codec/test_runs.py``). numpy then copies those
-codes and scales into the N frames at once. Only the CRC-32C is still taken per frame
-(one C call each: it is no more than the frame's bytes).
+codes and scales into the N frames at once; decoding checks a run's sizes, headers and
+scales with one numpy call each. Only the CRC-32C is still taken per frame, one C call
+each (the format stores one per frame).
 """
 
 from __future__ import annotations
