@@ -15,7 +15,6 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -35,9 +34,15 @@ class BlockSpec:
     dtype: str  # "bfloat16" | "float16" | "float32"
     shape: tuple[int, ...]
 
-    @cached_property  # asked for several times per block on the way through a part
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES_BY_NAME[self.dtype].itemsize
+        # Asked for several times per block on the way through a part: kept after the first
+        # time, in the instance's dict as cached_property would, without its lock (Python
+        # 3.11's took 2 us a block).
+        known = self.__dict__.get("_nbytes")
+        if known is None:
+            known = self.__dict__["_nbytes"] = math.prod(self.shape) * DTYPES_BY_NAME[self.dtype].itemsize
+        return known
 
 
 @dataclass(frozen=True)
@@ -153,9 +158,33 @@ def encode_into(
     :func:`frame_sizes`). ``device``: where to encode (``"cuda"``: each block goes to the
     GPU first; the frame is the same bytes). ``threads``: the CPU kernels' threads.
     A block that fails raises naming its key."""
-    sizes = list(sizes) if sizes is not None else frame_sizes(codec, blocks)
+    return encode_data_into(codec, blocks, [b.data for b in blocks], out, sizes, device=device, threads=threads)
+
+
+def encode_data_into(
+    codec: Fp8Codec,
+    specs: Sequence[BlockSpec],
+    data: Sequence[np.ndarray],
+    out: np.ndarray,
+    sizes: Sequence[int] | None = None,
+    *,
+    device: str = "cpu",
+    threads: int | None = None,
+    joined: np.ndarray | None = None,
+) -> list[int]:
+    """:func:`encode_into` of blocks given as their specs and, apart, their raw bytes
+    (``data[i]``: a 1-D uint8 array of ``specs[i].nbytes``, which the caller has checked,
+    as a :class:`Block` checks its own): a part's thousands of small blocks need no
+    object each. ``joined``: the same bytes, every block's end to end in one array, where
+    the caller has them so (a :class:`~fp8ray.io.blocks.BlockReader` does): runs of small
+    blocks are encoded from it, not from a copy of their bytes put end to end."""
+    sizes = list(sizes) if sizes is not None else frame_sizes(codec, specs)
+
+    def tensors(start: int, stop: int) -> Iterable[tuple[str, torch.Tensor]]:
+        return ((specs[i].key, bytes_to_tensor(data[i], specs[i].dtype, specs[i].shape)) for i in range(start, stop))
+
     if device != "cpu":
-        encode_tensors_into(codec, ((b.key, b.tensor().to(device)) for b in blocks), out, sizes, threads=threads)
+        encode_tensors_into(codec, ((key, t.to(device)) for key, t in tensors(0, len(specs))), out, sizes, threads=threads)
         return sizes
     if sum(sizes) > out.size:
         raise BadInputError(f"out holds {out.size} bytes, the frames of {len(sizes)} blocks need {sum(sizes)}")
@@ -163,17 +192,19 @@ def encode_into(
     done = 0  # blocks before this one are encoded
 
     def one_at_a_time(start: int, stop: int) -> None:
-        named = ((b.key, b.tensor()) for b in blocks[start:stop])
-        encode_tensors_into(codec, named, out[ends[start] : ends[stop]], sizes[start:stop], threads=threads)
+        encode_tensors_into(codec, tensors(start, stop), out[ends[start] : ends[stop]], sizes[start:stop], threads=threads)
 
-    for start, stop in runs_of(blocks, lambda b: fits_run(codec.scaling, codec.block_size, b.dtype, b.shape)):
+    runs = runs_of(specs, lambda b: fits_run(codec.scaling, codec.block_size, b.dtype, b.shape))
+    raw_ends = np.cumsum([0, *(spec.nbytes for spec in specs)]).tolist() if runs and joined is not None else None
+    for start, stop in runs:
         one_at_a_time(done, start)
-        run = blocks[start:stop]
+        first = specs[start]
         frames = out[ends[start] : ends[stop]].reshape(stop - start, sizes[start])
-        if not encode_run(codec, run[0].dtype, run[0].shape, [b.data for b in run], frames, threads):
+        source = joined[raw_ends[start] : raw_ends[stop]] if raw_ends else np.concatenate(data[start:stop])
+        if not encode_run(codec, first.dtype, first.shape, source, frames, threads):
             one_at_a_time(start, stop)  # a refused non-finite value: named by its block
         done = stop
-    one_at_a_time(done, len(blocks))
+    one_at_a_time(done, len(specs))
     return sizes
 
 

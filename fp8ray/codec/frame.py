@@ -265,6 +265,23 @@ def _stored_checksum(buf: np.ndarray) -> int:
     return struct.unpack("<I", buf[-CHECKSUM_BYTES:].tobytes())[0]
 
 
+def _row_checksums(rows: np.ndarray) -> np.ndarray:
+    """The CRC-32C of each row of ``rows`` (frames of one size, one a row) but its last 4 bytes."""
+    return np.fromiter((checksum.crc32c(row) for row in rows[:, :-CHECKSUM_BYTES]), np.uint32, len(rows))
+
+
+def seal_rows(rows: np.ndarray) -> None:
+    """:func:`seal` each row of ``rows`` (a ``[frames, frame_size]`` uint8 array)."""
+    rows[:, -CHECKSUM_BYTES:] = _row_checksums(rows).astype("<u4").view(np.uint8).reshape(len(rows), CHECKSUM_BYTES)
+
+
+def checksums_hold(rows: np.ndarray) -> bool:
+    """Whether each row of ``rows`` (a ``[frames, frame_size]`` uint8 array) holds the
+    CRC-32C of its bytes, as :func:`parse` checks one frame's."""
+    stored = np.ascontiguousarray(rows[:, -CHECKSUM_BYTES:]).view("<u4").reshape(-1)
+    return bool((stored == _row_checksums(rows)).all())
+
+
 def scales_of(buf: np.ndarray, header: FrameHeader) -> np.ndarray:
     """The frame's scales as fp32, checked to be finite and positive: a view of float32
     scales, a new array for bfloat16 ones (widened exactly: bf16 bits are fp32's top half)."""

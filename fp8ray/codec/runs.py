@@ -7,7 +7,9 @@ scale ``block_size`` elements when that divides the block, and the tensor scale 
 block is a token scale over the block's elements taken as one row. So one kernel call
 over the run's elements, laid end to end, gives each block the codes and scales of
 encoding it alone, bit for bit (``tests/codec/test_runs.py``). numpy then copies those
-codes and scales into the N frames at once. Only the CRC-32C is still taken per frame.
+codes and scales into the N frames at once; decoding checks a run's sizes, headers and
+scales with one numpy call each. Only the CRC-32C is still taken per frame, one C call
+each (the format stores one per frame).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from . import checksum, cpu, frame
+from . import cpu, frame
 from .formats import DTYPES_BY_NAME
 from .fp8codec import Fp8Codec
 
@@ -76,17 +78,16 @@ def small(dtype: str, shape: tuple[int, ...]) -> bool:
     return 0 < numel * DTYPES_BY_NAME[dtype].itemsize <= RUN_BLOCK_BYTES
 
 
-def encode_run(
-    codec: Fp8Codec, dtype: str, shape: tuple[int, ...], sources: list[np.ndarray], frames: np.ndarray, threads=None
-) -> bool:
-    """Encode ``sources`` (each block's raw bytes, all of ``dtype`` and ``shape``) into the
-    rows of ``frames`` (a writable ``[len(sources), frame_size]`` uint8 array); returns
-    whether it did: ``False`` where the codec refuses a non-finite input (the frames are
-    left unwritten; the caller encodes those blocks alone to name the first)."""
-    count = len(sources)
+def encode_run(codec: Fp8Codec, dtype: str, shape: tuple[int, ...], source: np.ndarray, frames: np.ndarray, threads=None) -> bool:
+    """Encode ``source`` (the raw bytes of ``len(frames)`` blocks of ``dtype`` and ``shape``,
+    end to end in one uint8 array) into the rows of ``frames`` (a writable
+    ``[blocks, frame_size]`` uint8 array); returns whether it did: ``False`` where the codec
+    refuses a non-finite input (the frames are left unwritten; the caller encodes those
+    blocks alone to name the first)."""
+    count = len(frames)
     header = codec._header(shape, DTYPES_BY_NAME[dtype])
     scaling, grouped = _grouping(header, count)
-    x = torch.from_numpy(np.concatenate(sources)).view(header.dtype).reshape(grouped)
+    x = torch.from_numpy(source).view(header.dtype).reshape(grouped)
     num_scales = header.num_scales
     codes = np.empty(count * header.numel, np.uint8)
     scales = np.empty(count * num_scales, np.float32)
@@ -102,9 +103,7 @@ def encode_run(
         narrow = stored.astype("<u2") if header.scale_dtype == "bfloat16" else stored.astype("<u4")
         frames[:, header.scales_offset : header.codes_offset] = narrow.view(np.uint8).reshape(count, -1)
     frames[:, header.codes_offset : header.codes_offset + header.numel] = codes.reshape(count, -1)
-    tail = frame.CHECKSUM_BYTES
-    checksums = np.array([checksum.crc32c(row[:-tail]) for row in frames], "<u4")
-    frames[:, -tail:] = checksums.view(np.uint8).reshape(count, tail)
+    frame.seal_rows(frames)
     return True
 
 
@@ -113,22 +112,20 @@ def decode_run(frames: list[np.ndarray], header: frame.FrameHeader, out: np.ndar
     (their raw bytes end to end); ``False``, with ``out`` untouched, where any frame's
     header bytes, size or checksum differ from what ``header`` says (the caller decodes
     them one at a time to name the damaged one)."""
-    count = len(frames)
-    expected = np.empty(header.scales_offset, np.uint8)
+    count, size = len(frames), header.frame_size
+    if any(f.size != size for f in frames):
+        return False
+    run = np.concatenate(frames).reshape(count, size)  # a frame a row: each check is one numpy call
+    start, codes_at, numel = header.scales_offset, header.codes_offset, header.numel
+    expected = np.empty(start, np.uint8)
     frame.write_header(expected, header)
-    expected = expected.tobytes()
-    for f in frames:
-        if f.size != header.frame_size or f[: header.scales_offset].tobytes() != expected:
-            return False
-        stored, actual = frame.checksums(f)
-        if stored != actual:
-            return False
-    raw = np.concatenate([f[header.scales_offset : header.codes_offset] for f in frames])
-    scales = frame.widen_scales(raw, header.scale_dtype)
+    if not (run[:, :start] == expected).all() or not frame.checksums_hold(run):
+        return False
+    scales = frame.widen_scales(run[:, start:codes_at].reshape(-1), header.scale_dtype)
     if scales.size and not frame.scales_valid(scales):
         return False
-    codes = np.concatenate([f[header.codes_offset : header.codes_offset + header.numel] for f in frames])
+    codes = run[:, codes_at : codes_at + numel].reshape(-1)
     scaling, grouped = _grouping(header, count)
-    target = torch.from_numpy(out[: count * header.numel * header.dtype.itemsize]).view(header.dtype).reshape(grouped)
+    target = torch.from_numpy(out[: count * numel * header.dtype.itemsize]).view(header.dtype).reshape(grouped)
     cpu.dequantize(codes, scales, header.fmt, scaling, grouped, header.block_size, target, threads)
     return True

@@ -121,11 +121,14 @@ def _scan_compressible(source: str, strict: bool = False, lmcache_layout: Layout
         )
     if not refs:
         raise SourceError(f"source {redact(source)} holds no tensors: there is nothing to compress")
+    checked = set()  # blocks share a few shapes: each is checked once, named by its first block
     for ref in refs:
-        try:
-            frame.check_shape(ref.shape)
-        except ValueError as exc:
-            raise block_error(ref.key, exc) from None
+        if ref.shape not in checked:
+            try:
+                frame.check_shape(ref.shape)
+            except ValueError as exc:
+                raise block_error(ref.key, exc) from None
+            checked.add(ref.shape)
     return layout, refs
 
 

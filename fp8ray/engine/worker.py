@@ -29,6 +29,7 @@ from ..codec.blocks import (
     Block,
     BlockSpec,
     decode_into,
+    encode_data_into,
     encode_into,
     frame_sizes,
     read_headers,
@@ -189,8 +190,9 @@ class QuantWorker:
         if self._frames.size < sum(sizes):
             self._frames = np.empty(sum(sizes), dtype=np.uint8)
         frames = self._frames[: sum(sizes)]  # reused, as the reader's buffer is: the part is written before the next
-        blocks = [Block(ref.key, ref.dtype, ref.shape, data) for ref, data in zip(refs, self._reader.read(refs))]
-        encode_into(codec, blocks, frames, sizes, device=self.device, threads=self.threads)
+        # Each block's bytes are checked against its ref's size as they are read: no Block needed.
+        data = self._reader.read(refs)
+        encode_data_into(codec, refs, data, frames, sizes, device=self.device, threads=self.threads, joined=self._reader.joined)
         rows = archive.part_rows(refs, options, sizes, archive.frame_column(frames, sizes))
         fs, path = resolve(directory)
         return PartResult(archive.write_part(fs, path, index, rows, lossless), self.device, _node_id())
@@ -212,9 +214,9 @@ class QuantWorker:
         buffer = np.empty(0, np.uint8)  # reused: fresh pages for every batch cost more than decoding
         result = RestoreResult(node_id=_node_id())
 
-        def decoded(batch: list[tuple]) -> list[np.ndarray]:
-            """The raw bytes of a batch of blocks of one part, end to end in ``buffer``:
-            decoded together, so that small blocks of one shape go in runs."""
+        def decoded(batch: list[tuple]) -> int:
+            """Decode a batch of blocks of one part into the start of ``buffer``, end to end
+            (together, so that small blocks of one shape go in runs); their size in bytes."""
             nonlocal buffer
             part = batch[0][0]
             if part not in frames:
@@ -230,14 +232,13 @@ class QuantWorker:
                 del frames[part]  # its last block here: a part is held only while a block still needs it
             result.blocks += len(batch)
             result.raw_bytes += ends[-1]
-            return [buffer[end - spec.nbytes : end] for spec, end in zip(specs, ends)]
+            return ends[-1]
 
         for r in task.ranges:
             with RangeWriter(f"{out_dir}/{r.name}") as writer:
                 offset = r.offset
                 for batch in _batches(r.blocks):
-                    data = decoded(batch)
-                    size = sum(d.size for d in data)
+                    size = decoded(batch)
                     writer.write_at(offset, buffer[:size])  # a batch's blocks lie end to end in the file too
                     offset += size
         for f in task.files:
@@ -245,8 +246,8 @@ class QuantWorker:
                 out_fs.create_dir(posixpath.dirname(f"{out_dir}/{f.name}"), recursive=True)
             with f.writer(uri_for(directory, f"{out_dir}/{f.name}")) as writer:
                 for batch in _batches(f.blocks):
-                    for (_, _, key, dtype, shape), data in zip(batch, decoded(batch)):
-                        writer.write_block(key, dtype, shape, keep(data))
+                    size = decoded(batch)
+                    writer.write_blocks([(key, dtype, shape) for _, _, key, dtype, shape in batch], keep(buffer[:size]))
             result.files += 1
         return result
 

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from ..codec.blocks import BlockSpec, bytes_to_tensor, dtype_name, tensor_to_bytes  # noqa: F401 (used by this layer's callers)
 from ..codec.formats import DTYPES_BY_NAME
-from ..errors import SourceError
+from ..errors import MismatchError, SourceError
 from .paths import CompleteOrNothing, TreeEntry, list_tree, os_reason, printable, redact, resolve, temporary_name, uri_for
 from .safetensors import SOURCE_DTYPES, read_file_header
 
@@ -186,10 +186,10 @@ def _check_unique(refs: list[BlockRef], uri: str) -> None:
 
 
 def _safetensors_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tuple[SourceFile, list[BlockRef]]:
-    entries, metadata, data_start = read_file_header(fs, path, uri, tuple(SOURCE_DTYPES))
+    tensors, metadata, data_start = read_file_header(fs, path, uri, tuple(SOURCE_DTYPES))
     refs = [
-        BlockRef(e.key, e.fp8ray_dtype, e.shape, "safetensors", uri, data_start + e.begin, name)
-        for e in entries  # file order
+        BlockRef(key, SOURCE_DTYPES[dtype], shape, "safetensors", uri, data_start + begin, name)
+        for key, dtype, shape, begin in zip(tensors.keys, tensors.dtypes, tensors.shapes, tensors.begins)  # file order
     ]
     return SourceFile(name, len(refs), metadata), refs
 
@@ -242,19 +242,27 @@ class BlockReader:
     def __init__(self):
         self._buffer = np.empty(0, np.uint8)
         self._path = ""
+        # After a read: every block's bytes end to end in the order asked for, one view of
+        # the buffer, where the read laid them so (blocks of safetensors files in file
+        # order, as a part's are); else None.
+        self.joined: np.ndarray | None = None
 
     def read(self, refs: list[BlockRef]) -> list[np.ndarray]:
+        self.joined = None
         try:
             return self._read(refs)
         except OSError as exc:
             raise SourceError(f"source file {redact(self._path)} cannot be read: {os_reason(exc)}") from None
 
     def _read(self, refs: list[BlockRef]) -> list[np.ndarray]:
-        total = sum(r.nbytes for r in refs if r.kind == "safetensors")
+        sizes = [r.nbytes for r in refs]  # looked up once: thousands of small blocks make a part
+        total = sum(size for r, size in zip(refs, sizes) if r.kind == "safetensors")
         if self._buffer.size < total:
             self._buffer = np.empty(total, np.uint8)
         result: list[np.ndarray | None] = [None] * len(refs)
         position = 0
+        in_order = total == sum(sizes)  # so far, each run read was the next blocks asked for
+        following = 0
         for path, indices in _by_file(refs).items():
             self._path = path  # for the message, should it fail
             fs, fpath = resolve(path)
@@ -263,16 +271,23 @@ class BlockReader:
                     result[i] = _checked(refs[i], np.frombuffer(value, dtype=np.uint8), path)
                 continue
             with fs.open_input_file(fpath) as f:
-                for run in _contiguous(refs, indices):
-                    first, last = refs[run[0]], refs[run[-1]]
-                    span = last.offset + last.nbytes - first.offset
+                for run in _contiguous(refs, sizes, indices):
+                    begin = refs[run[0]].offset
+                    span = refs[run[-1]].offset + sizes[run[-1]] - begin
                     target = self._buffer[position : position + span]
-                    f.seek(first.offset)
+                    f.seek(begin)
                     got = _read_fully(f, memoryview(target))
                     for i in run:
-                        start = refs[i].offset - first.offset
-                        result[i] = _checked(refs[i], target[start : min(start + refs[i].nbytes, got)], path)
+                        start = refs[i].offset - begin
+                        result[i] = target[start : start + sizes[i]]
+                    if got < span:  # the file ends early: name the first block cut short
+                        for i in run:
+                            _checked(refs[i], target[refs[i].offset - begin : min(refs[i].offset - begin + sizes[i], got)], path)
                     position += span
+                    in_order = in_order and run[0] == following and run[-1] - run[0] == len(run) - 1
+                    following = run[-1] + 1
+        if in_order:
+            self.joined = self._buffer[:total]
         return result  # type: ignore[return-value]
 
 
@@ -283,14 +298,16 @@ def _by_file(refs: list[BlockRef]) -> dict[str, list[int]]:
     return by_file
 
 
-def _contiguous(refs: list[BlockRef], indices: list[int]) -> list[list[int]]:
-    """``indices`` in runs whose blocks lie end to end in the file."""
+def _contiguous(refs: list[BlockRef], sizes: list[int], indices: list[int]) -> list[list[int]]:
+    """``indices`` in runs whose blocks (of ``sizes`` bytes) lie end to end in the file."""
     runs: list[list[int]] = []
+    end = None
     for i in indices:
-        if runs and refs[runs[-1][-1]].offset + refs[runs[-1][-1]].nbytes == refs[i].offset:
+        if runs and end == refs[i].offset:
             runs[-1].append(i)
         else:
             runs.append([i])
+        end = refs[i].offset + sizes[i]
     return runs
 
 
@@ -349,6 +366,16 @@ class RawBlockParquetWriter(CompleteOrNothing):
             self.rows[name].append(value)
         if len(self.rows["key"]) >= self.ROWS_PER_GROUP:
             self._flush()
+
+    def write_blocks(self, tensors: list[tuple[str, str, tuple[int, ...]]], data) -> None:
+        """:meth:`write_block` of each of ``tensors`` (``(key, dtype, shape)``), their
+        bytes end to end in ``data`` (as :meth:`SafetensorsWriter.write_blocks`)."""
+        view = memoryview(data).cast("B")
+        ends = np.cumsum([BlockSpec(*t).nbytes for t in tensors]).tolist()
+        if (ends[-1] if ends else 0) != len(view):
+            raise MismatchError(f"{len(tensors)} tensors take {ends[-1] if ends else 0} bytes, got {len(view)}")
+        for (key, dtype, shape), start, end in zip(tensors, [0, *ends], ends):
+            self.write_block(key, dtype, shape, view[start:end])
 
     def _flush(self) -> None:
         if self.rows["key"]:

@@ -14,8 +14,19 @@ import safetensors
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8ray.errors import SafetensorsFormatError
-from fp8ray.io.safetensors import ITEMSIZES, MAX_HEADER, SafetensorsWriter, build_body, parse_body, read_file_header
+from fp8ray.errors import MismatchError, SafetensorsFormatError
+from fp8ray.io.safetensors import (
+    ITEMSIZES,
+    MAX_HEADER,
+    HeaderTensors,
+    SafetensorsWriter,
+    _checked_entries,
+    _valid_columns,
+    build_body,
+    header_prefix,
+    parse_body,
+    read_file_header,
+)
 
 ALL_DTYPES = tuple(ITEMSIZES)
 
@@ -135,6 +146,56 @@ def test_keys_given_twice_are_refused(name, data, tmp_path):
     assert not fp8ray_accepts_file(data, tmp_path / "x.safetensors")
 
 
+def _tensor_members(data: bytes) -> tuple[dict, int] | None:
+    """A corpus body's header members but ``__metadata__``, and its data size; ``None`` where
+    the header is no JSON object (refused before any tensor is looked at)."""
+    if len(data) < 8:
+        return None
+    (n,) = struct.unpack("<Q", data[:8])
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError:
+        return None
+    if not isinstance(header, dict):
+        return None
+    header.pop("__metadata__", None)
+    return header, len(data) - 8 - n
+
+
+def _out_of_order(n: int = 200) -> bytes:
+    """A body of ``n`` tensors of two dtypes, every fourth one empty, listed in reverse byte order."""
+    members, begin = {}, 0
+    for i in range(n):
+        dtype, itemsize = ("BF16", 2) if i % 3 else ("F32", 4)
+        end = begin + (i % 4) * 3 * itemsize
+        members[f"k{i}"] = t(dtype, (i % 4, 3), begin, end)
+        begin = end
+    return body(dict(reversed(members.items())), bytes(begin))
+
+
+TENSOR_CASES = [(name, data) for name, data in CORPUS + STRICTER if _tensor_members(data) is not None] + [
+    ("200 tensors out of order", _out_of_order())
+]
+
+
+@pytest.mark.parametrize("name, data", TENSOR_CASES, ids=[name for name, _ in TENSOR_CASES])
+def test_the_column_checks_accept_exactly_what_the_checks_one_by_one_accept(name, data):
+    """A header's tensors are checked a column at a time, and one by one only where those
+    checks fail (to name what is wrong): both must take the same tensors, in the same order."""
+    header, data_size = _tensor_members(data)
+    try:
+        expected = HeaderTensors.of(_checked_entries(header, data_size, "x", ALL_DTYPES))
+    except SafetensorsFormatError:
+        expected = None
+    got = _valid_columns(header, data_size, ALL_DTYPES)
+    if expected is not None and not header:
+        assert got is None  # no tensors: left to the checks one by one
+    else:
+        assert got == expected, name
+    if got is not None:
+        assert _valid_columns(header, data_size, ("I64",)) is None  # a dtype not allowed: named one by one
+
+
 def test_the_header_cap_is_named_as_such(tmp_path):
     """A header length under the file's size but over the format's cap is reported as the
     cap, not as running past the file."""
@@ -195,3 +256,47 @@ def test_files_written_by_the_package_read_back_in_file_order(tmp_path):
     entries, metadata, start = read_file_header(pafs.LocalFileSystem(), str(path), str(path), ("BF16", "F32"))
     assert metadata == {"x": "y"} and start % 8 == 0
     assert sorted(e.key for e in entries) == ["a", "z"] and [e.begin for e in entries] == sorted(e.begin for e in entries)
+
+
+def test_write_blocks_writes_the_file_write_writes(tmp_path):
+    tensors = [(f"k{i}", "bfloat16", (i, 2)) for i in range(5)]
+    data = np.arange(sum(i * 4 for i in range(5)), dtype=np.uint8)
+    with SafetensorsWriter(str(tmp_path / "one.safetensors"), tensors) as w:
+        start = 0
+        for _, _, shape in tensors:
+            w.write(data[start : start + shape[0] * 4])
+            start += shape[0] * 4
+    with SafetensorsWriter(str(tmp_path / "batched.safetensors"), tensors) as w:
+        w.write_blocks(tensors[:2], data[:4])
+        w.write_blocks(tensors[2:], data[4:])
+    assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "batched.safetensors").read_bytes()
+
+
+def test_write_blocks_refuses_other_tensors_or_sizes(tmp_path):
+    tensors = [("a", "float16", (2,)), ("b", "float16", (3,))]
+    with pytest.raises(MismatchError, match=r"expected tensor \('b', 'float16', \(3,\)\) next, got \('c'"):
+        with SafetensorsWriter(str(tmp_path / "x.safetensors"), tensors) as w:
+            w.write_blocks([("a", "float16", (2,)), ("c", "float16", (3,))], np.zeros(10, np.uint8))
+    with pytest.raises(MismatchError, match="got 9 bytes, expected 10"):
+        with SafetensorsWriter(str(tmp_path / "x.safetensors"), tensors) as w:
+            w.write_blocks(tensors, np.zeros(9, np.uint8))
+    with pytest.raises(MismatchError, match="3 more tensors, but 2 are left"):
+        with SafetensorsWriter(str(tmp_path / "x.safetensors"), tensors) as w:
+            w.write_blocks([*tensors, tensors[0]], np.zeros(14, np.uint8))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"k": "v", 'é"\\': "ü\n"}])
+def test_header_prefix_is_json_dumps_text(metadata):
+    """The header is written a tensor at a time, as the text ``json.dumps`` gives the whole."""
+    tensors = [("a", "BF16", (2, 3), 12), ('q"uote\\', "F32", (), 4), ("ключ\u2028", "U8", (0, 7), 0), ("z", "F16", (5,), 10)]
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key, dtype, shape, nbytes in tensors:
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    assert header_prefix(tensors, metadata) == struct.pack("<Q", len(raw)) + raw
+    with pytest.raises(SafetensorsFormatError, match="key 'a' appears twice"):
+        header_prefix([*tensors, ("a", "U8", (1,), 1)], metadata)
