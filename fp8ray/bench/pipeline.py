@@ -15,7 +15,9 @@ codec alone.
 - **object store**: ``QuantPool.encode_many``/``decode_many`` of the same blocks against
   ``Fp8Codec`` in this process with all its threads; and **by reference**,
   ``encode_refs``/``decode_refs`` of the blocks already in Ray's object store (as upstream
-  tasks leave them), until every result is there, the driver fetching nothing.
+  tasks leave them), until every result is there, the driver fetching nothing: refs of
+  ``Block`` s (which a worker reads in place) and of torch tensors (which Ray
+  deserialises by copy).
 - **small blocks**: the same bytes as blocks of ``small_block_kib`` KiB (as per-layer KV
   files and small LMCache chunks come), compressed and decompressed on the same pool:
   the work as a multiple of the sample chunks', and the per-block overhead, the
@@ -35,6 +37,7 @@ import tempfile
 import time
 
 from ..codec import CodecOptions, Fp8Codec, cpu, decode
+from ..codec.blocks import Block
 from ..engine.archives import compress_archive, decompress_archive
 from ..engine.pool import QuantPool
 from ..engine.runtime import connect_ray, disconnect_ray
@@ -153,10 +156,11 @@ def bench_pipeline(
             f"decode {raw / dec / 1e9:.2f} GB/s ({decode_seconds / dec:.2f} of the codec alone)",
         ]
         if refs_row is not None:
-            enc, dec = refs_row
+            enc, enc_tensors, dec = refs_row
             lines.append(
                 f"by reference, {max_workers} workers (QuantPool.encode_refs / decode_refs, blocks already in the object store, "
-                f"results left there): encode {raw / enc / 1e9:.2f} GB/s ({codec_seconds / enc:.2f} of the codec alone), "
+                f"results left there): encode of Blocks {raw / enc / 1e9:.2f} GB/s ({codec_seconds / enc:.2f} of the codec "
+                f"alone), of torch tensors {raw / enc_tensors / 1e9:.2f} GB/s ({codec_seconds / enc_tensors:.2f}), "
                 f"decode {raw / dec / 1e9:.2f} GB/s ({decode_seconds / dec:.2f} of the codec alone)"
             )
     finally:
@@ -230,23 +234,28 @@ def _object_store(pool: QuantPool, blocks: list, options: CodecOptions, repeat: 
     return enc, dec
 
 
-def _by_reference(pool: QuantPool, blocks: list, options: CodecOptions, repeat: int) -> tuple[float, float]:
+def _by_reference(pool: QuantPool, blocks: list, options: CodecOptions, repeat: int) -> tuple[float, float, float]:
     """Seconds to encode blocks already in the object store (as upstream tasks leave them)
-    until every frame is there, and to decode those frames likewise; the driver fetches
-    nothing."""
+    until every frame is there, as ``Block`` s and as torch tensors, and to decode those
+    frames likewise; the driver fetches nothing."""
     import ray
 
-    refs = [ray.put(t) for t in blocks]
+    block_refs = [ray.put(Block.of(str(i), t)) for i, t in enumerate(blocks)]
+    tensor_refs = [ray.put(t) for t in blocks]
 
     def settled(results: list) -> list:
         ray.wait(results, num_returns=len(results), fetch_local=False)
         return results
 
-    frames = settled(pool.encode_refs(refs, options=options))  # warm up
+    frames = settled(pool.encode_refs(block_refs, options=options))  # warm up
+    settled(pool.encode_refs(tensor_refs, options=options))
     settled(pool.decode_refs(frames))
-    enc = statistics.median(_timed(lambda: settled(pool.encode_refs(refs, options=options))) for _ in range(repeat))
+    enc = statistics.median(_timed(lambda: settled(pool.encode_refs(block_refs, options=options))) for _ in range(repeat))
+    enc_tensors = statistics.median(
+        _timed(lambda: settled(pool.encode_refs(tensor_refs, options=options))) for _ in range(repeat)
+    )
     dec = statistics.median(_timed(lambda: settled(pool.decode_refs(frames))) for _ in range(repeat))
-    return enc, dec
+    return enc, enc_tensors, dec
 
 
 def _timed(fn) -> float:
