@@ -281,10 +281,9 @@ class QuantPool:
         driver never fetches the bytes: each worker pulls its inputs from the object store
         (a Block's bytes are read in place; a tensor, as Ray deserialises it: a copy) and
         each frame stays there, an object of its own, until someone ``ray.get`` s it.
-        Blocks go to the workers in calls of about :data:`BATCH_BYTES` (see
-        :meth:`_by_reference`). Ray actors only (not ``address="inline"``). A block that
-        fails, or a worker lost mid-way, fails the refs of its call (on ``ray.get``), the
-        failing block's key in the message."""
+        Blocks go to the workers several to a call (see :meth:`_by_reference`). Ray actors
+        only (not ``address="inline"``). A block that fails, or a worker lost mid-way,
+        fails the refs of its call (on ``ray.get``), the failing block's key in the message."""
         options = CodecOptions.parse(codec_options, base=options)
         return self._by_reference(QuantWorker.encode_blocks, list(refs), lambda keys, batch: (options, keys, *batch))
 
@@ -298,11 +297,10 @@ class QuantPool:
     def _by_reference(self, method: Callable, refs: list, arguments: Callable[[list[str], list], tuple]) -> list:
         """Submit ``method`` on ``refs`` a batch at a time, ``arguments(keys, batch)`` its
         arguments (the refs themselves, which Ray resolves on the worker: never here);
-        one ``ObjectRef`` per result, in order. A call takes about :data:`BATCH_BYTES`
-        of inputs (an actor call costs about a millisecond), two calls per worker at
-        least, and goes to the worker with the fewest bytes so far; a ref whose object is
-        not made yet (an upstream task still running) goes in a call of its own, so that
-        no block waits for another's task."""
+        one ``ObjectRef`` per result, in order. The refs are cut into two calls per
+        worker, of :data:`REFS_BATCH_BYTES` of inputs at most, each to the worker with the
+        fewest bytes so far; a ref whose object is not made yet (an upstream task still
+        running) goes in a call of its own, so that no block waits for another's task."""
         if self.inline:
             raise InvalidOptionError(
                 "encode_refs and decode_refs take object-store refs: they need Ray workers, not inline ones "
@@ -315,7 +313,7 @@ class QuantPool:
         check = _signature_check(method)
         sizes = _object_sizes(refs)
         known = sum(size for size in sizes if size is not None)
-        target = min(BATCH_BYTES, max(1, known // (2 * self.num_workers)))
+        target = min(REFS_BATCH_BYTES, max(1, known // (2 * self.num_workers)))
         items = [(str(i), ref, target if size is None else size) for i, (ref, size) in enumerate(zip(refs, sizes))]
         load = [0] * self.num_workers
         results = []
@@ -350,6 +348,10 @@ def check_pool(pool: QuantPool | PoolSettings | None) -> QuantPool | PoolSetting
 # Input bytes per task of encode_many/decode_many: enough to amortise a task's cost
 # (milliseconds), small enough to keep every worker busy and the window's memory bounded.
 BATCH_BYTES = 16 << 20
+# Input bytes per call of encode_refs/decode_refs at most: their inputs are in the object
+# store already (encode_many's window holds its own there), and each call costs Ray 1-6 ms
+# on 2 busy cores whatever its size; a worker's results buffer holds a call's outputs.
+REFS_BATCH_BYTES = 64 << 20
 
 
 def _batches(items: list, batch_size: int | None, nbytes, batch_bytes: int = BATCH_BYTES) -> Iterator[list]:
