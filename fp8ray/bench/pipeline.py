@@ -15,7 +15,11 @@ codec alone.
 - **object store**: ``QuantPool.encode_many``/``decode_many`` of the same blocks against
   ``Fp8Codec`` in this process with all its threads; and **by reference**,
   ``encode_refs``/``decode_refs`` of the blocks already in Ray's object store (as upstream
-  tasks leave them), until every result is there, the driver fetching nothing.
+  tasks leave them), until every result is there, the driver fetching nothing: refs of
+  ``Block`` s (which a worker reads in place) and of torch tensors (which Ray
+  deserialises by copy). Their ``of the codec alone`` is the median over runs of the
+  codec alone timed just before each run over the run: the load of a shared machine
+  moves within seconds, and a ratio of two figures taken a minute apart measured it.
 - **small blocks**: the same bytes as blocks of ``small_block_kib`` KiB (as per-layer KV
   files and small LMCache chunks come), compressed and decompressed on the same pool:
   the work as a multiple of the sample chunks', and the per-block overhead, the
@@ -35,6 +39,7 @@ import tempfile
 import time
 
 from ..codec import CodecOptions, Fp8Codec, cpu, decode
+from ..codec.blocks import Block
 from ..engine.archives import compress_archive, decompress_archive
 from ..engine.pool import QuantPool
 from ..engine.runtime import connect_ray, disconnect_ray
@@ -98,7 +103,9 @@ def bench_pipeline(
     tensors = {f"chunk{i:04d}": sample_kv_chunk(seed=i) for i in range(chunks)}
     raw = chunks * CHUNK_BYTES
     blocks = list(tensors.values())
-    codec_seconds, decode_seconds = _codec_alone(Fp8Codec(options=options), blocks, repeat)
+    alone = _CodecAlone(Fp8Codec(options=options), blocks)
+    codec_seconds = statistics.median(_timed(alone.encode) for _ in range(repeat))
+    decode_seconds = statistics.median(_timed(alone.decode) for _ in range(repeat))
     buffer = bytearray(IO_PIECE)
     where = "one safetensors file" if files == 1 else f"a directory of {files} safetensors files"
     lines = [
@@ -141,23 +148,25 @@ def bench_pipeline(
                 )
                 if workers == max_workers:
                     small_row = _small_blocks(pool, tmp, tensors, files, small_block_kib, options, lossless, repeat, (c, d))
-                    store_row = _object_store(pool, blocks, options, repeat)
-                    refs_row = None if pool.inline else _by_reference(pool, blocks, options, repeat)
-        enc, dec = store_row
+                    store_row = _object_store(pool, blocks, options, repeat, alone)
+                    refs_row = None if pool.inline else _by_reference(pool, blocks, options, repeat, alone)
+        (enc, enc_ratio), (dec, dec_ratio) = store_row
         lines += [
             "",
             small_row,
             "",
-            f"object store, {max_workers} workers (QuantPool.encode_many / decode_many, blocks in and out of this process): "
-            f"encode {raw / enc / 1e9:.2f} GB/s ({codec_seconds / enc:.2f} of the codec alone), "
-            f"decode {raw / dec / 1e9:.2f} GB/s ({decode_seconds / dec:.2f} of the codec alone)",
+            f"object store, {max_workers} workers (QuantPool.encode_many / decode_many, blocks in and out of this process; "
+            f"/ codec: the codec alone timed beside each run): "
+            f"encode {raw / enc / 1e9:.2f} GB/s ({enc_ratio:.2f} of the codec alone), "
+            f"decode {raw / dec / 1e9:.2f} GB/s ({dec_ratio:.2f} of the codec alone)",
         ]
         if refs_row is not None:
-            enc, dec = refs_row
+            (enc, enc_ratio), (enc_tensors, tensors_ratio), (dec, dec_ratio) = refs_row
             lines.append(
                 f"by reference, {max_workers} workers (QuantPool.encode_refs / decode_refs, blocks already in the object store, "
-                f"results left there): encode {raw / enc / 1e9:.2f} GB/s ({codec_seconds / enc:.2f} of the codec alone), "
-                f"decode {raw / dec / 1e9:.2f} GB/s ({decode_seconds / dec:.2f} of the codec alone)"
+                f"results left there): encode of Blocks {raw / enc / 1e9:.2f} GB/s ({enc_ratio:.2f} of the codec "
+                f"alone), of torch tensors {raw / enc_tensors / 1e9:.2f} GB/s ({tensors_ratio:.2f}), "
+                f"decode {raw / dec / 1e9:.2f} GB/s ({dec_ratio:.2f} of the codec alone)"
             )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -216,37 +225,62 @@ def _small_blocks(pool, tmp, tensors, files, block_kib, options, lossless, repea
     )
 
 
-def _codec_alone(codec: Fp8Codec, blocks: list, repeat: int) -> tuple[float, float]:
-    """Median seconds to encode ``blocks``, and to decode their frames, in this process."""
-    encode_seconds = statistics.median(_timed(lambda: [codec.encode(t) for t in blocks]) for _ in range(repeat))
-    frames = [codec.encode(t) for t in blocks]
-    return encode_seconds, statistics.median(_timed(lambda: [decode(f) for f in frames]) for _ in range(repeat))
+class _CodecAlone:
+    """The codec alone on the same blocks, in this process, to time beside each run of a
+    pool's: on a shared machine the load moves within seconds, and a ratio of two figures
+    taken minutes apart measures the load as much as the pool."""
+
+    def __init__(self, codec: Fp8Codec, blocks: list):
+        self.codec, self.blocks = codec, blocks
+        self.frames = [codec.encode(t) for t in blocks]
+
+    def encode(self) -> None:
+        for t in self.blocks:
+            self.codec.encode(t)
+
+    def decode(self) -> None:
+        for f in self.frames:
+            decode(f)
 
 
-def _object_store(pool: QuantPool, blocks: list, options: CodecOptions, repeat: int) -> tuple[float, float]:
+def _beside(fn, alone, repeat: int) -> tuple[float, float]:
+    """``fn``'s median seconds, and the median over runs of the seconds ``alone`` takes
+    just before it over ``fn``'s (its fraction of the codec alone)."""
+    runs = [(_timed(alone), _timed(fn)) for _ in range(repeat)]
+    return statistics.median(s for _, s in runs), statistics.median(a / s for a, s in runs)
+
+
+def _object_store(pool: QuantPool, blocks: list, options: CodecOptions, repeat: int, alone: _CodecAlone):
+    """``(seconds, fraction of the codec alone)`` of encode_many and of decode_many."""
     frames = pool.encode_many(blocks, options=options)  # warm up
-    enc = statistics.median(_timed(lambda: pool.encode_many(blocks, options=options)) for _ in range(repeat))
-    dec = statistics.median(_timed(lambda: pool.decode_many(frames)) for _ in range(repeat))
-    return enc, dec
+    pool.decode_many(frames)
+    return (
+        _beside(lambda: pool.encode_many(blocks, options=options), alone.encode, repeat),
+        _beside(lambda: pool.decode_many(frames), alone.decode, repeat),
+    )
 
 
-def _by_reference(pool: QuantPool, blocks: list, options: CodecOptions, repeat: int) -> tuple[float, float]:
-    """Seconds to encode blocks already in the object store (as upstream tasks leave them)
-    until every frame is there, and to decode those frames likewise; the driver fetches
-    nothing."""
+def _by_reference(pool: QuantPool, blocks: list, options: CodecOptions, repeat: int, alone: _CodecAlone):
+    """``(seconds, fraction of the codec alone)`` to encode blocks already in the object
+    store (as upstream tasks leave them) until every frame is there, as ``Block`` s and
+    as torch tensors, and to decode those frames likewise; the driver fetches nothing."""
     import ray
 
-    refs = [ray.put(t) for t in blocks]
+    block_refs = [ray.put(Block.of(str(i), t)) for i, t in enumerate(blocks)]
+    tensor_refs = [ray.put(t) for t in blocks]
 
     def settled(results: list) -> list:
         ray.wait(results, num_returns=len(results), fetch_local=False)
         return results
 
-    frames = settled(pool.encode_refs(refs, options=options))  # warm up
+    frames = settled(pool.encode_refs(block_refs, options=options))  # warm up
+    settled(pool.encode_refs(tensor_refs, options=options))
     settled(pool.decode_refs(frames))
-    enc = statistics.median(_timed(lambda: settled(pool.encode_refs(refs, options=options))) for _ in range(repeat))
-    dec = statistics.median(_timed(lambda: settled(pool.decode_refs(frames))) for _ in range(repeat))
-    return enc, dec
+    return (
+        _beside(lambda: settled(pool.encode_refs(block_refs, options=options)), alone.encode, repeat),
+        _beside(lambda: settled(pool.encode_refs(tensor_refs, options=options)), alone.encode, repeat),
+        _beside(lambda: settled(pool.decode_refs(frames)), alone.decode, repeat),
+    )
 
 
 def _timed(fn) -> float:

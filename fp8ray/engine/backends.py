@@ -89,6 +89,12 @@ class RayBackend:
         # The actor's method of the same function: `method` is QuantWorker's own.
         return getattr(self.workers[worker], method.__name__).remote(*args)
 
+    def submit_each(self, worker: int, method: Callable, args: tuple, results: int) -> list:
+        """Submit a call whose result is a sequence of ``results`` values: one ObjectRef
+        of each (Ray's ``num_returns``), usable before the call has run."""
+        refs = getattr(self.workers[worker], method.__name__).options(num_returns=results).remote(*args)
+        return [refs] if results == 1 else refs
+
     def wait_one(self, running: Collection):
         [ref], _ = self._ray.wait(list(running), num_returns=1)
         return ref

@@ -260,11 +260,16 @@ class QuantPool:
         return [f for batch in self.map(QuantWorker.encode_batch, batches) for f, _ in batch]
 
     def decode_many(self, frames: list, batch_size: int | None = None) -> list[torch.Tensor]:
-        """Decode frames on the workers; tensors in input order."""
+        """Decode frames on the workers; tensors in input order. On Ray actors they are
+        views of the results where the workers left them, in Ray's object store, not
+        copies (as :meth:`encode_many`'s frames are): treat them as read-only (Ray's
+        objects are immutable; torch cannot mark a tensor so), ``clone()`` one to change
+        it in place; each keeps its call's results (about :data:`BATCH_BYTES` of blocks)
+        in the store's memory while it lives."""
         pairs = [(str(i), np.frombuffer(f, dtype=np.uint8)) for i, f in enumerate(frames)]
         batches = ((batch,) for batch in _batches(pairs, batch_size, lambda p: 2 * p[1].size))
         return [
-            bytes_to_tensor(raw, meta.dtype, meta.shape).clone()
+            bytes_to_tensor(raw, meta.dtype, meta.shape)
             for batch in self.map(QuantWorker.decode_batch, batches)
             for raw, meta in batch
         ]
@@ -273,31 +278,52 @@ class QuantPool:
         """Encode blocks that are already in Ray's object store: ``refs`` are ``ObjectRef`` s
         of tensors or :class:`~fp8ray.codec.blocks.Block` s (from upstream Ray tasks);
         returns an ``ObjectRef`` of each frame (a uint8 array), in order, at once. The
-        driver never fetches the bytes: each worker pulls its input from the object store
-        and its frame stays there until someone ``ray.get`` s it. Ray actors only (not
-        ``address="inline"``). A worker lost mid-way fails the refs it held (on ``ray.get``)."""
+        driver never fetches the bytes: each worker pulls its inputs from the object store
+        (a Block's bytes are read in place; a tensor, as Ray deserialises it: a copy) and
+        each frame stays there, an object of its own, until someone ``ray.get`` s it.
+        Blocks go to the workers several to a call (see :meth:`_by_reference`). Ray actors
+        only (not ``address="inline"``). A block that fails, or a worker lost mid-way,
+        fails the refs of its call (on ``ray.get``), the failing block's key in the message."""
         options = CodecOptions.parse(codec_options, base=options)
-        return self._by_reference(QuantWorker.encode_block, [(ref, options, str(i)) for i, ref in enumerate(refs)])
+        return self._by_reference(QuantWorker.encode_blocks, list(refs), lambda keys, batch: (options, keys, *batch))
 
     def decode_refs(self, refs: Iterable) -> list:
         """Decode frames that are already in Ray's object store (``ObjectRef`` s of frames,
         as :meth:`encode_refs` returns); returns an ``ObjectRef`` of each
         :class:`~fp8ray.codec.blocks.Block` (``block.tensor()`` views its bytes), in
         order, as :meth:`encode_refs` does."""
-        return self._by_reference(QuantWorker.decode_block, [(ref, str(i)) for i, ref in enumerate(refs)])
+        return self._by_reference(QuantWorker.decode_frames, list(refs), lambda keys, batch: (keys, *batch))
 
-    def _by_reference(self, method: Callable, calls: list[tuple]) -> list:
+    def _by_reference(self, method: Callable, refs: list, arguments: Callable[[list[str], list], tuple]) -> list:
+        """Submit ``method`` on ``refs`` a batch at a time, ``arguments(keys, batch)`` its
+        arguments (the refs themselves, which Ray resolves on the worker: never here);
+        one ``ObjectRef`` per result, in order. The refs are cut into two calls per
+        worker, of :data:`REFS_BATCH_BYTES` of inputs at most, each to the worker with the
+        fewest bytes so far; a ref whose object is not made yet (an upstream task still
+        running) goes in a call of its own, so that no block waits for another's task."""
         if self.inline:
             raise InvalidOptionError(
                 "encode_refs and decode_refs take object-store refs: they need Ray workers, not inline ones "
                 "(address='inline', or no address with no Ray running: give address='local' or a cluster's)",
                 field="address",
             )
-        check = _signature_check(method)
         backend = self._running
-        for args in calls:
+        if not refs:
+            return []
+        check = _signature_check(method)
+        sizes = _object_sizes(refs)
+        known = sum(size for size in sizes if size is not None)
+        target = min(REFS_BATCH_BYTES, max(1, known // (2 * self.num_workers)))
+        items = [(str(i), ref, target if size is None else size) for i, (ref, size) in enumerate(zip(refs, sizes))]
+        load = [0] * self.num_workers
+        results = []
+        for batch in _batches(items, None, lambda item: item[2], target):
+            args = arguments([key for key, _, _ in batch], [ref for _, ref, _ in batch])
             check(args)
-        return [backend.submit(i % self.num_workers, method, args) for i, args in enumerate(calls)]
+            w = min(range(self.num_workers), key=load.__getitem__)
+            load[w] += sum(size for _, _, size in batch)
+            results += backend.submit_each(w, method, args, len(batch))
+        return results
 
 
 @contextmanager
@@ -322,10 +348,14 @@ def check_pool(pool: QuantPool | PoolSettings | None) -> QuantPool | PoolSetting
 # Input bytes per task of encode_many/decode_many: enough to amortise a task's cost
 # (milliseconds), small enough to keep every worker busy and the window's memory bounded.
 BATCH_BYTES = 16 << 20
+# Input bytes per call of encode_refs/decode_refs at most: their inputs are in the object
+# store already (encode_many's window holds its own there), and each call costs Ray 1-6 ms
+# on 2 busy cores whatever its size; a worker's results buffer holds a call's outputs.
+REFS_BATCH_BYTES = 64 << 20
 
 
-def _batches(items: list, batch_size: int | None, nbytes) -> Iterator[list]:
-    """``items`` in order, ``batch_size`` at a time, or about BATCH_BYTES at a time."""
+def _batches(items: list, batch_size: int | None, nbytes, batch_bytes: int = BATCH_BYTES) -> Iterator[list]:
+    """``items`` in order, ``batch_size`` at a time, or about ``batch_bytes`` at a time."""
     if batch_size is not None:
         if batch_size < 1:
             raise InvalidOptionError(f"batch_size must be at least 1, got {batch_size}", field="batch_size")
@@ -334,7 +364,7 @@ def _batches(items: list, batch_size: int | None, nbytes) -> Iterator[list]:
     batch: list = []
     size = 0
     for item in items:
-        if batch and size + nbytes(item) > BATCH_BYTES:
+        if batch and size + nbytes(item) > batch_bytes:
             yield batch
             batch, size = [], 0
         batch.append(item)
@@ -360,3 +390,16 @@ def _signature_check(method: Callable) -> Callable[[tuple], None]:
             raise TypeError(f"QuantWorker.{name}{signature}: {exc}") from None
 
     return check
+
+
+def _object_sizes(refs: list) -> list[int | None]:
+    """The size of each ref's object as Ray's owner records it (a lookup of metadata: no
+    bytes move), or None where it is not known yet (its task still running)."""
+    import ray
+    from ray.experimental import get_object_locations
+
+    for i, ref in enumerate(refs):
+        if not isinstance(ref, ray.ObjectRef):
+            raise InvalidOptionError(f"ref {i}: expected a Ray ObjectRef, got {type(ref).__name__}", field="refs")
+    found = get_object_locations(refs)
+    return [found.get(ref, {}).get("object_size") for ref in refs]

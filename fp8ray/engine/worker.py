@@ -39,7 +39,7 @@ from ..codec.devices import choose_device
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..codec.metrics import error_metrics
 from ..codec.runs import RUN_BYTES
-from ..errors import MismatchError
+from ..errors import BlockError, MismatchError
 from ..io import archive
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
@@ -163,20 +163,26 @@ class QuantWorker:
             for spec, raw, (_, f) in zip(specs, _split(buffer, sizes), frames)
         ]
 
-    def encode_block(self, block: Block | torch.Tensor, options: CodecOptions, key: str = "block") -> np.ndarray:
-        """One block's frame (a tensor is a block named ``key``): for inputs that arrive
-        by reference from the object store (:meth:`QuantPool.encode_refs`)."""
-        if isinstance(block, torch.Tensor):
-            block = Block.of(key, block)
-        elif not isinstance(block, Block):
-            raise TypeError(f"{key}: expected a Block or a torch.Tensor, got {type(block).__name__}")
-        [(f, _)] = self.encode_batch([block], options)
-        return f
+    def encode_blocks(self, options: CodecOptions, keys: list[str], *blocks: Block | torch.Tensor):
+        """The frames of ``blocks`` (a tensor is a block named by its key in ``keys``), one
+        result each, as a call with ``num_returns=len(blocks)`` returns them: for inputs
+        that arrive by reference from the object store (:meth:`QuantPool.encode_refs`),
+        so that each frame becomes an object of its own. A Block's bytes are read where
+        they lie (a view of the object store); a tensor is what Ray deserialised."""
+        named = []
+        for key, block in zip(keys, blocks, strict=True):
+            if isinstance(block, torch.Tensor):
+                block = Block.of(key, block)
+            elif not isinstance(block, Block):
+                raise BlockError(f"block {key!r}: expected a Block or a torch.Tensor, got {type(block).__name__}", field=key)
+            named.append(block)
+        return _one_result_each([f for f, _ in self.encode_batch(named, options)])
 
-    def decode_block(self, frame_bytes: np.ndarray, key: str = "frame") -> Block:
-        """One frame's block (:meth:`QuantPool.decode_refs`)."""
-        [(raw, meta)] = self.decode_batch([(key, frame_bytes)])
-        return Block(meta.key, meta.dtype, meta.shape, raw)
+    def decode_frames(self, keys: list[str], *frames: np.ndarray):
+        """The :class:`Block` of each frame (named by ``keys``), one result each, as
+        :meth:`encode_blocks` returns them (:meth:`QuantPool.decode_refs`)."""
+        decoded = self.decode_batch(list(zip(keys, frames, strict=True)))
+        return _one_result_each([Block(meta.key, meta.dtype, meta.shape, raw) for raw, meta in decoded])
 
     def compress_part(
         self, refs: list[BlockRef], options: CodecOptions, directory: str, index: int, lossless: str = "none"
@@ -367,6 +373,12 @@ def _batches(blocks) -> Iterator[list[tuple]]:
 def _frames_of(table) -> list[memoryview]:
     """A part's frames, holding its table (and nothing else) alive for as long as they are."""
     return list(archive.iter_frames(table))
+
+
+def _one_result_each(results: list):
+    """``results`` as a call with ``num_returns=len(results)`` returns them: Ray makes one
+    object of each item of a returned sequence, but of the value itself when it is one."""
+    return results[0] if len(results) == 1 else results
 
 
 def _split(buffer: np.ndarray, sizes: list[int]) -> list[np.ndarray]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import psutil
 import pytest
@@ -9,6 +12,7 @@ import torch
 
 from fp8ray import CodecOptions, Fp8Codec, QuantPool, decode
 from fp8ray.codec.blocks import Block
+from fp8ray.engine.backends import RayBackend
 from fp8ray.errors import InvalidOptionError
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -58,3 +62,72 @@ def test_frames_by_reference_equal_the_local_codec_and_never_reach_the_driver(ra
 def test_refs_need_ray_workers():
     with QuantPool(num_workers=1, address="inline") as pool, pytest.raises(InvalidOptionError, match="need Ray workers"):
         pool.encode_refs([np.zeros(4)])
+
+
+def test_batched_refs_of_mixed_sizes_keep_order_and_the_codec_bits(ray_session, monkeypatch):
+    """Refs of Blocks and tensors, tiny (inlined by Ray) to several MiB, go several to a
+    call; each frame is the local codec's, bit for bit, in input order; the driver calls
+    ray.get on none of them."""
+    ray = ray_session
+    g = torch.Generator().manual_seed(7)
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    rows = (1, 3, 2048, 5, 9000, 64, 2, 4096, 7, 300)  # [rows, 128]: 256 B to 4.4 MiB
+    tensors = [(torch.randn(r, 128, generator=g) * (i + 1)).to(dtypes[i % 3]) for i, r in enumerate(rows)]
+    inputs = [ray.put(Block.of(f"blk{i}", t) if i % 2 else t) for i, t in enumerate(tensors)]
+    calls = []  # the number of refs in each call: a quarter of the 11 MiB each at most, two calls per worker
+    submit_each = RayBackend.submit_each
+    monkeypatch.setattr(
+        RayBackend, "submit_each", lambda self, w, m, args, n: calls.append(n) or submit_each(self, w, m, args, n)
+    )
+    real_get, gets = ray.get, []
+    monkeypatch.setattr(ray, "get", lambda *a, **k: gets.append(a) or real_get(*a, **k))
+    options = CodecOptions(scaling="token", scale_choice="amax")
+    with QuantPool(num_workers=2, cpus_per_worker=0.5) as pool:
+        frames = pool.encode_refs(inputs, options)
+        blocks = pool.decode_refs(frames)
+        assert pool.encode_refs([]) == [] and pool.decode_refs([]) == []
+        ray.wait(blocks, num_returns=len(blocks), fetch_local=False)  # before the workers stop
+    assert gets == [], "the driver fetched what it was only to pass on"
+    assert sum(calls) == 2 * len(inputs) and len(calls) < 2 * len(inputs) and max(calls) > 1, calls
+    monkeypatch.setattr(ray, "get", real_get)
+    codec = Fp8Codec(options=options)
+    for i, (t, frame, block) in enumerate(zip(tensors, real_get(frames), real_get(blocks), strict=True)):
+        assert frame.tobytes() == bytes(codec.encode(t)), i
+        assert (block.key, block.shape) == (str(i), tuple(t.shape))  # a frame carries no key: named by its place
+        assert torch.equal(block.tensor(), decode(frame)), i
+
+
+def test_a_bad_block_fails_the_refs_of_its_call_naming_it(ray_session):
+    ray = ray_session
+    tensors = [torch.full((2, 128), float(i), dtype=torch.float16) for i in range(4)]
+    tensors[2][1, 5] = float("nan")
+    inputs = [ray.put(t) for t in tensors]  # of one size: one worker's two calls take two each
+    with QuantPool(num_workers=1, cpus_per_worker=0.5) as pool:
+        frames = pool.encode_refs(inputs, scale_choice="amax")
+        assert ray.get(frames[0]).tobytes() == bytes(Fp8Codec(scale_choice="amax").encode(torch.full((2, 128), 0.0).half()))
+        for frame in frames[2:]:  # the call of block 2 held blocks 2 and 3
+            with pytest.raises(ValueError, match=r"block '2': 1 non-finite value"):
+                ray.get(frame)
+        with pytest.raises(InvalidOptionError, match="ref 1: expected a Ray ObjectRef, got Tensor"):
+            pool.encode_refs([inputs[0], torch.zeros(4)])
+
+
+def test_a_worker_lost_fails_the_refs_it_held(ray_session, tmp_path):
+    """Refs whose calls wait on their worker fail on ray.get once it dies: none is lost silently."""
+    ray = ray_session
+    go = tmp_path / "go"
+
+    @ray.remote(num_cpus=0)
+    def upstream(i: int) -> Block:  # still running when the refs are handed to the pool
+        while not go.exists():
+            time.sleep(0.05)
+        return Block.of(f"b{i}", torch.full((4, 64), float(i)))
+
+    with QuantPool(num_workers=1, cpus_per_worker=0.5) as pool:
+        [pid] = [info.pid for info in pool.worker_info()]
+        frames = pool.encode_refs([upstream.remote(i) for i in range(3)])
+        os.kill(pid, 9)
+        go.touch()
+        for frame in frames:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(frame, timeout=60)
