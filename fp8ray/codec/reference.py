@@ -71,7 +71,7 @@ def fused_square_add(d: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
     err = (a - (s - b_part)) + (b - b_part)
     bits = s.view(torch.int64)
     toward_exact = torch.where(err > 0, 1, -1)  # s > 0 wherever err != 0
-    bits = torch.where((err != 0) & (bits & 1 == 0), bits + toward_exact, bits)
+    bits = torch.where((err != 0) & ((bits & 1) == 0), bits + toward_exact, bits)
     return bits.view(torch.float64).float()
 
 
