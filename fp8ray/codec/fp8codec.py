@@ -204,6 +204,7 @@ def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int |
     codes = frame.codes_of(buf, header)
     if out is not None:
         if tuple(out.shape) != header.shape or out.dtype != header.dtype:
+            frame.verify(buf, header)  # a damaged dtype or shape is reported as damage, not as a mismatch
             raise MismatchError(
                 f"out is a {tuple(out.shape)} {out.dtype} tensor, the frame holds {header.shape} {header.dtype}", field="out"
             )

@@ -231,7 +231,7 @@ def _entry(key: str, value, what: str) -> Entry:
     if not isinstance(value, dict) or not {"dtype", "shape", "data_offsets"} <= set(value):
         raise SafetensorsFormatError(f"{what}: key {key!r} needs an object with dtype, shape and data_offsets", key)
     dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
-    if dtype not in ITEMSIZES:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZES:
         raise SafetensorsFormatError(f"{what}: key {key!r} has unknown dtype {dtype!r}", key)
     if not isinstance(shape, list) or not all(_is_usize(d) for d in shape):
         raise SafetensorsFormatError(f"{what}: key {key!r} has shape {shape!r}; expected a list of non-negative integers", key)

@@ -95,9 +95,13 @@ def test_corrupt_codes_are_caught_in_every_decode_task(scaling):
     good = bytes(Fp8Codec("e4m3fn", scaling, block_size=32).encode(x))
     header = frame.parse(np.frombuffer(good, np.uint8))
     assert torch.equal(fp8ray.decode(good, threads=2), fp8ray.decode(good, threads=1))
-    for pos in (5, header.codes_offset, header.codes_offset + header.numel // 2 + 7, len(good) - 5, len(good) - 1):
+    # The format byte, the dtype byte turned into another valid dtype (bfloat16 3 to
+    # float16 2: the frame keeps its length, and must read as damage, not as a mismatch
+    # with out), then codes and checksum.
+    codes = header.codes_offset
+    for pos, flip in ((5, 0x10), (7, 0x01), (codes, 0x10), (codes + header.numel // 2 + 7, 0x10), (len(good) - 1, 0x10)):
         bad = bytearray(good)
-        bad[pos] ^= 0x10
+        bad[pos] ^= flip
         for threads in (1, 2):
             with pytest.raises(CorruptFrameError):
                 fp8ray.decode(bad, threads=threads)

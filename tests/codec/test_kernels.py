@@ -212,11 +212,13 @@ def test_search_rounding_is_the_format_grid_above_its_smallest_normal():
     from the codes' error only there."""
     for fmt in FORMATS.values():
         smallest_normal = 2.0 ** (1 - fmt.exponent_bias)
-        q = torch.from_numpy(np.random.default_rng(1).uniform(0, 1, 200_000).astype(np.float32))
-        q = torch.cat([q * fmt.max * (1 + 2.0**-6), torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float().abs()])
-        q = q[torch.isfinite(q) & (q <= fmt.max)]
-        mids = (q[:-1] + q[1:]) / 2
-        q = torch.cat([q, mids]).abs()
+        top = torch.tensor(fmt.max * (1 + 2.0**-6), dtype=torch.float32)  # the largest quotient (pad_candidates)
+        grid = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+        grid = grid[torch.isfinite(grid) & (grid >= 0)].sort().values
+        ties = (grid[:-1] + grid[1:]) / 2  # exact midpoints between neighbouring fp8 values
+        spread = torch.from_numpy(np.random.default_rng(1).uniform(0, 1, 200_000).astype(np.float32)) * top
+        q = torch.cat([spread, grid, ties, top[None], torch.linspace(fmt.max, float(top), 1000)])
+        assert (q > fmt.max).any()  # quotients above finfo.max, which the cast clamps, are in
         cast = q.clamp_max(fmt.max).to(fmt.dtype).float()
         bits = reference.nearest_with_mantissa(q, fmt)
         normal = q >= smallest_normal
@@ -267,9 +269,10 @@ def test_group_kernels_match_reference_on_adversarial_groups(fmt_name, dtype, sc
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("choice", SCALE_CHOICES)
 def test_groups_encoded_in_pairs_match_reference_whatever_their_neighbour(fmt_name, dtype, choice):
-    """Whole groups are encoded two at a time, in the same loops: every adversarial group
-    beside every other (and itself), a NaN and an inf beside finite groups, an odd number
-    of groups (the last one alone), each as blocks of 32 and of 16, equals the reference."""
+    """Whole groups are encoded two at a time (the search: four), in the same loops: every
+    adversarial group beside every other (and itself), a NaN and an inf beside finite
+    groups, an odd number of groups (the last ones alone), each as blocks of 32 and of 16,
+    equals the reference."""
     fmt = FORMATS[fmt_name]
     groups = [ADVERSARIAL_GROUPS[name](fmt)[:32] for name in ADVERSARIAL_GROUPS]
     groups = [torch.cat([g, g.flip(0)])[:32] for g in groups]  # each 32 elements

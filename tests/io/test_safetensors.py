@@ -79,6 +79,7 @@ CORPUS = [
     ("missing dtype", body({"a": {"shape": [2], "data_offsets": [0, 2]}}, b"ab")),
     ("unknown dtype", body({"a": t("X9")}, b"ab")),
     ("dtype not a string", body({"a": {"dtype": 1, "shape": [2], "data_offsets": [0, 2]}}, b"ab")),
+    ("dtype a list", body({"a": {"dtype": ["U8"], "shape": [2], "data_offsets": [0, 2]}}, b"ab")),
     ("entry not an object", body({"a": "U8"}, b"ab")),
     ("metadata value not a string", body({"__metadata__": {"k": 1}, "a": t()}, b"ab")),
     ("metadata not an object", body({"__metadata__": "k", "a": t()}, b"ab")),

@@ -38,6 +38,8 @@ from .vectors import (
 )
 
 SEARCH_WIDTH = 8  # candidates per search: e4m3fn's 8; fewer are padded (see pad_candidates)
+# The sums' halving side by side and the tree of the least error pair candidates off.
+assert SEARCH_WIDTH & (SEARCH_WIDTH - 1) == 0 and SEARCH_WIDTH <= LANES
 _WF = ir.VectorType(_F32, SEARCH_WIDTH)
 _WD = ir.VectorType(ir.DoubleType(), SEARCH_WIDTH)
 
@@ -95,7 +97,9 @@ def _least_error(builder, scales, sums):
     wide = builder.fpext(scales, _WD)
     errors = builder.fmul(builder.fpext(totals, _WD), builder.fmul(wide, wide))
     # The first least error, as a tree: at each node the right half's candidates all come
-    # later than the left's, so the right wins only if strictly smaller (3 levels, not a chain of 7).
+    # later than the left's, so the right wins only if strictly smaller (3 levels, not a chain
+    # of 7). The same choice as a scan as long as no error is NaN: magnitudes are finite,
+    # quotients at most finfo.max (1 + 2**-6), scales positive.
     while errors.type.count > 1:
         evens, odds = range(0, errors.type.count, 2), range(1, errors.type.count, 2)
         later_is_better = builder.fcmp_ordered("<", _lanes(builder, errors, odds), _lanes(builder, errors, evens))
