@@ -13,6 +13,8 @@ the scale convention is in :mod:`fp8ray.codec.formats`; the frame layout in
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -163,8 +165,9 @@ class Fp8Codec:
             ref_codes, ref_scales, nonfinite = reference.quantize(
                 x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep", *options
             )
-            codes[:] = ref_codes.cpu().numpy()
-            scales[:] = ref_scales.cpu().numpy()
+            # Straight from the GPU into the frame: no host copy of the codes in between.
+            torch.from_numpy(codes).copy_(ref_codes)
+            torch.from_numpy(scales).copy_(ref_scales)
         if header.scale_dtype == "bfloat16":
             stored.view("<u2")[:] = scales.view(np.uint32) >> 16  # exact: the low 16 bits are zero
         if nonfinite and self.nonfinite == "error":
@@ -222,8 +225,8 @@ def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int |
     else:
         frame.verify(buf, header)
         result = reference.dequantize(
-            torch.from_numpy(codes.copy()).to(target),
-            torch.from_numpy(scales.copy()).to(target),
+            _to_device(codes, target),
+            _to_device(scales, target),
             header.fmt,
             header.scaling,
             header.shape,
@@ -234,6 +237,14 @@ def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int |
         out.copy_(result)
         return out
     return result
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A copy on ``device`` of a host array, taken straight from its memory (a read-only
+    frame too: it is only read)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array).to(device)
 
 
 def encoded_size(shape, dtype: torch.dtype, **options) -> int:
