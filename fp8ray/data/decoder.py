@@ -13,6 +13,7 @@ from ..codec.blocks import BlockSpec, decode_into
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..errors import BadInputError, CorruptDataError, MismatchError, block_error
 from ..io import archive
+from ..io import columns as arrow_columns
 from . import batches
 from .batches import RAW_FILE_SCHEMA, RAW_SCHEMA
 from .runtime import check_threads, choose_device
@@ -101,8 +102,8 @@ class Fp8Decoder:
             raise
         columns = {"key": keys, "dtype": dtypes, "shape": [list(s) for s in shapes], "data": archive.frame_column(out, sizes)}
         if files is None:
-            return pa.table(columns, schema=RAW_SCHEMA)
-        return pa.table({"file": files, **columns}, schema=RAW_FILE_SCHEMA)
+            return arrow_columns.table(columns, RAW_SCHEMA)
+        return arrow_columns.table({"file": files, **columns}, RAW_FILE_SCHEMA)
 
 
 def _parse(key: str, f: np.ndarray) -> frame.FrameHeader:

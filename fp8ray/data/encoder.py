@@ -9,6 +9,7 @@ from ..codec import CodecOptions, Fp8Codec
 from ..codec.blocks import Block, encode_into, frame_sizes
 from ..errors import BadInputError
 from ..io import archive
+from ..io import columns as arrow_columns
 from ..io.blocks import BlockRef
 from . import batches
 from .runtime import check_threads, choose_device
@@ -78,4 +79,4 @@ class Fp8Encoder:
         frames = np.empty(sum(sizes), dtype=np.uint8)
         encode_into(self.codec, blocks, frames, sizes, device=self.device, threads=self.threads)
         rows = archive.part_rows(refs, self.options, sizes, archive.frame_column(frames, sizes))
-        return pa.table(rows, schema=archive.SCHEMA)
+        return arrow_columns.table(rows, archive.SCHEMA)

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from ..codec.options import CodecOptions
 from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError, MismatchError
+from . import columns as arrow_columns
 from .blocks import BlockRef, SourceLayout
 from .lossless import DEFAULT_LOSSLESS, LOSSLESS_CODECS  # noqa: F401 (DEFAULT_LOSSLESS re-exported)
 from .paths import TMP_MARK, os_reason, redact, write_atomic
@@ -206,7 +207,7 @@ def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, 
     frame column (:func:`parse_lossless`); Parquet records the codec in the part itself.
     """
     codec, level = parse_lossless(lossless)
-    table = pa.table(rows, schema=SCHEMA)
+    table = arrow_columns.table(rows, SCHEMA)
     sink = pa.BufferOutputStream()
     with pq.ParquetWriter(
         sink,
@@ -420,7 +421,7 @@ def read_part(
     with open_part(fs, path, info, shown) as f:
         try:
             if not check:
-                return pq.read_table(f, columns=columns)
+                return _parquet_table(f, columns)
             data = f.read_buffer()
         except OSError as exc:
             if getattr(exc, "errno", None):
@@ -430,9 +431,21 @@ def read_part(
             raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
     _check_crc(info, crc32c.crc32c(memoryview(data)), data.size, shown)
     try:
-        return pq.read_table(pa.BufferReader(data), columns=columns)
+        return _parquet_table(pa.BufferReader(data), columns)
     except (OSError, pa.ArrowException) as exc:
         raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
+
+
+def _parquet_table(source, columns: list[str] | None) -> pa.Table:
+    """The ``columns`` of a Parquet file (all where None), each one required. Read with
+    ``pq.ParquetFile``: ``pq.read_table`` goes through ``pyarrow.dataset``, which imports
+    pandas (0.14 s of a one-shot command's start), and ``ParquetFile`` skips a column it
+    lacks, so that is checked here."""
+    table = pq.ParquetFile(source).read(columns=columns)
+    missing = [name for name in columns or () if name not in table.column_names]
+    if missing:
+        raise pa.ArrowInvalid(f"no column {missing}")
+    return table
 
 
 def read_metadata_columns(

@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 from ..codec.blocks import BlockSpec, bytes_to_tensor, dtype_name, tensor_to_bytes  # noqa: F401 (used by this layer's callers)
 from ..codec.formats import DTYPES_BY_NAME
 from ..errors import MismatchError, SourceError
+from . import columns as arrow_columns
 from .paths import CompleteOrNothing, TreeEntry, list_tree, os_reason, printable, redact, resolve, temporary_name, uri_for
 from .safetensors import SOURCE_DTYPES, read_file_header
 
@@ -379,7 +380,7 @@ class RawBlockParquetWriter(CompleteOrNothing):
 
     def _flush(self) -> None:
         if self.rows["key"]:
-            self.writer.write_table(pa.table(self.rows, schema=self.schema))
+            self.writer.write_table(arrow_columns.table(self.rows, self.schema))
             self.rows = {name: [] for name in RAW_COLUMNS}
 
     def close(self) -> None:
