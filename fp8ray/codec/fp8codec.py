@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import BadInputError, BlockError, CorruptFrameError, MismatchError, NonFiniteError
-from . import cpu, frame, reference
+from . import cpu, cuda_search, frame, reference
 from .formats import DTYPE_NAMES, DTYPES, Fp8Format
 from .options import DEFAULT_OPTIONS, CodecOptions
 
@@ -163,7 +163,7 @@ class Fp8Codec:
             )
         else:
             ref_codes, ref_scales, nonfinite = reference.quantize(
-                x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep", *options
+                x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep", *options, cuda_search.lanes_for(x.device)
             )
             # Straight from the GPU into the frame: no host copy of the codes in between.
             torch.from_numpy(codes).copy_(ref_codes)

@@ -80,14 +80,24 @@ def lane_square_sums(d: torch.Tensor) -> torch.Tensor:
     implementation can reproduce them bit for bit with vector fused multiply-adds: the
     row is zero-padded to a multiple of SEARCH_LANES; lane ``j`` takes ``lane =
     fma(d, d, lane)`` (one rounding, :func:`fused_square_add`) for ``d_j, d_(j+16),
-    d_(j+32), ...`` in that order, from 0; then ``lane[j] += lane[j + w]`` for w = 8, 4,
-    2, 1 in fp32, and lane 0 is the sum."""
+    d_(j+32), ...`` in that order, from 0 (:func:`square_lanes`); then ``lane[j] +=
+    lane[j + w]`` for w = 8, 4, 2, 1 in fp32, and lane 0 is the sum (:func:`halve_lanes`)."""
+    return halve_lanes(square_lanes(d))
+
+
+def square_lanes(d: torch.Tensor) -> torch.Tensor:
+    """The ``[rows, SEARCH_LANES]`` lanes of :func:`lane_square_sums` before they are added."""
     count = -(-d.shape[1] // SEARCH_LANES)
     padded = torch.nn.functional.pad(d, (0, count * SEARCH_LANES - d.shape[1]))
     chunks = padded.reshape(d.shape[0], count, SEARCH_LANES)
     lanes = torch.zeros(d.shape[0], SEARCH_LANES, dtype=torch.float32, device=d.device)
     for m in range(chunks.shape[1]):
         lanes = fused_square_add(chunks[:, m], lanes)
+    return lanes
+
+
+def halve_lanes(lanes: torch.Tensor) -> torch.Tensor:
+    """Lane 0 of ``lanes[:, j] += lanes[:, j + w]`` for w = 8, 4, 2, 1, in fp32."""
     w = SEARCH_LANES // 2
     while w:
         lanes = lanes[:, :w] + lanes[:, w : 2 * w]
@@ -105,10 +115,19 @@ def nearest_with_mantissa(q: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return ((q.view(torch.int32) + (1 << (shift - 1))) & -(1 << shift)).view(torch.float32)
 
 
-def search_error(magnitudes: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+def error_lanes(magnitudes: torch.Tensor, recips: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """The :func:`square_lanes` of ``nearest_with_mantissa(q) - q``, ``q = magnitudes *
+    recips[:, None]`` in fp32: the search's work per element, which the CUDA path may
+    run as one kernel instead (:mod:`fp8ray.codec.cuda_search`, the same bits)."""
+    q = magnitudes * recips[:, None]
+    return square_lanes(nearest_with_mantissa(q, fmt) - q)
+
+
+def search_error(magnitudes: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format, lanes_of=error_lanes) -> torch.Tensor:
     """The mse search's error of each row of ``magnitudes`` (|x|, non-finite as 0) under
     its scale, in fp64: ``scale**2 * lane_square_sums(nearest_with_mantissa(q) - q)`` with
     ``q = |x| * (1 / scale)``, every step in fp32 until the product by ``scale**2``.
+    ``lanes_of``: :func:`error_lanes`, or a function that gives the same bits.
 
     It measures in units of the scale, through a reciprocal, with the grid's rounding
     done on the bits and the squares summed by fused multiply-adds, so that a vector unit
@@ -117,13 +136,14 @@ def search_error(magnitudes: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format)
     largest value by more than its half-spacing there (:func:`fp8ray.codec.kernels.pad_candidates`),
     so the unclamped rounding equals the clamped one.
     """
-    q = magnitudes * (torch.ones_like(scales) / scales)[:, None]
-    d = nearest_with_mantissa(q, fmt) - q
+    lanes = lanes_of(magnitudes, torch.ones_like(scales) / scales, fmt)
     wide = scales.double()
-    return lane_square_sums(d).double() * (wide * wide)
+    return halve_lanes(lanes).double() * (wide * wide)
 
 
-def choose_scales(groups: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format, scale_dtype: str, scale_choice: str) -> torch.Tensor:
+def choose_scales(
+    groups: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format, scale_dtype: str, scale_choice: str, lanes_of=error_lanes
+) -> torch.Tensor:
     """One scale per row of ``groups`` (fp32, padded with zeros), as :mod:`fp8ray.codec.formats` specifies.
 
     Under ``"mse"``: each candidate divisor ``c`` in turn gives the scales
@@ -135,10 +155,10 @@ def choose_scales(groups: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format, scal
     if len(candidates) == 1:
         return best
     magnitudes = torch.where(torch.isfinite(groups), groups.abs(), torch.zeros((), device=groups.device))
-    best_error = search_error(magnitudes, best, fmt)
+    best_error = search_error(magnitudes, best, fmt, lanes_of)
     for c in candidates[1:]:
         scales = amax_to_scale(amax, fmt, c, scale_dtype)
-        err = search_error(magnitudes, scales, fmt)
+        err = search_error(magnitudes, scales, fmt, lanes_of)
         better = err < best_error
         best = torch.where(better, scales, best)
         best_error = torch.where(better, err, best_error)
@@ -153,8 +173,10 @@ def quantize(
     keep_nonfinite: bool,
     scale_dtype: str = "float32",
     scale_choice: str = "amax",
+    lanes_of=error_lanes,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Quantize ``x`` (bf16, fp16 or fp32, any shape).
+    """Quantize ``x`` (bf16, fp16 or fp32, any shape). ``lanes_of``: the search's work per
+    element, :func:`error_lanes` or one that gives the same bits (:func:`search_error`).
 
     Returns ``(codes, scales, nonfinite)``: the flat uint8 codes in row-major order,
     the flat fp32 scales (values of ``scale_dtype``), and the number of non-finite
@@ -172,7 +194,7 @@ def quantize(
         scaled = groups / scales
     else:
         choice = scale_choice if scaling in ("token", "block") else "amax"
-        scales = choose_scales(groups, _finite_amax(groups, dim=1), fmt, scale_dtype, choice)
+        scales = choose_scales(groups, _finite_amax(groups, dim=1), fmt, scale_dtype, choice, lanes_of)
         scaled = groups / scales[:, None]
     codes = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8).reshape(-1)[: flat.numel()]
     nonfinite_mask = ~torch.isfinite(flat)
