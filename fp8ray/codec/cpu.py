@@ -227,3 +227,11 @@ def _decode_tasks(codes, scales, fmt, scaling, shape, block_size, out, threads) 
         (lambda s=s, e=e: kernels.dequantize_groups(codes, tag, scales, group, dst, s, e), (s * group, min(e * group, n)))
         for s, e in spans
     ]
+
+
+def crc32c(data: np.ndarray, threads: int | None = None) -> int:
+    """The CRC-32C of a 1-D uint8 array, its pieces taken on ``threads`` threads and
+    combined (the CUDA path's codes; the kernels here take theirs as they write them)."""
+    spans = _spans(data.size, CHUNK_ELEMENTS, threads)
+    crcs = _run([lambda start=start, stop=stop: checksum.crc32c(data[start:stop]) for start, stop in spans], threads)
+    return checksum.combine_all(zip(crcs, (stop - start for start, stop in spans)))

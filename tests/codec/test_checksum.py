@@ -59,3 +59,11 @@ def test_spans_cover_the_items_in_order_in_a_multiple_of_the_threads(count, per_
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     sizes = [stop - start for start, stop in spans]
     assert max(sizes) <= per_task and max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("size", [0, 1, cpu.CHUNK_ELEMENTS, 3 * cpu.CHUNK_ELEMENTS + 5])
+def test_the_threaded_crc_is_the_crc_of_the_whole(size, threads):
+    """cpu.crc32c (the CUDA path's codes) splits the array over threads and combines."""
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    assert cpu.crc32c(data, threads) == crc32c.crc32c(data)
