@@ -152,26 +152,26 @@ class Fp8Codec:
             buf = out
         frame.write_header(buf, header)
         stored = buf[header.scales_offset : header.codes_offset]
-        # The kernels write fp32 scales: into the frame itself for float32 scales, else
-        # into a small array whose values (already bfloat16 ones) are then narrowed.
-        scales = stored.view(np.float32) if header.scale_dtype == "float32" else np.empty(header.num_scales, np.float32)
         codes = frame.codes_of(buf, header)
         options = (self.scale_dtype, self.scale_choice)
-        codes_crc = None  # the CRC-32C of the codes, where the kernels' threads took it
         if x.device.type == "cpu":
+            # The kernels write fp32 scales: into the frame itself for float32 scales, else
+            # into a small array whose values (already bfloat16 ones) are then narrowed.
+            bf16 = header.scale_dtype == "bfloat16"
+            scales = np.empty(header.num_scales, np.float32) if bf16 else stored.view(np.float32)
             nonfinite, codes_crc = cpu.quantize_checksummed(
                 x.contiguous(), self.fmt, self.scaling, self.block_size, codes, scales, *options, threads
             )
+            if bf16:
+                stored.view("<u2")[:] = scales.view(np.uint32) >> 16  # exact: the low 16 bits are zero
         else:
             ref_codes, ref_scales, nonfinite = reference.quantize(
                 x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep", *options, cuda_search.lanes_for(x.device)
             )
-            # Straight from the GPU into the frame: no host copy of the codes in between.
+            # Straight from the GPU into the frame, the scales narrowed there: no host copy in between.
             torch.from_numpy(codes).copy_(ref_codes)
-            torch.from_numpy(scales).copy_(ref_scales)
+            torch.from_numpy(stored).copy_(_scale_bytes(ref_scales, header.scale_dtype))
             codes_crc = cpu.crc32c(codes, threads)
-        if header.scale_dtype == "bfloat16":
-            stored.view("<u2")[:] = scales.view(np.uint32) >> 16  # exact: the low 16 bits are zero
         if nonfinite and self.nonfinite == "error":
             _raise_nonfinite(x, nonfinite)
         frame.seal(buf, None if codes_crc is None else (header.codes_offset, codes_crc))
@@ -239,6 +239,14 @@ def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int |
         out.copy_(result)
         return out
     return result
+
+
+def _scale_bytes(scales: torch.Tensor, scale_dtype: str) -> torch.Tensor:
+    """fp32 ``scales`` (values of ``scale_dtype``) as the frame stores them, little-endian
+    bytes on their own device: bfloat16 ones are fp32's top half (the low bits are zero)."""
+    if scale_dtype == "bfloat16":
+        scales = (scales.view(torch.int32) >> 16).to(torch.int16)
+    return scales.view(torch.uint8)
 
 
 def _frame_buffer(size: int, device: torch.device) -> np.ndarray:

@@ -386,3 +386,14 @@ def test_encode_into_slices_of_one_buffer_equals_separate_frames():
     for bad in (np.empty(sizes[0] + 1, np.uint8), np.empty(sizes[0], np.int8), np.empty((1, sizes[0]), np.uint8)):
         with pytest.raises(ValueError, match=f"{sizes[0]} bytes"):
             codec.encode(tensors[0], out=bad)
+
+
+def test_the_cuda_paths_scale_bytes_are_the_frames():
+    """The CUDA path narrows bfloat16 scales on the GPU (fp8codec._scale_bytes, run here
+    on the CPU): the same bytes as the CPU path's narrowing on the host."""
+    from fp8ray.codec.fp8codec import _scale_bytes
+
+    scales = torch.exp2(torch.empty(1000).uniform_(-126, 127)).bfloat16().float()
+    bits = scales.numpy().view(np.uint32)
+    assert np.array_equal(_scale_bytes(scales, "bfloat16").numpy(), (bits >> 16).astype("<u2").view(np.uint8))
+    assert np.array_equal(_scale_bytes(scales, "float32").numpy(), bits.astype("<u4").view(np.uint8))
