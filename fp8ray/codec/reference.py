@@ -4,7 +4,10 @@ Everything here is written with ordinary torch ops so that it is obviously the
 convention of :mod:`fp8ray.codec.formats` and runs on any device. The CPU kernels in
 :mod:`fp8ray.codec.kernels` must reproduce these bytes and scales bit for bit; on CUDA the
 codec calls these functions directly (one pass for the amax, one fused elementwise
-chain for scale-clamp-cast), so the GPU path is the reference by construction.
+chain for scale-clamp-cast), so the GPU path is the reference by construction, but for
+the mse search's work per element (:func:`error_lanes`), which runs there as one Triton
+kernel of the same operations (:mod:`fp8ray.codec.cuda_search`; ``scripts/device_check``
+compares the two).
 """
 
 from __future__ import annotations
