@@ -4,6 +4,7 @@ CUDA path equals the CPU kernels bit for bit)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..errors import InvalidOptionError
@@ -21,3 +22,12 @@ def choose_device(device: str | None, gpus_given: bool) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise InvalidOptionError("device 'cuda' was asked for, but torch sees no CUDA device", field="device")
     return device
+
+
+def host_buffer(nbytes: int, device: str | torch.device) -> np.ndarray:
+    """``nbytes`` of host memory for what travels to or from ``device``: for CUDA, pinned
+    (from torch's caching allocator, which takes it back once dropped), so that copies run
+    at the bus's speed, not through a bounce buffer (BENCHMARKS.md, "GPU")."""
+    if torch.device(device).type == "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.empty(nbytes, dtype=np.uint8)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import BadInputError, BlockError, CorruptFrameError, MismatchError, NonFiniteError
-from . import cpu, cuda_search, frame, reference
+from . import cpu, cuda_search, devices, frame, reference
 from .formats import DTYPE_NAMES, DTYPES, Fp8Format
 from .options import DEFAULT_OPTIONS, CodecOptions
 
@@ -138,7 +138,7 @@ class Fp8Codec:
         x = _check_tensor(tensor)
         header = self._header(x.shape, x.dtype)
         if out is None:
-            buf = _frame_buffer(header.frame_size, x.device)
+            buf = devices.host_buffer(header.frame_size, x.device)  # pinned for a CUDA tensor
         elif not (
             isinstance(out, np.ndarray)
             and out.dtype == np.uint8
@@ -247,15 +247,6 @@ def _scale_bytes(scales: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     if scale_dtype == "bfloat16":
         scales = (scales.view(torch.int32) >> 16).to(torch.int16)
     return scales.view(torch.uint8)
-
-
-def _frame_buffer(size: int, device: torch.device) -> np.ndarray:
-    """A new frame's bytes; for a CUDA tensor's frame, pinned host memory (from torch's
-    caching allocator, which takes it back when the frame is dropped), into which the
-    GPU copies the codes at the bus's speed, not through a bounce buffer."""
-    if device.type == "cuda":
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
-    return np.empty(size, dtype=np.uint8)
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

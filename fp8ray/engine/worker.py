@@ -35,7 +35,7 @@ from ..codec.blocks import (
     read_headers,
 )
 from ..codec.bound import check_within_bound, element_scales
-from ..codec.devices import choose_device
+from ..codec.devices import choose_device, host_buffer
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..codec.metrics import error_metrics
 from ..codec.runs import RUN_BYTES
@@ -133,12 +133,13 @@ class QuantWorker:
     def _results_buffer(self, nbytes: int) -> np.ndarray:
         """Where a batch's results go. In a Ray actor, one buffer reused from call to call:
         Ray copies a task's return values into its object store as the task ends, and
-        fresh pages for every batch cost more than encoding into them. Run inline (no
-        Ray), the results are the caller's to keep: a new buffer."""
+        fresh pages for every batch cost more than encoding into them (on a GPU worker,
+        pinned: see ``host_buffer``). Run inline (no Ray), the results are the caller's
+        to keep: a new buffer."""
         if not self._reuse_results:
             return np.empty(nbytes, np.uint8)
         if self._results.size < nbytes:
-            self._results = np.empty(nbytes, np.uint8)
+            self._results = host_buffer(nbytes, self.device)
         return self._results[:nbytes]
 
     def encode_batch(self, blocks: list[Block], options: CodecOptions) -> list[tuple[np.ndarray, BlockMeta]]:
@@ -194,7 +195,7 @@ class QuantWorker:
         # as it is: no copy between the codec and the Parquet writer.
         sizes = frame_sizes(codec, refs)
         if self._frames.size < sum(sizes):
-            self._frames = np.empty(sum(sizes), dtype=np.uint8)
+            self._frames = host_buffer(sum(sizes), self.device)
         frames = self._frames[: sum(sizes)]  # reused, as the reader's buffer is: the part is written before the next
         # Each block's bytes are checked against its ref's size as they are read: no Block needed.
         data = self._reader.read(refs)
