@@ -113,7 +113,7 @@ class QuantWorker:
         # Kernels are compiled (or loaded from numba's cache) on first use, only those a
         # job needs: loading all of them up front cost every worker about a second.
         self._codecs: dict[CodecOptions, Fp8Codec] = {}
-        self._reader = BlockReader()
+        self._reader = BlockReader(lambda nbytes: host_buffer(nbytes, self.device))  # pinned on a GPU
         self._frames = np.empty(0, np.uint8)
         self._results = np.empty(0, np.uint8)
         # Results may live in a buffer reused from call to call only where Ray copies them

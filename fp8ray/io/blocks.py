@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -238,10 +239,12 @@ class BlockReader:
     """Reads blocks into one buffer it keeps and reuses: pages freshly mapped for every
     read cost more than the read itself. Neighbouring blocks of a safetensors file (a
     part's blocks are) are read with one call. The arrays :meth:`read` returns are views
-    of that buffer, valid until its next call."""
+    of that buffer, valid until its next call. ``allocate(nbytes)`` makes the buffer (a
+    GPU worker's is pinned memory, :func:`fp8ray.codec.devices.host_buffer`)."""
 
-    def __init__(self):
-        self._buffer = np.empty(0, np.uint8)
+    def __init__(self, allocate: Callable[[int], np.ndarray] = lambda nbytes: np.empty(nbytes, np.uint8)):
+        self._allocate = allocate
+        self._buffer = allocate(0)
         self._path = ""
         # After a read: every block's bytes end to end in the order asked for, one view of
         # the buffer, where the read laid them so (blocks of safetensors files in file
@@ -259,7 +262,7 @@ class BlockReader:
         sizes = [r.nbytes for r in refs]  # looked up once: thousands of small blocks make a part
         total = sum(size for r, size in zip(refs, sizes) if r.kind == "safetensors")
         if self._buffer.size < total:
-            self._buffer = np.empty(total, np.uint8)
+            self._buffer = self._allocate(total)
         result: list[np.ndarray | None] = [None] * len(refs)
         position = 0
         in_order = total == sum(sizes)  # so far, each run read was the next blocks asked for
