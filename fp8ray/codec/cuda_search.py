@@ -39,18 +39,19 @@ def error_lanes(magnitudes: torch.Tensor, recips: torch.Tensor, fmt: Fp8Format) 
     lanes = torch.empty(rows, reference.SEARCH_LANES, dtype=torch.float32, device=magnitudes.device)
     if rows:
         shift = 23 - fmt.mantissa_bits  # nearest_with_mantissa on the bits
-        _kernel()[(triton.cdiv(rows, ROWS),)](
-            magnitudes,
-            recips,
-            lanes,
-            rows,
-            LENGTH=length,  # a constant: one compile per group length (block size, or row length)
-            HALF=1 << (shift - 1),
-            KEEP=-(1 << shift),
-            ROWS=ROWS,
-            LANES=reference.SEARCH_LANES,
-            enable_fp_fusion=False,
-        )
+        with torch.cuda.device(magnitudes.device):  # Triton launches on the current device
+            _kernel()[(triton.cdiv(rows, ROWS),)](
+                magnitudes,
+                recips,
+                lanes,
+                rows,
+                LENGTH=length,  # a constant: one compile per group length (block size, or row length)
+                HALF=1 << (shift - 1),
+                KEEP=-(1 << shift),
+                ROWS=ROWS,
+                LANES=reference.SEARCH_LANES,
+                enable_fp_fusion=False,
+            )
     return lanes
 
 
