@@ -23,6 +23,7 @@ from fp8ray.io.safetensors import (
     ITEMSIZES,
     MAX_HEADER,
     HeaderTensors,
+    RangeWriter,
     SafetensorsLayout,
     SafetensorsWriter,
     _checked_entries,
@@ -275,6 +276,13 @@ def test_a_full_disk_is_an_error_when_the_presized_file_is_created(tmp_path, mon
     with pytest.raises(OSError, match=os.strerror(errno.ENOSPC)) as caught:
         create_presized(str(tmp_path / "kv.safetensors"), SafetensorsLayout.of([("a", "float16", (8,))]))
     assert caught.value.errno == errno.ENOSPC
+
+
+def test_a_range_writer_never_creates_its_file(tmp_path):
+    """A shared file removed while its ranges are written is an error, not a new file."""
+    with pytest.raises(FileNotFoundError):
+        RangeWriter(str(tmp_path / "kv.safetensors"))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_files_written_by_the_package_read_back_in_file_order(tmp_path):
