@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import socket
 from contextlib import contextmanager
 
@@ -119,3 +120,14 @@ def processes_with_ray_tmp(ray_tmp: str) -> list:
         except psutil.Error:
             pass
     return found
+
+
+def failing_fallocate(code: int):
+    """A stand-in for libc's ``fallocate`` (``fp8ray.io.safetensors._fallocate``) that
+    fails with errno ``code``, as ctypes reports it."""
+
+    def fallocate(fd, mode, offset, length):
+        ctypes.set_errno(code)
+        return -1
+
+    return fallocate

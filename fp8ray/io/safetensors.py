@@ -15,6 +15,8 @@ keeps the last one, which would lose a tensor without a word).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import itertools
 import json
 import math
@@ -334,12 +336,34 @@ class SafetensorsLayout:
 
 
 def create_presized(path: str, layout: SafetensorsLayout) -> None:
-    """Create the local file ``path`` with its header and its full length, the data still
-    a hole (zeros), for :class:`RangeWriter` s to fill: several processes at once, each
-    its tensors' byte ranges. A file that is there is replaced."""
+    """Create the local file ``path`` with its header and its full length, the data zeros
+    for :class:`RangeWriter` s to fill: several processes at once, each its tensors' byte
+    ranges. A file that is there is replaced. Its blocks are allocated here where the
+    filesystem can (:func:`allocate`), so a disk without the room fails before any work."""
     with open(path, "wb") as f:
         f.write(layout.prefix)
         f.truncate(layout.file_bytes)
+        allocate(f.fileno(), layout.file_bytes)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = getattr(_libc, "fallocate", None)  # Linux; elsewhere files stay holes
+if _fallocate is not None:
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def allocate(fd: int, size: int) -> None:
+    """Allocate the first ``size`` bytes of the open file ``fd`` (``fallocate(2)``): the
+    writers then fill pages that are there instead of each allocating its own under the
+    file's lock, which they share (tmpfs, ext4). Where the filesystem cannot, the file
+    stays a hole; any other failure (ENOSPC: a full disk) raises. Not
+    ``os.posix_fallocate``: glibc emulates that by writing every block, a file's worth
+    of small writes on a network filesystem."""
+    if _fallocate is None or _fallocate(fd, 0, 0, size) == 0:
+        return
+    err = ctypes.get_errno()
+    if err not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+        raise OSError(err, os.strerror(err))
 
 
 class RangeWriter:

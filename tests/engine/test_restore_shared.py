@@ -6,6 +6,7 @@ file's size."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -16,13 +17,15 @@ import time
 from pathlib import Path
 
 import pytest
-from _util import quant_worker_pids
+from _util import failing_fallocate, quant_worker_pids
 from safetensors.torch import save_file
 
 import fp8ray
+import fp8ray.io.safetensors
 from fp8ray import CodecOptions
 from fp8ray.engine.archives import compress_archive, decompress_archive
 from fp8ray.engine.worker import QuantWorker
+from fp8ray.errors import DestinationError
 from fp8ray.eval.sample import sample_kv_chunk
 from fp8ray.io import archive
 from fp8ray.io.paths import resolve
@@ -167,8 +170,13 @@ def test_sigkill_of_a_worker_mid_write_gives_identical_output(tmp_path):
     killed: list[int] = []
 
     def writing() -> bool:
-        """A worker is writing: the presized file holds data past its header (a hole till then)."""
-        return any(p.stat().st_blocks * 512 > data_start + BLOCK_BYTES for p in tmp_path.glob(".back.*.tmp-*/*"))
+        """A worker is writing: a block of the presized file is no longer zeros (its
+        blocks are allocated as it is created, so its size on disk says nothing)."""
+        for p in tmp_path.glob(".back.*.tmp-*/*"):
+            with open(p, "rb") as f:
+                if any(os.pread(f.fileno(), 8, data_start + i * BLOCK_BYTES).strip(b"\0") for i in range(96)):
+                    return True
+        return False
 
     def kill_one_when_writing():
         deadline = time.time() + 120
@@ -250,6 +258,17 @@ def test_a_workers_peak_memory_is_bounded_by_a_part_not_by_the_file(tmp_path, mo
     batch = part_bytes + frame_part
     assert peaks[64] <= 5 * frame_part + 2 * BLOCK_BYTES + batch, held  # holding the 16 parts would be 8 MiB
     assert peaks[64] - peaks[16] <= 2 * frame_part, held  # 4 times the file, at most 2 parts more
+
+
+def test_a_disk_without_room_for_the_shared_file_fails_before_any_work(big_file, tmp_path, monkeypatch):
+    """Its blocks are allocated as it is created: ENOSPC comes from the driver, named as
+    the output's error, and nothing is left behind."""
+    monkeypatch.setattr(fp8ray.io.safetensors, "_fallocate", failing_fallocate(errno.ENOSPC))
+    arch, _ = big_file
+    out = tmp_path / "back.safetensors"
+    with pytest.raises(DestinationError, match=f"cannot write output .*back.safetensors: {os.strerror(errno.ENOSPC)}"):
+        decompress_archive(str(arch), str(out), pool=INLINE)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_workers_off_this_machine_get_the_single_writer_plan(big_file, tmp_path, ray_session):

@@ -4,7 +4,9 @@ HTTP bodies checked by the same code, and the streaming writer."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import struct
 
 import numpy as np
@@ -12,17 +14,22 @@ import pyarrow.fs as pafs
 import pytest
 import safetensors
 import torch
+from _util import failing_fallocate
 from safetensors.torch import load_file, save_file
 
+import fp8ray.io.safetensors
 from fp8ray.errors import MismatchError, SafetensorsFormatError
 from fp8ray.io.safetensors import (
     ITEMSIZES,
     MAX_HEADER,
     HeaderTensors,
+    RangeWriter,
+    SafetensorsLayout,
     SafetensorsWriter,
     _checked_entries,
     _valid_columns,
     build_body,
+    create_presized,
     header_prefix,
     parse_body,
     read_file_header,
@@ -248,6 +255,33 @@ def test_writer_leaves_nothing_when_it_fails(tmp_path):
             w.write(np.zeros(3, np.uint8))
     with pytest.raises(ValueError, match="only 0 of 1 tensors"), SafetensorsWriter(str(path), [("a", "float16", (2,))]):
         pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_presized_file_is_its_header_then_zeros_allocated_or_not(tmp_path, monkeypatch):
+    layout = SafetensorsLayout.of([("a", "bfloat16", (3, 1000)), ("b", "float32", (5,))], {"m": "1"})
+    path = tmp_path / "kv.safetensors"
+    create_presized(str(path), layout)
+    expected = layout.prefix + bytes(layout.file_bytes - len(layout.prefix))
+    assert path.read_bytes() == expected
+    # A filesystem that cannot allocate leaves a hole: the same bytes.
+    for code in (errno.EOPNOTSUPP, errno.EINVAL):
+        monkeypatch.setattr(fp8ray.io.safetensors, "_fallocate", failing_fallocate(code))
+        create_presized(str(path), layout)
+        assert path.read_bytes() == expected
+
+
+def test_a_full_disk_is_an_error_when_the_presized_file_is_created(tmp_path, monkeypatch):
+    monkeypatch.setattr(fp8ray.io.safetensors, "_fallocate", failing_fallocate(errno.ENOSPC))
+    with pytest.raises(OSError, match=os.strerror(errno.ENOSPC)) as caught:
+        create_presized(str(tmp_path / "kv.safetensors"), SafetensorsLayout.of([("a", "float16", (8,))]))
+    assert caught.value.errno == errno.ENOSPC
+
+
+def test_a_range_writer_never_creates_its_file(tmp_path):
+    """A shared file removed while its ranges are written is an error, not a new file."""
+    with pytest.raises(FileNotFoundError):
+        RangeWriter(str(tmp_path / "kv.safetensors"))
     assert list(tmp_path.iterdir()) == []
 
 
