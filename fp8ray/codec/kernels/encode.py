@@ -6,7 +6,7 @@ import numpy as np
 from numba import njit
 
 from .bits import _bits_to_f32, _encode_params, _finite_key, _fp8_code, _load, scale_from_amax
-from .vectors import LANES, encode_chunks_uniform, encode_group_amax, encode_pair_amax
+from .vectors import LANES, encode_chunks, encode_group_amax, encode_pair_amax
 
 
 @njit(inline="always", error_model="numpy")
@@ -73,7 +73,7 @@ def quantize_uniform(x, codes, start, stop, scale, tag):
     p = _encode_params(tag)
     xs = x[start:stop]
     whole = xs.size - xs.size % LANES  # in vectors, the count in the same loop (:mod:`.vectors`)
-    bad = encode_chunks_uniform(xs[:whole], codes[start : start + whole], scale, p)
+    bad = encode_chunks(xs[:whole], codes[start : start + whole], scale, p)
     return bad + _quantize_span(xs[whole:], codes[start + whole : stop], scale, p)
 
 
@@ -119,11 +119,14 @@ def quantize_groups(x, codes, scales, group, group_start, group_stop, tag, mask)
 def quantize_columns(x, codes, scales, columns, row_start, row_stop, tag):
     """Codes of rows [row_start, row_stop) of x viewed as [rows, columns], scale per column."""
     p = _encode_params(tag)
+    whole = columns - columns % LANES
     bad = 0
     for r in range(row_start, row_stop):
         row = x[r * columns : (r + 1) * columns]
         row_codes = codes[r * columns : (r + 1) * columns]
-        for c in range(row.size):
-            row_codes[c] = _fp8_code(_load(row, c), scales[c], p)
-        bad += _count_nonfinite(row_codes, p)
+        bad += encode_chunks(row[:whole], row_codes[:whole], scales[:whole], p)  # a scale per lane
+        rest, rest_codes, rest_scales = row[whole:], row_codes[whole:], scales[whole:columns]
+        for c in range(rest.size):
+            rest_codes[c] = _fp8_code(_load(rest, c), rest_scales[c], p)
+        bad += _count_nonfinite(rest_codes, p)
     return bad

@@ -3,7 +3,10 @@ elements in their scalar remainder (LLVM unrolls its 16-lane loops 4 times), so 
 scaling's groups are encoded here in LLVM IR, one chunk of 16 elements at a time: the
 finite amax, the scale (amax's, or the search's, :mod:`.search`), and the codes
 (``x / scale``, as :func:`fp8ray.codec.kernels.bits._fp8_code`). On CPUs with 8-lane
-vectors LLVM splits each vector in two.
+vectors LLVM splits each vector in two. Channel scaling's rows (a scale per column) and
+the decode of groups and rows go through the same 16-lane chunks: LLVM gave numba's
+loops over them 8 lanes or their scalar remainder (channel: encode 4.8 to 3.3 ms, decode
+3.6 to 2.6 ms for 11.8M bf16 elements on one thread, BENCHMARKS.md).
 
 Consecutive groups go two at a time through the same loops: a group of 32 is mostly one
 chain of dependent steps (amax, its reduction, the scale, the quotients, the rounding),
@@ -21,7 +24,18 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..formats import SMALLEST_NORMAL_SCALE
-from .bits import _F32, _I32, _i32, code_fields, emit_f16_bits_to_f32, emit_fp8_code
+from .bits import (
+    _F32,
+    _I32,
+    _i32,
+    code_fields,
+    decode_fields,
+    emit_f16_bits_to_f32,
+    emit_f32_to_bf16,
+    emit_f32_to_f16,
+    emit_fp8_code,
+    emit_fp8_to_f32,
+)
 
 LANES = 16  # elements per vector
 VF = ir.VectorType(_F32, LANES)
@@ -82,6 +96,31 @@ def _chunk_loader(context, builder, array_type, array):
     if array_type.dtype == types.uint16:  # bfloat16: fp32's top half
         return lambda i: builder.bitcast(builder.shl(builder.zext(builder.load(builder.gep(ptr, [i]), align=2), VI), vi(16)), VF)
     return lambda i: emit_f16_bits_to_f32(builder, builder.load(builder.gep(ptr, [i]), align=2))
+
+
+def _chunk_storer(context, builder, array_type, array):
+    """``store(i, v)``: fp32 values ``v`` into chunk ``i`` (16 elements) of a bf16, fp16 or
+    fp32 output, rounded to its dtype."""
+    data = context.make_array(array_type)(context, builder, array).data
+    if array_type.dtype == types.float32:
+        ptr = builder.bitcast(data, VF.as_pointer())
+        return lambda i, v: builder.store(v, builder.gep(ptr, [i]), align=4)
+    ptr = builder.bitcast(data, ir.VectorType(ir.IntType(16), LANES).as_pointer())
+    rounding = emit_f32_to_bf16 if array_type.dtype == types.uint16 else emit_f32_to_f16
+    return lambda i, v: builder.store(rounding(builder, v), builder.gep(ptr, [i]), align=2)
+
+
+def _every_chunk(lanes):
+    return lambda i: lanes
+
+
+def _scale_loader(context, builder, scale_type, scale):
+    """``scales(i)``: the scales of chunk ``i``: one fp32 ``scale`` in every lane, or chunk
+    ``i`` of an fp32 array of them (a scale per element: per column, for a row)."""
+    if scale_type == types.float32:
+        return _every_chunk(splat(builder, scale, VF))
+    ptr = builder.bitcast(context.make_array(scale_type)(context, builder, scale).data, VF.as_pointer())
+    return lambda i: builder.load(builder.gep(ptr, [i]), align=4)
 
 
 def _codes_pointer(context, builder, array_type, array):
@@ -152,15 +191,15 @@ def emit_encode_groups(context, builder, signature, args, count, choose_scales):
     amaxes = [builder.bitcast(halve(builder, builder.load(slot), larger), _F32) for slot in largest]
     magnitudes = [lambda i, load=load: builder.bitcast(finite_keys(load, i), VF) for load in loads]
     scales = choose_scales(amaxes, chunks, magnitudes)
-    return scales, emit_cast(builder, chunks, loads, codes_ptrs, scales, params)
+    divisors = [_every_chunk(splat(builder, scale, VF)) for scale in scales]
+    return scales, emit_cast(builder, chunks, loads, codes_ptrs, divisors, params)
 
 
-def emit_cast(builder, chunks, loads, codes_ptrs, scales, params):
+def emit_cast(builder, chunks, loads, codes_ptrs, divisors, params):
     """IR: the codes of ``x / scale`` (clamped) for each source ``loads[k]`` (a chunk
-    loader, :func:`_chunk_loader`) under ``scales[k]`` into ``codes_ptrs[k]`` (16 codes a
-    chunk), ``chunks`` chunks each, in one loop. Returns the non-finite inputs (i64),
-    counted in the same loop."""
-    divisors = [splat(builder, scale, VF) for scale in scales]
+    loader, :func:`_chunk_loader`) under the scales ``divisors[k](i)`` of its chunk ``i``
+    (:func:`_scale_loader`) into ``codes_ptrs[k]`` (16 codes a chunk), ``chunks`` chunks
+    each, in one loop. Returns the non-finite inputs (i64), counted in the same loop."""
     fmax = splat(builder, builder.extract_value(params, 0), VF)
     neg_fmax = builder.fneg(fmax)
     fields = [splat(builder, f, VI) for f in code_fields(builder, params)]
@@ -168,7 +207,7 @@ def emit_cast(builder, chunks, loads, codes_ptrs, scales, params):
     with cgutils.for_range(builder, chunks) as loop:
         for load, codes_ptr, divisor in zip(loads, codes_ptrs, divisors):
             x = load(loop.index)
-            q = builder.fdiv(x, divisor)
+            q = builder.fdiv(x, divisor(loop.index))
             q = builder.select(builder.fcmp_ordered(">", q, fmax), fmax, q)
             q = builder.select(builder.fcmp_ordered("<", q, neg_fmax), neg_fmax, q)
             code = emit_fp8_code(builder, q, x, fields)
@@ -220,18 +259,48 @@ def encode_pair_amax(typingctx, xs, codes, xs2, codes2, mask, p):
     return ENCODED_PAIR(xs, codes, xs2, codes2, mask, p), codegen
 
 
+def is_scale(scale) -> bool:
+    """One fp32 scale, or an fp32 array of them (one per element)."""
+    return scale == types.float32 or (isinstance(scale, types.Array) and scale.dtype == types.float32)
+
+
 @intrinsic
-def encode_chunks_uniform(typingctx, xs, codes, scale, p):
-    """The whole 16-element chunks of ``xs`` under the one ``scale``, into ``codes``
-    (:func:`emit_cast`): their non-finite inputs. The elements past the last whole chunk
-    are the caller's."""
-    if not (is_source(xs) and isinstance(codes, types.Array) and scale == types.float32):
+def encode_chunks(typingctx, xs, codes, scales, p):
+    """The whole 16-element chunks of ``xs`` under ``scales`` (one fp32 scale, or an fp32
+    array of one per element), into ``codes`` (:func:`emit_cast`): their non-finite
+    inputs. The elements past the last whole chunk are the caller's."""
+    if not (is_source(xs) and isinstance(codes, types.Array) and is_scale(scales)):
         return None
 
     def codegen(context, builder, signature, args):
         chunks = _chunk_count(context, builder, signature.args[0], args[0])
         load = _chunk_loader(context, builder, signature.args[0], args[0])
         codes_ptr = _codes_pointer(context, builder, signature.args[1], args[1])
-        return emit_cast(builder, chunks, [load], [codes_ptr], [args[2]], args[3])
+        divisor = _scale_loader(context, builder, signature.args[2], args[2])
+        return emit_cast(builder, chunks, [load], [codes_ptr], [divisor], args[3])
 
-    return types.int64(xs, codes, scale, p), codegen
+    return types.int64(xs, codes, scales, p), codegen
+
+
+@intrinsic
+def decode_chunks(typingctx, codes, scales, out, dp):
+    """The whole 16-code chunks of ``codes`` times ``scales`` (as :func:`encode_chunks`),
+    rounded into ``out`` (bf16, fp16 or fp32); :func:`~fp8ray.codec.kernels.bits.emit_fp8_to_f32`
+    in vectors, which LLVM would not make of numba's loop over a group of 32 or a row with
+    a scale per column (it took 8 lanes there). The elements past the last whole chunk
+    are the caller's."""
+    if not (isinstance(codes, types.Array) and is_scale(scales) and is_source(out)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        chunks = _chunk_count(context, builder, signature.args[0], args[0])
+        codes_ptr = _codes_pointer(context, builder, signature.args[0], args[0])
+        scale = _scale_loader(context, builder, signature.args[1], args[1])
+        store = _chunk_storer(context, builder, signature.args[2], args[2])
+        fields = [splat(builder, f, ir.VectorType(f.type, LANES)) for f in decode_fields(builder, args[3])]
+        with cgutils.for_range(builder, chunks) as loop:
+            code = builder.load(builder.gep(codes_ptr, [loop.index]), align=1)
+            store(loop.index, builder.fmul(emit_fp8_to_f32(builder, code, fields), scale(loop.index)))
+        return context.get_dummy_value()
+
+    return types.none(codes, scales, out, dp), codegen
