@@ -268,8 +268,8 @@ def test_group_kernels_match_reference_on_adversarial_groups(fmt_name, dtype, sc
 @pytest.mark.parametrize("fmt_name", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("choice", SCALE_CHOICES)
-def test_groups_encoded_in_pairs_match_reference_whatever_their_neighbour(fmt_name, dtype, choice):
-    """Whole groups are encoded two at a time (the search: four), in the same loops: every
+def test_groups_encoded_four_at_a_time_match_reference_whatever_their_neighbours(fmt_name, dtype, choice):
+    """Whole groups are encoded four at a time, in the same loops: every
     adversarial group beside every other (and itself), a NaN and an inf beside finite
     groups, an odd number of groups (the last ones alone), each as blocks of 32 and of 16,
     equals the reference."""

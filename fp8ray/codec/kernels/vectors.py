@@ -8,12 +8,13 @@ the decode of groups and rows go through the same 16-lane chunks: LLVM gave numb
 loops over them 8 lanes or their scalar remainder (channel: encode 4.8 to 3.3 ms, decode
 3.6 to 2.6 ms for 11.8M bf16 elements on one thread, BENCHMARKS.md).
 
-Consecutive groups go two at a time through the same loops: a group of 32 is mostly one
+Consecutive groups go four at a time through the same loops: a group of 32 is mostly one
 chain of dependent steps (amax, its reduction, the scale, the quotients, the rounding),
-and the CPU overlaps two independent chains. Measured on one thread, plain block 32 went
-from 29 to 17 ns per group and the search from 86 to 71 (BENCHMARKS.md), the same bits.
-The search, whose chain is longer (two divisions, the sums' reduction, the choice), goes
-four at a time: 51 to 46-48 ns per group of 32 (four groups' sums still fit the registers).
+and the CPU overlaps independent chains. Measured on one thread, plain block 32 went
+from 29 to 17 ns per group two at a time, and to 15 four at a time; the search, whose
+chain is longer (two divisions, the sums' reduction, the choice), from 86 to 71 two at a
+time and 51 to 46-48 four at a time (BENCHMARKS.md), the same bits (four groups' sums
+still fit the registers).
 """
 
 from __future__ import annotations
@@ -136,8 +137,6 @@ def _chunk_count(context, builder, array_type, array):
 
 
 ENCODED = types.Tuple((types.float32, types.int64))  # (the group's scale, its non-finite inputs)
-# Two groups side by side: (the first's scale, the second's, their non-finite inputs).
-ENCODED_PAIR = types.Tuple((types.float32, types.float32, types.int64))
 # Four groups side by side: (their four scales, their non-finite inputs).
 ENCODED_QUAD = types.Tuple((types.float32,) * 4 + (types.int64,))
 
@@ -152,18 +151,10 @@ def emit_encode_group(context, builder, signature, args, choose_scales):
     return context.make_tuple(builder, ENCODED, [scale, count])
 
 
-def emit_encode_pair(context, builder, signature, args, choose_scales):
-    """:func:`emit_encode_group` for two groups of the same size, ``args[0]`` into
-    ``args[1]`` and ``args[2]`` into ``args[3]``, in the same loops (why: the module's
-    docstring). Returns :data:`ENCODED_PAIR`."""
-    (first, second), count = emit_encode_groups(context, builder, signature, args, 2, choose_scales)
-    return context.make_tuple(builder, ENCODED_PAIR, [first, second, count])
-
-
 def emit_encode_quad(context, builder, signature, args, choose_scales):
-    """:func:`emit_encode_pair` for four groups (``args[2k]`` into ``args[2k + 1]``): the
-    scale search's chain of dependent steps per group is long enough that two groups
-    leave the CPU idle (BENCHMARKS.md). Returns :data:`ENCODED_QUAD`."""
+    """:func:`emit_encode_group` for four groups of the same size (``args[2k]`` into
+    ``args[2k + 1]``), in the same loops (why: the module's docstring). Returns
+    :data:`ENCODED_QUAD`."""
     scales, count = emit_encode_groups(context, builder, signature, args, 4, choose_scales)
     return context.make_tuple(builder, ENCODED_QUAD, [*scales, count])
 
@@ -247,16 +238,18 @@ def encode_group_amax(typingctx, xs, codes, mask, p):
 
 
 @intrinsic
-def encode_pair_amax(typingctx, xs, codes, xs2, codes2, mask, p):
-    """Two groups of the same multiple of 16 elements, each under its amax scale
-    (:func:`emit_encode_pair`): (first scale, second scale, non-finite inputs)."""
-    if not (is_source(xs) and xs2 == xs and isinstance(codes, types.Array) and codes2 == codes):
+def encode_quad_amax(typingctx, xs, codes, xs2, codes2, xs3, codes3, xs4, codes4, mask, p):
+    """Four groups of the same multiple of 16 elements, each under its amax scale
+    (:func:`emit_encode_quad`): (their scales, non-finite inputs)."""
+    same_sources = xs2 == xs and xs3 == xs and xs4 == xs
+    same_targets = codes2 == codes and codes3 == codes and codes4 == codes
+    if not (is_source(xs) and isinstance(codes, types.Array) and same_sources and same_targets):
         return None
 
     def codegen(context, builder, signature, args):
-        return emit_encode_pair(context, builder, signature, args, _amax_chooser(builder, args[4], args[5]))
+        return emit_encode_quad(context, builder, signature, args, _amax_chooser(builder, args[8], args[9]))
 
-    return ENCODED_PAIR(xs, codes, xs2, codes2, mask, p), codegen
+    return ENCODED_QUAD(xs, codes, xs2, codes2, xs3, codes3, xs4, codes4, mask, p), codegen
 
 
 def is_scale(scale) -> bool:
