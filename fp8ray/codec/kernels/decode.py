@@ -5,7 +5,7 @@ from __future__ import annotations
 from numba import njit
 
 from .bits import _decode_params, _fp8_to_f32, _store
-from .vectors import LANES, decode_chunks
+from .vectors import LANES, decode_chunks, decode_groups
 
 
 @njit(inline="always", error_model="numpy")
@@ -26,7 +26,11 @@ def dequantize_uniform(codes, tag, scale, out, start, stop):
 def dequantize_groups(codes, tag, scales, group, out, group_start, group_stop):
     dp = _decode_params(tag)
     n = codes.size
-    for g in range(group_start, group_stop):
+    whole = max(group_start, min(group_stop, n // group)) if group % LANES == 0 else group_start  # in vectors
+    if whole > group_start:
+        span = slice(group_start * group, whole * group)
+        decode_groups(codes[span], scales[group_start:whole], out[span], dp)
+    for g in range(whole, group_stop):
         start = g * group
         stop = min(start + group, n)
         _dequantize_span(codes[start:stop], dp, scales[g], out[start:stop])

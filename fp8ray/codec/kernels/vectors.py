@@ -275,25 +275,57 @@ def encode_chunks(typingctx, xs, codes, scales, p):
     return types.int64(xs, codes, scales, p), codegen
 
 
+def _chunk_decoder(context, builder, signature, args):
+    """``decode(i, scales)``: IR rounding chunk ``i`` of the codes ``args[0]`` times the
+    fp32 vector ``scales`` into chunk ``i`` of ``args[2]``; ``args[3]`` is the format's
+    :func:`~fp8ray.codec.kernels.bits.decode_params`."""
+    codes_ptr = _codes_pointer(context, builder, signature.args[0], args[0])
+    store = _chunk_storer(context, builder, signature.args[2], args[2])
+    fields = [splat(builder, f, ir.VectorType(f.type, LANES)) for f in decode_fields(builder, args[3])]
+
+    def decode(i, scales):
+        code = builder.load(builder.gep(codes_ptr, [i]), align=1)
+        store(i, builder.fmul(emit_fp8_to_f32(builder, code, fields), scales))
+
+    return decode
+
+
 @intrinsic
 def decode_chunks(typingctx, codes, scales, out, dp):
     """The whole 16-code chunks of ``codes`` times ``scales`` (as :func:`encode_chunks`),
     rounded into ``out`` (bf16, fp16 or fp32); :func:`~fp8ray.codec.kernels.bits.emit_fp8_to_f32`
-    in vectors, which LLVM would not make of numba's loop over a group of 32 or a row with
-    a scale per column (it took 8 lanes there). The elements past the last whole chunk
-    are the caller's."""
+    in vectors, which LLVM would not make of numba's loop over a row with a scale per
+    column (it took 8 lanes there). The elements past the last whole chunk are the caller's."""
     if not (isinstance(codes, types.Array) and is_scale(scales) and is_source(out)):
         return None
 
     def codegen(context, builder, signature, args):
-        chunks = _chunk_count(context, builder, signature.args[0], args[0])
-        codes_ptr = _codes_pointer(context, builder, signature.args[0], args[0])
+        decode = _chunk_decoder(context, builder, signature, args)
         scale = _scale_loader(context, builder, signature.args[1], args[1])
-        store = _chunk_storer(context, builder, signature.args[2], args[2])
-        fields = [splat(builder, f, ir.VectorType(f.type, LANES)) for f in decode_fields(builder, args[3])]
-        with cgutils.for_range(builder, chunks) as loop:
-            code = builder.load(builder.gep(codes_ptr, [loop.index]), align=1)
-            store(loop.index, builder.fmul(emit_fp8_to_f32(builder, code, fields), scale(loop.index)))
+        with cgutils.for_range(builder, _chunk_count(context, builder, signature.args[0], args[0])) as loop:
+            decode(loop.index, scale(loop.index))
+        return context.get_dummy_value()
+
+    return types.none(codes, scales, out, dp), codegen
+
+
+@intrinsic
+def decode_groups(typingctx, codes, scales, out, dp):
+    """:func:`decode_chunks` of whole groups of a multiple of 16 codes, one scale each
+    (``codes.size / scales.size`` codes a group), in one loop over the groups and one over
+    their chunks: numba's loop over groups of 32, a call for each, took 7.6 ns a group, this 6.5."""
+    if not (isinstance(codes, types.Array) and isinstance(scales, types.Array) and is_source(out)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        decode = _chunk_decoder(context, builder, signature, args)
+        scale_array = context.make_array(signature.args[1])(context, builder, args[1])
+        groups = builder.extract_value(scale_array.shape, 0)
+        chunks = builder.udiv(_chunk_count(context, builder, signature.args[0], args[0]), groups)  # per group
+        with cgutils.for_range(builder, groups) as group:
+            scales = splat(builder, builder.load(builder.gep(scale_array.data, [group.index])), VF)
+            with cgutils.for_range(builder, chunks) as chunk:
+                decode(builder.add(builder.mul(group.index, chunks), chunk.index), scales)
         return context.get_dummy_value()
 
     return types.none(codes, scales, out, dp), codegen
