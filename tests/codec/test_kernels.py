@@ -268,8 +268,8 @@ def test_group_kernels_match_reference_on_adversarial_groups(fmt_name, dtype, sc
 @pytest.mark.parametrize("fmt_name", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("choice", SCALE_CHOICES)
-def test_groups_encoded_in_pairs_match_reference_whatever_their_neighbour(fmt_name, dtype, choice):
-    """Whole groups are encoded two at a time (the search: four), in the same loops: every
+def test_groups_encoded_four_at_a_time_match_reference_whatever_their_neighbours(fmt_name, dtype, choice):
+    """Whole groups are encoded four at a time, in the same loops: every
     adversarial group beside every other (and itself), a NaN and an inf beside finite
     groups, an odd number of groups (the last ones alone), each as blocks of 32 and of 16,
     equals the reference."""
@@ -331,6 +331,25 @@ def test_multithreaded_split_matches_reference(scaling, scale_dtype, choice, mon
     assert_same_bits(scales, ref_scales)
     out = fast_dequantize(codes, scales, fmt, scaling, x.shape, torch.bfloat16, block_size=100)
     assert_same_bits(out, reference.dequantize(ref_codes, ref_scales, fmt, scaling, tuple(x.shape), torch.bfloat16, 100))
+
+
+@pytest.mark.parametrize("scaling, block", [("block", 32), ("block", 48), ("token", 0), ("channel", 0)])
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vector_paths_with_tails_and_tasks_that_start_mid_tensor_match_reference(scaling, block, fmt_name, dtype, monkeypatch):
+    """The 16-lane paths next to their scalar rest: blocks of 32 and 48 with a short last
+    one, rows of 40 (two chunks and 8 more, a scale per column under channel scaling),
+    split into tasks that start mid-tensor."""
+    monkeypatch.setattr(cpu, "CHUNK_ELEMENTS", 1000)
+    monkeypatch.setenv("FP8RAY_NUM_THREADS", "3")
+    fmt = FORMATS[fmt_name]
+    x = kv_like((7, 37, 40), dtype, seed=11)  # 10360 elements: 323 blocks of 32 and 24 more, 215 of 48 and 40 more
+    codes, scales, _ = fast_quantize(x, fmt, scaling, block)
+    ref_codes, ref_scales, _ = reference.quantize(x, fmt, scaling, block, keep_nonfinite=False)
+    assert torch.equal(codes, ref_codes)
+    assert_same_bits(scales, ref_scales)
+    out = fast_dequantize(codes, scales, fmt, scaling, x.shape, dtype, block)
+    assert_same_bits(out, reference.dequantize(ref_codes, ref_scales, fmt, scaling, tuple(x.shape), dtype, block))
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)

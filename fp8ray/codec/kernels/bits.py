@@ -70,6 +70,15 @@ def _i32(value: int) -> ir.Constant:
     return ir.Constant(_I32, value & 0xFFFFFFFF)
 
 
+def _like(value_type, element_type):
+    """``element_type``, or a vector of it as wide as ``value_type`` if that is a vector."""
+    return ir.VectorType(element_type, value_type.count) if isinstance(value_type, ir.VectorType) else element_type
+
+
+def _int_like(value_type):
+    return _like(value_type, _I32)
+
+
 @intrinsic
 def _bf16_bits_to_f32(typingctx, bits):
     """bfloat16 bits (uint16) to float32: the bits are fp32's top half, so this is exact."""
@@ -82,9 +91,20 @@ def _bf16_bits_to_f32(typingctx, bits):
     return types.float32(types.uint16), codegen
 
 
+def emit_f32_to_bf16(builder, value):
+    """IR: fp32 (scalar or vector) to bfloat16 bits (i16), round to nearest even; NaN
+    becomes 0x7FC0 (as c10 does)."""
+    c = _i32_constants(value.type)
+    b = builder.bitcast(value, _int_like(value.type))
+    odd = builder.and_(builder.lshr(b, c(16)), c(1))
+    rounded = builder.lshr(builder.add(builder.add(b, c(0x7FFF)), odd), c(16))
+    is_nan = builder.icmp_unsigned(">", builder.and_(b, c(_ABS_MASK)), c(_INF_BITS))
+    return builder.trunc(builder.select(is_nan, c(0x7FC0), rounded), _like(value.type, ir.IntType(16)))
+
+
 @intrinsic
 def _f32_to_bf16(typingctx, value):
-    """float32 to bfloat16 bits, round to nearest even; NaN becomes 0x7FC0 (as c10 does).
+    """float32 to bfloat16 bits (:func:`emit_f32_to_bf16`).
 
     Written in 32-bit LLVM IR: numba would widen the integer arithmetic to int64, which
     halves the vector lanes and costs shuffles between float and integer lanes.
@@ -93,11 +113,7 @@ def _f32_to_bf16(typingctx, value):
         return None
 
     def codegen(context, builder, signature, args):
-        b = builder.bitcast(args[0], _I32)
-        odd = builder.and_(builder.lshr(b, _i32(16)), _i32(1))
-        rounded = builder.lshr(builder.add(builder.add(b, _i32(0x7FFF)), odd), _i32(16))
-        is_nan = builder.icmp_unsigned(">", builder.and_(b, _i32(_ABS_MASK)), _i32(_INF_BITS))
-        return builder.trunc(builder.select(is_nan, _i32(0x7FC0), rounded), ir.IntType(16))
+        return emit_f32_to_bf16(builder, args[0])
 
     return types.uint16(types.float32), codegen
 
@@ -107,6 +123,14 @@ def _i32_constants(value_type):
     if isinstance(value_type, ir.VectorType):
         return lambda c: ir.Constant(ir.VectorType(_I32, value_type.count), [c & 0xFFFFFFFF] * value_type.count)
     return _i32
+
+
+def _f32_constants(value_type):
+    """:func:`_i32_constants` for fp32 constants."""
+    float_type = _like(value_type, _F32)
+    if isinstance(float_type, ir.VectorType):
+        return lambda c: ir.Constant(float_type, [c] * float_type.count)
+    return lambda c: ir.Constant(_F32, c)
 
 
 def emit_fp8_code(builder, q, v, fields):
@@ -154,30 +178,40 @@ def _fp8_code_bits(typingctx, q, v, p):
     return types.int32(q, v, p), codegen
 
 
+def emit_fp8_to_f32(builder, code, fields):
+    """IR: the fp32 value of fp8 codes (i8, scalar or vector), ``fields`` the values (of
+    their shape) of :func:`decode_fields`. Normals by rebiasing the bits, subnormals by an
+    exact int-to-float product (no fp32 denormals, which are slow), inf/NaN by their
+    exponent."""
+    shift, rebias, exponent_mask, special_mask, mantissa_mask, subnormal_unit = fields
+    c = _i32_constants(code.type)
+    int_type, float_type = _int_like(code.type), _like(code.type, _F32)
+    v = builder.zext(code, int_type)
+    sign = builder.shl(builder.and_(v, c(0x80)), c(24))
+    mag = builder.and_(v, c(0x7F))
+    shifted = builder.shl(mag, shift)
+    normal = builder.bitcast(builder.or_(builder.add(shifted, rebias), sign), float_type)
+    special = builder.bitcast(builder.or_(builder.or_(shifted, c(_INF_BITS)), sign), float_type)
+    sub = builder.fmul(builder.uitofp(builder.and_(mag, mantissa_mask), float_type), subnormal_unit)
+    sub = builder.bitcast(builder.or_(builder.bitcast(sub, int_type), sign), float_type)
+    is_special = builder.icmp_unsigned("==", builder.and_(mag, special_mask), special_mask)
+    is_sub = builder.icmp_unsigned("==", builder.and_(mag, exponent_mask), c(0))
+    return builder.select(is_sub, sub, builder.select(is_special, special, normal))
+
+
+def decode_fields(builder, params):
+    """The i32 fields and fp32 unit of :func:`decode_params`, as :func:`emit_fp8_to_f32` takes them."""
+    return [builder.trunc(builder.extract_value(params, k), _I32) for k in range(5)] + [builder.extract_value(params, 5)]
+
+
 @intrinsic
 def _fp8_to_f32(typingctx, code, dp):
-    """fp32 value of an fp8 code: normals by rebiasing the bits, subnormals by an exact
-    int-to-float product (no fp32 denormals, which are slow), inf/NaN by their exponent."""
+    """fp32 value of an fp8 code (:func:`emit_fp8_to_f32`)."""
     if code != types.uint8:
         return None
 
     def codegen(context, builder, signature, args):
-        code, params = args
-        shift, rebias, exponent_mask, special_mask, mantissa_mask = (
-            builder.trunc(builder.extract_value(params, k), _I32) for k in range(5)
-        )
-        subnormal_unit = builder.extract_value(params, 5)
-        c = builder.zext(code, _I32)
-        sign = builder.shl(builder.and_(c, _i32(0x80)), _i32(24))
-        mag = builder.and_(c, _i32(0x7F))
-        shifted = builder.shl(mag, shift)
-        normal = builder.bitcast(builder.or_(builder.add(shifted, rebias), sign), _F32)
-        special = builder.bitcast(builder.or_(builder.or_(shifted, _i32(_INF_BITS)), sign), _F32)
-        sub_bits = builder.bitcast(builder.fmul(builder.uitofp(builder.and_(mag, mantissa_mask), _F32), subnormal_unit), _I32)
-        sub = builder.bitcast(builder.or_(sub_bits, sign), _F32)
-        is_special = builder.icmp_unsigned("==", builder.and_(mag, special_mask), special_mask)
-        is_sub = builder.icmp_unsigned("==", builder.and_(mag, exponent_mask), _i32(0))
-        return builder.select(is_sub, sub, builder.select(is_special, special, normal))
+        return emit_fp8_to_f32(builder, args[0], decode_fields(builder, args[1]))
 
     return types.float32(code, dp), codegen
 
@@ -220,30 +254,36 @@ def _f16_bits_to_f32(typingctx, bits):
     return types.float32(types.int16), codegen
 
 
+def emit_f32_to_f16(builder, f):
+    """IR: fp32 (scalar or vector) to IEEE half bits (i16), round to nearest even (after
+    Maratyszcza's FP16 library: the rounding is done by two fp32 products and one fp32 sum)."""
+    if _NATIVE_HALF:
+        return builder.bitcast(builder.fptrunc(f, _like(f.type, ir.HalfType())), _like(f.type, ir.IntType(16)))
+    c, cf = _i32_constants(f.type), _f32_constants(f.type)
+    float_type = f.type
+    w = builder.bitcast(f, _int_like(f.type))
+    magnitude = builder.bitcast(builder.and_(w, c(_ABS_MASK)), float_type)
+    base = builder.fmul(builder.fmul(magnitude, cf(2.0**112)), cf(2.0**-110))
+    shl1_w = builder.add(w, w)
+    sign = builder.and_(w, c(_SIGN_BIT))
+    bias = builder.and_(shl1_w, c(0xFF000000))
+    bias = builder.select(builder.icmp_unsigned("<", bias, c(0x71000000)), c(0x71000000), bias)
+    offset = builder.bitcast(builder.add(builder.lshr(bias, c(1)), c(0x07800000)), float_type)
+    bits = builder.bitcast(builder.fadd(offset, base), w.type)
+    nonsign = builder.add(builder.and_(builder.lshr(bits, c(13)), c(0x7C00)), builder.and_(bits, c(0x0FFF)))
+    nan = builder.icmp_unsigned(">", shl1_w, c(0xFF000000))
+    result = builder.or_(builder.lshr(sign, c(16)), builder.select(nan, c(0x7E00), nonsign))
+    return builder.trunc(result, _like(f.type, ir.IntType(16)))
+
+
 @intrinsic
 def _f32_to_f16(typingctx, value):
-    """float32 to IEEE half bits, round to nearest even (after Maratyszcza's FP16
-    library: the rounding is done by two fp32 products and one fp32 sum)."""
+    """float32 to IEEE half bits (:func:`emit_f32_to_f16`)."""
     if value != types.float32:
         return None
 
     def codegen(context, builder, signature, args):
-        f = args[0]
-        if _NATIVE_HALF:
-            return builder.bitcast(builder.fptrunc(f, ir.HalfType()), ir.IntType(16))
-        w = builder.bitcast(f, _I32)
-        magnitude = builder.bitcast(builder.and_(w, _i32(_ABS_MASK)), _F32)
-        base = builder.fmul(builder.fmul(magnitude, ir.Constant(_F32, 2.0**112)), ir.Constant(_F32, 2.0**-110))
-        shl1_w = builder.add(w, w)
-        sign = builder.and_(w, _i32(_SIGN_BIT))
-        bias = builder.and_(shl1_w, _i32(0xFF000000))
-        bias = builder.select(builder.icmp_unsigned("<", bias, _i32(0x71000000)), _i32(0x71000000), bias)
-        offset = builder.bitcast(builder.add(builder.lshr(bias, _i32(1)), _i32(0x07800000)), _F32)
-        bits = builder.bitcast(builder.fadd(offset, base), _I32)
-        nonsign = builder.add(builder.and_(builder.lshr(bits, _i32(13)), _i32(0x7C00)), builder.and_(bits, _i32(0x0FFF)))
-        nan = builder.icmp_unsigned(">", shl1_w, _i32(0xFF000000))
-        result = builder.or_(builder.lshr(sign, _i32(16)), builder.select(nan, _i32(0x7E00), nonsign))
-        return builder.trunc(result, ir.IntType(16))
+        return emit_f32_to_f16(builder, args[0])
 
     return types.int16(types.float32), codegen
 

@@ -6,7 +6,7 @@ import numpy as np
 from numba import njit
 
 from .bits import _bits_to_f32, _encode_params, _finite_key, _fp8_code, _load, scale_from_amax
-from .vectors import LANES, encode_chunks_uniform, encode_group_amax, encode_pair_amax
+from .vectors import LANES, encode_chunks, encode_group_amax, encode_quad_amax
 
 
 @njit(inline="always", error_model="numpy")
@@ -72,8 +72,8 @@ def quantize_uniform(x, codes, start, stop, scale, tag):
     """Codes of x[start:stop] under one scale; returns the count of non-finite inputs."""
     p = _encode_params(tag)
     xs = x[start:stop]
-    whole = xs.size - xs.size % LANES  # in vectors, the count in the same loop (:mod:`.vectors`)
-    bad = encode_chunks_uniform(xs[:whole], codes[start : start + whole], scale, p)
+    whole = xs.size - xs.size % LANES  # in vectors (:mod:`.vectors`), then the rest here
+    bad = encode_chunks(xs[:whole], codes[start : start + whole], scale, p)
     return bad + _quantize_span(xs[whole:], codes[start + whole : stop], scale, p)
 
 
@@ -82,7 +82,7 @@ def quantize_groups(x, codes, scales, group, group_start, group_stop, tag, mask)
     """Per-group amax, scale and codes for contiguous groups of ``group`` elements.
 
     One read of each group from memory: the second pass over a group hits the cache. A
-    group of a multiple of 16 elements is encoded in vectors whole (:mod:`.vectors`), two
+    group of a multiple of 16 elements is encoded in vectors whole (:mod:`.vectors`), four
     such groups at a time where they follow each other (their dependent steps overlap).
     """
     p = _encode_params(tag)
@@ -94,13 +94,14 @@ def quantize_groups(x, codes, scales, group, group_start, group_stop, tag, mask)
         start = g * group
         stop = min(start + group, n)
         xs = x[start:stop]
-        if xs.size % LANES == 0 and g + 1 < group_stop and stop + group <= n:  # two whole groups
-            after = stop + group
-            first, second, count = encode_pair_amax(xs, codes[start:stop], x[stop:after], codes[stop:after], mask, p)
-            scales[g] = first
-            scales[g + 1] = second
+        if xs.size % LANES == 0 and g + 3 < group_stop and stop + 3 * group <= n:  # four whole groups
+            a, b, c = stop + group, stop + 2 * group, stop + 3 * group
+            quad = encode_quad_amax(
+                xs, codes[start:stop], x[stop:a], codes[stop:a], x[a:b], codes[a:b], x[b:c], codes[b:c], mask, p
+            )
+            scales[g], scales[g + 1], scales[g + 2], scales[g + 3], count = quad
             bad += count
-            g += 2
+            g += 4
             continue
         if xs.size % LANES == 0:
             scale, count = encode_group_amax(xs, codes[start:stop], mask, p)
@@ -119,11 +120,14 @@ def quantize_groups(x, codes, scales, group, group_start, group_stop, tag, mask)
 def quantize_columns(x, codes, scales, columns, row_start, row_stop, tag):
     """Codes of rows [row_start, row_stop) of x viewed as [rows, columns], scale per column."""
     p = _encode_params(tag)
+    whole = columns - columns % LANES
     bad = 0
     for r in range(row_start, row_stop):
         row = x[r * columns : (r + 1) * columns]
         row_codes = codes[r * columns : (r + 1) * columns]
-        for c in range(row.size):
-            row_codes[c] = _fp8_code(_load(row, c), scales[c], p)
-        bad += _count_nonfinite(row_codes, p)
+        bad += encode_chunks(row[:whole], row_codes[:whole], scales[:whole], p)  # a scale per lane
+        rest, rest_codes, rest_scales = row[whole:], row_codes[whole:], scales[whole:columns]
+        for c in range(rest.size):
+            rest_codes[c] = _fp8_code(_load(rest, c), rest_scales[c], p)
+        bad += _count_nonfinite(rest_codes, p)
     return bad
