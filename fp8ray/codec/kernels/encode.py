@@ -72,7 +72,7 @@ def quantize_uniform(x, codes, start, stop, scale, tag):
     """Codes of x[start:stop] under one scale; returns the count of non-finite inputs."""
     p = _encode_params(tag)
     xs = x[start:stop]
-    whole = xs.size - xs.size % LANES  # in vectors (:mod:`.vectors`), then the rest here
+    whole = xs.size - xs.size % LANES  # in vectors, the count in the same loop (:mod:`.vectors`)
     bad = encode_chunks(xs[:whole], codes[start : start + whole], scale, p)
     return bad + _quantize_span(xs[whole:], codes[start + whole : stop], scale, p)
 

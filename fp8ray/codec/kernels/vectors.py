@@ -45,7 +45,6 @@ VF = ir.VectorType(_F32, LANES)
 VI = ir.VectorType(_I32, LANES)
 _ABS_MASK = 0x7FFFFFFF
 INF_BITS = 0x7F800000
-_SIGN_BIT = 0x80000000
 SOURCE_DTYPES = (types.float32, types.uint16, types.int16)  # fp32, bfloat16 bits, float16 bits
 
 
@@ -236,35 +235,23 @@ def emit_cast(builder, chunks, loads, codes_ptrs, divisors, params):
     """IR: the codes of ``x / scale`` (clamped) for each source ``loads[k]`` (a chunk
     loader, :func:`_chunk_loader`) under the scales ``divisors[k](i)`` of its chunk ``i``
     (:func:`_scale_loader`) into ``codes_ptrs[k]`` (16 codes a chunk), ``chunks`` chunks
-    each, in one loop. Returns the non-finite inputs (i64): the loop only notes whether
-    there are any (a mask's bits or'ed into a scalar, off the vector ports; counting in it
-    cost two vector operations a chunk), a second loop counts them if so."""
+    each, in one loop. Returns the non-finite inputs (i64), counted in the same loop."""
     fmax = splat(builder, builder.extract_value(params, 0), VF)
+    neg_fmax = builder.fneg(fmax)
     fields = [splat(builder, f, VI) for f in code_fields(builder, params)]
-    mask_type = ir.IntType(LANES)
-
-    def nonfinite(x):
-        return builder.icmp_unsigned(">=", builder.and_(builder.bitcast(x, VI), vi(_ABS_MASK)), vi(INF_BITS))
-
-    seen = cgutils.alloca_once_value(builder, ir.Constant(mask_type, 0))
+    nonfinite = cgutils.alloca_once_value(builder, vi(0))
     with cgutils.for_range(builder, chunks) as loop:
         for load, codes_ptr, divisor in zip(loads, codes_ptrs, divisors):
             x = load(loop.index)
-            # The clamp to +-fmax on |q|, the sign put back: one comparison, not two (the
-            # same bits; 5-10% of the loop).
-            q = builder.bitcast(builder.fdiv(x, divisor(loop.index)), VI)
-            a = builder.bitcast(builder.and_(q, vi(_ABS_MASK)), VF)
-            a = builder.select(builder.fcmp_ordered(">", a, fmax), fmax, a)
-            q = builder.bitcast(builder.or_(builder.bitcast(a, VI), builder.and_(q, vi(_SIGN_BIT))), VF)
+            q = builder.fdiv(x, divisor(loop.index))
+            q = builder.select(builder.fcmp_ordered(">", q, fmax), fmax, q)
+            q = builder.select(builder.fcmp_ordered("<", q, neg_fmax), neg_fmax, q)
             code = emit_fp8_code(builder, q, x, fields)
             builder.store(builder.trunc(code, ir.VectorType(ir.IntType(8), LANES)), builder.gep(codes_ptr, [loop.index]), align=1)
-            builder.store(builder.or_(builder.load(seen), builder.bitcast(nonfinite(x), mask_type)), seen)
-    count = cgutils.alloca_once_value(builder, vi(0))
-    with cgutils.if_unlikely(builder, builder.icmp_unsigned("!=", builder.load(seen), ir.Constant(mask_type, 0))):
-        with cgutils.for_range(builder, chunks) as loop:
-            for load in loads:
-                builder.store(builder.add(builder.load(count), builder.zext(nonfinite(load(loop.index)), VI)), count)
-    return builder.zext(halve(builder, builder.load(count), builder.add), ir.IntType(64))
+            bad = builder.icmp_unsigned(">=", builder.and_(builder.bitcast(x, VI), vi(_ABS_MASK)), vi(INF_BITS))
+            builder.store(builder.add(builder.load(nonfinite), builder.zext(bad, VI)), nonfinite)
+    total = halve(builder, builder.load(nonfinite), builder.add)
+    return builder.zext(total, ir.IntType(64))
 
 
 def is_source(array) -> bool:
