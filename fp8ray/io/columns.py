@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 _OFFSETS = {pa.string(): np.int32, pa.binary(): np.int32, pa.large_string(): np.int64, pa.large_binary(): np.int64}
+INT32_OFFSETS_MAX = 2**31 - 1  # past it, a string or binary column takes several chunks
 
 
 def table(columns: dict, schema: pa.Schema) -> pa.Table:
@@ -22,8 +23,9 @@ def table(columns: dict, schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays([column(columns[field.name], field.type) for field in schema], schema=schema)
 
 
-def column(values, arrow_type: pa.DataType) -> pa.Array:
-    """``values`` (a list, or an Arrow array of that type) as an Arrow array of ``arrow_type``."""
+def column(values, arrow_type: pa.DataType) -> pa.Array | pa.ChunkedArray:
+    """``values`` (a list, or an Arrow array of that type) as an Arrow array of ``arrow_type``
+    (chunked, as pyarrow makes it, where a string or binary column passes 2 GiB)."""
     if isinstance(values, pa.Array):
         if values.type != arrow_type:
             raise TypeError(f"an Arrow array of {values.type} where {arrow_type} is expected")
@@ -33,10 +35,15 @@ def column(values, arrow_type: pa.DataType) -> pa.Array:
     if arrow_type in _OFFSETS:
         text = arrow_type in (pa.string(), pa.large_string())
         items = [value.encode() if text else memoryview(value).cast("B") for value in values]
-        offsets = pa.py_buffer(_offsets(items, _OFFSETS[arrow_type]))
-        return pa.Array.from_buffers(arrow_type, len(items), [None, offsets, pa.py_buffer(b"".join(items))])
+        offsets = _offsets(items, np.int64)
+        if _OFFSETS[arrow_type] == np.int32 and offsets[-1] > INT32_OFFSETS_MAX:
+            return pa.array(values, type=arrow_type)  # pyarrow splits it into chunks
+        data = pa.py_buffer(b"".join(items))
+        return pa.Array.from_buffers(arrow_type, len(items), [None, pa.py_buffer(offsets.astype(_OFFSETS[arrow_type])), data])
     if pa.types.is_list(arrow_type):
         inner = column([item for value in values for item in value], arrow_type.value_type)
+        if isinstance(inner, pa.ChunkedArray):  # items past 2 GiB: pyarrow's way
+            return pa.array(values, type=arrow_type)
         return pa.ListArray.from_arrays(_integers(_offsets(values, np.int32), pa.int32()), inner, type=arrow_type)
     return pa.array(values, type=arrow_type)  # any other type (a user's Parquet schema): pyarrow's way
 

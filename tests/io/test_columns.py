@@ -52,12 +52,32 @@ def test_an_arrow_array_is_taken_as_it_is_and_checked():
         columns.column(frames, pa.binary())
 
 
-def test_other_types_are_built_by_pyarrow():
-    """A user's raw-block Parquet may hold shapes as large lists of int32, say."""
+def test_a_users_column_types_come_out_as_pyarrow_makes_them():
+    """A user's raw-block Parquet may hold shapes as lists of int32 or large lists (those
+    go to pa.array), and other types."""
     shapes = [[2, 3], [], [4]]
     for arrow_type in (pa.large_list(pa.int32()), pa.list_(pa.int32()), pa.list_(pa.string())):
         values = shapes if arrow_type != pa.list_(pa.string()) else [["a", "é"], [], ["c"]]
         assert columns.column(values, arrow_type).equals(pa.array(values, type=arrow_type))
+
+
+@pytest.mark.parametrize("arrow_type", [pa.binary(), pa.string(), pa.list_(pa.binary())])
+def test_a_column_past_32_bit_offsets_goes_to_pyarrow(monkeypatch, arrow_type):
+    """Past 2 GiB a string or binary column needs chunks; built here its int32 offsets
+    would wrap (the limit lowered so that the test needs no gigabytes)."""
+    monkeypatch.setattr(columns, "INT32_OFFSETS_MAX", 5)
+    values = (
+        [[b"abc", b"def"]]
+        if arrow_type == pa.list_(pa.binary())
+        else (["abc", "def"] if arrow_type == pa.string() else [b"abc", b"def"])
+    )
+    calls = []
+    monkeypatch.setattr(
+        columns.pa, "array", lambda v, **kw: calls.append(kw["type"]) or pa.chunked_array([pa.lib.array(v, **kw)])
+    )
+    built = columns.column(values, arrow_type)
+    assert calls[-1] == arrow_type and isinstance(built, pa.ChunkedArray)  # a list: its items first
+    assert built.to_pylist() == values
 
 
 def test_bad_columns_are_named():
