@@ -9,30 +9,37 @@ the same bits (``scripts/device_check`` compares every frame with the CPU kernel
 Floating-point contraction is off for the kernel, so that ``round(q) - q`` stays a
 subtraction of the rounded product, as the reference computes it.
 
-Where Triton is not installed (it comes with CUDA builds of torch on Linux), the torch
-ops run instead.
+Before its first use on a GPU the kernel is run on a sample there (subnormal quotients,
+short rows) and compared with the torch ops bit for bit; where Triton is not installed
+(it comes with CUDA builds of torch on Linux), fails, or differs, or on ROCm builds
+(never checked), the torch ops run instead, with a warning where it failed or differed.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
 from . import reference
-from .formats import Fp8Format
+from .formats import FORMATS, Fp8Format
 
 ROWS = 32  # groups per program
 
 
 def lanes_for(device: torch.device):
-    """The function that computes :func:`~fp8ray.codec.reference.error_lanes` on ``device``."""
-    return error_lanes if device.type == "cuda" and _kernel() is not None else reference.error_lanes
+    """The function that computes :func:`~fp8ray.codec.reference.error_lanes` on ``device``:
+    :func:`error_lanes` where the kernel runs there and gives the torch ops' bits."""
+    if device.type != "cuda" or torch.version.cuda is None:
+        return reference.error_lanes
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return error_lanes if _checked(index) else reference.error_lanes
 
 
 def error_lanes(magnitudes: torch.Tensor, recips: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """:func:`fp8ray.codec.reference.error_lanes` of CUDA tensors, in one kernel."""
-    import triton
+    from .triton_lanes import square_lanes
 
     rows, length = magnitudes.shape
     magnitudes, recips = magnitudes.contiguous(), recips.contiguous()
@@ -40,7 +47,7 @@ def error_lanes(magnitudes: torch.Tensor, recips: torch.Tensor, fmt: Fp8Format) 
     if rows:
         shift = 23 - fmt.mantissa_bits  # nearest_with_mantissa on the bits
         with torch.cuda.device(magnitudes.device):  # Triton launches on the current device
-            _kernel()[(triton.cdiv(rows, ROWS),)](
+            square_lanes[(-(-rows // ROWS),)](
                 magnitudes,
                 recips,
                 lanes,
@@ -56,41 +63,30 @@ def error_lanes(magnitudes: torch.Tensor, recips: torch.Tensor, fmt: Fp8Format) 
 
 
 @functools.cache
-def _kernel():
-    """The Triton kernel, compiled on first use; None where Triton is not installed."""
+def _checked(index: int) -> bool:
+    """Whether the kernel runs on GPU ``index`` and equals the torch ops there, bit for bit,
+    on a sample: magnitudes from subnormal to large, rows of one chunk, several and a
+    short last one, both formats."""
     try:
-        import triton
-        import triton.language as tl
+        import triton  # noqa: F401
     except ImportError:
-        return None
-
-    @triton.jit
-    def square_lanes(
-        mag_ptr,
-        recip_ptr,
-        out_ptr,
-        rows,
-        LENGTH: tl.constexpr,
-        HALF: tl.constexpr,
-        KEEP: tl.constexpr,
-        ROWS: tl.constexpr,
-        LANES: tl.constexpr,
-    ):
-        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        lane = tl.arange(0, LANES)
-        live = row < rows
-        recip = tl.load(recip_ptr + row, mask=live, other=1.0)
-        base = row.to(tl.int64) * LENGTH
-        acc = tl.zeros([ROWS, LANES], dtype=tl.float32)
-        for start in range(0, LENGTH, LANES):
-            column = start + lane
-            inside = live[:, None] & (column < LENGTH)[None, :]
-            # Outside the row, 0: its error is 0 and fma(0, 0, acc) is acc, as the reference's padding.
-            m = tl.load(mag_ptr + base[:, None] + column[None, :], mask=inside, other=0.0)
-            q = m * recip[:, None]
-            nearest = ((q.to(tl.int32, bitcast=True) + HALF) & KEEP).to(tl.float32, bitcast=True)
-            d = nearest - q
-            acc = tl.fma(d, d, acc)
-        tl.store(out_ptr + row.to(tl.int64)[:, None] * LANES + lane[None, :], acc, mask=live[:, None])
-
-    return square_lanes
+        return False
+    device = torch.device("cuda", index)
+    g = torch.Generator().manual_seed(0)
+    try:
+        for fmt in FORMATS.values():
+            for rows, length in ((3, 16), (70, 32), (5, 130)):
+                mags = torch.exp2(torch.empty(rows, length).uniform_(-150, 10, generator=g)).to(device)
+                recips = torch.exp2(torch.empty(rows).uniform_(-12, 12, generator=g)).to(device)
+                if not torch.equal(
+                    error_lanes(mags, recips, fmt).view(torch.int32), reference.error_lanes(mags, recips, fmt).view(torch.int32)
+                ):
+                    warnings.warn(
+                        f"fp8ray: the scale search's Triton kernel differs from its torch ops on {device}; using the torch ops",
+                        stacklevel=2,
+                    )
+                    return False
+    except Exception as exc:  # a compile or launch failure: the torch ops still work
+        warnings.warn(f"fp8ray: the scale search's Triton kernel failed on {device} ({exc!r}); using the torch ops", stacklevel=2)
+        return False
+    return True

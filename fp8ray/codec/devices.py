@@ -25,9 +25,11 @@ def choose_device(device: str | None, gpus_given: bool) -> str:
 
 
 def host_buffer(nbytes: int, device: str | torch.device) -> np.ndarray:
-    """``nbytes`` of host memory for what travels to or from ``device``: for CUDA, pinned
-    (from torch's caching allocator, which takes it back once dropped), so that copies run
-    at the bus's speed, not through a bounce buffer (BENCHMARKS.md, "GPU")."""
+    """``nbytes`` of host memory for what travels to or from ``device``, to be reused: for
+    CUDA, pinned, so that copies run at the bus's speed, not through a bounce buffer
+    (BENCHMARKS.md, "GPU"). Pinned memory comes from torch's caching allocator, which keeps
+    it, locked, for the next request once dropped: for buffers a process keeps and reuses
+    (a GPU worker's), not for one-off results."""
     if torch.device(device).type == "cuda":
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
     return np.empty(nbytes, dtype=np.uint8)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import BadInputError, BlockError, CorruptFrameError, MismatchError, NonFiniteError
-from . import cpu, cuda_search, devices, frame, reference
+from . import cpu, cuda_search, frame, reference
 from .formats import DTYPE_NAMES, DTYPES, Fp8Format
 from .options import DEFAULT_OPTIONS, CodecOptions
 
@@ -128,17 +128,17 @@ class Fp8Codec:
         """Encode a tensor of any rank (0-d and empty included), contiguous or not.
 
         Returns a read-write ``memoryview`` over one freshly allocated buffer holding the
-        whole frame (``bytes(frame)`` copies it; ``np.frombuffer(frame, np.uint8)`` does not;
-        for a CUDA tensor the buffer is pinned host memory), or over ``out``, a writable 1-D
-        uint8 array of exactly :meth:`encoded_size` bytes (to lay many frames end to end in
-        one buffer; pinned, for CUDA tensors, where speed matters). ``threads``: how many
+        whole frame (``bytes(frame)`` copies it; ``np.frombuffer(frame, np.uint8)`` does not),
+        or over ``out``, a writable 1-D uint8 array of exactly :meth:`encoded_size` bytes
+        (to lay many frames end to end in one buffer; for CUDA tensors, pinned memory
+        reused from call to call is the fast way: :func:`fp8ray.codec.devices.host_buffer`). ``threads``: how many
         threads the CPU kernels (for a CUDA tensor, the checksum) may use for this call
         (default ``FP8RAY_NUM_THREADS``, else every CPU this process may use).
         """
         x = _check_tensor(tensor)
         header = self._header(x.shape, x.dtype)
         if out is None:
-            buf = devices.host_buffer(header.frame_size, x.device)  # pinned for a CUDA tensor
+            buf = np.empty(header.frame_size, dtype=np.uint8)
         elif not (
             isinstance(out, np.ndarray)
             and out.dtype == np.uint8
@@ -162,11 +162,12 @@ class Fp8Codec:
             nonfinite, codes_crc = cpu.quantize_checksummed(
                 x.contiguous(), self.fmt, self.scaling, self.block_size, codes, scales, *options, threads
             )
-            if bf16:
+            if bf16:  # as _scale_bytes does on a GPU; numpy here: a torch call costs small blocks more
                 stored.view("<u2")[:] = scales.view(np.uint32) >> 16  # exact: the low 16 bits are zero
         else:
+            lanes = cuda_search.lanes_for(x.device) if self.scale_choice == "mse" else reference.error_lanes
             ref_codes, ref_scales, nonfinite = reference.quantize(
-                x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep", *options, cuda_search.lanes_for(x.device)
+                x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep", *options, lanes
             )
             # Straight from the GPU into the frame, the scales narrowed there: no host copy in between.
             torch.from_numpy(codes).copy_(ref_codes)

@@ -23,6 +23,7 @@ import math
 import operator
 import os
 import struct
+import sys
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _json_string  # json.dumps's own, for its exact text
 
@@ -346,8 +347,8 @@ def create_presized(path: str, layout: SafetensorsLayout) -> None:
         allocate(f.fileno(), layout.file_bytes)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_fallocate = getattr(_libc, "fallocate", None)  # Linux; elsewhere files stay holes
+# Linux's fallocate(2) (64-bit offsets); elsewhere files stay holes.
+_fallocate = getattr(ctypes.CDLL(None, use_errno=True), "fallocate64", None) if sys.platform.startswith("linux") else None
 if _fallocate is not None:
     _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
@@ -359,11 +360,12 @@ def allocate(fd: int, size: int) -> None:
     stays a hole; any other failure (ENOSPC: a full disk) raises. Not
     ``os.posix_fallocate``: glibc emulates that by writing every block, a file's worth
     of small writes on a network filesystem."""
-    if _fallocate is None or _fallocate(fd, 0, 0, size) == 0:
-        return
-    err = ctypes.get_errno()
-    if err not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-        raise OSError(err, os.strerror(err))
+    while _fallocate is not None and _fallocate(fd, 0, 0, size) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return
+        if err != errno.EINTR:  # a signal: again
+            raise OSError(err, os.strerror(err))
 
 
 class RangeWriter:

@@ -261,9 +261,18 @@ def test_writer_leaves_nothing_when_it_fails(tmp_path):
 def test_a_presized_file_is_its_header_then_zeros_allocated_or_not(tmp_path, monkeypatch):
     layout = SafetensorsLayout.of([("a", "bfloat16", (3, 1000)), ("b", "float32", (5,))], {"m": "1"})
     path = tmp_path / "kv.safetensors"
+    calls = []
+    real = fp8ray.io.safetensors._fallocate or (lambda *args: 0)  # not Linux: as if allocated
+
+    def recording(fd, mode, offset, length):
+        calls.append((mode, offset, length))
+        return real(fd, mode, offset, length)
+
+    monkeypatch.setattr(fp8ray.io.safetensors, "_fallocate", recording)
     create_presized(str(path), layout)
     expected = layout.prefix + bytes(layout.file_bytes - len(layout.prefix))
     assert path.read_bytes() == expected
+    assert calls == [(0, 0, layout.file_bytes)]  # the whole file asked for
     # A filesystem that cannot allocate leaves a hole: the same bytes.
     for code in (errno.EOPNOTSUPP, errno.EINVAL):
         monkeypatch.setattr(fp8ray.io.safetensors, "_fallocate", failing_fallocate(code))
