@@ -131,9 +131,9 @@ class Fp8Codec:
         whole frame (``bytes(frame)`` copies it; ``np.frombuffer(frame, np.uint8)`` does not),
         or over ``out``, a writable 1-D uint8 array of exactly :meth:`encoded_size` bytes
         (to lay many frames end to end in one buffer; for CUDA tensors, pinned memory
-        reused from call to call is the fast way: :func:`fp8ray.codec.devices.host_buffer`). ``threads``: how many
-        threads the CPU kernels (for a CUDA tensor, the checksum) may use for this call
-        (default ``FP8RAY_NUM_THREADS``, else every CPU this process may use).
+        reused from call to call is the fast way: :func:`fp8ray.codec.devices.host_buffer`).
+        ``threads``: how many threads the CPU kernels (for a CUDA tensor, the checksum) may
+        use for this call (default ``FP8RAY_NUM_THREADS``, else every CPU this process may use).
         """
         x = _check_tensor(tensor)
         header = self._header(x.shape, x.dtype)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from ..errors import MismatchError
+
 _OFFSETS = {pa.string(): np.int32, pa.binary(): np.int32, pa.large_string(): np.int64, pa.large_binary(): np.int64}
 INT32_OFFSETS_MAX = 2**31 - 1  # past it, a string or binary column takes several chunks
 
@@ -19,7 +21,7 @@ def table(columns: dict, schema: pa.Schema) -> pa.Table:
     """The table of ``schema`` holding ``columns`` (by name: lists of values, or Arrow
     arrays of the field's type); what ``pa.table(columns, schema=schema)`` gives."""
     if set(columns) != set(schema.names):
-        raise ValueError(f"columns {sorted(columns)} do not match the schema's {sorted(schema.names)}")
+        raise MismatchError(f"columns {sorted(columns)} do not match the schema's {sorted(schema.names)}")
     return pa.Table.from_arrays([column(columns[field.name], field.type) for field in schema], schema=schema)
 
 

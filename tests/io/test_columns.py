@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 
 from fp8ray.data.batches import RAW_FILE_SCHEMA, RAW_SCHEMA
+from fp8ray.errors import MismatchError
 from fp8ray.io import archive, columns
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,9 +83,9 @@ def test_a_column_past_32_bit_offsets_goes_to_pyarrow(monkeypatch, arrow_type):
 
 def test_bad_columns_are_named():
     schema = pa.schema([("key", pa.string()), ("size", pa.int32())])
-    with pytest.raises(ValueError, match="'extra'"):
+    with pytest.raises(MismatchError, match="'extra'"):
         columns.table({"key": [], "size": [], "extra": []}, schema)
-    with pytest.raises(ValueError, match="'size'"):
+    with pytest.raises(MismatchError, match="'size'"):
         columns.table({"key": []}, schema)
     with pytest.raises(OverflowError):
         columns.table({"key": ["a"], "size": [2**31]}, schema)
