@@ -12,7 +12,6 @@ everywhere (its key first in the message, fp8ray's own exception class).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ import torch
 
 from ..errors import BadInputError, BlockError, MismatchError, block_error
 from . import frame
+from .devices import host_tensor
 from .formats import DTYPE_NAMES, DTYPES_BY_NAME
 from .fp8codec import Fp8Codec, decode
 from .runs import decode_run, encode_run, fits_run, runs_of, small
@@ -87,10 +87,7 @@ def bytes_to_tensor(data: np.ndarray, dtype: str, shape) -> torch.Tensor:
     the codec never writes to its input)."""
     if data.size == 0:  # torch cannot view an empty array of another itemsize
         return torch.empty(tuple(shape), dtype=DTYPES_BY_NAME[dtype])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        flat = torch.from_numpy(data.view(np.uint8))
-    return flat.view(DTYPES_BY_NAME[dtype]).reshape(tuple(shape))
+    return host_tensor(data.view(np.uint8)).view(DTYPES_BY_NAME[dtype]).reshape(tuple(shape))
 
 
 def tensor_to_bytes(t: torch.Tensor) -> np.ndarray:

@@ -72,21 +72,37 @@ def _checked(index: int) -> bool:
     except ImportError:
         return False
     device = torch.device("cuda", index)
-    g = torch.Generator().manual_seed(0)
     try:
-        for fmt in FORMATS.values():
-            for rows, length in ((3, 16), (70, 32), (5, 130)):
-                mags = torch.exp2(torch.empty(rows, length).uniform_(-150, 10, generator=g)).to(device)
-                recips = torch.exp2(torch.empty(rows).uniform_(-12, 12, generator=g)).to(device)
-                if not torch.equal(
-                    error_lanes(mags, recips, fmt).view(torch.int32), reference.error_lanes(mags, recips, fmt).view(torch.int32)
-                ):
-                    warnings.warn(
-                        f"fp8ray: the scale search's Triton kernel differs from its torch ops on {device}; using the torch ops",
-                        stacklevel=2,
-                    )
-                    return False
+        differences = differences_from_torch_ops(device, ((3, 16), (70, 32), (5, 130)))
     except Exception as exc:  # a compile or launch failure: the torch ops still work
         warnings.warn(f"fp8ray: the scale search's Triton kernel failed on {device} ({exc!r}); using the torch ops", stacklevel=2)
         return False
-    return True
+    if differences:
+        warnings.warn(
+            f"fp8ray: the scale search's Triton kernel differs from its torch ops on {device} "
+            f"({differences[0]}); using the torch ops",
+            stacklevel=2,
+        )
+    return not differences
+
+
+def differences_from_torch_ops(device: torch.device, shapes) -> list[str]:
+    """The kernel against :func:`fp8ray.codec.reference.error_lanes` on ``device``, bit for
+    bit, for rows x length in ``shapes`` and both formats: magnitudes from subnormal to
+    large, reciprocals from 2**-12 to 2**12. Each difference named by format, shape and
+    first differing lane."""
+    g = torch.Generator().manual_seed(0)
+    differences = []
+    for fmt in FORMATS.values():
+        for rows, length in shapes:
+            mags = torch.exp2(torch.empty(rows, length).uniform_(-150, 10, generator=g)).to(device)
+            recips = torch.exp2(torch.empty(rows).uniform_(-12, 12, generator=g)).to(device)
+            expected, got = reference.error_lanes(mags, recips, fmt), error_lanes(mags, recips, fmt)
+            unequal = (expected.view(torch.int32) != got.view(torch.int32)).flatten().nonzero()
+            if unequal.numel():
+                i = int(unequal[0])
+                differences.append(
+                    f"{fmt.name}, {rows} x {length}: lane {i} is {got.flatten()[i].item()!r}, "
+                    f"its torch ops give {expected.flatten()[i].item()!r}"
+                )
+    return differences

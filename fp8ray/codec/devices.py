@@ -4,6 +4,8 @@ CUDA path equals the CPU kernels bit for bit)."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -22,6 +24,14 @@ def choose_device(device: str | None, gpus_given: bool) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise InvalidOptionError("device 'cuda' was asked for, but torch sees no CUDA device", field="device")
     return device
+
+
+def host_tensor(array: np.ndarray) -> torch.Tensor:
+    """A zero-copy CPU tensor over a host array, read-only ones included (the codec only
+    reads them: torch's warning about it is silenced)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
 
 
 def host_buffer(nbytes: int, device: str | torch.device) -> np.ndarray:

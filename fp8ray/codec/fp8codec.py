@@ -13,13 +13,12 @@ the scale convention is in :mod:`fp8ray.codec.formats`; the frame layout in
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
 
 from ..errors import BadInputError, BlockError, CorruptFrameError, MismatchError, NonFiniteError
 from . import cpu, cuda_search, frame, reference
+from .devices import host_tensor
 from .formats import DTYPE_NAMES, DTYPES, Fp8Format
 from .options import DEFAULT_OPTIONS, CodecOptions
 
@@ -228,8 +227,8 @@ def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int |
     else:
         frame.verify(buf, header, cpu.crc32c(codes, threads))
         result = reference.dequantize(
-            _to_device(codes, target),
-            _to_device(scales, target),
+            host_tensor(codes).to(target),
+            host_tensor(scales).to(target),
             header.fmt,
             header.scaling,
             header.shape,
@@ -248,14 +247,6 @@ def _scale_bytes(scales: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     if scale_dtype == "bfloat16":
         scales = (scales.view(torch.int32) >> 16).to(torch.int16)
     return scales.view(torch.uint8)
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A copy on ``device`` of a host array, taken straight from its memory (a read-only
-    frame too: it is only read)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(array).to(device)
 
 
 def encoded_size(shape, dtype: torch.dtype, **options) -> int:

@@ -439,8 +439,8 @@ def read_part(
 def _parquet_table(source, columns: list[str] | None) -> pa.Table:
     """The ``columns`` of a Parquet file (all where None), each one required. Read with
     ``pq.ParquetFile``: ``pq.read_table`` goes through ``pyarrow.dataset``, which imports
-    pandas (0.14 s of a one-shot command's start, 0.2 s of every fresh worker's first part), and ``ParquetFile`` skips a column it
-    lacks, so that is checked here."""
+    pandas (0.14 s of a one-shot command's start, 0.2 s of every fresh worker's first
+    part), and ``ParquetFile`` skips a column it lacks, so that is checked here."""
     table = pq.ParquetFile(source).read(columns=columns)
     missing = [name for name in columns or () if name not in table.column_names]
     if missing:
