@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import Fp8rayError
-from .interrupts import interrupted_state, interrupts
+from .interrupts import forget_caught_interrupt, interrupted_state, interrupts
 
 # Which extra brings a missing module (pyproject.toml [project.optional-dependencies]).
 EXTRAS = (
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             args = build_parser().parse_args(argv)
             return _run(args)
         except KeyboardInterrupt:  # SIGINT or SIGTERM (interrupts), once the clean-up has run
+            forget_caught_interrupt()
             if args is None:  # interrupted while parsing: what the command would have touched
                 args = _parsed_quietly(argv)
             print(f"fp8ray: interrupted: {interrupted_state(args)}", file=sys.stderr, flush=True)

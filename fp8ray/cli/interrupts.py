@@ -69,6 +69,16 @@ class interrupts:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
+def forget_caught_interrupt() -> None:
+    """Tell CPython that the :class:`KeyboardInterrupt` just caught was handled. One raised
+    inside code run from a string (``exec``/``eval`` of text: numba's and dataclasses'
+    generated functions are) sets a flag that, under ``python -m``, makes the interpreter
+    kill itself with SIGINT once it has exited, whatever the exit code (CPython's
+    ``run_eval_code_obj``; exit -2 instead of 130, after the one line). The start of any
+    string ``exec`` clears that flag."""
+    exec("", {})
+
+
 def _importing(frame) -> bool:
     """Whether ``frame`` runs inside the import of a module other than fp8ray's own (whose
     modules, plain Python, load again cleanly after an interrupted import)."""

@@ -161,6 +161,29 @@ def test_ctrl_c_while_the_command_starts_exits_130_in_one_line(source, tmp_path,
     assert took < 30, f"took {took:.1f} s to end"
 
 
+def test_an_interrupt_caught_in_code_run_from_a_string_still_exits_130(tmp_path):
+    """A KeyboardInterrupt raised inside ``exec`` of text (numba's generated code, where
+    Ctrl-C at about 1.2 s lands) and caught by the command: under ``python -m`` CPython
+    would kill the process with SIGINT at exit (-2) unless the command says it handled it."""
+    package = tmp_path / "interrupted_in_exec"
+    package.mkdir()
+    (package / "__main__.py").write_text(
+        "import sys\n"
+        "import fp8ray.cli\n"
+        "fp8ray.cli._run = lambda args: exec('raise KeyboardInterrupt', {})\n"
+        "sys.exit(fp8ray.cli.main(['inspect', 'nowhere']))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", package.name],
+        env=dict(env(), PYTHONPATH=f"{REPO}:{tmp_path}"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 130, f"exit {result.returncode}: {result.stderr[-2000:]}"
+    assert result.stderr.startswith("fp8ray: interrupted: "), result.stderr[-2000:]
+
+
 def test_bench_startup_prints_help_beside_the_bare_interpreter(capsys):
     import re
 
