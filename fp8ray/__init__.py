@@ -27,11 +27,21 @@ from .errors import (
 
 __version__ = "0.1.0"
 
-# The codec imports torch, the engine Ray, the eval layer transformers, each taking
+# The codec's tensor paths import torch, the engine Ray, the eval layer transformers, each taking
 # seconds: load them on first use only (``import fp8ray`` and ``fp8ray --help`` stay fast).
 _LAZY = {
     **dict.fromkeys(
-        ("DEFAULT_BLOCK_SIZE", "E4M3FN", "E5M2", "CodecOptions", "Fp8Codec", "Fp8Format", "decode", "encoded_size"),
+        (
+            "DEFAULT_BLOCK_SIZE",
+            "E4M3FN",
+            "E5M2",
+            "CodecOptions",
+            "Fp8Codec",
+            "Fp8Format",
+            "decode",
+            "decode_raw",
+            "encoded_size",
+        ),
         "fp8ray.codec",
     ),
     "QuantPool": "fp8ray.engine.pool",

@@ -21,7 +21,6 @@ import numpy as np  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from fp8ray import CodecOptions, Fp8Codec  # noqa: E402
-from fp8ray.codec.formats import DTYPES_BY_NAME  # noqa: E402
 from fp8ray.engine.worker import QuantWorker  # noqa: E402
 from fp8ray.eval.sample import sample_kv_chunk  # noqa: E402
 from fp8ray.io import archive  # noqa: E402
@@ -52,7 +51,7 @@ def main() -> None:
             t0 = time.perf_counter()
             [data] = read_blocks([ref])
             t1 = time.perf_counter()
-            size = codec.encoded_size(ref.shape, DTYPES_BY_NAME[ref.dtype])
+            size = codec.encoded_size(ref.shape, ref.dtype)
             frames = np.empty(size, np.uint8)
             codec.encode(bytes_to_tensor(data, ref.dtype, ref.shape), out=frames)
             t2 = time.perf_counter()

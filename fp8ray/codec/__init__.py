@@ -1,4 +1,5 @@
-"""The codec layer: pure transforms between tensors and fp8 frames. No Ray, no files.
+"""The codec layer: pure transforms between tensors (or their raw bytes) and fp8 frames.
+No Ray, no files; torch only where a tensor is given or asked for.
 
 - :mod:`~fp8ray.codec.names`: the options' names, values, wire codes and the default
   mode, without torch (what the command line's help needs).
@@ -21,6 +22,7 @@ _LAZY = {
     "DEFAULT_BLOCK_SIZE": "fp8codec",
     "Fp8Codec": "fp8codec",
     "decode": "fp8codec",
+    "decode_raw": "fp8codec",
     "encoded_size": "fp8codec",
     "E4M3FN": "formats",
     "E5M2": "formats",

@@ -16,13 +16,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..errors import BadInputError, BlockError, MismatchError, block_error
-from . import frame
-from .devices import host_tensor
-from .formats import DTYPE_NAMES, DTYPES_BY_NAME
-from .fp8codec import Fp8Codec, decode
+from . import formats, frame
+from .formats import DTYPE_ITEMSIZES
+from .fp8codec import Fp8Codec, decode, decode_raw
 from .runs import decode_run, encode_run, fits_run, runs_of, small
 
 
@@ -41,7 +39,7 @@ class BlockSpec:
         # 3.11's took 2 us a block).
         known = self.__dict__.get("_nbytes")
         if known is None:
-            known = self.__dict__["_nbytes"] = math.prod(self.shape) * DTYPES_BY_NAME[self.dtype].itemsize
+            known = self.__dict__["_nbytes"] = math.prod(self.shape) * DTYPE_ITEMSIZES[self.dtype]
         return known
 
 
@@ -53,9 +51,9 @@ class Block(BlockSpec):
     data: np.ndarray
 
     def __post_init__(self):
-        if self.dtype not in DTYPES_BY_NAME:
+        if self.dtype not in DTYPE_ITEMSIZES:
             raise BlockError(
-                f"block {self.key!r}: unsupported dtype {self.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}", field=self.key
+                f"block {self.key!r}: unsupported dtype {self.dtype!r}; expected one of {sorted(DTYPE_ITEMSIZES)}", field=self.key
             )
         if not isinstance(self.data, np.ndarray) or self.data.dtype != np.uint8 or self.data.ndim != 1:
             raise BlockError(
@@ -69,35 +67,41 @@ class Block(BlockSpec):
             )
 
     @classmethod
-    def of(cls, key: str, tensor: torch.Tensor) -> Block:
+    def of(cls, key: str, tensor) -> Block:
         """The block of a bf16/fp16/fp32 tensor (its bytes copied to the CPU if needed)."""
-        if tensor.dtype not in DTYPE_NAMES:  # refused by its key, as __post_init__ refuses a dtype name
+        if tensor.dtype not in formats.DTYPE_NAMES:  # refused by its key, as __post_init__ refuses a dtype name
             raise BlockError(
-                f"block {key!r}: unsupported dtype {tensor.dtype}; expected one of {sorted(DTYPES_BY_NAME)}", field=key
+                f"block {key!r}: unsupported dtype {tensor.dtype}; expected one of {sorted(DTYPE_ITEMSIZES)}", field=key
             )
         return cls(key, dtype_name(tensor), tuple(tensor.shape), tensor_to_bytes(tensor.cpu()))
 
-    def tensor(self) -> torch.Tensor:
+    def tensor(self):
         """A zero-copy CPU tensor view of the block's bytes."""
         return bytes_to_tensor(self.data, self.dtype, self.shape)
 
 
-def bytes_to_tensor(data: np.ndarray, dtype: str, shape) -> torch.Tensor:
+def bytes_to_tensor(data: np.ndarray, dtype: str, shape):
     """A zero-copy tensor view of raw little-endian bytes (read-only buffers included:
-    the codec never writes to its input)."""
+    the codec never writes to its input). Loads torch."""
+    import torch
+
+    from .devices import host_tensor
+
     if data.size == 0:  # torch cannot view an empty array of another itemsize
-        return torch.empty(tuple(shape), dtype=DTYPES_BY_NAME[dtype])
-    return host_tensor(data.view(np.uint8)).view(DTYPES_BY_NAME[dtype]).reshape(tuple(shape))
+        return torch.empty(tuple(shape), dtype=formats.DTYPES_BY_NAME[dtype])
+    return host_tensor(data.view(np.uint8)).view(formats.DTYPES_BY_NAME[dtype]).reshape(tuple(shape))
 
 
-def tensor_to_bytes(t: torch.Tensor) -> np.ndarray:
+def tensor_to_bytes(t) -> np.ndarray:
     """The raw little-endian bytes of a contiguous CPU tensor, as a uint8 array view."""
+    import torch  # loaded already: the caller has a tensor
+
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def dtype_name(t: torch.Tensor) -> str:
+def dtype_name(t) -> str:
     """fp8ray's name of a tensor's dtype (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
-    return DTYPE_NAMES[t.dtype]
+    return formats.DTYPE_NAMES[t.dtype]
 
 
 def frame_sizes(codec: Fp8Codec, blocks: Sequence[BlockSpec]) -> list[int]:
@@ -109,9 +113,9 @@ def frame_sizes(codec: Fp8Codec, blocks: Sequence[BlockSpec]) -> list[int]:
             kind = (b.dtype, tuple(b.shape))
             size = known.get(kind)
             if size is None:
-                if b.dtype not in DTYPES_BY_NAME:
-                    raise TypeError(f"unsupported dtype {b.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
-                size = known[kind] = codec.encoded_size(b.shape, DTYPES_BY_NAME[b.dtype])
+                if b.dtype not in DTYPE_ITEMSIZES:
+                    raise TypeError(f"unsupported dtype {b.dtype!r}; expected one of {sorted(DTYPE_ITEMSIZES)}")
+                size = known[kind] = codec.encoded_size(b.shape, b.dtype)
         except (ValueError, TypeError) as exc:
             raise block_error(b.key, exc) from exc
         sizes.append(size)
@@ -120,7 +124,7 @@ def frame_sizes(codec: Fp8Codec, blocks: Sequence[BlockSpec]) -> list[int]:
 
 def encode_tensors_into(
     codec: Fp8Codec,
-    named: Iterable[tuple[str, torch.Tensor]],
+    named: Iterable[tuple[str, object]],
     out: np.ndarray,
     sizes: Sequence[int],
     *,
@@ -176,20 +180,21 @@ def encode_data_into(
     the caller has them so (a :class:`~fp8ray.io.blocks.BlockReader` does): runs of small
     blocks are encoded from it, not from a copy of their bytes put end to end."""
     sizes = list(sizes) if sizes is not None else frame_sizes(codec, specs)
-
-    def tensors(start: int, stop: int) -> Iterable[tuple[str, torch.Tensor]]:
-        return ((specs[i].key, bytes_to_tensor(data[i], specs[i].dtype, specs[i].shape)) for i in range(start, stop))
-
     if device != "cpu":
-        encode_tensors_into(codec, ((key, t.to(device)) for key, t in tensors(0, len(specs))), out, sizes, threads=threads)
+        tensors = ((spec.key, bytes_to_tensor(d, spec.dtype, spec.shape).to(device)) for spec, d in zip(specs, data))
+        encode_tensors_into(codec, tensors, out, sizes, threads=threads)
         return sizes
     if sum(sizes) > out.size:
         raise BadInputError(f"out holds {out.size} bytes, the frames of {len(sizes)} blocks need {sum(sizes)}")
     ends = np.cumsum([0, *sizes]).tolist()
     done = 0  # blocks before this one are encoded
 
-    def one_at_a_time(start: int, stop: int) -> None:
-        encode_tensors_into(codec, tensors(start, stop), out[ends[start] : ends[stop]], sizes[start:stop], threads=threads)
+    def one_at_a_time(start: int, stop: int) -> None:  # from the bytes: no torch on the CPU
+        for i in range(start, stop):
+            try:
+                codec.encode_raw(data[i], specs[i].dtype, specs[i].shape, out=out[ends[i] : ends[i + 1]], threads=threads)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                raise block_error(specs[i].key, exc) from exc
 
     runs = runs_of(specs, lambda b: fits_run(codec.scaling, codec.block_size, b.dtype, b.shape))
     raw_ends = np.cumsum([0, *(spec.nbytes for spec in specs)]).tolist() if runs and joined is not None else None
@@ -218,7 +223,7 @@ def read_headers(frames: Sequence[tuple[str, object]]) -> list[frame.FrameHeader
 
 def decode_frames_into(
     frames: Iterable[tuple[str, object]],
-    targets: Iterable[torch.Tensor],
+    targets: Iterable,
     *,
     device: str | None = None,
     threads: int | None = None,
@@ -229,6 +234,8 @@ def decode_frames_into(
     the target's (``"cuda"`` into a CPU target: on the GPU, then copied). A frame that
     fails (damaged, or holding another dtype or shape) raises naming it (and ``where``
     the frames are, after its name: ``" in part-00003.parquet"``)."""
+    import torch  # loaded already: the targets are tensors
+
     for (name, f), target in zip(frames, targets, strict=True):
         try:
             if device is None or torch.device(device) == target.device:
@@ -260,15 +267,22 @@ def decode_into(
     ``device``: where to decode (``"cuda"``: on the GPU, then copied back). A frame that
     fails raises naming its key (and ``where``, as :func:`decode_frames_into`)."""
     if specs is None:
-        specs = [BlockSpec(key, DTYPE_NAMES[h.dtype], h.shape) for (key, _), h in zip(frames, read_headers(frames))]
+        specs = [BlockSpec(key, h.dtype, h.shape) for (key, _), h in zip(frames, read_headers(frames))]
     ends = np.cumsum([spec.nbytes for spec in specs], dtype=np.int64).tolist()
     if ends and ends[-1] > out.size:
         raise BadInputError(f"out holds {out.size} bytes, the blocks of {len(frames)} frames need {ends[-1]}")
     starts = [end - spec.nbytes for spec, end in zip(specs, ends)]
 
     def one_at_a_time(start: int, stop: int) -> None:
-        targets = (bytes_to_tensor(out[starts[i] : ends[i]], specs[i].dtype, specs[i].shape) for i in range(start, stop))
-        decode_frames_into(frames[start:stop], targets, device=device, threads=threads, where=where)
+        if device != "cpu":
+            targets = (bytes_to_tensor(out[starts[i] : ends[i]], specs[i].dtype, specs[i].shape) for i in range(start, stop))
+            decode_frames_into(frames[start:stop], targets, device=device, threads=threads, where=where)
+            return
+        for i in range(start, stop):  # into the bytes: no torch on the CPU
+            try:
+                decode_raw(frames[i][1], specs[i].dtype, specs[i].shape, out=out[starts[i] : ends[i]], threads=threads)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                raise block_error(frames[i][0], exc, where) from exc
 
     done = 0
     if device == "cpu":

@@ -19,16 +19,18 @@ to non-finite values.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+from .formats import Fp8Format, dtype_name
 
-from .formats import Fp8Format
+if TYPE_CHECKING:
+    import torch
 
 ARITHMETIC = 2.0**-22
 FP32_SUBNORMAL = 2.0**-149
 # Output rounding of each dtype: unit roundoff, and half its smallest subnormal.
-OUTPUT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}
-OUTPUT_HALF_SUBNORMAL = {torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25, torch.float32: 2.0**-150}
+OUTPUT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 0.0}
+OUTPUT_HALF_SUBNORMAL = {"bfloat16": 2.0**-134, "float16": 2.0**-25, "float32": 2.0**-150}
 
 
 def bound_constants(fmt: Fp8Format, scaling: str) -> dict[str, float]:
@@ -45,6 +47,8 @@ def bound_constants(fmt: Fp8Format, scaling: str) -> dict[str, float]:
 
 def element_scales(scales: torch.Tensor, scaling: str, shape: tuple[int, ...], block_size: int) -> torch.Tensor:
     """The scale that applies to each element, flat, in row-major order."""
+    import torch  # the bound is checked on tensors: loaded with them
+
     numel = math.prod(shape)
     last = shape[-1] if shape else 1
     if scaling == "none":
@@ -65,9 +69,9 @@ def element_bound(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, constan
     return (
         constants["relative"] * xa
         + scale.double().reshape(-1) * constants["per_scale"]
-        + OUTPUT_ROUNDOFF[y.dtype] * ya
+        + OUTPUT_ROUNDOFF[dtype_name(y.dtype)] * ya
         + ARITHMETIC * (xa + ya)
-        + OUTPUT_HALF_SUBNORMAL[y.dtype]
+        + OUTPUT_HALF_SUBNORMAL[dtype_name(y.dtype)]
         + FP32_SUBNORMAL
     )
 
@@ -77,6 +81,8 @@ def check_within_bound(
 ) -> tuple[float, float] | None:
     """``None`` when every element of ``y`` is within the bound of ``x``; else the block's
     relative Frobenius error and the relative error the bound allows, ``(error, bound)``."""
+    import torch
+
     x64 = x.double().reshape(-1)
     finite = torch.isfinite(x64)
     if constants.get("clamp"):

@@ -13,10 +13,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import torch
 
 from . import checksum, kernels
-from .formats import SCALE_MASKS, Fp8Format, scale_candidates
+from .formats import KERNEL_TYPES, SCALE_MASKS, Fp8Format, scale_candidates
 
 # Elements per task: big enough to amortise a thread hand-off (~10 us), small enough
 # to balance two to a few dozen cores.
@@ -60,18 +59,21 @@ def _spans(count: int, per_task: int, threads: int | None) -> list[tuple[int, in
     return list(zip(bounds, bounds[1:]))
 
 
-def as_flat_array(t: torch.Tensor) -> np.ndarray:
-    """A flat numpy view of a contiguous CPU bf16/fp16/fp32 tensor (bf16 as uint16 bits, fp16 as int16 bits)."""
+def kernel_array(t) -> np.ndarray:
+    """A numpy view of a contiguous CPU bf16/fp16/fp32 tensor, its shape kept, holding its
+    elements as the kernels take them (:data:`~fp8ray.codec.formats.KERNEL_TYPES`)."""
+    import torch  # loaded already: the caller has a tensor
+
+    from .formats import DTYPE_NAMES
+
     flat = t.reshape(-1)
-    if t.dtype == torch.bfloat16:
-        return flat.view(torch.int16).numpy().view(np.uint16)
-    if t.dtype == torch.float16:
-        return flat.view(torch.int16).numpy()
-    return flat.numpy()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        flat = flat.view(torch.int16)  # numpy has no bfloat16: the bits, of the same size
+    return flat.numpy().view(KERNEL_TYPES[DTYPE_NAMES[t.dtype]]).reshape(tuple(t.shape))
 
 
 def quantize(
-    x: torch.Tensor,
+    x: np.ndarray,
     fmt: Fp8Format,
     scaling: str,
     block_size: int,
@@ -82,7 +84,8 @@ def quantize(
     threads: int | None = None,
 ) -> int:
     """Fill ``codes`` (uint8, numel) and ``scales`` (fp32, values of ``scale_dtype``) for
-    contiguous CPU ``x``; ``scale_choice`` applies to token and block scaling.
+    ``x``, a C-contiguous array of the tensor's shape holding its elements as the kernels
+    take them (:func:`kernel_array`); ``scale_choice`` applies to token and block scaling.
 
     Returns the number of non-finite inputs (their codes are the format's NaN/inf codes).
     """
@@ -91,7 +94,7 @@ def quantize(
 
 
 def quantize_checksummed(
-    x: torch.Tensor,
+    x: np.ndarray,
     fmt: Fp8Format,
     scaling: str,
     block_size: int,
@@ -124,7 +127,7 @@ def _encode_tasks(x, fmt, scaling, block_size, codes, scales, scale_dtype, scale
     ``(callable returning its count of non-finite inputs, (start, stop))``, the ranges in
     order and covering ``codes``. Scales that need a pass of their own (tensor, channel)
     are computed here."""
-    src = as_flat_array(x)
+    src = x.reshape(-1)
     n = src.size
     tag = kernels.FORMAT_TAGS[fmt.name]
     fmax = np.float32(fmt.max)
@@ -178,10 +181,11 @@ def dequantize(
     scaling: str,
     shape: tuple[int, ...],
     block_size: int,
-    out: torch.Tensor,
+    out: np.ndarray,
     threads: int | None = None,
 ) -> None:
-    """Decode ``codes`` with ``scales`` into the contiguous CPU tensor ``out``."""
+    """Decode ``codes`` with ``scales`` into ``out``, a C-contiguous array holding the
+    elements as the kernels write them (:func:`kernel_array` of the target tensor)."""
     _run([task for task, _ in _decode_tasks(codes, scales, fmt, scaling, shape, block_size, out, threads)], threads)
 
 
@@ -192,7 +196,7 @@ def dequantize_checksummed(
     scaling: str,
     shape: tuple[int, ...],
     block_size: int,
-    out: torch.Tensor,
+    out: np.ndarray,
     threads: int | None = None,
 ) -> int:
     """:func:`dequantize`, and the CRC-32C of ``codes``: each task takes that of the codes
@@ -205,7 +209,7 @@ def dequantize_checksummed(
 def _decode_tasks(codes, scales, fmt, scaling, shape, block_size, out, threads) -> list:
     """The tasks of :func:`dequantize`, each with the range of ``codes`` it reads:
     ``(callable, (start, stop))``, the ranges in order and covering ``codes``."""
-    dst = as_flat_array(out)
+    dst = out.reshape(-1)  # a view: out is contiguous
     tag = kernels.FORMAT_TAGS[fmt.name]
     n = codes.size
     if scaling in ("none", "tensor"):

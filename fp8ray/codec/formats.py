@@ -31,9 +31,11 @@ Two options refine the scale, both applied in fp32 after the rules above:
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
+from functools import cache
 
-import torch
+import numpy as np
 
 from ..errors import InvalidOptionError
 from .names import DTYPE_CODES, FP8_CODES, NONFINITE_POLICIES, SCALE_CHOICES, SCALE_DTYPES, SCALINGS, SEARCHED_SCALINGS  # noqa: F401 (re-exported: the formats module names them all)
@@ -43,11 +45,10 @@ SMALLEST_NORMAL_SCALE = 2.0**-126
 
 @dataclass(frozen=True)
 class Fp8Format:
-    """One fp8 format: its name, torch dtype, wire code and the constants the kernels need."""
+    """One fp8 format: its name, wire code and the constants the kernels need."""
 
     name: str
     code: int
-    dtype: torch.dtype
     mantissa_bits: int
     exponent_bias: int
     max: float  # finfo.max, the clamp bound
@@ -57,11 +58,18 @@ class Fp8Format:
     posinf_code: int  # code written for +inf under nonfinite="keep"
     neginf_code: int  # code written for -inf under nonfinite="keep"
 
+    @property
+    def dtype(self):
+        """The torch dtype (``torch.float8_e4m3fn``). torch is loaded here, on first use:
+        the CPU path from raw bytes (``fp8ray compress``) runs without it."""
+        import torch
+
+        return getattr(torch, f"float8_{self.name}")
+
 
 E4M3FN = Fp8Format(
     name="e4m3fn",
     code=FP8_CODES["e4m3fn"],
-    dtype=torch.float8_e4m3fn,
     mantissa_bits=3,
     exponent_bias=7,
     max=448.0,
@@ -75,7 +83,6 @@ E4M3FN = Fp8Format(
 E5M2 = Fp8Format(
     name="e5m2",
     code=FP8_CODES["e5m2"],
-    dtype=torch.float8_e5m2,
     mantissa_bits=2,
     exponent_bias=15,
     max=57344.0,
@@ -88,16 +95,58 @@ E5M2 = Fp8Format(
 
 FORMATS = {f.name: f for f in (E4M3FN, E5M2)}
 FORMATS_BY_CODE = {f.code: f for f in FORMATS.values()}
-FORMATS_BY_DTYPE = {f.dtype: f for f in FORMATS.values()}
 
 # Scaling modes (names.SCALINGS, with their wire codes).
 SCALINGS_BY_CODE = {v: k for k, v in SCALINGS.items()}
 
-# Source dtypes and their wire codes (names.DTYPE_CODES, by torch's names).
-DTYPES_BY_NAME = {name: getattr(torch, name) for name in DTYPE_CODES}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES_BY_NAME.items()}
-DTYPES = {dtype: DTYPE_CODES[name] for name, dtype in DTYPES_BY_NAME.items()}
-DTYPES_BY_CODE = {v: k for k, v in DTYPES.items()}
+# Source dtypes by name (names.DTYPE_CODES, torch's names): their wire codes, bytes per
+# element, and the numpy type the kernels see their elements as (bfloat16 as uint16
+# bits, float16 as int16 bits: see fp8ray.codec.kernels).
+DTYPE_NAMES_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
+DTYPE_ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KERNEL_TYPES = {"float32": np.float32, "float16": np.int16, "bfloat16": np.uint16}
+
+
+def __getattr__(name: str):
+    """The tables keyed by torch dtypes, built on first use (loading torch takes about a
+    second, which the CPU path from raw bytes does without): ``DTYPES_BY_NAME`` (name ->
+    torch dtype), ``DTYPE_NAMES`` (torch dtype -> name), ``DTYPES`` (torch dtype -> wire
+    code) and ``FORMATS_BY_DTYPE`` (torch fp8 dtype -> format)."""
+    if name in TORCH_TABLES:
+        return _torch_tables()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+TORCH_TABLES = ("DTYPES_BY_NAME", "DTYPE_NAMES", "DTYPES", "FORMATS_BY_DTYPE")
+
+
+@cache
+def _torch_tables() -> dict:
+    import torch
+
+    by_name = {name: getattr(torch, name) for name in DTYPE_CODES}
+    return {
+        "DTYPES_BY_NAME": by_name,
+        "DTYPE_NAMES": {dtype: name for name, dtype in by_name.items()},
+        "DTYPES": {dtype: DTYPE_CODES[name] for name, dtype in by_name.items()},
+        "FORMATS_BY_DTYPE": {f.dtype: f for f in FORMATS.values()},
+    }
+
+
+def is_torch_dtype(value) -> bool:
+    """Whether ``value`` is a torch dtype (never, while torch is not loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.dtype)
+
+
+def dtype_name(dtype) -> str:
+    """The name of a source dtype given by name (``"bfloat16"``) or as a torch dtype;
+    ``TypeError`` for any other."""
+    name = str(dtype).removeprefix("torch.") if is_torch_dtype(dtype) else dtype
+    if not isinstance(name, str) or name not in DTYPE_CODES:
+        raise TypeError(f"unsupported dtype {dtype}; expected one of {sorted(DTYPE_CODES)}")
+    return name
+
 
 # Scale dtypes (names.SCALE_DTYPES, with their wire codes): bytes per scale, and the mask
 # that truncates an fp32 scale's bits to it.
@@ -115,21 +164,37 @@ def scale_candidates(fmt: Fp8Format, scale_choice: str) -> tuple[float, ...]:
     if scale_choice == "amax":
         return (fmt.max,)
     if scale_choice == "mse":
-        values = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
-        top = values[torch.isfinite(values) & (values > fmt.max / 2) & (values <= fmt.max)]
+        values = positive_values(fmt)
+        top = values[(values > fmt.max / 2) & (values <= fmt.max)]
         return tuple(sorted((float(v) for v in top), reverse=True))
     raise InvalidOptionError(
         f"unknown scale_choice {scale_choice!r}; expected one of {list(SCALE_CHOICES)}", field="scale_choice"
     )
 
 
-def get_format(fp8: str | torch.dtype | Fp8Format) -> Fp8Format:
+def positive_values(fmt: Fp8Format) -> np.ndarray:
+    """The value of each code 0..127 (sign bit clear) as the format's bits say, in fp64;
+    the NaN and inf codes come out above ``fmt.max`` (a plain exponent and mantissa)."""
+    codes = np.arange(128)
+    exponent, mantissa = codes >> fmt.mantissa_bits, codes & ((1 << fmt.mantissa_bits) - 1)
+    fraction = mantissa / (1 << fmt.mantissa_bits)
+    normal = (1 + fraction) * 2.0 ** (exponent - fmt.exponent_bias)
+    return np.where(exponent > 0, normal, fraction * 2.0 ** (1 - fmt.exponent_bias))
+
+
+def max_code(fmt: Fp8Format) -> int:
+    """The code of ``+fmt.max``, the largest a finite input gets."""
+    return int(np.flatnonzero(positive_values(fmt) == fmt.max)[0])
+
+
+def get_format(fp8) -> Fp8Format:
     """Look up a format by name (``"e4m3fn"``, ``"float8_e4m3fn"``), torch dtype or itself."""
     if isinstance(fp8, Fp8Format):
         return fp8
-    if isinstance(fp8, torch.dtype):
-        if fp8 in FORMATS_BY_DTYPE:
-            return FORMATS_BY_DTYPE[fp8]
+    if is_torch_dtype(fp8):
+        by_dtype = _torch_tables()["FORMATS_BY_DTYPE"]
+        if fp8 in by_dtype:
+            return by_dtype[fp8]
         raise InvalidOptionError(
             f"unsupported fp8 dtype {fp8}; expected one of {sorted(str(f.dtype) for f in FORMATS.values())}", field="fp8"
         )

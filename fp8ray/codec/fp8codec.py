@@ -1,5 +1,6 @@
 """``Fp8Codec``: encode a bf16/fp16/fp32 tensor into a checked fp8 frame, and back.
 
+>>> import torch
 >>> codec = Fp8Codec(fp8="e4m3fn", scaling="token")
 >>> frame = codec.encode(torch.randn(8, 256, 64, dtype=torch.bfloat16))
 >>> tensor = decode(frame)          # every parameter is read from the frame
@@ -14,39 +15,70 @@ the scale convention is in :mod:`fp8ray.codec.formats`; the frame layout in
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from ..errors import BadInputError, BlockError, CorruptFrameError, MismatchError, NonFiniteError
-from . import cpu, cuda_search, frame, reference
-from .devices import host_tensor
-from .formats import DTYPE_NAMES, DTYPES, Fp8Format
+from . import cpu, frame
+from .formats import DTYPE_ITEMSIZES, KERNEL_TYPES, Fp8Format, dtype_name
 from .options import DEFAULT_OPTIONS, CodecOptions
 
 DEFAULT_BLOCK_SIZE = DEFAULT_OPTIONS.block_size
 
+# The exponent bits of float16 and bfloat16, as the kernels see their elements: all set
+# is inf or NaN.
+_NONFINITE_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
 
-def _check_tensor(tensor) -> torch.Tensor:
+
+def _check_tensor(tensor):
+    import torch  # a tensor was given (or a numpy array, made one here)
+
     if isinstance(tensor, np.ndarray):
         if tensor.dtype not in (np.float16, np.float32):
             raise TypeError(f"unsupported array dtype {tensor.dtype}; expected float16 or float32 (or a bfloat16 tensor)")
         tensor = torch.from_numpy(np.ascontiguousarray(tensor))
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor or numpy array, got {type(tensor).__name__}")
-    if tensor.dtype not in DTYPES:
-        raise TypeError(f"unsupported dtype {tensor.dtype}; expected one of {sorted(DTYPE_NAMES.values())}")
+    dtype_name(tensor.dtype)  # a TypeError naming the dtypes there are
     if tensor.device.type == "meta":
         raise BlockError("cannot encode a meta tensor: it has no data")
     return tensor
 
 
-def _raise_nonfinite(x: torch.Tensor, count: int) -> None:
+def _byte_buffer(out: np.ndarray | None, nbytes: int) -> np.ndarray:
+    """``out``, checked to be a writable contiguous 1-D uint8 array of ``nbytes``, or a new one."""
+    if out is None:
+        return np.empty(nbytes, dtype=np.uint8)
+    if not (
+        isinstance(out, np.ndarray)
+        and out.dtype == np.uint8
+        and out.ndim == 1
+        and out.size == nbytes
+        and out.flags.writeable
+        and out.flags.c_contiguous
+    ):
+        raise BadInputError(f"out must be a writable contiguous 1-D uint8 array of {nbytes} bytes", field="out")
+    return out
+
+
+def raise_nonfinite(tensor, count: int) -> None:
+    """Raise :class:`NonFiniteError` for a tensor (on any device) with ``count`` non-finite
+    values, naming the first."""
+    _raise_nonfinite(cpu.kernel_array(tensor.contiguous().cpu()), dtype_name(tensor.dtype), count)
+
+
+def _raise_nonfinite(x: np.ndarray, dtype: str, count: int) -> None:
+    """``x``: the elements as the kernels take them (:func:`fp8ray.codec.cpu.kernel_array`)."""
     flat = x.reshape(-1)
-    first = int(torch.nonzero(~torch.isfinite(flat))[0, 0])
-    index = tuple(int(i) for i in np.unravel_index(first, tuple(x.shape))) if x.dim() else ()
-    value = float(flat[first])
+    bad = ~np.isfinite(flat) if dtype == "float32" else (flat & _NONFINITE_BITS[dtype]) == _NONFINITE_BITS[dtype]
+    first = int(np.flatnonzero(bad)[0])
+    index = [int(i) for i in np.unravel_index(first, x.shape)] if x.ndim else []
+    element = flat[first : first + 1]
+    if dtype == "bfloat16":
+        value = float((element.astype(np.uint32) << 16).view(np.float32)[0])
+    else:
+        value = float(element.view(np.float16 if dtype == "float16" else np.float32)[0])
     raise NonFiniteError(
-        f"{count} non-finite value(s) in a {tuple(x.shape)} {DTYPE_NAMES[x.dtype]} tensor; "
-        f"the first is {value} at index {list(index)} (nonfinite='keep', or --nonfinite keep, stores them)"
+        f"{count} non-finite value(s) in a {tuple(x.shape)} {dtype} tensor; "
+        f"the first is {value} at index {index} (nonfinite='keep', or --nonfinite keep, stores them)"
     )
 
 
@@ -63,7 +95,7 @@ class Fp8Codec:
 
     def __init__(
         self,
-        fp8: str | torch.dtype | None = None,
+        fp8=None,
         scaling: str | None = None,
         block_size: int | None = None,
         nonfinite: str | None = None,
@@ -111,17 +143,16 @@ class Fp8Codec:
             f"scale_choice={o.scale_choice!r}, nonfinite={o.nonfinite!r})"
         )
 
-    def _header(self, shape, dtype: torch.dtype) -> frame.FrameHeader:
+    def _header(self, shape, dtype: str) -> frame.FrameHeader:
         shape = tuple(int(d) for d in shape)
         frame.check_shape(shape)  # what the decoder would refuse is never written
         scale_dtype = frame.stored_scale_dtype(self.scaling, self.scale_dtype)
         return frame.FrameHeader(self.fmt, self.scaling, dtype, shape, self.block_size, scale_dtype)
 
-    def encoded_size(self, shape, dtype: torch.dtype) -> int:
-        """Exact size in bytes of the frame of a ``shape`` tensor of ``dtype``."""
-        if dtype not in DTYPES:
-            raise TypeError(f"unsupported dtype {dtype}; expected one of {sorted(DTYPE_NAMES.values())}")
-        return self._header(shape, dtype).frame_size
+    def encoded_size(self, shape, dtype) -> int:
+        """Exact size in bytes of the frame of a ``shape`` tensor of ``dtype`` (a torch
+        dtype or its name, ``"bfloat16"``)."""
+        return self._header(shape, dtype_name(dtype)).frame_size
 
     def encode(self, tensor, out: np.ndarray | None = None, *, threads: int | None = None) -> memoryview:
         """Encode a tensor of any rank (0-d and empty included), contiguous or not.
@@ -135,54 +166,73 @@ class Fp8Codec:
         use for this call (default ``FP8RAY_NUM_THREADS``, else every CPU this process may use).
         """
         x = _check_tensor(tensor)
-        header = self._header(x.shape, x.dtype)
-        if out is None:
-            buf = np.empty(header.frame_size, dtype=np.uint8)
-        elif not (
-            isinstance(out, np.ndarray)
-            and out.dtype == np.uint8
-            and out.ndim == 1
-            and out.size == header.frame_size
-            and out.flags.writeable
-            and out.flags.c_contiguous
-        ):
-            raise BadInputError(f"out must be a writable contiguous 1-D uint8 array of {header.frame_size} bytes", field="out")
-        else:
-            buf = out
-        frame.write_header(buf, header)
-        stored = buf[header.scales_offset : header.codes_offset]
-        codes = frame.codes_of(buf, header)
-        options = (self.scale_dtype, self.scale_choice)
+        header = self._header(x.shape, dtype_name(x.dtype))
+        buf = _byte_buffer(out, header.frame_size)
         if x.device.type == "cpu":
-            # The kernels write fp32 scales: into the frame itself for float32 scales, else
-            # into a small array whose values (already bfloat16 ones) are then narrowed.
-            bf16 = header.scale_dtype == "bfloat16"
-            scales = np.empty(header.num_scales, np.float32) if bf16 else stored.view(np.float32)
-            nonfinite, codes_crc = cpu.quantize_checksummed(
-                x.contiguous(), self.fmt, self.scaling, self.block_size, codes, scales, *options, threads
-            )
-            if bf16:  # as _scale_bytes does on a GPU; numpy here: a torch call costs small blocks more
-                stored.view("<u2")[:] = scales.view(np.uint32) >> 16  # exact: the low 16 bits are zero
+            self._encode_host(cpu.kernel_array(x.contiguous()), header, buf, threads)
         else:
-            lanes = cuda_search.lanes_for(x.device) if self.scale_choice == "mse" else reference.error_lanes
-            ref_codes, ref_scales, nonfinite = reference.quantize(
-                x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep", *options, lanes
-            )
-            # Straight from the GPU into the frame, the scales narrowed there: no host copy in between.
-            torch.from_numpy(codes).copy_(ref_codes)
-            torch.from_numpy(stored).copy_(_scale_bytes(ref_scales, header.scale_dtype))
-            codes_crc = cpu.crc32c(codes, threads)
-        if nonfinite and self.nonfinite == "error":
-            _raise_nonfinite(x, nonfinite)
-        frame.seal(buf, None if codes_crc is None else (header.codes_offset, codes_crc))
+            self._encode_on_device(x, header, buf, threads)
         return memoryview(buf)
 
-    def decode(self, data, *, out: torch.Tensor | None = None, device=None, threads: int | None = None) -> torch.Tensor:
+    def encode_raw(self, data: np.ndarray, dtype: str, shape, out: np.ndarray | None = None, *, threads: int | None = None):
+        """:meth:`encode` of a tensor given as its raw little-endian bytes (``data``: a 1-D
+        uint8 array), its dtype's name (``"bfloat16"``, ``"float16"``, ``"float32"``) and
+        its shape: the same frame, on the CPU, without torch (``fp8ray compress`` reads
+        files as bytes, and loading torch takes it about a second)."""
+        dtype = dtype_name(dtype)
+        header = self._header(shape, dtype)
+        if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1):
+            raise TypeError(f"data must be a 1-D uint8 array, got {type(data).__name__}")
+        nbytes = header.numel * DTYPE_ITEMSIZES[dtype]
+        if data.size != nbytes:
+            raise BadInputError(f"data holds {data.size} bytes, a {list(header.shape)} {dtype} tensor has {nbytes}")
+        buf = _byte_buffer(out, header.frame_size)
+        x = np.ascontiguousarray(data).view(KERNEL_TYPES[dtype]).reshape(header.shape)
+        self._encode_host(x, header, buf, threads)
+        return memoryview(buf)
+
+    def _encode_host(self, x: np.ndarray, header: frame.FrameHeader, buf: np.ndarray, threads: int | None) -> None:
+        """The frame of ``x`` (the elements as the kernels take them) into ``buf``, by the CPU kernels."""
+        frame.write_header(buf, header)
+        stored = buf[header.scales_offset : header.codes_offset]
+        # The kernels write fp32 scales: into the frame itself for float32 scales, else
+        # into a small array whose values (already bfloat16 ones) are then narrowed.
+        bf16 = header.scale_dtype == "bfloat16"
+        scales = np.empty(header.num_scales, np.float32) if bf16 else stored.view(np.float32)
+        codes = frame.codes_of(buf, header)
+        options = (self.fmt, self.scaling, self.block_size, codes, scales, self.scale_dtype, self.scale_choice)
+        nonfinite, codes_crc = cpu.quantize_checksummed(x, *options, threads)
+        if bf16:  # as _scale_bytes does on a GPU; numpy here: a torch call costs small blocks more
+            stored.view("<u2")[:] = scales.view(np.uint32) >> 16  # exact: the low 16 bits are zero
+        if nonfinite and self.nonfinite == "error":
+            _raise_nonfinite(x, header.dtype, nonfinite)
+        frame.seal(buf, (header.codes_offset, codes_crc))
+
+    def _encode_on_device(self, x, header: frame.FrameHeader, buf: np.ndarray, threads: int | None) -> None:
+        """The frame of a tensor on a GPU into ``buf``, by the torch ops of the reference."""
+        import torch
+
+        from . import cuda_search, reference
+
+        frame.write_header(buf, header)
+        lanes = cuda_search.lanes_for(x.device) if self.scale_choice == "mse" else reference.error_lanes
+        ref_codes, ref_scales, nonfinite = reference.quantize(
+            x, self.fmt, self.scaling, self.block_size, self.nonfinite == "keep", self.scale_dtype, self.scale_choice, lanes
+        )
+        # Straight from the GPU into the frame, the scales narrowed there: no host copy in between.
+        codes = frame.codes_of(buf, header)
+        torch.from_numpy(codes).copy_(ref_codes)
+        torch.from_numpy(buf[header.scales_offset : header.codes_offset]).copy_(_scale_bytes(ref_scales, header.scale_dtype))
+        if nonfinite and self.nonfinite == "error":
+            raise_nonfinite(x, nonfinite)
+        frame.seal(buf, (header.codes_offset, cpu.crc32c(codes, threads)))
+
+    def decode(self, data, *, out=None, device=None, threads: int | None = None):
         """Decode a frame; the same as :func:`fp8ray.decode` (frames describe themselves)."""
         return decode(data, out=out, device=device, threads=threads)
 
 
-def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int | None = None) -> torch.Tensor:
+def decode(data, *, out=None, device=None, threads: int | None = None):
     """Decode any fp8ray frame to a tensor of its original dtype and shape.
 
     Args:
@@ -199,32 +249,27 @@ def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int |
     Raises:
         CorruptFrameError: the frame is truncated, malformed or fails its checksum.
     """
-    buf = frame.as_byte_array(data)
-    header = frame.parse_layout(buf)  # the checksum is verified with the codes' CRC, below
-    try:
-        scales = frame.scales_of(buf, header)
-    except CorruptFrameError:
-        frame.verify(buf, header)  # a damaged frame is reported as such
-        raise
-    codes = frame.codes_of(buf, header)
+    import torch
+
+    from .formats import DTYPES_BY_NAME
+
+    buf, header, scales, codes = _opened(data)
+    dtype = DTYPES_BY_NAME[header.dtype]
     if out is not None:
-        if tuple(out.shape) != header.shape or out.dtype != header.dtype:
-            frame.verify(buf, header)  # a damaged dtype or shape is reported as damage, not as a mismatch
-            raise MismatchError(
-                f"out is a {tuple(out.shape)} {out.dtype} tensor, the frame holds {header.shape} {header.dtype}", field="out"
-            )
+        if tuple(out.shape) != header.shape or out.dtype != dtype:
+            _refuse(buf, header, f"out is a {tuple(out.shape)} {out.dtype} tensor")
         if device is not None and torch.device(device) != out.device:
             raise MismatchError(f"out is on {out.device} but device={device!r} was asked for", field="device")
         target = out.device
     else:
         target = torch.device(device) if device is not None else torch.device("cpu")
     if target.type == "cpu":
-        result = out if out is not None and out.is_contiguous() else torch.empty(header.shape, dtype=header.dtype)
-        codes_crc = cpu.dequantize_checksummed(
-            codes, scales, header.fmt, header.scaling, header.shape, header.block_size, result, threads
-        )
-        frame.verify(buf, header, codes_crc)
+        result = out if out is not None and out.is_contiguous() else torch.empty(header.shape, dtype=dtype)
+        _decode_host(buf, header, scales, codes, cpu.kernel_array(result), threads)
     else:
+        from . import reference
+        from .devices import host_tensor
+
         frame.verify(buf, header, cpu.crc32c(codes, threads))
         result = reference.dequantize(
             host_tensor(codes).to(target),
@@ -232,7 +277,7 @@ def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int |
             header.fmt,
             header.scaling,
             header.shape,
-            header.dtype,
+            dtype,
             header.block_size,
         )
     if out is not None and result is not out:
@@ -241,15 +286,60 @@ def decode(data, *, out: torch.Tensor | None = None, device=None, threads: int |
     return result
 
 
-def _scale_bytes(scales: torch.Tensor, scale_dtype: str) -> torch.Tensor:
-    """fp32 ``scales`` (values of ``scale_dtype``) as the frame stores them, little-endian
-    bytes on their own device: bfloat16 ones are fp32's top half (the low bits are zero)."""
+def decode_raw(data, dtype: str, shape, out: np.ndarray | None = None, *, threads: int | None = None) -> np.ndarray:
+    """:func:`decode` of a frame that holds a ``shape`` tensor of ``dtype`` (by name), to
+    that tensor's raw little-endian bytes: a 1-D uint8 array, ``out`` where given (a
+    writable contiguous one of exactly those bytes). On the CPU kernels, without torch,
+    the mirror of :meth:`Fp8Codec.encode_raw` (``fp8ray decompress`` writes bytes to
+    files). A frame holding another dtype or shape raises :class:`MismatchError`, one
+    that is damaged :class:`CorruptFrameError`."""
+    dtype, shape = dtype_name(dtype), tuple(int(d) for d in shape)
+    buf, header, scales, codes = _opened(data)
+    if (header.dtype, header.shape) != (dtype, shape):
+        _refuse(buf, header, f"expected a {shape} {dtype} tensor")
+    out = _byte_buffer(out, header.numel * DTYPE_ITEMSIZES[dtype])
+    _decode_host(buf, header, scales, codes, out.view(KERNEL_TYPES[dtype]).reshape(shape), threads)
+    return out
+
+
+def _opened(data) -> tuple[np.ndarray, frame.FrameHeader, np.ndarray, np.ndarray]:
+    """A frame's bytes, header, fp32 scales and codes, its layout and scales checked (the
+    checksum is verified with the codes' CRC, as they are decoded)."""
+    buf = frame.as_byte_array(data)
+    header = frame.parse_layout(buf)
+    try:
+        scales = frame.scales_of(buf, header)
+    except CorruptFrameError:
+        frame.verify(buf, header)  # a damaged frame is reported as such
+        raise
+    return buf, header, scales, frame.codes_of(buf, header)
+
+
+def _refuse(buf: np.ndarray, header: frame.FrameHeader, asked: str) -> None:
+    """Raise :class:`MismatchError`: the frame holds another tensor than ``asked`` says."""
+    frame.verify(buf, header)  # a damaged dtype or shape is reported as damage, not as a mismatch
+    raise MismatchError(f"{asked}, the frame holds {header.shape} {header.dtype}", field="out")
+
+
+def _decode_host(buf, header: frame.FrameHeader, scales, codes, target: np.ndarray, threads: int | None) -> None:
+    """Decode into ``target`` (the elements as the kernels write them) on the CPU kernels,
+    the frame's checksum verified with the CRC of the codes they read."""
+    layout = (header.fmt, header.scaling, header.shape, header.block_size)
+    frame.verify(buf, header, cpu.dequantize_checksummed(codes, scales, *layout, target, threads))
+
+
+def _scale_bytes(scales, scale_dtype: str):
+    """fp32 ``scales`` (a tensor of values of ``scale_dtype``) as the frame stores them,
+    little-endian bytes on their own device: bfloat16 ones are fp32's top half (the low
+    bits are zero)."""
+    import torch
+
     if scale_dtype == "bfloat16":
         scales = (scales.view(torch.int32) >> 16).to(torch.int16)
     return scales.view(torch.uint8)
 
 
-def encoded_size(shape, dtype: torch.dtype, **options) -> int:
+def encoded_size(shape, dtype, **options) -> int:
     """Exact frame size for a tensor of ``shape`` and ``dtype`` under these codec options
     (those of :class:`~fp8ray.codec.options.CodecOptions`; the default mode if none)."""
     return Fp8Codec(**options).encoded_size(shape, dtype)

@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..errors import BadInputError, CorruptFrameError
 from . import checksum
 from .formats import (
-    DTYPES,
-    DTYPES_BY_CODE,
+    DTYPE_CODES,
+    DTYPE_NAMES_BY_CODE,
     FORMATS_BY_CODE,
     SCALE_BYTES,
     SCALE_DTYPES,
@@ -64,7 +64,7 @@ class FrameHeader:
 
     fmt: Fp8Format
     scaling: str
-    dtype: torch.dtype
+    dtype: str  # the source dtype's name: "float32" | "float16" | "bfloat16"
     shape: tuple[int, ...]
     block_size: int
     scale_dtype: str = "float32"  # as stored: always "float32" under scaling none
@@ -91,7 +91,7 @@ class FrameHeader:
 
 
 def frame_size(
-    fmt: Fp8Format, scaling: str, dtype: torch.dtype, shape: tuple[int, ...], block_size: int, scale_dtype: str = "float32"
+    fmt: Fp8Format, scaling: str, dtype: str, shape: tuple[int, ...], block_size: int, scale_dtype: str = "float32"
 ) -> int:
     """Exact size in bytes of the frame of a tensor with this shape and these options."""
     return FrameHeader(fmt, scaling, dtype, tuple(shape), block_size, stored_scale_dtype(scaling, scale_dtype)).frame_size
@@ -121,7 +121,7 @@ def write_header(buf: np.ndarray, header: FrameHeader) -> None:
         VERSION,
         header.fmt.code,
         SCALINGS[header.scaling],
-        DTYPES[header.dtype],
+        DTYPE_CODES[header.dtype],
         len(header.shape),
         SCALE_DTYPES[header.scale_dtype],
         b"\0\0",
@@ -148,7 +148,8 @@ def seal(buf: np.ndarray, tail: tuple[int, int] | None = None) -> None:
 def as_byte_array(frame) -> np.ndarray:
     """A flat uint8 numpy view of any bytes-like frame (bytes, bytearray, memoryview,
     numpy uint8 array, CPU uint8 torch tensor), without copying."""
-    if isinstance(frame, torch.Tensor):
+    torch = sys.modules.get("torch")  # a frame cannot be a tensor while torch is not loaded
+    if torch is not None and isinstance(frame, torch.Tensor):
         if frame.dtype != torch.uint8 or frame.device.type != "cpu":
             raise TypeError(f"a frame tensor must be a CPU uint8 tensor, got {frame.dtype} on {frame.device}")
         return frame.contiguous().reshape(-1).numpy()
@@ -184,7 +185,7 @@ def parse_header(prefix) -> FrameHeader | None:
         raise CorruptFrameError(f"unknown fp8 format code {fmt_code} in frame header")
     if scaling_code not in SCALINGS_BY_CODE:
         raise CorruptFrameError(f"unknown scaling code {scaling_code} in frame header")
-    if dtype_code not in DTYPES_BY_CODE:
+    if dtype_code not in DTYPE_NAMES_BY_CODE:
         raise CorruptFrameError(f"unknown dtype code {dtype_code} in frame header")
     if ndim > MAX_NDIM:
         raise CorruptFrameError(f"ndim {ndim} in frame header exceeds {MAX_NDIM}")
@@ -202,7 +203,7 @@ def parse_header(prefix) -> FrameHeader | None:
     if len(buf) < shape_end:
         return None
     shape = struct.unpack(f"<{ndim}Q", buf[FIXED_HEADER.size : shape_end])
-    return FrameHeader(FORMATS_BY_CODE[fmt_code], scaling, DTYPES_BY_CODE[dtype_code], shape, block_size, scale_dtype)
+    return FrameHeader(FORMATS_BY_CODE[fmt_code], scaling, DTYPE_NAMES_BY_CODE[dtype_code], shape, block_size, scale_dtype)
 
 
 def parse(buf: np.ndarray) -> FrameHeader:

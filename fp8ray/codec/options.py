@@ -19,10 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 
-import torch
-
 from ..errors import InvalidOptionError
-from .formats import Fp8Format, get_format
+from .formats import Fp8Format, get_format, is_torch_dtype
 from .names import CHOICES, DEFAULT_MODE, SEARCHED_SCALINGS, default_scale_choice, mode_label
 
 MAX_BLOCK_SIZE = 2**32 - 1  # the frame stores it in a uint32
@@ -158,7 +156,7 @@ def _convert(name: str, value):
         if not (value.isascii() and value.isdigit()):
             raise InvalidOptionError(f"block_size must be a positive integer, got {value!r}", field=name)
         return int(value)
-    if name == "fp8" and isinstance(value, torch.dtype):
+    if name == "fp8" and is_torch_dtype(value):
         return value
     if name != "block_size" and value is not None and not isinstance(value, str):
         raise InvalidOptionError(f"{name} must be a string, got {value!r}", field=name)

@@ -17,10 +17,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from . import cpu, frame
-from .formats import DTYPES_BY_NAME
+from .formats import DTYPE_ITEMSIZES, KERNEL_TYPES
 from .fp8codec import Fp8Codec
 
 # Blocks up to this size go in runs: for larger ones the per-frame Python is lost in the
@@ -40,7 +39,7 @@ def runs_of(specs, fits) -> list[tuple[int, int]]:
         first = specs[start]
         stop = start + 1
         if fits(first):
-            each = math.prod(first.shape) * DTYPES_BY_NAME[first.dtype].itemsize
+            each = math.prod(first.shape) * DTYPE_ITEMSIZES[first.dtype]
             limit = start + max(RUN_BYTES // max(each, 1), 1)
             while stop < min(len(specs), limit) and (specs[stop].dtype, specs[stop].shape) == (first.dtype, first.shape):
                 stop += 1
@@ -75,7 +74,7 @@ def fits_run(scaling: str, block_size: int, dtype: str, shape: tuple[int, ...]) 
 def small(dtype: str, shape: tuple[int, ...]) -> bool:
     """Whether a block is small enough to gain from a run (and not empty)."""
     numel = math.prod(shape)
-    return 0 < numel * DTYPES_BY_NAME[dtype].itemsize <= RUN_BLOCK_BYTES
+    return 0 < numel * DTYPE_ITEMSIZES[dtype] <= RUN_BLOCK_BYTES
 
 
 def encode_run(codec: Fp8Codec, dtype: str, shape: tuple[int, ...], source: np.ndarray, frames: np.ndarray, threads=None) -> bool:
@@ -85,9 +84,9 @@ def encode_run(codec: Fp8Codec, dtype: str, shape: tuple[int, ...], source: np.n
     refuses a non-finite input (the frames are left unwritten; the caller encodes those
     blocks alone to name the first)."""
     count = len(frames)
-    header = codec._header(shape, DTYPES_BY_NAME[dtype])
+    header = codec._header(shape, dtype)
     scaling, grouped = _grouping(header, count)
-    x = torch.from_numpy(source).view(header.dtype).reshape(grouped)
+    x = source.view(KERNEL_TYPES[dtype]).reshape(grouped)
     num_scales = header.num_scales
     codes = np.empty(count * header.numel, np.uint8)
     scales = np.empty(count * num_scales, np.float32)
@@ -126,6 +125,6 @@ def decode_run(frames: list[np.ndarray], header: frame.FrameHeader, out: np.ndar
         return False
     codes = run[:, codes_at : codes_at + numel].reshape(-1)
     scaling, grouped = _grouping(header, count)
-    target = torch.from_numpy(out[: count * numel * header.dtype.itemsize]).view(header.dtype).reshape(grouped)
+    target = out[: count * numel * DTYPE_ITEMSIZES[header.dtype]].view(KERNEL_TYPES[header.dtype]).reshape(grouped)
     cpu.dequantize(codes, scales, header.fmt, scaling, grouped, header.block_size, target, threads)
     return True

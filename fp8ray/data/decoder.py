@@ -10,7 +10,6 @@ import pyarrow as pa
 
 from ..codec import frame
 from ..codec.blocks import BlockSpec, decode_into
-from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..errors import BadInputError, CorruptDataError, MismatchError, block_error
 from ..io import archive
 from ..io import columns as arrow_columns
@@ -80,7 +79,7 @@ class Fp8Decoder:
                     )
         else:
             headers = [_parse(key, f) for key, f in zip(keys, frames)]
-            dtypes = [DTYPE_NAMES[h.dtype] for h in headers]
+            dtypes = [h.dtype for h in headers]
             shapes = [h.shape for h in headers]
         specs = [BlockSpec(key, dtype, tuple(shape)) for key, dtype, shape in zip(keys, dtypes, shapes)]
         sizes = [spec.nbytes for spec in specs]
@@ -93,10 +92,10 @@ class Fp8Decoder:
         except BadInputError as exc:  # a sound frame that disagrees with its row's columns?
             for key, f, spec in zip(keys, frames, specs):
                 held = _parse(key, f)
-                if (held.dtype, held.shape) != (DTYPES_BY_NAME[spec.dtype], spec.shape):
+                if (held.dtype, held.shape) != (spec.dtype, spec.shape):
                     raise MismatchError(
                         f"block {key!r}: columns 'dtype' and 'shape' say {list(spec.shape)} {spec.dtype}, "
-                        f"its frame holds {list(held.shape)} {DTYPE_NAMES[held.dtype]}",
+                        f"its frame holds {list(held.shape)} {held.dtype}",
                         field=key,
                     ) from exc
             raise

@@ -25,11 +25,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..codec import CodecOptions
+from ..codec import CodecOptions, formats
 from ..codec.blocks import Block, bytes_to_tensor
-from ..codec.formats import DTYPE_NAMES
+from ..codec.devices import cuda_available, is_tensor
 from ..errors import InvalidOptionError, PoolStartError, WorkerLostError
 from .address import INLINE, default_address
 from .backends import InlineBackend, RayBackend, WorkerDied
@@ -119,7 +118,7 @@ class QuantPool:
             # Inline workers share this process's GPU when asked for one (Ray is not
             # there to hand out devices).
             device = "cuda" if s.gpus_per_worker > 0 else "cpu"
-            if device == "cuda" and not torch.cuda.is_available():
+            if device == "cuda" and not cuda_available():
                 raise PoolStartError(
                     f"gpus_per_worker={s.gpus_per_worker} with inline workers, but this torch sees no CUDA device"
                 )
@@ -242,7 +241,7 @@ class QuantPool:
             backend.settle({call: w for call, (_, w, _, _) in running.items()})
 
     def encode_many(
-        self, tensors: list[torch.Tensor], batch_size: int | None = None, options: CodecOptions | None = None, **codec_options
+        self, tensors: list, batch_size: int | None = None, options: CodecOptions | None = None, **codec_options
     ) -> list[np.ndarray]:
         """Encode tensors on the workers, through the object store; frames in input order.
         Codec options as :class:`~fp8ray.codec.CodecOptions` (``options``, then keywords
@@ -250,7 +249,7 @@ class QuantPool:
         (default: about :data:`BATCH_BYTES` of input each)."""
         options = CodecOptions.parse(codec_options, base=options)
         for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor) or t.dtype not in DTYPE_NAMES:
+            if not is_tensor(t) or t.dtype not in formats.DTYPE_NAMES:
                 raise TypeError(
                     f"tensor {i}: expected a bfloat16, float16 or float32 torch.Tensor, "
                     f"got {getattr(t, 'dtype', type(t).__name__)}"
@@ -259,7 +258,7 @@ class QuantPool:
         batches = ((batch, options) for batch in _batches(blocks, batch_size, lambda b: b.nbytes))
         return [f for batch in self.map(QuantWorker.encode_batch, batches) for f, _ in batch]
 
-    def decode_many(self, frames: list, batch_size: int | None = None) -> list[torch.Tensor]:
+    def decode_many(self, frames: list, batch_size: int | None = None) -> list:
         """Decode frames on the workers; tensors in input order. On Ray actors they are
         views of the results where the workers left them, in Ray's object store, not
         copies (as :meth:`encode_many`'s frames are): treat them as read-only (Ray's

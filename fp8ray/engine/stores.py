@@ -62,7 +62,6 @@ from ..io.paths import (
 )
 from ..io.provenance import Provenance, check_provenance
 from ..io.records import Manifest
-from ..lmcache.store_files import StoreConversion
 from .pool import PoolSettings, QuantPool, check_pool, use_pool
 from .worker import QuantWorker
 
@@ -206,6 +205,8 @@ def convert_store(
         raise _nothing_to_convert(source, layout, target, scan.chunks, scan.skipped)
     if on_scan is not None:
         on_scan(len(scan.chunks))
+
+    from ..lmcache.store_files import StoreConversion  # the LMCache modules load torch: only here
 
     scratch = temporary_name(dst)
     os.mkdir(scratch)

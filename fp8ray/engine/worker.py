@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from pyarrow.fs import LocalFileSystem
 
 from ..codec import CodecOptions, Fp8Codec, decode, frame
@@ -34,10 +33,8 @@ from ..codec.blocks import (
     frame_sizes,
     read_headers,
 )
-from ..codec.bound import check_within_bound, element_scales
-from ..codec.devices import choose_device, host_buffer
-from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
-from ..codec.metrics import error_metrics
+from ..codec.devices import choose_device, host_buffer, is_tensor
+from ..codec.formats import DTYPE_ITEMSIZES
 from ..codec.runs import RUN_BYTES
 from ..errors import BlockError, MismatchError
 from ..io import archive
@@ -45,7 +42,6 @@ from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
 from ..io.restore import RestoreTask
 from ..io.safetensors import RangeWriter
-from ..lmcache.store_files import ConvertedFile, convert_files, encode_chunk_files, restore_chunk_files
 
 
 @dataclass(frozen=True)
@@ -155,7 +151,7 @@ class QuantWorker:
 
     def decode_batch(self, frames: list[tuple[str, np.ndarray]]) -> list[tuple[np.ndarray, BlockMeta]]:
         """``frames``: ``(key, frame)`` pairs. Returns ``(raw little-endian bytes, metadata)`` per block."""
-        specs = [BlockSpec(key, DTYPE_NAMES[h.dtype], h.shape) for (key, _), h in zip(frames, read_headers(frames))]
+        specs = [BlockSpec(key, h.dtype, h.shape) for (key, _), h in zip(frames, read_headers(frames))]
         sizes = [spec.nbytes for spec in specs]
         buffer = self._results_buffer(sum(sizes))
         decode_into(frames, buffer, specs, device=self.device, threads=self.threads)
@@ -164,7 +160,7 @@ class QuantWorker:
             for spec, raw, (_, f) in zip(specs, _split(buffer, sizes), frames)
         ]
 
-    def encode_blocks(self, options: CodecOptions, keys: list[str], *blocks: Block | torch.Tensor):
+    def encode_blocks(self, options: CodecOptions, keys: list[str], *blocks):
         """The frames of ``blocks`` (a tensor is a block named by its key in ``keys``), one
         result each, as a call with ``num_returns=len(blocks)`` returns them: for inputs
         that arrive by reference from the object store (:meth:`QuantPool.encode_refs`),
@@ -172,7 +168,7 @@ class QuantWorker:
         they lie (a view of the object store); a tensor is what Ray deserialised."""
         named = []
         for key, block in zip(keys, blocks, strict=True):
-            if isinstance(block, torch.Tensor):
+            if is_tensor(block):
                 block = Block.of(key, block)
             elif not isinstance(block, Block):
                 raise BlockError(f"block {key!r}: expected a Block or a torch.Tensor, got {type(block).__name__}", field=key)
@@ -297,12 +293,17 @@ class QuantWorker:
             try:
                 buf = frame.as_byte_array(f)
                 header = frame.parse(buf)
-                if list(header.shape) != columns["shape"][row] or DTYPE_NAMES[header.dtype] != columns["dtype"][row]:
+                if list(header.shape) != columns["shape"][row] or header.dtype != columns["dtype"][row]:
                     raise MismatchError(
                         f"columns say {columns['shape'][row]} {columns['dtype'][row]}, "
                         f"the frame says {list(header.shape)} {header.dtype}"
                     )
                 if against is not None:
+                    import torch
+
+                    from ..codec.bound import check_within_bound, element_scales
+                    from ..codec.metrics import error_metrics
+
                     if ident not in originals:
                         raise MismatchError("not in the source it is verified against")
                     ref, data = originals[ident]
@@ -326,10 +327,12 @@ class QuantWorker:
             result.errors.append(part_error)
         return result
 
-    def convert_store_files(self, conversion, chunks: list) -> list[ConvertedFile]:
+    def convert_store_files(self, conversion, chunks: list) -> list:
         """Convert LMCache chunk files (``ChunkFile`` s) as ``conversion`` (a
         ``StoreConversion``) says: the job of :mod:`fp8ray.engine.stores`, done by
-        :func:`fp8ray.lmcache.store_files.convert_files`."""
+        :func:`fp8ray.lmcache.store_files.convert_files` (a ``ConvertedFile`` each)."""
+        from ..lmcache.store_files import convert_files  # the LMCache modules load torch
+
         return convert_files(conversion, chunks)
 
     def compress_store_part(
@@ -338,6 +341,8 @@ class QuantWorker:
         """:meth:`compress_part` for blocks that are the chunk files of an LMCache store
         (:mod:`fp8ray.io.store_source`), read in whatever form each is in
         (:func:`fp8ray.lmcache.store_files.encode_chunk_files`)."""
+        from ..lmcache.store_files import encode_chunk_files
+
         codec = self._codec(options)
         sizes = frame_sizes(codec, refs)
         frames = np.empty(sum(sizes), dtype=np.uint8)
@@ -351,6 +356,8 @@ class QuantWorker:
     ) -> RestoreResult:
         """:meth:`restore_files` for an archive of an LMCache store: its chunk files, in
         the store ``form`` asked for (:func:`fp8ray.lmcache.store_files.restore_chunk_files`)."""
+        from ..lmcache.store_files import restore_chunk_files
+
         done = restore_chunk_files(archive_uri, parts, task, directory, form, self.threads)
         return RestoreResult(files=done.files, blocks=done.files, raw_bytes=done.raw_bytes, node_id=_node_id())
 
@@ -361,7 +368,7 @@ def _batches(blocks) -> Iterator[list[tuple]]:
     batch: list[tuple] = []
     size = 0
     for block in blocks:
-        nbytes = math.prod(block[4]) * DTYPES_BY_NAME[block[3]].itemsize
+        nbytes = math.prod(block[4]) * DTYPE_ITEMSIZES[block[3]]
         if batch and (block[0] != batch[0][0] or size + nbytes > RUN_BYTES):
             yield batch
             batch, size = [], 0

@@ -30,7 +30,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..codec.blocks import BlockSpec, bytes_to_tensor, dtype_name, tensor_to_bytes  # noqa: F401 (used by this layer's callers)
-from ..codec.formats import DTYPES_BY_NAME
+from ..codec.formats import DTYPE_ITEMSIZES
 from ..errors import MismatchError, SourceError
 from . import columns as arrow_columns
 from .paths import CompleteOrNothing, TreeEntry, list_tree, os_reason, printable, redact, resolve, temporary_name, uri_for
@@ -214,9 +214,9 @@ def _parquet_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tupl
         raise SourceError(f"{redact(uri)}: columns {extra} are not archived; a raw-block source holds only {list(RAW_COLUMNS)}")
     refs = []
     for row, (key, dtype, shape) in enumerate(zip(*(table.column(c).to_pylist() for c in ("key", "dtype", "shape")))):
-        if dtype not in DTYPES_BY_NAME:
+        if dtype not in DTYPE_ITEMSIZES:
             raise SourceError(
-                f"{redact(uri)}: key {printable(str(key))!r} has dtype {dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}"
+                f"{redact(uri)}: key {printable(str(key))!r} has dtype {dtype!r}; expected one of {sorted(DTYPE_ITEMSIZES)}"
             )
         refs.append(BlockRef(str(key), dtype, tuple(int(d) for d in shape), "parquet", uri, row, name))
     _check_unique(refs, uri)

@@ -29,7 +29,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
+from ..codec.formats import DTYPE_ITEMSIZES
 from ..codec.frame import MAX_HEADER_BYTES, parse_header
 from ..errors import BadInputError, CorruptFrameError
 
@@ -38,7 +38,7 @@ SLASH_REPLACEMENT = "-SEP-"
 EXTENSION = ".data"
 SALT_FORBIDDEN = frozenset("@/\\\x00")
 SALT_MAX_LEN = 128
-LAYOUT_DTYPES = DTYPES_BY_NAME  # the dtypes a layout may name: fp8ray's source dtypes
+LAYOUT_DTYPES = DTYPE_ITEMSIZES  # the dtypes a layout may name (fp8ray's source dtypes), and their sizes
 RAW, FP8, FRAMES = "raw", "fp8", "fp8ray"
 FORMS = (RAW, FP8, FRAMES)  # the forms a chunk file takes (module docstring)
 HEADER_BYTES = MAX_HEADER_BYTES  # enough of a file to read any frame header
@@ -116,7 +116,7 @@ class Layout:
 
     @property
     def raw_bytes(self) -> int:
-        return self.numel * LAYOUT_DTYPES[self.dtype].itemsize
+        return self.numel * LAYOUT_DTYPES[self.dtype]
 
     def __str__(self) -> str:
         return f"{self.dtype}:{','.join(map(str, self.shape))}"
@@ -170,7 +170,7 @@ def form_of(layout: Layout, size: int, prefix: bytes) -> tuple[str | None, str]:
         malformed = ""
     except CorruptFrameError as exc:
         header, malformed = None, str(exc)
-    same_layout = header is not None and header.dtype == LAYOUT_DTYPES[layout.dtype] and header.shape == layout.shape
+    same_layout = header is not None and header.dtype == layout.dtype and header.shape == layout.shape
     if same_layout and header.frame_size == size:
         return FRAMES, ""
     if size == layout.raw_bytes:
@@ -178,7 +178,7 @@ def form_of(layout: Layout, size: int, prefix: bytes) -> tuple[str | None, str]:
     if size == layout.numel:
         return FP8, ""
     if header is not None:
-        found = f"{DTYPE_NAMES[header.dtype]}:{','.join(map(str, header.shape))}"
+        found = f"{header.dtype}:{','.join(map(str, header.shape))}"
         if found != str(layout):
             return None, f"an fp8ray frame of {found}, not of the layout {layout}"
         return None, f"an fp8ray frame of {size} bytes, but its header implies {header.frame_size}: truncated or padded?"

@@ -23,7 +23,6 @@ from typing import Self
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import torch
 
 from ..codec import decode
 from ..errors import BadInputError, CorruptArchiveError
@@ -120,7 +119,7 @@ class ArchiveReader:
         naming the key where no file holds it, and the files to choose from where several do."""
         return self._file_of(key)
 
-    def get(self, key: str, file: str | None = None, device: str | torch.device | None = None) -> torch.Tensor:
+    def get(self, key: str, file: str | None = None, device=None):
         """The block ``key`` of ``file``, decoded (on ``device``, default the CPU).
 
         Raises :class:`BadInputError` naming the key and file when the archive has no

@@ -19,7 +19,7 @@ import torch
 
 from ..codec import cpu, reference
 from ..codec.formats import DTYPES, NONFINITE_POLICIES, Fp8Format, get_format
-from ..codec.fp8codec import _raise_nonfinite
+from ..codec.fp8codec import raise_nonfinite
 from ..errors import BadInputError, CorruptDataError, InvalidOptionError
 from .objects import Shape, byte_view, check_dtype, kv_tensors, layout_pairs
 
@@ -68,12 +68,12 @@ class Fp8QuantizationSerializer(_Fp8Serde):
         spans = _code_spans(byte_view(buffer, "dst"), tensors, ("dst", "src"), BadInputError)
         for t, codes in spans:
             if t.device.type == "cpu" and codes.device.type == "cpu":
-                bad = cpu.quantize(t.contiguous(), self._fmt, "none", 0, codes.numpy(), None)
+                bad = cpu.quantize(cpu.kernel_array(t.contiguous()), self._fmt, "none", 0, codes.numpy(), None)
             else:
                 ref_codes, _, bad = reference.quantize(t, self._fmt, "none", 0, self._keep_nonfinite)
                 codes.copy_(ref_codes.reshape(-1).to(codes.device))
             if bad and not self._keep_nonfinite:
-                _raise_nonfinite(t, bad)
+                raise_nonfinite(t, bad)
         return sum(codes.numel() for _, codes in spans)
 
     def estimate_serialized_size(self, layout_desc) -> int:
@@ -99,7 +99,7 @@ class Fp8QuantizationDeserializer(_Fp8Serde):
         for t, codes in _code_spans(byte_view(buffer, "src"), tensors, ("src", "dst"), CorruptDataError):
             fast = t.dtype in DTYPES and t.device.type == "cpu" and codes.device.type == "cpu" and t.is_contiguous()
             if fast:
-                cpu.dequantize(codes.numpy(), None, self._fmt, "none", tuple(t.shape), 0, t)
+                cpu.dequantize(codes.numpy(), None, self._fmt, "none", tuple(t.shape), 0, cpu.kernel_array(t))
             else:
                 t.copy_(codes.to(t.device).view(self._fmt.dtype).reshape(t.shape).to(t.dtype))
 

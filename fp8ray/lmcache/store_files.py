@@ -28,7 +28,7 @@ import pyarrow.fs as pafs
 import torch
 
 from ..codec import CodecOptions, Fp8Codec, decode, frame
-from ..codec.formats import DTYPES_BY_NAME
+from ..codec.formats import DTYPE_ITEMSIZES, DTYPES_BY_NAME
 from ..errors import BadInputError, CorruptArchiveError, MismatchError, SourceError, block_error
 from ..io import archive
 from ..io.blocks import BlockRef, bytes_to_tensor
@@ -156,7 +156,7 @@ def _frame_header(options: CodecOptions, ref: BlockRef) -> frame.FrameHeader:
     """The header of the frame ``options`` make of the block ``ref``."""
     block_size = options.block_size if options.scaling == "block" else 0
     scale_dtype = frame.stored_scale_dtype(options.scaling, options.scale_dtype)
-    return frame.FrameHeader(options.fmt, options.scaling, DTYPES_BY_NAME[ref.dtype], ref.shape, block_size, scale_dtype)
+    return frame.FrameHeader(options.fmt, options.scaling, ref.dtype, ref.shape, block_size, scale_dtype)
 
 
 def encode_chunk_files(refs: list[BlockRef], codec: Fp8Codec, out: np.ndarray, sizes: list[int], threads: int = 1) -> None:
@@ -229,12 +229,12 @@ def restore_chunk_files(
         try:
             data = frame.as_byte_array(frames[part][row])
             header = frame.parse(data)
-            if (header.dtype, header.shape) != (DTYPES_BY_NAME[dtype], tuple(shape)):
+            if (header.dtype, header.shape) != (dtype, tuple(shape)):
                 raise MismatchError(
                     f"the frame holds {list(header.shape)} {header.dtype}, the part's columns say {list(shape)} {dtype}"
                 )
             if form == RAW:
-                nbytes = header.numel * header.dtype.itemsize
+                nbytes = header.numel * DTYPE_ITEMSIZES[header.dtype]
                 payload = np.empty(nbytes, np.uint8)
                 decode(data, out=bytes_to_tensor(payload, dtype, shape), threads=threads)
             else:
@@ -246,7 +246,7 @@ def restore_chunk_files(
             out_fs.create_dir(posixpath.dirname(target), recursive=True)
         write_atomic(out_fs, target, payload)
         done.files += 1
-        done.raw_bytes += math.prod(shape) * DTYPES_BY_NAME[dtype].itemsize
+        done.raw_bytes += math.prod(shape) * DTYPE_ITEMSIZES[dtype]
         for p in [p for p, last in last_use.items() if last == i and p in frames]:
             del frames[p]  # not needed by the files still to write
     return done

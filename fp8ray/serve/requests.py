@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 
 from ..codec import CodecOptions
-from ..codec.formats import DTYPES_BY_NAME
+from ..codec.formats import DTYPE_ITEMSIZES
 from ..errors import (
     BadInputError,
     BlockError,
@@ -39,11 +39,11 @@ def codec_options(params: Mapping[str, str], ignore: tuple[str, ...] = ()) -> Co
 
 def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[str, tuple[int, ...]]:
     """The dtype and shape query parameters of a raw encode, checked against the body."""
-    names = sorted(DTYPES_BY_NAME)
+    names = sorted(DTYPE_ITEMSIZES)
     if dtype is None:
         raise RequestError(f"dtype is required; one of {names}", 400, "dtype")
     dtype = dtype.removeprefix("torch.")
-    if dtype not in DTYPES_BY_NAME:
+    if dtype not in DTYPE_ITEMSIZES:
         raise RequestError(f"unknown dtype {dtype!r}; expected one of {names}", 400, "dtype")
     if shape is None:
         raise RequestError("shape is required, as comma-separated sizes such as 2,30,256,192", 400, "shape")
@@ -53,7 +53,7 @@ def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[s
         raise RequestError(f"shape {shape!r} is not comma-separated integers", 400, "shape") from None
     if any(d < 0 for d in dims):
         raise RequestError(f"shape {shape!r} has a negative size", 400, "shape")
-    expected = math.prod(dims) * DTYPES_BY_NAME[dtype].itemsize
+    expected = math.prod(dims) * DTYPE_ITEMSIZES[dtype]
     if expected != body_bytes:
         raise RequestError(f"shape {list(dims)} of {dtype} needs {expected} bytes but the body has {body_bytes}", 400, "shape")
     return dtype, dims

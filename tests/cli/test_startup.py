@@ -77,13 +77,16 @@ print(len(seen), sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY)))
 
 
 def test_import_fp8ray_keeps_its_public_names():
-    """`from fp8ray import ...` as the README writes it still gives the codec, loaded then."""
+    """`from fp8ray import ...` as the README writes it still gives the codec, loaded then;
+    torch only once a tensor is encoded."""
     code = (
         "import sys, fp8ray; a = 'torch' in sys.modules; from fp8ray import Fp8Codec, decode, CodecOptions; "
-        "print(a, 'torch' in sys.modules, Fp8Codec.__module__)"
+        "b = 'torch' in sys.modules; import torch; Fp8Codec().encode(torch.ones(4)); "
+        "print(a, b, Fp8Codec.__module__, decode.__module__, CodecOptions.__module__)"
     )
     result = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
-    assert result.stdout.split() == ["False", "True", "fp8ray.codec.fp8codec"], result.stderr[-2000:]
+    expected = ["False", "False", "fp8ray.codec.fp8codec", "fp8ray.codec.fp8codec", "fp8ray.codec.options"]
+    assert result.stdout.split() == expected, result.stderr[-2000:]
 
 
 def test_the_cli_flags_are_the_codec_options():
@@ -128,6 +131,22 @@ def source(tmp_path_factory):
     path = tmp_path_factory.mktemp("startup") / "kv.safetensors"
     save_file({"layer0.k": torch.randn(4, 64, 64).to(torch.bfloat16)}, str(path))
     return path
+
+
+def test_an_inline_compress_of_safetensors_loads_no_torch(source, tmp_path):
+    """The one-shot compress reads files as bytes and encodes them on the CPU kernels:
+    torch (about a second of its start-up) is never imported, nor Ray."""
+    dest = tmp_path / "kv.fp8"
+    code = (
+        "import sys\n"
+        "from fp8ray.cli import main\n"
+        f"status = main(['compress', {str(source)!r}, {str(dest)!r}, '--address', 'inline', '--json'])\n"
+        "print(status, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray'}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "0 []", result.stdout[-2000:]
+    assert (dest / "_manifest.json").exists()
 
 
 @pytest.mark.parametrize("moment", MOMENTS)

@@ -78,7 +78,7 @@ def test_a_failing_frame_or_block_is_named_by_its_key():
     with pytest.raises(CorruptFrameError, match=r"^block 'bad': "):
         decode_into([("bad", frame)], np.empty(good.nbytes, np.uint8))
     sound = np.frombuffer(bytes(codec.encode(good.tensor())), np.uint8)
-    with pytest.raises(ValueError, match=r"^block 'other': out is a \(32,\) torch.float16 tensor, the frame holds \(4, 32\)"):
+    with pytest.raises(ValueError, match=r"^block 'other': expected a \(32,\) float16 tensor, the frame holds \(4, 32\) float32"):
         decode_into([("other", sound)], np.empty(64, np.uint8), [BlockSpec("other", "float16", (32,))])
     with pytest.raises(ValueError, match=r"out holds 3 bytes"):
         encode_into(codec, [good], np.empty(3, np.uint8))

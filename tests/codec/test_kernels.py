@@ -28,13 +28,13 @@ ALL_MODES = [(scaling, "float32", "amax") for scaling in SCALINGS] + OPTION_MODE
 def fast_quantize(x, fmt, scaling, block_size=64, scale_dtype="float32", scale_choice="amax"):
     codes = np.empty(x.numel(), dtype=np.uint8)
     scales = np.empty(num_scales(scaling, tuple(x.shape), block_size), dtype=np.float32)
-    bad = cpu.quantize(x.contiguous(), fmt, scaling, block_size, codes, scales, scale_dtype, scale_choice)
+    bad = cpu.quantize(cpu.kernel_array(x.contiguous()), fmt, scaling, block_size, codes, scales, scale_dtype, scale_choice)
     return torch.from_numpy(codes), torch.from_numpy(scales), bad
 
 
 def fast_dequantize(codes, scales, fmt, scaling, shape, dtype, block_size=64):
     out = torch.empty(shape, dtype=dtype)
-    cpu.dequantize(codes.numpy(), scales.numpy(), fmt, scaling, tuple(shape), block_size, out)
+    cpu.dequantize(codes.numpy(), scales.numpy(), fmt, scaling, tuple(shape), block_size, cpu.kernel_array(out))
     return out
 
 
@@ -373,20 +373,20 @@ from fp8ray.codec.formats import E4M3FN
 assert not kernels.bits._NATIVE_HALF
 x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
 codes = np.empty(x.numel(), np.uint8)
-cpu.quantize(x, E4M3FN, "none", 0, codes, None)
+cpu.quantize(cpu.kernel_array(x), E4M3FN, "none", 0, codes, None)
 ref, _, _ = reference.quantize(x, E4M3FN, "none", 0, True)
 assert np.array_equal(codes, ref.numpy())
 scales = torch.exp2(torch.linspace(-30, 30, 64))
 c = torch.arange(256, dtype=torch.uint8).repeat(64)
 out = torch.empty(64, 256, dtype=torch.float16)
-cpu.dequantize(c.numpy(), scales.numpy(), E4M3FN, "token", (64, 256), 0, out)
+cpu.dequantize(c.numpy(), scales.numpy(), E4M3FN, "token", (64, 256), 0, cpu.kernel_array(out))
 expected = reference.dequantize(c, scales, E4M3FN, "token", (64, 256), torch.float16, 0)
 nan = torch.isnan(expected)
 assert torch.equal(out[~nan], expected[~nan]) and torch.isnan(out[nan]).all()
 finite = x[torch.isfinite(x)][:61440]  # the scale search's vector path on fp16, blocks of 32
 codes = np.empty(finite.numel(), np.uint8)
 scales = np.empty(finite.numel() // 32, np.float32)
-cpu.quantize(finite, E4M3FN, "block", 32, codes, scales, "bfloat16", "mse")
+cpu.quantize(cpu.kernel_array(finite), E4M3FN, "block", 32, codes, scales, "bfloat16", "mse")
 ref, ref_scales, _ = reference.quantize(finite, E4M3FN, "block", 32, False, "bfloat16", "mse")
 assert np.array_equal(codes, ref.numpy()) and np.array_equal(scales, ref_scales.numpy())
 print("portable half ok")

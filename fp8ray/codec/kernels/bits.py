@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import torch
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from ..formats import E4M3FN, E5M2, SMALLEST_NORMAL_SCALE, Fp8Format
+from ..formats import E4M3FN, E5M2, SMALLEST_NORMAL_SCALE, Fp8Format, max_code
 
 _INF_BITS = 0x7F800000
 _ABS_MASK = 0x7FFFFFFF
@@ -344,7 +343,7 @@ def format_params(fmt: Fp8Format) -> tuple:
         fmt.neginf_code,
         # The largest code a finite input can get: +-max after the clamp. Every code above
         # it (sign aside) is a NaN/inf code, which only non-finite inputs get.
-        int(torch.tensor(fmt.max).to(fmt.dtype).view(torch.uint8)),
+        max_code(fmt),
     )
 
 
