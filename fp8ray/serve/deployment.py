@@ -30,7 +30,6 @@ from collections.abc import Callable
 
 import numpy as np
 import ray
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
@@ -38,8 +37,8 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.serve.config import DeploymentActorConfig
 from ray.util import metrics
 
+from ..codec import formats
 from ..codec.blocks import Block, bytes_to_tensor, dtype_name, tensor_to_bytes
-from ..codec.formats import DTYPE_NAMES
 from ..engine.backends import worker_exception
 from ..engine.worker import QuantWorker
 from ..errors import BadInputError, CorruptDataError, RequestError, WorkersUnavailableError
@@ -430,9 +429,11 @@ class Fp8Service:
 
     async def encode(self, tensor, **codec_options_kw) -> bytes:
         """Encode a tensor (or a float16/float32 ndarray); returns the frame's bytes."""
+        import torch  # the HTTP routes take bytes: a replica loads torch only for this API
+
         if isinstance(tensor, np.ndarray):
             tensor = torch.from_numpy(tensor)
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_NAMES:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in formats.DTYPE_NAMES:
             raise TypeError(
                 f"expected a bfloat16/float16/float32 tensor or array, got {getattr(tensor, 'dtype', type(tensor).__name__)}"
             )
@@ -440,7 +441,7 @@ class Fp8Service:
         [(f, _)] = await self._call(QuantWorker.encode_batch, [Block.of("tensor", tensor.detach())], options)
         return f.tobytes()
 
-    async def decode(self, frame) -> torch.Tensor:
+    async def decode(self, frame):
         """Decode a frame (bytes, memoryview or uint8 array); returns the tensor."""
         [(raw, meta)] = await self._call(QuantWorker.decode_batch, [("frame", np.frombuffer(frame, dtype=np.uint8))])
         return bytes_to_tensor(raw, meta.dtype, meta.shape).clone()  # owns its memory
