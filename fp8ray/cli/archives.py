@@ -276,7 +276,6 @@ def run_get(args) -> int:
 
     import pyarrow.fs as pafs
 
-    from ..codec.blocks import dtype_name, tensor_to_bytes
     from ..errors import ArchiveExistsError, DestinationError
     from ..io.paths import check_apart, prepare_parent, redact, resolve
     from ..io.reader import open_archive
@@ -294,14 +293,13 @@ def run_get(args) -> int:
         prepare_parent(fs, path, args.output, args.parents)
     reader = open_archive(args.archive)
     file = args.file if args.file is not None else reader.file_of(args.key)  # an ambiguous key is refused, naming the files
-    tensor = reader.get(args.key, file)  # a missing key is refused, naming the key and file
+    block = reader.block(args.key, file)  # a missing key is refused, naming the key and file
     metadata = reader.metadata(file) or None
-    shape = tuple(tensor.shape)
     if to_stdout:
-        sys.stdout.buffer.write(build_body([(args.key, dtype_name(tensor), shape, tensor_to_bytes(tensor))], metadata))
+        sys.stdout.buffer.write(build_body([(args.key, block.dtype, block.shape, block.data)], metadata))
         sys.stdout.buffer.flush()
         return 0
-    with SafetensorsWriter(args.output, [(args.key, dtype_name(tensor), shape)], metadata) as writer:
-        writer.write(tensor_to_bytes(tensor))
-    print(f"wrote {args.key!r} ({dtype_name(tensor)} {list(shape)}) of {file!r} to {redact(args.output)}")
+    with SafetensorsWriter(args.output, [(args.key, block.dtype, block.shape)], metadata) as writer:
+        writer.write(block.data)
+    print(f"wrote {args.key!r} ({block.dtype} {list(block.shape)}) of {file!r} to {redact(args.output)}")
     return 0

@@ -14,6 +14,8 @@ the scale convention is in :mod:`fp8ray.codec.formats`; the frame layout in
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from ..errors import BadInputError, BlockError, CorruptFrameError, MismatchError, NonFiniteError
@@ -61,23 +63,32 @@ def _byte_buffer(out: np.ndarray | None, nbytes: int) -> np.ndarray:
 
 def raise_nonfinite(tensor, count: int) -> None:
     """Raise :class:`NonFiniteError` for a tensor (on any device) with ``count`` non-finite
-    values, naming the first."""
-    _raise_nonfinite(cpu.kernel_array(tensor.contiguous().cpu()), dtype_name(tensor.dtype), count)
+    values, naming the first (found where the tensor is: only that value is copied)."""
+    import torch
+
+    flat = tensor.reshape(-1)
+    first = int(torch.nonzero(~torch.isfinite(flat))[0, 0])
+    _raise_nonfinite_at(tuple(tensor.shape), dtype_name(tensor.dtype), count, first, float(flat[first]))
 
 
 def _raise_nonfinite(x: np.ndarray, dtype: str, count: int) -> None:
-    """``x``: the elements as the kernels take them (:func:`fp8ray.codec.cpu.kernel_array`)."""
+    """:func:`raise_nonfinite` for ``x``, the elements as the kernels take them
+    (:func:`fp8ray.codec.cpu.kernel_array`)."""
     flat = x.reshape(-1)
     bad = ~np.isfinite(flat) if dtype == "float32" else (flat & _NONFINITE_BITS[dtype]) == _NONFINITE_BITS[dtype]
     first = int(np.flatnonzero(bad)[0])
-    index = [int(i) for i in np.unravel_index(first, x.shape)] if x.ndim else []
     element = flat[first : first + 1]
     if dtype == "bfloat16":
         value = float((element.astype(np.uint32) << 16).view(np.float32)[0])
     else:
         value = float(element.view(np.float16 if dtype == "float16" else np.float32)[0])
+    _raise_nonfinite_at(x.shape, dtype, count, first, value)
+
+
+def _raise_nonfinite_at(shape: tuple[int, ...], dtype: str, count: int, first: int, value: float) -> None:
+    index = [int(i) for i in np.unravel_index(first, shape)] if shape else []
     raise NonFiniteError(
-        f"{count} non-finite value(s) in a {tuple(x.shape)} {dtype} tensor; "
+        f"{count} non-finite value(s) in a {tuple(shape)} {dtype} tensor; "
         f"the first is {value} at index {index} (nonfinite='keep', or --nonfinite keep, stores them)"
     )
 
@@ -144,7 +155,7 @@ class Fp8Codec:
         )
 
     def _header(self, shape, dtype: str) -> frame.FrameHeader:
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(operator.index(d) for d in shape)  # a float dimension is refused, not truncated
         frame.check_shape(shape)  # what the decoder would refuse is never written
         scale_dtype = frame.stored_scale_dtype(self.scaling, self.scale_dtype)
         return frame.FrameHeader(self.fmt, self.scaling, dtype, shape, self.block_size, scale_dtype)
@@ -182,7 +193,8 @@ class Fp8Codec:
         dtype = dtype_name(dtype)
         header = self._header(shape, dtype)
         if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1):
-            raise TypeError(f"data must be a 1-D uint8 array, got {type(data).__name__}")
+            got = f"a {data.ndim}-D {data.dtype} array" if isinstance(data, np.ndarray) else type(data).__name__
+            raise TypeError(f"data must be a 1-D uint8 array, got {got}")
         nbytes = header.numel * DTYPE_ITEMSIZES[dtype]
         if data.size != nbytes:
             raise BadInputError(f"data holds {data.size} bytes, a {list(header.shape)} {dtype} tensor has {nbytes}")
@@ -251,13 +263,11 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
     """
     import torch
 
-    from .formats import DTYPES_BY_NAME
-
     buf, header, scales, codes = _opened(data)
-    dtype = DTYPES_BY_NAME[header.dtype]
+    dtype = header.torch_dtype
     if out is not None:
         if tuple(out.shape) != header.shape or out.dtype != dtype:
-            _refuse(buf, header, f"out is a {tuple(out.shape)} {out.dtype} tensor")
+            _refuse(buf, header, f"out is a {tuple(out.shape)} {out.dtype} tensor", "out")
         if device is not None and torch.device(device) != out.device:
             raise MismatchError(f"out is on {out.device} but device={device!r} was asked for", field="device")
         target = out.device
@@ -293,10 +303,10 @@ def decode_raw(data, dtype: str, shape, out: np.ndarray | None = None, *, thread
     the mirror of :meth:`Fp8Codec.encode_raw` (``fp8ray decompress`` writes bytes to
     files). A frame holding another dtype or shape raises :class:`MismatchError`, one
     that is damaged :class:`CorruptFrameError`."""
-    dtype, shape = dtype_name(dtype), tuple(int(d) for d in shape)
+    dtype, shape = dtype_name(dtype), tuple(operator.index(d) for d in shape)
     buf, header, scales, codes = _opened(data)
     if (header.dtype, header.shape) != (dtype, shape):
-        _refuse(buf, header, f"expected a {shape} {dtype} tensor")
+        _refuse(buf, header, f"expected a {shape} {dtype} tensor", "shape" if header.dtype == dtype else "dtype")
     out = _byte_buffer(out, header.numel * DTYPE_ITEMSIZES[dtype])
     _decode_host(buf, header, scales, codes, out.view(KERNEL_TYPES[dtype]).reshape(shape), threads)
     return out
@@ -315,10 +325,10 @@ def _opened(data) -> tuple[np.ndarray, frame.FrameHeader, np.ndarray, np.ndarray
     return buf, header, scales, frame.codes_of(buf, header)
 
 
-def _refuse(buf: np.ndarray, header: frame.FrameHeader, asked: str) -> None:
-    """Raise :class:`MismatchError`: the frame holds another tensor than ``asked`` says."""
+def _refuse(buf: np.ndarray, header: frame.FrameHeader, asked: str, field: str) -> None:
+    """Raise :class:`MismatchError` naming ``field``: the frame holds another tensor than ``asked`` says."""
     frame.verify(buf, header)  # a damaged dtype or shape is reported as damage, not as a mismatch
-    raise MismatchError(f"{asked}, the frame holds {header.shape} {header.dtype}", field="out")
+    raise MismatchError(f"{asked}, the frame holds {header.shape} {header.dtype}", field=field)
 
 
 def _decode_host(buf, header: frame.FrameHeader, scales, codes, target: np.ndarray, threads: int | None) -> None:

@@ -70,6 +70,13 @@ class FrameHeader:
     scale_dtype: str = "float32"  # as stored: always "float32" under scaling none
 
     @property
+    def torch_dtype(self):
+        """The source dtype as torch's (``torch.bfloat16``); loads torch."""
+        from .formats import DTYPES_BY_NAME
+
+        return DTYPES_BY_NAME[self.dtype]
+
+    @property
     def numel(self) -> int:
         return math.prod(self.shape)
 

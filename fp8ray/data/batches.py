@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 import pyarrow as pa
 
-from ..codec.formats import DTYPES_BY_NAME
+from ..codec.formats import DTYPE_ITEMSIZES
 from ..errors import BadInputError
 
 # What Fp8Decoder returns: the raw-block layout fp8ray reads as a source. ``data`` is
@@ -100,9 +100,9 @@ def dtypes(table: pa.Table, row_keys: list[str]) -> list[str]:
     """The ``dtype`` column: one of fp8ray's source dtype names per row."""
     values = table.column("dtype").to_pylist()
     for key, dtype in zip(row_keys, values):
-        if dtype not in DTYPES_BY_NAME:
+        if dtype not in DTYPE_ITEMSIZES:
             raise BadInputError(
-                f"block {key!r}: column 'dtype' holds {dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}", field=key
+                f"block {key!r}: column 'dtype' holds {dtype!r}; expected one of {sorted(DTYPE_ITEMSIZES)}", field=key
             )
     return values
 

@@ -25,6 +25,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..codec import decode
+from ..codec.blocks import Block
+from ..codec.fp8codec import decode_raw
+from ..codec.frame import as_byte_array, parse_layout
 from ..errors import BadInputError, CorruptArchiveError
 from . import archive
 from .paths import os_reason, printable, redact, resolve
@@ -128,6 +131,18 @@ class ArchiveReader:
         label, part, (frame,) = self._read_row(key, file, "frame")
         try:
             return decode(memoryview(frame.as_buffer()), device=device)
+        except (ValueError, TypeError) as exc:
+            raise self._damaged(label, part, _one_line(exc)) from None
+
+    def block(self, key: str, file: str | None = None) -> Block:
+        """:meth:`get` as a :class:`~fp8ray.codec.blocks.Block`: the tensor's raw
+        little-endian bytes with its dtype's name and shape, decoded on the CPU without
+        torch. Raises as :meth:`get` does."""
+        label, part, (frame,) = self._read_row(key, file, "frame")
+        try:
+            buf = as_byte_array(memoryview(frame.as_buffer()))
+            header = parse_layout(buf)
+            return Block(key, header.dtype, header.shape, decode_raw(buf, header.dtype, header.shape))
         except (ValueError, TypeError) as exc:
             raise self._damaged(label, part, _one_line(exc)) from None
 

@@ -35,7 +35,8 @@ from .objects import Shape, byte_view, check_dtype, check_group, is_group, kv_te
 FP8_INPUT_POLICIES = ("refuse", "passthrough")  # what the frame pair does with 1-byte sources
 
 # The header of the frame a prefix of bytes starts with, or None (the codec's parser,
-# under the name this package has always exported).
+# under the name this package has always exported). Its ``dtype`` is the source dtype's
+# name ("bfloat16"); ``torch_dtype`` is torch's.
 read_frame_header = frame.parse_header
 
 

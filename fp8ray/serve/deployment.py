@@ -38,7 +38,7 @@ from ray.serve.config import DeploymentActorConfig
 from ray.util import metrics
 
 from ..codec import formats
-from ..codec.blocks import Block, bytes_to_tensor, dtype_name, tensor_to_bytes
+from ..codec.blocks import Block, bytes_to_tensor
 from ..engine.backends import worker_exception
 from ..engine.worker import QuantWorker
 from ..errors import BadInputError, CorruptDataError, RequestError, WorkersUnavailableError
@@ -381,16 +381,16 @@ class Fp8Service:
                     413,
                     "key",
                 )
-            tensor = reader.get(key, file)
-            if tensor.nbytes > self.max_body_bytes:  # the recorded size, checked by what the frame held
-                raise RequestError(f"block {key!r} is {tensor.nbytes} bytes, over the service's limit", 413, "key")
+            block = reader.block(key, file)
+            if block.nbytes > self.max_body_bytes:  # the recorded size, checked by what the frame held
+                raise RequestError(f"block {key!r} is {block.nbytes} bytes, over the service's limit", 413, "key")
         except BadInputError as exc:
             # No such key or file: 404. A key in several files, none named: 400, naming them.
             raise RequestError(str(exc), 400 if not named and exc.field == "file" else 404, exc.field) from None
         except CorruptDataError as exc:  # a damaged manifest, part or frame, named in one line
             raise RequestError(str(exc), 422, "archive") from None
         metadata = reader.metadata(file) or None
-        data = build_body([(key, dtype_name(tensor), tuple(tensor.shape), tensor_to_bytes(tensor))], metadata)
+        data = build_body([(key, block.dtype, block.shape, block.data)], metadata)
         return Response(data, media_type=SAFETENSORS)
 
     async def _alive_workers(self) -> int:

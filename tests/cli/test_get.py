@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -98,3 +99,25 @@ def test_an_existing_output_is_refused_without_overwrite(archive, tmp_path):
     assert fp8ray("get", arch, "only0", "-o", out, "--overwrite").returncode == 0
     assert torch.equal(load_file(out)["only0"], restored[FILES[0]]["only0"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]  # no temporary file left
+
+
+def test_get_loads_no_torch(archive, tmp_path):
+    """A block is decoded to its bytes and written as such: torch is never imported."""
+    arch, restored = archive
+    out = tmp_path / "shared.safetensors"
+    code = (
+        "import sys\n"
+        "from fp8ray.cli import main\n"
+        f"status = main(['get', {str(arch)!r}, 'shared', '--file', 'deep/b.safetensors', '-o', {str(out)!r}])\n"
+        "print(status, 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, RAY_AUTH_MODE="disabled"),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-2:] == ["0", "False"], result.stdout[-2000:]
+    assert torch.equal(load_file(out)["shared"], restored["deep/b.safetensors"]["shared"])

@@ -16,7 +16,7 @@ import torch
 from fp8ray import CodecOptions, Fp8Codec, NonFiniteError, decode
 from fp8ray.codec import formats
 from fp8ray.codec.blocks import tensor_to_bytes
-from fp8ray.codec.fp8codec import decode_raw
+from fp8ray.codec.fp8codec import decode_raw, raise_nonfinite
 from fp8ray.codec.names import DTYPE_CODES, SCALINGS
 from fp8ray.errors import BadInputError, CorruptFrameError, MismatchError
 
@@ -65,8 +65,9 @@ def test_decoding_to_raw_bytes_refuses_another_tensor_and_damage_by_name():
     good = bytes(codec.encode(torch.ones(4, 64, dtype=torch.bfloat16)))
     with pytest.raises(MismatchError, match=r"expected a \(4, 64\) float16 tensor, the frame holds \(4, 64\) bfloat16"):
         decode_raw(good, "float16", (4, 64))
-    with pytest.raises(MismatchError, match=r"expected a \(64, 4\) bfloat16 tensor"):
+    with pytest.raises(MismatchError, match=r"expected a \(64, 4\) bfloat16 tensor") as caught:
         decode_raw(good, "bfloat16", (64, 4))
+    assert caught.value.field == "shape"
     damaged = bytearray(good)
     damaged[-10] ^= 1
     with pytest.raises(CorruptFrameError, match="checksum mismatch"):
@@ -85,7 +86,9 @@ def test_a_nonfinite_value_is_named_as_the_tensor_path_names_it(dtype):
         codec.encode(x)
     with pytest.raises(NonFiniteError) as from_bytes:
         codec.encode_raw(tensor_to_bytes(x), formats.dtype_name(dtype), x.shape)
-    assert str(from_bytes.value) == str(from_tensor.value)
+    with pytest.raises(NonFiniteError) as found_by_torch:  # as the CUDA path and LMCache's serde name it
+        raise_nonfinite(x, 2)
+    assert str(from_bytes.value) == str(from_tensor.value) == str(found_by_torch.value)
     assert "2 non-finite value(s)" in str(from_bytes.value) and "-inf at index [4, 33]" in str(from_bytes.value)
 
 
@@ -96,8 +99,10 @@ def test_raw_bytes_that_do_not_fit_are_refused_by_name():
         codec.encode_raw(data, "bfloat16", (2, 4))
     with pytest.raises(TypeError, match=r"unsupported dtype int8; expected one of"):
         codec.encode_raw(data, "int8", (2, 6))
-    with pytest.raises(TypeError, match=r"data must be a 1-D uint8 array, got ndarray"):
+    with pytest.raises(TypeError, match=r"data must be a 1-D uint8 array, got a 1-D int16 array"):
         codec.encode_raw(data.view(np.int16), "bfloat16", (2, 3))
+    with pytest.raises(TypeError, match=r"'float' object cannot be interpreted as an integer"):
+        codec.encode_raw(data, "bfloat16", (2, 3.0))  # refused, not truncated
     with pytest.raises(BadInputError, match=r"out must be a writable contiguous 1-D uint8 array"):
         codec.encode_raw(data, "bfloat16", (2, 3), out=np.empty(3, np.uint8))
 
@@ -123,7 +128,7 @@ def test_encoding_and_decoding_raw_bytes_loads_no_torch():
 import sys
 import numpy as np
 from fp8ray.codec import Fp8Codec, frame
-from fp8ray.codec.fp8codec import decode_raw
+from fp8ray.codec.fp8codec import decode_raw, raise_nonfinite
 codec = Fp8Codec()
 data = np.arange(64 * 48, dtype=np.float32).view(np.uint8)
 f = np.frombuffer(codec.encode_raw(data, "float32", (64, 48)), np.uint8)

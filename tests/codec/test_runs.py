@@ -122,7 +122,7 @@ def test_a_damaged_frame_in_a_run_is_named_by_its_key(where):
     elif where == "header":
         damaged[5] = 2  # e5m2 in an e4m3fn run, resealed: a valid frame of other options
     else:
-        header = codec._header((4, 64), torch.bfloat16)
+        header = codec._header((4, 64), "bfloat16")
         damaged[header.scales_offset : header.scales_offset + 2] = 0  # scale 0, resealed
     if where != "crc":
         frame.seal(damaged)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import fp8ray
 from fp8ray.bench.readcount import CountingHandler
+from fp8ray.codec.blocks import dtype_name, tensor_to_bytes
 from fp8ray.engine.archives import compress_archive, decompress_archive
 from fp8ray.engine.pool import PoolSettings
 from fp8ray.errors import BadInputError, CorruptArchiveError
@@ -60,6 +61,28 @@ def test_every_block_read_alone_equals_decompress(multi):
             assert reader.nbytes(key, name) == tensor.nbytes, (name, key)
     assert reader.get("only1").equal(restored["deep/b.safetensors"]["only1"])  # a key in one file needs no file
     assert reader.keys() == [k for name in FILES for k in restored[name]]
+
+
+def test_a_block_read_as_bytes_is_the_tensors_bytes_and_named_as_get_names_it(multi, tmp_path):
+    """``block()``: the same tensor as ``get()``, as its raw bytes, dtype name and shape;
+    a damaged frame and a missing key refused in the same words."""
+    arch, restored = multi
+    reader = fp8ray.open_archive(str(arch))
+    for name, key in [("a.safetensors", "layer0.kv"), ("deep/c.safetensors", "layer7.kv"), ("deep/b.safetensors", "only1")]:
+        block, tensor = reader.block(key, name), restored[name][key]
+        assert (block.key, block.dtype, block.shape) == (key, dtype_name(tensor), tuple(tensor.shape))
+        assert block.data.tobytes() == tensor_to_bytes(tensor).tobytes(), (name, key)
+    with pytest.raises(BadInputError, match=r"^no block 'layer9.kv' in file 'deep/c.safetensors' of archive"):
+        reader.block("layer9.kv", "deep/c.safetensors")
+    shutil.copytree(arch, tmp_path / "arch")
+    part = tmp_path / "arch" / "part-00000.parquet"
+    frame = pq.read_table(part, columns=["frame"]).column("frame")[1].as_py()  # a.safetensors:layer1.kv
+    data = bytearray(part.read_bytes())
+    data[data.find(frame[1000:1100]) + 50] ^= 0x10
+    part.write_bytes(bytes(data))
+    damaged = fp8ray.open_archive(str(tmp_path / "arch"))
+    with pytest.raises(CorruptArchiveError, match=r"^block 'a.safetensors:layer1.kv' in part part-00000.parquet .* is damaged"):
+        damaged.block("layer1.kv", "a.safetensors")
 
 
 def test_one_block_reads_little_more_than_its_frame(multi):
