@@ -255,3 +255,43 @@ def test_an_interrupted_compress_keeps_its_finished_parts_for_resume(reference, 
     monkeypatch.setattr(QuantWorker, "compress_part", compress_part)
     assert main([*args, "--resume", "--json"]) == 0
     assert _tree(dest) == _tree(reference / "ref.fp8")
+
+
+DEFERRED_IN_NUMBA = '''
+import os, signal, time
+from fp8ray.cli.interrupts import interrupts
+
+numba_like = {"__name__": "numba.core.stand_in"}  # code of a module of numba, as frames name it
+exec(compile("""
+import os, signal, time
+def compile_kernel():
+    os.kill(os.getpid(), signal.SIGINT)
+    end = time.monotonic() + 0.2
+    while time.monotonic() < end:
+        pass
+    return "returned"
+""", "stand_in.py", "exec"), numba_like)
+with interrupts():
+    result = None
+    try:
+        result = numba_like["compile_kernel"]()
+        time.sleep(2)  # the signal, delivered again, lands here
+        print("never interrupted")
+    except KeyboardInterrupt:
+        print("interrupted after the code", result)
+'''
+
+
+def test_a_signal_waits_until_numbas_code_returns():
+    """An interrupt raised inside numba's or llvmlite's Python code could leave LLVM's
+    state cut short (a heap corrupted at exit, once): it is delivered once that code has
+    returned, in fp8ray's own."""
+    result = subprocess.run(
+        [sys.executable, "-c", DEFERRED_IN_NUMBA],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert result.stdout.strip() == "interrupted after the code returned", result.stdout + result.stderr[-2000:]
