@@ -144,7 +144,7 @@ def dtype_name(dtype) -> str:
     ``TypeError`` for any other."""
     name = str(dtype).removeprefix("torch.") if is_torch_dtype(dtype) else dtype
     if not isinstance(name, str) or name not in DTYPE_CODES:
-        raise TypeError(f"unsupported dtype {dtype}; expected one of {sorted(DTYPE_CODES)}")
+        raise TypeError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPE_CODES)}")
     return name
 
 

@@ -281,6 +281,11 @@ class QuantWorker:
         result.idents = list(zip(files, columns["key"]))
         originals = {}
         if against is not None:  # one read of the source for the whole part
+            import torch  # the error metrics and the bound are taken on tensors
+
+            from ..codec.bound import check_within_bound, element_scales
+            from ..codec.metrics import error_metrics
+
             present = [against[i] for i in result.idents if i in against]
             originals = {
                 (f, r.key): (r, data)
@@ -299,11 +304,6 @@ class QuantWorker:
                         f"the frame says {list(header.shape)} {header.dtype}"
                     )
                 if against is not None:
-                    import torch
-
-                    from ..codec.bound import check_within_bound, element_scales
-                    from ..codec.metrics import error_metrics
-
                     if ident not in originals:
                         raise MismatchError("not in the source it is verified against")
                     ref, data = originals[ident]
