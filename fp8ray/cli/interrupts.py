@@ -22,12 +22,10 @@ class interrupts:
     left ignored: the process only ends after it). Elsewhere than in the main thread,
     nothing changes.
 
-    A signal that comes while another package than fp8ray is being imported, or while
-    numba or llvmlite code runs (loading or compiling a kernel, starting LLVM), waits
-    until that is done (it is delivered again every :attr:`RETRY_S`): an import cut short
-    leaves its package half loaded, and torch half loaded crashes the process (SIGSEGV, no
-    message) when it is loaded again or at exit; LLVM's state cut short can corrupt the
-    heap ("corrupted double-linked list" at exit, seen once at 0.1 s into a compress)."""
+    A signal that comes while another package than fp8ray is being imported waits until
+    that import is done (it is delivered again every :attr:`RETRY_S`): an import cut
+    short leaves its package half loaded, and torch half loaded crashes the process
+    (SIGSEGV, no message) when it is loaded again or at exit."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     RETRY_S = 0.02
@@ -50,7 +48,7 @@ class interrupts:
     def _on_signal(self, signum, frame) -> None:
         if self.fired:
             return
-        if _deferred(frame):
+        if _importing(frame):
             if not self.retrying:
                 self.retrying = True
                 threading.Timer(self.RETRY_S, self._deliver_again, (signum,)).start()
@@ -81,18 +79,10 @@ def forget_caught_interrupt() -> None:
     exec("", {})
 
 
-# Packages whose Python code drives native state (LLVM) that an exception raised between
-# two of its calls could leave inconsistent: a signal waits until their code returns.
-NATIVE_STATE_PACKAGES = ("numba", "llvmlite")
-
-
-def _deferred(frame) -> bool:
+def _importing(frame) -> bool:
     """Whether ``frame`` runs inside the import of a module other than fp8ray's own (whose
-    modules load again cleanly after an interrupted import), or inside code of
-    :data:`NATIVE_STATE_PACKAGES`."""
+    modules, plain Python, load again cleanly after an interrupted import)."""
     while frame is not None:
-        if frame.f_globals.get("__name__", "").split(".")[0] in NATIVE_STATE_PACKAGES:
-            return True
         loaded_by_import = frame.f_back is not None and frame.f_back.f_code.co_filename.startswith("<frozen importlib")
         if (
             frame.f_code.co_name == "<module>"
