@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import BadInputError, BlockError, MismatchError, block_error
+from ..errors import BadInputError, BlockError, CorruptFrameError, MismatchError, block_error
 from . import formats, frame
 from .formats import DTYPE_ITEMSIZES
 from .fp8codec import Fp8Codec, decode, decode_raw
@@ -272,27 +272,71 @@ def decode_into(
     starts = [end - spec.nbytes for spec, end in zip(specs, ends)]
 
     def one_at_a_time(start: int, stop: int) -> None:
+        if start == stop:
+            return
         if device != "cpu":
             targets = (bytes_to_tensor(out[starts[i] : ends[i]], specs[i].dtype, specs[i].shape) for i in range(start, stop))
             decode_frames_into(frames[start:stop], targets, device=device, threads=threads, where=where)
-            return
-        for i in range(start, stop):  # into the bytes: no torch on the CPU
-            try:
-                decode_raw(frames[i][1], specs[i].dtype, specs[i].shape, out=out[starts[i] : ends[i]], threads=threads)
-            except (ValueError, TypeError, RuntimeError) as exc:
-                raise block_error(frames[i][0], exc, where) from exc
+        else:
+            _decode_each(frames[start:stop], out[starts[start] :], specs[start:stop], threads, where)
 
     done = 0
     if device == "cpu":
         for start, stop in runs_of(specs, lambda spec: small(spec.dtype, spec.shape)):
-            one_at_a_time(done, start + 1)  # the run's first frame, checked whole, gives its header
+            one_at_a_time(done, start)
             run = [frame.as_byte_array(f) for _, f in frames[start:stop]]
-            header = frame.parse_header(run[0])
-            decoded = fits_run(header.scaling, header.block_size, specs[start].dtype, specs[start].shape) and decode_run(
-                run[1:], header, out[starts[start + 1] : ends[stop - 1]], threads
-            )
-            done = stop if decoded else start + 1
+            if all(f.size == run[0].size for f in run):
+                keys = [key for key, _ in frames[start:stop]]
+                rows = np.concatenate(run).reshape(stop - start, -1)
+                first = specs[start]
+                decode_rows_into(keys, rows, out[starts[start] :], first.dtype, first.shape, threads=threads, where=where)
+            else:
+                one_at_a_time(start, stop)
+            done = stop
         one_at_a_time(done, len(frames))
     else:
         one_at_a_time(0, len(frames))
     return list(specs)
+
+
+def _decode_each(frames: Sequence[tuple[str, object]], out: np.ndarray, specs: Sequence[BlockSpec], threads, where: str) -> None:
+    """Decode each ``(key, frame)`` on the CPU, without torch, into its bytes end to end in
+    ``out``; a frame that fails raises naming its key."""
+    start = 0
+    for (key, f), spec in zip(frames, specs, strict=True):
+        try:
+            decode_raw(f, spec.dtype, spec.shape, out=out[start : start + spec.nbytes], threads=threads)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise block_error(key, exc, where) from exc
+        start += spec.nbytes
+
+
+def decode_rows_into(
+    keys: Sequence[str], rows: np.ndarray, out: np.ndarray, dtype: str, shape: tuple[int, ...], *, threads=None, where=""
+) -> None:
+    """:func:`decode_into` for frames that all hold blocks of ``dtype`` and ``shape``, one a
+    row of ``rows`` (a ``[len(keys), frame_size]`` uint8 array: a part's frames of one size
+    lie end to end in its file): small blocks are checked and decoded as one run, without
+    a Python object per frame. A frame that fails raises naming its key, as there."""
+    if not (isinstance(rows, np.ndarray) and rows.dtype == np.uint8 and rows.ndim == 2):
+        raise BadInputError(f"rows must be a 2-d uint8 array of frames, one a row, got {type(rows).__name__}")
+    if not len(keys) or len(rows) != len(keys):
+        raise BadInputError(f"{len(keys)} keys for {len(rows)} frames: give one key a frame, and at least one")
+    specs = [BlockSpec(keys[0], dtype, tuple(shape))]
+    size = len(keys) * specs[0].nbytes
+    if size > out.size:
+        raise BadInputError(f"out holds {out.size} bytes, the blocks of {len(keys)} frames need {size}")
+    try:
+        header = frame.parse_header(rows[0])
+    except CorruptFrameError:
+        header = None  # named below
+    if (
+        len(keys) > 1
+        and header is not None
+        and (header.dtype, header.shape) == (dtype, specs[0].shape)
+        and fits_run(header.scaling, header.block_size, dtype, header.shape)
+        and decode_run(rows, header, out[:size], threads)
+    ):
+        return
+    specs += [BlockSpec(key, dtype, specs[0].shape) for key in keys[1:]]  # one at a time: a damaged frame is named
+    _decode_each(list(zip(keys, rows)), out, specs, threads, where)

@@ -106,19 +106,18 @@ def encode_run(codec: Fp8Codec, dtype: str, shape: tuple[int, ...], source: np.n
     return True
 
 
-def decode_run(frames: list[np.ndarray], header: frame.FrameHeader, out: np.ndarray, threads=None) -> bool:
-    """Decode ``frames`` (each a uint8 array) whose headers are all ``header`` into ``out``
-    (their raw bytes end to end); ``False``, with ``out`` untouched, where any frame's
-    header bytes, size or checksum differ from what ``header`` says (the caller decodes
-    them one at a time to name the damaged one)."""
-    count, size = len(frames), header.frame_size
-    if any(f.size != size for f in frames):
+def decode_run(run: np.ndarray, header: frame.FrameHeader, out: np.ndarray, threads=None) -> bool:
+    """Decode the frames held one a row of ``run`` (a ``[frames, frame_size]`` uint8 array)
+    whose headers are all ``header`` into ``out`` (their raw bytes end to end); ``False``,
+    with ``out`` untouched, where any frame's header bytes, size or checksum differ from
+    what ``header`` says (the caller decodes them one at a time to name the damaged one)."""
+    count = len(run)
+    if run.shape[1] != header.frame_size:
         return False
-    run = np.concatenate(frames).reshape(count, size)  # a frame a row: each check is one numpy call
     start, codes_at, numel = header.scales_offset, header.codes_offset, header.numel
     expected = np.empty(start, np.uint8)
     frame.write_header(expected, header)
-    if not (run[:, :start] == expected).all() or not frame.checksums_hold(run):
+    if not (run[:, :start] == expected).all() or not frame.checksums_hold(run):  # each check one numpy call
         return False
     scales = frame.widen_scales(run[:, start:codes_at].reshape(-1), header.scale_dtype)
     if scales.size and not frame.scales_valid(scales):

@@ -28,6 +28,7 @@ from ..codec.blocks import (
     Block,
     BlockSpec,
     decode_into,
+    decode_rows_into,
     encode_data_into,
     encode_into,
     frame_sizes,
@@ -221,21 +222,37 @@ class QuantWorker:
             """Decode a batch of blocks of one part into the start of ``buffer``, end to end
             (together, so that small blocks of one shape go in runs); their size in bytes."""
             nonlocal buffer
-            part = batch[0][0]
+            part, first_row, _, dtype, shape = batch[0]
             if part not in frames:
-                frames[part] = _frames_of(archive.read_part(fs, path, parts[part], columns=["frame"], uri=archive_uri))
-            specs = [BlockSpec(key, dtype, shape) for _, _, key, dtype, shape in batch]
-            ends = np.cumsum([spec.nbytes for spec in specs]).tolist()
-            if buffer.size < ends[-1]:
-                buffer = np.empty(ends[-1], np.uint8)
-            pairs = [(key, frames[part][row]) for _, row, key, *_ in batch]
-            decode_into(pairs, buffer, specs, threads=self.threads, where=f" in {parts[part].name}")
+                frames[part] = archive.PartFrames(archive.read_part(fs, path, parts[part], columns=["frame"], uri=archive_uri))
+            where = f" in {parts[part].name}"
+            # Small blocks of one dtype and shape in consecutive rows (the usual batch) lie
+            # end to end in the part: decoded as one array, no Python object per block.
+            uniform = all(row == first_row + i and (d, s) == (dtype, shape) for i, (_, row, _, d, s) in enumerate(batch))
+            pieces = frames[part].row_arrays(first_row, len(batch)) if uniform else None
+            if pieces is not None:
+                nbytes = math.prod(shape) * DTYPE_ITEMSIZES[dtype]
+                size = len(batch) * nbytes
+                buffer = _at_least(buffer, size)
+                keys = [key for _, _, key, *_ in batch]
+                done = 0
+                for rows in pieces:  # one a row group
+                    stop = done + len(rows)
+                    out = buffer[done * nbytes :]
+                    decode_rows_into(keys[done:stop], rows, out, dtype, shape, threads=self.threads, where=where)
+                    done = stop
+            else:
+                specs = [BlockSpec(key, dtype, shape) for _, _, key, dtype, shape in batch]
+                size = sum(spec.nbytes for spec in specs)
+                buffer = _at_least(buffer, size)
+                pairs = [(key, frames[part][row]) for _, row, key, *_ in batch]
+                decode_into(pairs, buffer, specs, threads=self.threads, where=where)
             left[part] -= len(batch)
             if not left[part]:
                 del frames[part]  # its last block here: a part is held only while a block still needs it
             result.blocks += len(batch)
-            result.raw_bytes += ends[-1]
-            return ends[-1]
+            result.raw_bytes += size
+            return size
 
         for r in task.ranges:
             with RangeWriter(f"{out_dir}/{r.name}") as writer:
@@ -378,9 +395,9 @@ def _batches(blocks) -> Iterator[list[tuple]]:
         yield batch
 
 
-def _frames_of(table) -> list[memoryview]:
-    """A part's frames, holding its table (and nothing else) alive for as long as they are."""
-    return list(archive.iter_frames(table))
+def _at_least(buffer: np.ndarray, size: int) -> np.ndarray:
+    """``buffer``, or a larger one where it holds fewer than ``size`` bytes."""
+    return buffer if buffer.size >= size else np.empty(size, np.uint8)
 
 
 def _one_result_each(results: list):

@@ -281,19 +281,24 @@ def parse_body(body, allowed: tuple[str, ...]) -> tuple[list[tuple[Entry, np.nda
 def header_prefix(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None) -> bytes:
     """The 8-byte length and the JSON header of a safetensors file or body whose tensors,
     ``(key, safetensors dtype, shape, nbytes)``, follow it end to end in this order."""
-    seen = {"__metadata__"} if metadata else set()
-    for key, *_ in tensors:
-        if key in seen:
-            raise SafetensorsFormatError(f"key {key!r} appears twice; safetensors keys are unique", key)
-        seen.add(key)
+    keys = [key for key, *_ in tensors]
+    if len(set(keys)) != len(keys) or (metadata and "__metadata__" in keys):
+        seen = {"__metadata__"} if metadata else set()
+        twice = next(key for key in keys if key in seen or seen.add(key))
+        raise SafetensorsFormatError(f"key {twice!r} appears twice; safetensors keys are unique", twice)
     # The text json.dumps(header, separators=(",", ":")) gives, written a tensor at a time:
-    # json's encoder took 2 us a tensor, over a dict built for it.
+    # json's encoder took 2 us a tensor, over a dict built for it. A file's tensors share a
+    # few dtypes and shapes: the text between a key and its offsets is made once for each.
     members = [f'"__metadata__":{json.dumps(metadata, separators=(",", ":"))}'] if metadata else []
+    middles: dict[tuple, str] = {}
     offset = 0
     for key, dtype, shape, nbytes in tensors:
-        dims = ",".join(map(int.__repr__, shape))  # as json writes an int
-        ranges = f"[{offset},{offset + nbytes}]"
-        members.append(f'{_json_string(key)}:{{"dtype":{_json_string(dtype)},"shape":[{dims}],"data_offsets":{ranges}}}')
+        kind = (dtype, tuple(shape))  # a list, too
+        middle = middles.get(kind)
+        if middle is None:
+            dims = ",".join(map(int.__repr__, shape))  # as json writes an int
+            middle = middles[kind] = f':{{"dtype":{_json_string(dtype)},"shape":[{dims}],"data_offsets":['
+        members.append(f"{_json_string(key)}{middle}{offset},{offset + nbytes}]}}")
         offset += nbytes
     raw = ("{" + ",".join(members) + "}").encode()
     raw += b" " * (-len(raw) % 8)  # data 8-byte aligned, as safetensors writes it

@@ -10,8 +10,8 @@ import torch
 
 from fp8ray import CodecOptions, Fp8Codec, decode
 from fp8ray.codec import frame, runs
-from fp8ray.codec.blocks import Block, BlockSpec, decode_into, encode_into, frame_sizes
-from fp8ray.errors import CorruptFrameError, NonFiniteError
+from fp8ray.codec.blocks import Block, BlockSpec, decode_into, decode_rows_into, encode_into, frame_sizes
+from fp8ray.errors import BadInputError, CorruptFrameError, MismatchError, NonFiniteError
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -79,6 +79,53 @@ def test_runs_equal_coding_each_block_alone(options, dtype):
         start += block.nbytes
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", list(_modes()), ids=lambda o: o.label())
+def test_rows_of_frames_decode_as_each_frame_alone(options, dtype):
+    """decode_rows_into (frames one a row, as a part's lie end to end) gives each frame's
+    own decoding, bit for bit: in a run where the mode allows one, else one at a time."""
+    codec = Fp8Codec(options=options)
+    blocks = _blocks([(4, 64)] * 9, dtype, seed=5)
+    rows = np.stack([np.frombuffer(bytes(codec.encode(b.tensor())), np.uint8) for b in blocks])
+    raw = np.zeros(9 * blocks[0].nbytes + 3, np.uint8)
+    decode_rows_into([b.key for b in blocks], rows, raw, blocks[0].dtype, (4, 64), threads=2)
+    for i, block in enumerate(blocks):
+        alone = decode(rows[i])
+        got = torch.from_numpy(raw[i * block.nbytes : (i + 1) * block.nbytes].copy()).view(alone.dtype).reshape(4, 64)
+        assert torch.equal(got.view(torch.uint8), alone.view(torch.uint8)), block.key  # bits, NaN included
+    assert not raw[-3:].any()
+
+
+def test_rows_of_small_frames_are_decoded_as_one_run(monkeypatch):
+    """The point of rows: no frame is decoded on its own (which costs microseconds each)."""
+    from fp8ray.codec import blocks as blocks_module
+
+    codec = Fp8Codec()
+    rows = np.stack([np.frombuffer(bytes(codec.encode(torch.randn(4, 64, dtype=torch.float16))), np.uint8) for _ in range(5)])
+    expected = np.zeros(5 * 512, np.uint8)
+    decode_rows_into(list("abcde"), rows, expected, "float16", (4, 64))
+    monkeypatch.setattr(blocks_module, "_decode_each", lambda *a: pytest.fail("a frame was decoded alone"))
+    raw = np.zeros(5 * 512, np.uint8)
+    decode_rows_into(list("abcde"), rows, raw, "float16", (4, 64))
+    assert raw.tobytes() == expected.tobytes() and raw.any()
+
+
+def test_rows_of_frames_refuse_what_they_cannot_hold():
+    codec = Fp8Codec()
+    rows = np.stack([np.frombuffer(bytes(codec.encode(torch.ones(4, 64, dtype=torch.float16))), np.uint8)] * 3)
+    out = np.zeros(3 * 512, np.uint8)
+    with pytest.raises(MismatchError, match=r"^block 'a'"):  # the frames hold [4, 64]: named by the first key
+        decode_rows_into(["a", "b", "c"], rows, out, "float16", (64, 4))
+    with pytest.raises(MismatchError, match=r"^block 'a'"):
+        decode_rows_into(["a", "b", "c"], rows, out, "bfloat16", (4, 64))
+    with pytest.raises(BadInputError, match="2 keys for 3 frames"):
+        decode_rows_into(["a", "b"], rows, out, "float16", (4, 64))
+    with pytest.raises(BadInputError, match="2-d uint8"):
+        decode_rows_into(["a", "b", "c"], rows.reshape(-1), out, "float16", (4, 64))
+    with pytest.raises(BadInputError, match="out holds 1535 bytes"):
+        decode_rows_into(["a", "b", "c"], rows, out[:-1], "float16", (4, 64))
+
+
 def test_blocks_are_coded_in_runs():
     """The runs are what the batch path takes: same dtype and shape, small, consecutive."""
     codec = Fp8Codec()
@@ -108,15 +155,17 @@ def test_a_refused_value_in_a_run_is_named_by_its_block():
         encode_into(codec, blocks, np.zeros(sum(sizes), np.uint8), sizes)
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["frames", "rows"])
+@pytest.mark.parametrize("index", [0, 3])
 @pytest.mark.parametrize("where", ["crc", "header", "scale"])
-def test_a_damaged_frame_in_a_run_is_named_by_its_key(where):
+def test_a_damaged_frame_in_a_run_is_named_by_its_key(where, index, rows):
     codec = Fp8Codec(nonfinite="keep")
     blocks = _blocks([(4, 64)] * 6, torch.bfloat16, seed=9)
     sizes = frame_sizes(codec, blocks)
     out = np.zeros(sum(sizes), np.uint8)
     encode_into(codec, blocks, out, sizes)
     frames = [(b.key, out[i * sizes[0] : (i + 1) * sizes[0]].copy()) for i, b in enumerate(blocks)]
-    damaged = frames[3][1]
+    damaged = frames[index][1]
     if where == "crc":
         damaged[-20] ^= 1
     elif where == "header":
@@ -128,10 +177,21 @@ def test_a_damaged_frame_in_a_run_is_named_by_its_key(where):
         frame.seal(damaged)
     specs = [BlockSpec(b.key, b.dtype, b.shape) for b in blocks]
     raw = np.zeros(sum(b.nbytes for b in blocks), np.uint8)
+
+    def decode_all():
+        if rows:
+            decode_rows_into([k for k, _ in frames], np.stack([f for _, f in frames]), raw, "bfloat16", (4, 64))
+        else:
+            decode_into(frames, raw, specs)
+
     if where == "header":  # not damaged: decoded alone, as its own header says
-        decode_into(frames, raw, specs)
-        got = torch.from_numpy(raw[3 * 512 : 4 * 512].copy()).view(torch.bfloat16).reshape(4, 64)
+        decode_all()
+        got = torch.from_numpy(raw[index * 512 : (index + 1) * 512].copy()).view(torch.bfloat16).reshape(4, 64)
         assert torch.equal(got.view(torch.int16), decode(damaged).view(torch.int16))  # bits: e5m2 reads give NaN
+        others = [i for i in range(6) if i != index]
+        for i in others:
+            alone = decode(frames[i][1]).view(torch.int16)
+            assert torch.equal(torch.from_numpy(raw[i * 512 : (i + 1) * 512].copy()).view(torch.int16).reshape(4, 64), alone)
         return
-    with pytest.raises(CorruptFrameError, match=r"^block 'k3'"):
-        decode_into(frames, raw, specs)
+    with pytest.raises(CorruptFrameError, match=rf"^block 'k{index}'"):
+        decode_all()

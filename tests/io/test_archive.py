@@ -106,6 +106,35 @@ def test_a_part_is_written_described_and_checked(tmp_path):
         archive.check_part(FS, str(tmp_path), entry)
 
 
+def test_part_frames_give_each_frame_and_runs_of_rows_across_row_groups(tmp_path, monkeypatch):
+    """PartFrames, over a part of several row groups (read a group at a time): frame i is
+    iter_frames' i-th; consecutive frames of one size come as one [n, size] view per row
+    group they lie in; frames of two sizes give None."""
+    monkeypatch.setattr(archive, "ROW_GROUP_BYTES", 300)  # a few frames a row group
+    codec = Fp8Codec(scaling="token")
+    tensors = [torch.randn(4, 16, dtype=torch.bfloat16) for _ in range(9)] + [torch.randn(2, 8, dtype=torch.bfloat16)]
+    blocks = [BlockRef(f"b{i}", "bfloat16", tuple(t.shape), "safetensors", "/x", 0) for i, t in enumerate(tensors)]
+    frames = [bytes(codec.encode(t)) for t in tensors]
+    sizes = [len(f) for f in frames]
+    rows = archive.part_rows(blocks, codec.options, sizes, archive.frame_column(np.frombuffer(b"".join(frames), np.uint8), sizes))
+    info = archive.write_part(FS, str(tmp_path), 0, rows)
+    assert pq.ParquetFile(tmp_path / info.name).metadata.num_row_groups > 3
+    table = archive.read_part(FS, str(tmp_path), info, columns=["frame"])
+    assert table.column("frame").num_chunks > 3  # a chunk per row group: no joining copy
+    part = archive.PartFrames(table)
+    assert part.num_rows == 10
+    assert [bytes(part[i]) for i in range(10)] == [bytes(f) for f in archive.iter_frames(table)] == frames
+    arrays = part.row_arrays(1, 8)
+    assert len(arrays) > 2 and all(a.ndim == 2 and a.shape[1] == sizes[0] for a in arrays)
+    assert [bytes(row) for a in arrays for row in a] == frames[1:9]
+    assert part.row_arrays(5, 5) is None  # the last frame is smaller
+    assert part.row_arrays(3, 0) == []
+    with pytest.raises(IndexError):
+        part[10]
+    with pytest.raises(IndexError):
+        part.row_arrays(8, 3)
+
+
 def test_manifest_is_written_last_and_read_back(tmp_path):
     codec, _, blocks, sizes, frames = encoded_part()
     info = archive.write_part(

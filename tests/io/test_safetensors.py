@@ -334,6 +334,7 @@ def test_write_blocks_refuses_other_tensors_or_sizes(tmp_path):
 def test_header_prefix_is_json_dumps_text(metadata):
     """The header is written a tensor at a time, as the text ``json.dumps`` gives the whole."""
     tensors = [("a", "BF16", (2, 3), 12), ('q"uote\\', "F32", (), 4), ("ключ\u2028", "U8", (0, 7), 0), ("z", "F16", (5,), 10)]
+    tensors += [("b", "BF16", (2, 3), 12), ("c", "BF16", [2, 3], 12), ("d", "F16", (2, 3), 12)]  # kinds again, a list
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for key, dtype, shape, nbytes in tensors:
@@ -344,3 +345,6 @@ def test_header_prefix_is_json_dumps_text(metadata):
     assert header_prefix(tensors, metadata) == struct.pack("<Q", len(raw)) + raw
     with pytest.raises(SafetensorsFormatError, match="key 'a' appears twice"):
         header_prefix([*tensors, ("a", "U8", (1,), 1)], metadata)
+    if metadata:
+        with pytest.raises(SafetensorsFormatError, match="key '__metadata__' appears twice"):
+            header_prefix([*tensors, ("__metadata__", "U8", (1,), 1)], metadata)
