@@ -316,8 +316,9 @@ def decode_rows_into(
 ) -> None:
     """:func:`decode_into` for frames that all hold blocks of ``dtype`` and ``shape``, one a
     row of ``rows`` (a ``[len(keys), frame_size]`` uint8 array: a part's frames of one size
-    lie end to end in its file): small blocks are checked and decoded as one run, without
-    a Python object per frame. A frame that fails raises naming its key, as there."""
+    lie end to end in its file), on the CPU: small blocks are checked and decoded as one
+    run, without a Python object per frame. A frame that fails raises naming its key, as
+    there."""
     if not (isinstance(rows, np.ndarray) and rows.dtype == np.uint8 and rows.ndim == 2):
         raise BadInputError(f"rows must be a 2-d uint8 array of frames, one a row, got {type(rows).__name__}")
     if not len(keys) or len(rows) != len(keys):

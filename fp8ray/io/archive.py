@@ -485,7 +485,7 @@ def iter_frames(table: pa.Table) -> Iterator[memoryview]:
 class PartFrames:
     """A part's frame column, read once: frame ``i`` as a zero-copy memoryview, and
     consecutive frames of one size as one ``[count, size]`` array over Arrow's buffer
-    (:meth:`rows`), so that a run of small blocks needs no Python object per frame. Holds
+    (:meth:`row_arrays`), so that a run of small blocks needs no Python object per frame. Holds
     the column's buffers (and nothing else of the table) alive."""
 
     def __init__(self, table: pa.Table):
