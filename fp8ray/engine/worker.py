@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from pyarrow.fs import LocalFileSystem
 
-from ..codec import CodecOptions, Fp8Codec, decode, frame
+from ..codec import CodecOptions, Fp8Codec, checksum, decode, frame
 from ..codec.blocks import (
     Block,
     BlockSpec,
@@ -108,7 +108,11 @@ class QuantWorker:
         self.device = choose_device(device, gpus_given=bool(ray and ray.get_gpu_ids()))
         self.threads = max(1, int(threads))
         # Kernels are compiled (or loaded from numba's cache) on first use, only those a
-        # job needs: loading all of them up front cost every worker about a second.
+        # job needs: loading all of them up front cost every worker about a second. But
+        # numba's first call of any compiled function in a process loads its registries
+        # (0.11 s, whichever function): paid here, as the worker starts, not in the time
+        # of its first block (nor in the seconds a job reports as its work).
+        checksum.combine(0, 0, 0)
         self._codecs: dict[CodecOptions, Fp8Codec] = {}
         self._reader = BlockReader(lambda nbytes: host_buffer(nbytes, self.device))  # pinned on a GPU
         self._frames = np.empty(0, np.uint8)

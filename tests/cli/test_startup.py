@@ -150,6 +150,22 @@ def test_an_inline_compress_of_safetensors_loads_no_torch(source, tmp_path):
     assert (dest / "_manifest.json").exists()
 
 
+def test_a_worker_pays_numbas_start_as_it_starts_not_in_its_first_block():
+    """numba's first call in a process loads its registries (0.1 s, whichever function):
+    a QuantWorker does that as it is made, so a job's first block (and the seconds the
+    job reports as work) holds none of it."""
+    code = (
+        "from fp8ray.codec import checksum\n"
+        "from fp8ray.engine.worker import QuantWorker\n"
+        "before = len(checksum._combine.signatures)\n"
+        "QuantWorker()\n"
+        "print(before, len(checksum._combine.signatures))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["0", "1"], result.stdout
+
+
 @pytest.mark.parametrize("moment", MOMENTS)
 def test_ctrl_c_while_the_command_starts_exits_130_in_one_line(source, tmp_path, moment):
     """SIGINT as a terminal sends it, `moment` seconds after the start of an inline
