@@ -75,6 +75,14 @@ def is_scratch(name: str) -> bool:
     return name == PLAN_NAME or (name.startswith(SIDECAR_PREFIX) and name.endswith(SIDECAR_SUFFIX)) or TMP_MARK in name
 
 
+def is_archive_entry(name: str) -> bool:
+    """Whether a name in an archive directory is one fp8ray writes there: the manifest, a
+    part, or scratch (:func:`is_scratch`)."""
+    index = name.removeprefix(PART_PREFIX).removesuffix(PART_SUFFIX)
+    is_part = name == f"{PART_PREFIX}{index}{PART_SUFFIX}" and index.isascii() and index.isdigit()
+    return name == MANIFEST_NAME or is_part or is_scratch(name)
+
+
 def clean_scratch(fs: pafs.FileSystem, directory: str) -> None:
     """After the manifest: drop the plan, the sidecars and the temporaries of killed writers."""
     for entry in fs.get_file_info(pafs.FileSelector(directory)):

@@ -48,6 +48,14 @@ def prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) 
                 f"destination {redact(uri)} exists and is not empty, and is not an fp8ray archive: not writing into it"
             )
         if overwrite:
+            # Replacing the archive deletes the whole directory: never what fp8ray did not write there.
+            foreign = sorted(name for name in names if not archive.is_archive_entry(name))
+            if foreign:
+                raise DestinationError(
+                    f"destination {redact(uri)} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} beside the "
+                    f"archive that fp8ray did not write ({name_list(foreign)}): --overwrite replaces only an archive; "
+                    "move them out first"
+                )
             work = temporary_name(path)
             fs.create_dir(work)
             return ArchiveDestination(fs, path, work, True)

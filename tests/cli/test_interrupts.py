@@ -27,7 +27,7 @@ SEED = 19
 # (no start-up cost). The delays after the command is at work, from 0 to (about) its length.
 PLAN = [("compress", "inline", 5), ("decompress", "inline", 5), ("compress", "local", 1), ("decompress", "local", 1)]
 IN_PROCESS = [("compress", 6), ("decompress", 6)]
-DELAY = {"compress": 0.3, "decompress": 0.08}
+DELAY = {"compress": 0.3, "decompress": 0.04}
 
 
 def _tree(root: Path) -> dict[str, bytes]:

@@ -67,6 +67,25 @@ def test_overwrite_replaces_only_an_archive(kvdir, tmp_path, capsys):
     assert [p.name for p in docs.iterdir()] == ["thesis.txt"] and (docs / "thesis.txt").read_text() == "years of work"
 
 
+def test_overwrite_keeps_what_the_user_put_beside_an_archive(kvdir, tmp_path, capsys):
+    """Replacing an archive deletes its directory: one that also holds the user's files
+    (notes, results) is refused, naming them, and left as it was."""
+    arch = tmp_path / "arch"
+    assert run(capsys, "compress", kvdir, arch, "--address", "inline")[0] == 0
+    (arch / "NOTES.md").write_text("my notes")
+    (arch / "results").mkdir()
+    (arch / "results" / "eval.json").write_text("1")
+    before = digests(arch)
+    code, err = run(capsys, "compress", kvdir, arch, "--overwrite", "--address", "inline", "--scaling", "token")
+    assert code == 1 and err.count("\n") == 1, err
+    assert "holds 2 entries beside the archive that fp8ray did not write (NOTES.md, results)" in err, err
+    assert digests(arch) == before
+    (arch / "NOTES.md").unlink()
+    shutil.rmtree(arch / "results")
+    assert run(capsys, "compress", kvdir, arch, "--overwrite", "--address", "inline", "--scaling", "token")[0] == 0
+    assert sorted(p.name for p in arch.iterdir()) == ["_manifest.json", "part-00000.parquet"]
+
+
 def test_decompress_into_its_archive_is_refused(kvdir, tmp_path, capsys):
     arch = tmp_path / "arch"
     assert run(capsys, "compress", kvdir, arch)[0] == 0
