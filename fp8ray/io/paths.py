@@ -49,8 +49,16 @@ def redact(uri: str) -> str:
 
 
 def temporary_name(path: str) -> str:
-    """A hidden name beside ``path`` for writing it before the rename (``.NAME.tmp-<uuid>``)."""
-    return f"{os.path.dirname(path)}/.{os.path.basename(path)}{TMP_MARK}{uuid.uuid4().hex}"
+    """A hidden name beside ``path`` for writing it before the rename (``.NAME.tmp-<uuid>``),
+    within the 255 bytes a file name may take: a long NAME is cut to fit (its file's own
+    name, given at the rename, is whole)."""
+    suffix = f"{TMP_MARK}{uuid.uuid4().hex}"
+    room = NAME_MAX_BYTES - 1 - len(suffix)
+    name = os.path.basename(path).encode("utf-8", "surrogateescape")[:room].decode("utf-8", "ignore")
+    return f"{os.path.dirname(path)}/.{name}{suffix}"
+
+
+NAME_MAX_BYTES = 255  # a file name's limit on Linux's filesystems and on macOS
 
 
 TMP_MARK = ".tmp-"  # in every temporary name: a killed writer's leftovers are found by it

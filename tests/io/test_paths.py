@@ -57,6 +57,18 @@ def test_write_atomic_leaves_only_the_complete_file(tmp_path):
     assert os.path.dirname(name) == str(tmp_path) and os.path.basename(name).startswith(".out.bin" + TMP_MARK)
 
 
+@pytest.mark.parametrize("name", ["x" * 250 + ".bin", "ключ" * 30 + "й.bin"], ids=["ascii", "two-byte"])
+def test_a_file_of_the_longest_name_is_written_through_its_temporary(tmp_path, name):
+    """A name of up to 255 bytes is legal; its temporary (a hidden name with a mark and a
+    uuid) is cut to fit, so such a file can be written at all."""
+    target = tmp_path / name
+    assert len(name.encode()) <= 255
+    temporary = os.path.basename(temporary_name(str(target)))
+    assert len(temporary.encode()) <= 255 and TMP_MARK in temporary and temporary.startswith("." + name[:50])
+    write_atomic(pafs.LocalFileSystem(), str(target), b"complete")
+    assert target.read_bytes() == b"complete" and [p.name for p in tmp_path.iterdir()] == [name]
+
+
 @pytest.mark.parametrize(
     "source, destination, message",
     [
