@@ -66,7 +66,7 @@ def kernel_array(t) -> np.ndarray:
 
     from .formats import DTYPE_NAMES
 
-    flat = t.reshape(-1)
+    flat = t.detach().reshape(-1)  # a tensor that requires grad (a Parameter): encoding takes no gradient
     if t.dtype in (torch.bfloat16, torch.float16):
         flat = flat.view(torch.int16)  # numpy has no bfloat16: the bits, of the same size
     return flat.numpy().view(KERNEL_TYPES[DTYPE_NAMES[t.dtype]]).reshape(tuple(t.shape))

@@ -397,3 +397,12 @@ def test_the_cuda_paths_scale_bytes_are_the_frames():
     bits = scales.numpy().view(np.uint32)
     assert np.array_equal(_scale_bytes(scales, "bfloat16").numpy(), (bits >> 16).astype("<u2").view(np.uint8))
     assert np.array_equal(_scale_bytes(scales, "float32").numpy(), bits.astype("<u4").view(np.uint8))
+
+
+def test_a_tensor_that_requires_grad_encodes_as_its_values():
+    """A model's K/V taken outside no_grad, or a Parameter: encoding takes no gradient."""
+    x = torch.randn(4, 64, requires_grad=True)
+    parameter = torch.nn.Parameter(torch.randn(8, 32, dtype=torch.bfloat16))
+    codec = Fp8Codec()
+    assert bytes(codec.encode(x)) == bytes(codec.encode(x.detach()))
+    assert bytes(codec.encode(parameter)) == bytes(codec.encode(parameter.detach()))
