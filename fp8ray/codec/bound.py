@@ -89,7 +89,7 @@ def check_within_bound(
         x64 = x64.clamp(-constants["clamp"], constants["clamp"])
     target = x64.where(finite, torch.zeros((), dtype=torch.float64))
     y64 = y.double().reshape(-1)
-    bound = element_bound(target, y, scale, constants)
+    bound = element_bound(target, y, scale, constants).where(finite, torch.zeros((), dtype=torch.float64))  # |y| inf there
     diff = (y64 - target).where(finite, torch.zeros((), dtype=torch.float64))
     ok = (diff.abs() <= bound).all() and torch.isfinite(y64[finite]).all() and not torch.isfinite(y64[~finite]).any()
     if bool(ok):

@@ -13,17 +13,21 @@ A group's metrics come from the sums over all its elements, never from a mean of
 members' ratios, so a large tensor weighs as much as its elements do. Edge cases: no
 error gives ``rel_fro`` 0 and ``snr_db`` +inf; an all-zero original with an error gives
 ``rel_fro`` +inf and ``snr_db`` -inf; ``cosine`` is 1 when both are zero and 0 when
-exactly one is.
+exactly one is. Elements whose original is not finite (a NaN or infinity kept by
+``nonfinite="keep"``) are left out of the sums: the bound (:mod:`fp8ray.codec.bound`)
+checks them apart, as values that must decode to non-finite ones.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import MismatchError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -77,7 +81,13 @@ def row_sums(original: torch.Tensor, decoded: torch.Tensor) -> list[ErrorSums]:
     """:class:`ErrorSums` of each row of two ``[rows, n]`` tensors (any float dtype)."""
     if original.shape != decoded.shape:
         raise MismatchError(f"shapes differ: original {tuple(original.shape)}, decoded {tuple(decoded.shape)}")
+    import torch  # loaded already: the caller has tensors
+
     x, y = original.double(), decoded.double()
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):  # kept non-finite values: out of the sums (module docstring)
+        zero = torch.zeros((), dtype=torch.float64)
+        x, y = x.where(finite, zero), y.where(finite, zero)
     diff = y - x
     err2, ref2, dec2, dot = (diff * diff).sum(1), (x * x).sum(1), (y * y).sum(1), (x * y).sum(1)
     max_abs = diff.abs().amax(1) if x.shape[1] else torch.zeros(x.shape[0], dtype=torch.float64)
@@ -98,3 +108,16 @@ def error_sums(original: torch.Tensor, decoded: torch.Tensor) -> ErrorSums:
 def error_metrics(original: torch.Tensor, decoded: torch.Tensor) -> dict:
     """The metrics (see the module docstring) of a tensor against its round trip."""
     return error_sums(original, decoded).metrics()
+
+
+def json_safe(value):
+    """``value`` (metrics, or a report holding them) with each non-finite float as the
+    string ``"inf"``, ``"-inf"`` or ``"nan"``: JSON has no such numbers (an exact round
+    trip's ``snr_db`` is +inf)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

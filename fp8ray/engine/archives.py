@@ -106,7 +106,9 @@ class VerifyReport:
         return not self.errors
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "ok": self.ok}
+        from ..codec.metrics import json_safe
+
+        return json_safe({**asdict(self), "ok": self.ok})  # an exact block's snr_db is +inf
 
 
 def _scan_compressible(source: str, strict: bool = False, lmcache_layout: Layout | str | None = None):

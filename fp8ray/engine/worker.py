@@ -328,6 +328,10 @@ class QuantWorker:
                     if ident not in originals:
                         raise MismatchError("not in the source it is verified against")
                     ref, data = originals[ident]
+                    if (ref.dtype, tuple(ref.shape)) != (header.dtype, tuple(header.shape)):
+                        raise MismatchError(
+                            f"the source holds {list(ref.shape)} {ref.dtype}, the archive {list(header.shape)} {header.dtype}"
+                        )
                     x, y = bytes_to_tensor(data, ref.dtype, ref.shape), decode(buf)
                     result.metrics[_label(ident, name_files)] = error_metrics(x, y)
                     scales = torch.from_numpy(frame.scales_of(buf, header).copy())

@@ -22,12 +22,11 @@ accept it.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 
 from ..codec import decode
-from ..codec.metrics import ErrorSums, row_sums
+from ..codec.metrics import ErrorSums, json_safe, row_sums
 from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
 from ..io import archive
 from ..io.blocks import bytes_to_tensor, read_blocks, scan_source
@@ -64,7 +63,7 @@ class FidelityReport:
     unsplit: list[str] = field(default_factory=list)  # keys in the total only
 
     def as_dict(self) -> dict:
-        return _json_safe(
+        return json_safe(
             {
                 "original": self.original,
                 "archive": self.archive,
@@ -77,16 +76,6 @@ class FidelityReport:
                 "keys": self.keys,
             }
         )
-
-
-def _json_safe(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def _missing_message(only_archive: list[str], only_original: list[str], archive: str, original: str) -> str:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from _util import quant_worker_pids
 from safetensors.torch import load_file
+from safetensors.torch import save_file as save_file_torch
 
 import fp8ray
 from fp8ray import Fp8Codec
@@ -356,3 +357,34 @@ def test_a_failed_compress_waits_for_running_parts_before_cleaning_up(tmp_path, 
         pool.worker_info()  # on actors, this call waits behind anything still running
         inside = sorted(os.listdir(dst))
     assert inside == [] and sorted(os.listdir(dst)) == []  # on leaving, inline threads are joined
+
+
+@pytest.mark.parametrize("fp8", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("scaling", ["none", "tensor", "token", "block"])
+def test_verify_against_a_source_holding_kept_non_finite_values(tmp_path, fp8, scaling):
+    """NaN and infinities kept (nonfinite="keep") are held to decode non-finite, and left
+    out of the error sums: verify --against passes, and its report has no NaN."""
+    import json
+
+    x = torch.randn(4, 64)
+    x[1, 3], x[2, 5], x[3, 7] = float("nan"), float("inf"), float("-inf")
+    src = str(tmp_path / "nf.safetensors")
+    save_file_torch({"a": x.to(torch.bfloat16), "b": torch.randn(4, 64).to(torch.bfloat16)}, src)
+    inline = fp8ray.PoolSettings(address="inline")
+    compress_archive(src, str(tmp_path / "a"), nonfinite="keep", fp8=fp8, scaling=scaling, pool=inline)
+    report = verify_archive(str(tmp_path / "a"), against=src, pool=inline)
+    assert report.ok, report.errors
+    assert 0 < report.metrics["a"]["rel_fro"] < 0.1
+    json.dumps(report.as_dict(), allow_nan=False)  # strict JSON: raises on a NaN or an infinity
+
+
+def test_verify_against_names_a_block_of_another_dtype_or_shape(tmp_path):
+    x = torch.randn(4, 64)
+    save_file_torch({"k": x.to(torch.bfloat16), "v": x.to(torch.bfloat16)}, str(tmp_path / "bf16.safetensors"))
+    save_file_torch({"k": x.half(), "v": x.to(torch.bfloat16).reshape(64, 4)}, str(tmp_path / "other.safetensors"))
+    inline = fp8ray.PoolSettings(address="inline")
+    compress_archive(str(tmp_path / "bf16.safetensors"), str(tmp_path / "a"), pool=inline)
+    report = verify_archive(str(tmp_path / "a"), against=str(tmp_path / "other.safetensors"), pool=inline)
+    assert not report.ok and len(report.errors) == 2
+    assert "block 'k' in part-00000.parquet: the source holds [4, 64] float16, the archive [4, 64] bfloat16" in report.errors[0]
+    assert "block 'v' in part-00000.parquet: the source holds [64, 4] bfloat16, the archive [4, 64] bfloat16" in report.errors[1]
