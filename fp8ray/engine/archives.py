@@ -16,7 +16,7 @@ import pyarrow.fs as pafs
 from .. import __version__
 from ..codec import CodecOptions, frame
 from ..codec.bound import bound_constants
-from ..errors import ArchiveExistsError, DestinationError, Fp8rayError, SourceError, block_error
+from ..errors import ArchiveExistsError, CorruptArchiveError, DestinationError, Fp8rayError, SourceError, block_error
 from ..io import archive
 from ..io.archive import DEFAULT_LOSSLESS, DEFAULT_PART_BYTES
 from ..io.blocks import scan_source
@@ -35,7 +35,7 @@ from ..io.paths import (
     uri_for,
 )
 from ..io.provenance import Provenance, check_provenance
-from ..io.restore import plan_restore
+from ..io.restore import RESTORE_COLUMNS, plan_restore
 from ..io.store_source import scan_store_source
 from .pool import PoolSettings, QuantPool, check_pool, use_pool
 from .stores import check_store_restore, restored_serde
@@ -346,7 +346,7 @@ def decompress_archive(
     check_provenance(manifest.provenance, expect, f"archive {redact(archive_uri)}")
     check_store_restore(manifest, lmcache_form, single_file, redact(archive_uri))
     check_apart(archive_uri, output)
-    columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key", "dtype", "shape"], archive_uri)
+    columns = archive.read_metadata_columns(fs, path, manifest, RESTORE_COLUMNS, archive_uri)
     out_fs, out_path = resolve(output)
     # A local output is written at offsets: a safetensors file from several parts, by several
     # workers at once (a store's chunk files are one block each) where they share this disk.
@@ -438,15 +438,22 @@ def verify_archive(
         # The source's block map goes to the object store once, not with every part.
         shared_refs = running.share(refs)
         tasks = ((archive_uri, part, shared_refs, bound, name_files) for part in manifest.parts)
-        for part_result in running.map(QuantWorker.verify_part, tasks):
+        for part, part_result in zip(manifest.parts, running.map(QuantWorker.verify_part, tasks)):
             report.blocks += part_result.blocks
             report.errors += part_result.errors
+            if part_result.blocks != part.blocks and not part_result.errors:
+                report.errors.append(f"the manifest records {part.blocks} blocks in {part.name}, it holds {part_result.blocks}")
             report.metrics.update(part_result.metrics)
             seen.update(part_result.idents)
             if progress:
                 progress(part_result.blocks)
     if report.blocks != manifest.blocks and not report.errors:
         report.errors.append(f"the manifest records {manifest.blocks} blocks, the parts hold {report.blocks}")
+    if not report.errors:  # every part checks: what decompress would make of them must too
+        try:
+            plan_restore(manifest, archive.read_metadata_columns(fs, path, manifest, RESTORE_COLUMNS, archive_uri))
+        except CorruptArchiveError as exc:
+            report.errors.append(str(exc))
     if refs is not None:
         report.errors += _compare_files(layout, source_layout, refs, seen, against)
     return report

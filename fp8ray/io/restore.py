@@ -31,6 +31,7 @@ from .records import Manifest
 from .safetensors import SafetensorsLayout, SafetensorsWriter, create_presized
 
 SINGLE_FILE_METADATA_KEY = "fp8ray_archive"
+RESTORE_COLUMNS = ["file", "key", "dtype", "shape"]  # what plan_restore reads of each part
 
 
 @dataclass(frozen=True)

@@ -388,3 +388,29 @@ def test_verify_against_names_a_block_of_another_dtype_or_shape(tmp_path):
     assert not report.ok and len(report.errors) == 2
     assert "block 'k' in part-00000.parquet: the source holds [4, 64] float16, the archive [4, 64] bfloat16" in report.errors[0]
     assert "block 'v' in part-00000.parquet: the source holds [64, 4] bfloat16, the archive [4, 64] bfloat16" in report.errors[1]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m["parts"][0].update(blocks=m["parts"][0]["blocks"] + 1), "the manifest records 3 blocks in part-00000"),
+        (
+            lambda m: m["layout"]["files"][0].update(name="../evil.safetensors"),
+            "names a source file '../evil.safetensors', which is not a plain relative file name",
+        ),
+    ],
+    ids=["part-blocks", "file-name"],
+)
+def test_verify_fails_a_manifest_that_get_or_decompress_would_refuse(tmp_path, edit, message):
+    import json
+
+    src = str(tmp_path / "kv.safetensors")
+    save_file_torch({f"k{i}": torch.randn(4, 64).to(torch.bfloat16) for i in range(4)}, src)
+    inline = fp8ray.PoolSettings(address="inline")
+    compress_archive(src, str(tmp_path / "a"), pool=inline, part_bytes=1024)
+    path = tmp_path / "a" / "_manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+    report = verify_archive(str(tmp_path / "a"), pool=inline)
+    assert not report.ok and any(message in e for e in report.errors), report.errors
