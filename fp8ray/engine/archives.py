@@ -20,7 +20,7 @@ from ..errors import ArchiveExistsError, CorruptArchiveError, DestinationError, 
 from ..io import archive
 from ..io.archive import DEFAULT_LOSSLESS, DEFAULT_PART_BYTES
 from ..io.blocks import scan_source
-from ..io.destinations import check_output, clean_temporaries, prepare_destination, undo_compress
+from ..io.destinations import check_output, clean_temporaries, hold_destination, prepare_destination, undo_compress
 from ..io.lmcache_store import Layout
 from ..io.paths import (
     check_apart,
@@ -220,32 +220,33 @@ def compress_archive(
         # pyarrow's text repeats its cause and may name a scratch directory: name what was typed, once.
         raise DestinationError(f"cannot write destination {redact(destination)}: {os_reason(exc)}") from None
     fs, work = dest.fs, dest.work
-    plan = archive.plan_record(source, codec.as_dict(), lossless, parts)
-    previous = archive.read_plan(fs, work) if resume and not dest.replacing else None
-    reused = _resumable_parts(fs, work, plan, previous, destination)
-    todo = [i for i in range(len(parts)) if i not in reused]
-    run = _PartsRun(dict(reused))
-    try:
-        if previous is None:
-            archive.write_plan(fs, work, plan)
-        if progress:
-            progress(sum(info.blocks for info in reused.values()))
-        _write_parts(run, pool, compress_part, parts, todo, (codec, uri_for(destination, work), lossless), progress)
-        bound = bound_constants(codec.fmt, codec.scaling)
-        entries = [run.infos[i] for i in range(len(parts))]
-        manifest = archive.build_manifest(
-            source, layout, codec.as_dict(), lossless, bound, len(refs), entries, __version__, made_for
-        )
-        archive.write_manifest(fs, work, manifest)
-        archive.clean_scratch(fs, work)
-    except BaseException:
+    with hold_destination(dest, destination):  # one compress at a time writes a directory
+        plan = archive.plan_record(source, codec.as_dict(), lossless, parts)
+        previous = archive.read_plan(fs, work) if resume and not dest.replacing else None
+        reused = _resumable_parts(fs, work, plan, previous, destination)
+        todo = [i for i in range(len(parts)) if i not in reused]
+        run = _PartsRun(dict(reused))
+        try:
+            if previous is None:
+                archive.write_plan(fs, work, plan)
+            if progress:
+                progress(sum(info.blocks for info in reused.values()))
+            _write_parts(run, pool, compress_part, parts, todo, (codec, uri_for(destination, work), lossless), progress)
+            bound = bound_constants(codec.fmt, codec.scaling)
+            entries = [run.infos[i] for i in range(len(parts))]
+            manifest = archive.build_manifest(
+                source, layout, codec.as_dict(), lossless, bound, len(refs), entries, __version__, made_for
+            )
+            archive.write_manifest(fs, work, manifest)
+            archive.clean_scratch(fs, work)
+        except BaseException:
+            if dest.replacing:
+                remove_quietly(fs, work)  # the old archive stays as it was
+            elif not run.finished and not reused:
+                undo_compress(dest, todo)
+            raise
         if dest.replacing:
-            remove_quietly(fs, work)  # the old archive stays as it was
-        elif not run.finished and not reused:
-            undo_compress(dest, todo)
-        raise
-    if dest.replacing:
-        replace_directory(fs, work, dest.path, destination)
+            replace_directory(fs, work, dest.path, destination)
     return CompressReport(
         source=redact(source),
         archive=redact(destination),

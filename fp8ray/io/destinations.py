@@ -3,7 +3,11 @@ after a failure. Nothing here deletes what fp8ray did not write."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import posixpath
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -69,6 +73,31 @@ def prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) 
     prepare_parent(fs, path, uri, parents)
     fs.create_dir(path)
     return ArchiveDestination(fs, path, path, True)
+
+
+@contextmanager
+def hold_destination(dest: ArchiveDestination, uri: str) -> Iterator[None]:
+    """This run's hold on the directory its parts go into: an advisory lock on it, which
+    the kernel drops when the process ends, however it ends. A second compress into the
+    same directory at the same time is refused, not let to write the same parts. Object
+    stores have no such lock: there, one compress at a time is the caller's to keep."""
+    if not isinstance(dest.fs, pafs.LocalFileSystem):
+        yield
+        return
+    fd = os.open(dest.work, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ArchiveExistsError(
+                f"destination {redact(uri)} is being written by another compress right now: not writing it too"
+            ) from None
+        # One that held it between this run's look at the directory and now may have finished.
+        if not dest.replacing and dest.fs.get_file_info(f"{dest.work}/{archive.MANIFEST_NAME}").type != pafs.FileType.NotFound:
+            raise ArchiveExistsError(f"destination {redact(uri)} now holds an archive another compress has just written")
+        yield
+    finally:
+        os.close(fd)
 
 
 def undo_compress(dest: ArchiveDestination, todo: list[int]) -> None:

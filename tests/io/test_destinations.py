@@ -1,0 +1,40 @@
+"""One compress at a time writes a directory: a second one, at the same moment, is refused
+before it writes anything."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fp8ray import PoolSettings
+from fp8ray.engine.archives import compress_archive
+from fp8ray.errors import ArchiveExistsError
+from fp8ray.io.destinations import hold_destination, prepare_destination
+
+
+def test_a_compress_into_a_directory_another_one_holds_is_refused(tmp_path):
+    src = tmp_path / "kv.safetensors"
+    save_file({"k": torch.randn(4, 64).to(torch.bfloat16)}, str(src))
+    dest = tmp_path / "arch"
+    dest.mkdir()
+    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a compress running there holds it
+        with pytest.raises(ArchiveExistsError, match="is being written by another compress right now"):
+            compress_archive(str(src), str(dest), pool=PoolSettings(address="inline"))
+        assert list(dest.iterdir()) == []
+    finally:
+        os.close(fd)
+    assert compress_archive(str(src), str(dest), pool=PoolSettings(address="inline")).blocks == 1  # released: free
+
+
+def test_an_archive_finished_by_another_compress_meanwhile_is_not_written_over(tmp_path):
+    dest = prepare_destination(str(tmp_path / "arch"), resume=False, overwrite=False, parents=False)
+    (tmp_path / "arch" / "_manifest.json").write_text("{}")  # the other one finished first
+    with pytest.raises(ArchiveExistsError, match="now holds an archive another compress has just written"):
+        with hold_destination(dest, str(tmp_path / "arch")):
+            pass
