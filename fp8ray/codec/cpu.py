@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ..errors import BadInputError
 from . import checksum, kernels
 from .formats import KERNEL_TYPES, SCALE_MASKS, Fp8Format, scale_candidates
 
@@ -33,10 +34,20 @@ def num_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def thread_count(threads: int | None) -> int:
+    """``threads`` as a call gives it (None: :func:`num_threads`), refused unless a
+    positive whole number."""
+    if threads is None:
+        return num_threads()
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise BadInputError(f"threads must be a whole number of at least 1, or None for the default, got {threads!r}")
+    return int(threads)
+
+
 def _run(tasks: list, threads: int | None) -> list:
     """Run zero-argument callables, on ``threads`` threads (default :func:`num_threads`)
     when there is more than one task."""
-    threads = threads or num_threads()
+    threads = thread_count(threads)
     if len(tasks) <= 1 or threads == 1:
         return [task() for task in tasks]
     with _pools_lock:
@@ -52,8 +63,8 @@ def _spans(count: int, per_task: int, threads: int | None) -> list[tuple[int, in
     each other: 3 spans on 2 threads would leave one thread idle for a third of the call
     (an LMCache chunk of 2.9M elements did)."""
     tasks = -(-count // max(1, per_task))
+    threads = thread_count(threads)
     if tasks > 1:
-        threads = threads or num_threads()
         tasks = min(count, -(-tasks // threads) * threads)
     bounds = [i * count // tasks for i in range(tasks + 1)] if tasks else [0, 0]
     return list(zip(bounds, bounds[1:]))

@@ -8,9 +8,10 @@ import torch
 from _util import DTYPES, SCALINGS, assert_same_bits, element_scales, error_bound, kv_like
 
 import fp8ray
-from fp8ray import CodecOptions, Fp8Codec, NonFiniteError
+from fp8ray import CodecOptions, Fp8Codec, NonFiniteError, decode
 from fp8ray.codec import frame, reference
 from fp8ray.codec.formats import FORMATS, SCALE_CHOICES, SCALE_DTYPES, SEARCHED_SCALINGS
+from fp8ray.errors import BadInputError
 
 # Every (scaling, scale_dtype, scale_choice) a codec accepts; OPTION_MODES leaves out the
 # plain float32 / amax ones.
@@ -406,3 +407,14 @@ def test_a_tensor_that_requires_grad_encodes_as_its_values():
     codec = Fp8Codec()
     assert bytes(codec.encode(x)) == bytes(codec.encode(x.detach()))
     assert bytes(codec.encode(parameter)) == bytes(codec.encode(parameter.detach()))
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, "2", True])
+def test_threads_must_be_a_positive_whole_number(threads):
+    x = torch.randn(4, 64)
+    codec = Fp8Codec()
+    with pytest.raises(BadInputError, match=r"threads must be a whole number of at least 1, or None"):
+        codec.encode(x, threads=threads)
+    with pytest.raises(BadInputError, match=r"threads must be a whole number of at least 1, or None"):
+        decode(codec.encode(x), threads=threads)
+    assert bytes(codec.encode(x, threads=3)) == bytes(codec.encode(x, threads=None))
