@@ -9,7 +9,7 @@ from __future__ import annotations
 import posixpath
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import pyarrow.fs as pafs
 
@@ -140,11 +140,20 @@ def _resumable_parts(
     """The parts an interrupted run of the same plan finished (none without one)."""
     if previous is None:
         return {}
-    if previous != plan:
+    if replace(previous, files=plan.files) != plan:
         raise ArchiveExistsError(
             f"cannot resume {redact(destination)}: it was started from another source, options or plan "
             f"({previous.source}, {previous.codec})"
         )
+    # Same keys and shapes is not same values: a source rewritten since must not reuse parts.
+    if previous.files is None:
+        raise ArchiveExistsError(
+            f"cannot resume {redact(destination)}: its plan, written by an earlier fp8ray, does not record the "
+            "source files' sizes and times, so a source rewritten since cannot be told; pass --overwrite to start again"
+        )
+    changed = archive.changed_file(previous.files, plan.files or ())
+    if changed:
+        raise ArchiveExistsError(f"cannot resume {redact(destination)}: {changed}; pass --overwrite to start again")
     infos = {i: archive.read_sidecar(fs, work, i) for i in range(len(plan.parts))}
     return {i: info for i, info in infos.items() if info is not None}
 
@@ -171,7 +180,8 @@ def compress_archive(
 
     Each worker reads its part's blocks from the source and writes the part itself; the
     driver moves only metadata and writes the manifest last. With ``resume``, parts a
-    previous run finished (same source, options and plan) are kept as they are. A
+    previous run finished (same source, options and plan, its files of the same size and
+    modification time) are kept as they are. A
     destination that overlaps the source is refused before anything is touched;
     ``overwrite`` replaces an existing archive only once the new one is complete; a run
     that fails before any part is finished leaves the destination as it found it (one
@@ -212,6 +222,7 @@ def compress_archive(
     layout, refs = _scan_compressible(source, strict, lmcache_layout)
     compress_part = QuantWorker.compress_part if lmcache_layout is None else QuantWorker.compress_store_part
     parts = archive.plan_parts(refs, part_bytes)
+    stamps = archive.source_stamps(source, layout)  # as the scan found the files: --resume compares them
     try:
         dest = prepare_destination(destination, resume, overwrite, parents)
     except OSError as exc:
@@ -221,7 +232,7 @@ def compress_archive(
         raise DestinationError(f"cannot write destination {redact(destination)}: {os_reason(exc)}") from None
     fs, work = dest.fs, dest.work
     with hold_destination(dest, destination):  # one compress at a time writes a directory
-        plan = archive.plan_record(source, codec.as_dict(), lossless, parts)
+        plan = archive.plan_record(source, codec.as_dict(), lossless, parts, stamps)
         previous = archive.read_plan(fs, work) if resume and not dest.replacing else None
         reused = _resumable_parts(fs, work, plan, previous, destination)
         todo = [i for i in range(len(parts)) if i not in reused]

@@ -25,11 +25,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..codec.options import CodecOptions
-from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError, MismatchError
+from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError, MismatchError, SourceError
 from . import columns as arrow_columns
 from .blocks import BlockRef, SourceLayout
 from .lossless import DEFAULT_LOSSLESS, LOSSLESS_CODECS  # noqa: F401 (DEFAULT_LOSSLESS re-exported)
-from .paths import TMP_MARK, os_reason, redact, write_atomic
+from .paths import TMP_MARK, os_reason, printable, redact, resolve, write_atomic
 from .provenance import Provenance
 from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, Manifest, Part, Plan
 
@@ -117,9 +117,42 @@ def plan_parts(refs: list[BlockRef], part_bytes: int) -> list[list[BlockRef]]:
     return parts
 
 
-def plan_record(source: str, codec: dict, lossless: str, parts: list[list[BlockRef]]) -> Plan:
-    """What ``_plan.json`` holds: a resumed run must find the same source, options and parts."""
-    return Plan(redact(source), codec, lossless, tuple(tuple(r.ident for r in part) for part in parts))
+def plan_record(source: str, codec: dict, lossless: str, parts: list[list[BlockRef]], files: tuple | None = None) -> Plan:
+    """What ``_plan.json`` holds: a resumed run must find the same source, options and
+    parts, and (``files``, :func:`source_stamps`) the source's files as they were."""
+    return Plan(redact(source), codec, lossless, tuple(tuple(r.ident for r in part) for part in parts), files)
+
+
+def source_stamps(source: str, layout: SourceLayout) -> tuple[tuple[str, int, int | None], ...]:
+    """Each source file's name, size and modification time (ns; None where the filesystem
+    keeps none): what tells a resumed run, without reading the files, that one was rewritten."""
+    fs, root = resolve(source)
+    names = [f.name for f in layout.files]
+    paths = [f"{root.rstrip('/')}/{name}" if layout.container == "directory" else root for name in names]
+    try:
+        infos = fs.get_file_info(paths)
+    except OSError as exc:
+        raise SourceError(f"source {redact(source)} cannot be read: {os_reason(exc)}") from None
+    for name, info in zip(names, infos):
+        if info.type != pafs.FileType.File:
+            raise SourceError(f"source file {printable(name)} of {redact(source)} is no longer there")
+    return tuple((name, info.size, info.mtime_ns) for name, info in zip(names, infos))
+
+
+def changed_file(recorded: tuple, now: tuple) -> str | None:
+    """How the first source file that differs from its record differs, or None."""
+    before, after = {f[0]: tuple(f[1:]) for f in recorded}, {f[0]: tuple(f[1:]) for f in now}
+    for name in [*before, *(n for n in after if n not in before)]:
+        was, is_ = before.get(name), after.get(name)
+        if was != is_:
+            return (
+                f"source file {printable(name)} changed since the interrupted run read it (was {_stamp(was)}; now {_stamp(is_)})"
+            )
+    return None
+
+
+def _stamp(stamp: tuple | None) -> str:
+    return "absent" if stamp is None else f"{stamp[0]} bytes, modified at {stamp[1]} ns"
 
 
 def parse_lossless(spec: str) -> tuple[str, int | None]:

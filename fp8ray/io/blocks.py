@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -212,16 +213,103 @@ def _parquet_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tupl
     extra = [c for c in schema.names if c not in RAW_COLUMNS]
     if extra:  # they would not be archived, so not given back: refuse rather than lose them
         raise SourceError(f"{redact(uri)}: columns {extra} are not archived; a raw-block source holds only {list(RAW_COLUMNS)}")
-    refs = []
-    for row, (key, dtype, shape) in enumerate(zip(*(table.column(c).to_pylist() for c in ("key", "dtype", "shape")))):
-        if dtype not in DTYPE_ITEMSIZES:
-            raise SourceError(
-                f"{redact(uri)}: key {printable(str(key))!r} has dtype {dtype!r}; expected one of {sorted(DTYPE_ITEMSIZES)}"
-            )
-        refs.append(BlockRef(str(key), dtype, tuple(int(d) for d in shape), "parquet", uri, row, name))
+    columns = _checked_columns(fs, path, uri, table, schema)
+    refs = [
+        BlockRef(str(key), dtype, tuple(shape), "parquet", uri, row, name)
+        for row, (key, dtype, shape) in enumerate(zip(*(columns[c].to_pylist() for c in ("key", "dtype", "shape"))))
+    ]
     _check_unique(refs, uri)
-    plain = schema.remove_metadata()
-    return SourceFile(name, len(refs), schema=base64.b64encode(plain.serialize().to_pybytes()).decode()), refs
+    # The schema as the file has it, its metadata too: decompress writes it back.
+    return SourceFile(name, len(refs), schema=base64.b64encode(schema.serialize().to_pybytes()).decode()), refs
+
+
+def _checked_columns(fs: pafs.FileSystem, path: str, uri: str, table: pa.Table, schema: pa.Schema) -> dict:
+    """The ``key``, ``dtype`` and ``shape`` columns (dictionaries decoded), each checked
+    at once for its type and nulls, and ``data``'s type and nulls (from the row groups'
+    statistics, so that the driver does not read the data): a bad row is refused naming
+    the file, the column, the row (counted from 0) and its key, before anything is written."""
+    columns = {}
+    for name in ("key", "dtype", "shape"):
+        column = table.column(name)
+        if pa.types.is_dictionary(column.type):  # how pandas and Arrow write repeated strings
+            column = column.cast(column.type.value_type)
+        columns[name] = column
+    key_type, dtype_type, shape_type = (columns[c].type for c in ("key", "dtype", "shape"))
+    data_type = schema.field("data").type
+    expected = {
+        "key": (_is_text(key_type) or pa.types.is_integer(key_type), "a string"),
+        "dtype": (_is_text(dtype_type), "a string"),
+        "shape": (_is_int_list(shape_type), "a list of integers"),
+        "data": (_is_bytes(data_type), "binary"),
+    }
+    for name, (ok, wanted) in expected.items():
+        if not ok:
+            raise SourceError(f"{redact(uri)}: column {name!r} is {schema.field(name).type}; expected {wanted}")
+    keys = columns["key"]
+
+    def refuse(row: int, what: str) -> None:
+        key = keys[row].as_py()
+        named = f" (key {printable(str(key))!r})" if key is not None else ""
+        raise SourceError(f"{redact(uri)}: row {row}{named}: {what}")
+
+    expected_text = {"key": "a string", "dtype": f"one of {sorted(DTYPE_ITEMSIZES)}", "shape": "a list of integers"}
+    for name, column in columns.items():
+        if column.null_count:
+            refuse(_first(pc.is_null(column)), f"column {name!r} is null; expected {expected_text[name]}")
+    known = pc.is_in(columns["dtype"], value_set=pa.array(sorted(DTYPE_ITEMSIZES)))
+    if not pc.all(known, min_count=0).as_py():
+        row = _first(pc.invert(known))
+        refuse(row, f"column 'dtype' is {columns['dtype'][row].as_py()!r}; expected one of {sorted(DTYPE_ITEMSIZES)}")
+    shapes = columns["shape"]
+    dims = pc.list_flatten(shapes)
+    if dims.null_count or (len(dims) and pc.min(dims).as_py() < 0):
+        bad = pc.or_kleene(pc.is_null(dims), pc.less(dims, 0))
+        row = pc.list_parent_indices(shapes)[_first(pc.fill_null(bad, True))].as_py()
+        refuse(row, f"column 'shape' is {shapes[row].as_py()}; expected a list of non-negative integers")
+    row = _first_null_data(fs, path, uri)
+    if row is not None:
+        refuse(row, "column 'data' is null; expected the block's bytes")
+    return columns
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_bytes(t: pa.DataType) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
+
+
+def _is_int_list(t: pa.DataType) -> bool:
+    lists = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    return lists and pa.types.is_integer(t.value_type)
+
+
+def _first(mask) -> int:
+    """The index of the first true value of a boolean Arrow array (one is known to be)."""
+    return pc.index(mask, True).as_py()
+
+
+def _first_null_data(fs: pafs.FileSystem, path: str, uri: str) -> int | None:
+    """The first row whose ``data`` is null, or None. Read from the row groups' statistics:
+    only a group that holds a null (or has no statistics) has its data read."""
+    try:
+        with fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f)
+            leaves = [pf.metadata.schema.column(i).path for i in range(pf.metadata.num_columns)]
+            column = leaves.index("data")
+            start = 0
+            for g in range(pf.num_row_groups):
+                group = pf.metadata.row_group(g)
+                stats = group.column(column).statistics
+                if stats is None or not stats.has_null_count or stats.null_count:
+                    data = pf.read_row_group(g, columns=["data"]).column("data")
+                    if data.null_count:
+                        return start + _first(pc.is_null(data))
+                start += group.num_rows
+    except (OSError, pa.ArrowException) as exc:
+        raise SourceError(f"{redact(uri)} cannot be read: {os_reason(exc)}") from None
+    return None
 
 
 def parquet_schema(encoded: str) -> pa.Schema:
@@ -272,6 +360,9 @@ class BlockReader:
             fs, fpath = resolve(path)
             if refs[indices[0]].kind != "safetensors":
                 for i, value in zip(indices, _parquet_rows(fs, fpath, [refs[i].offset for i in indices])):
+                    if value is None:  # checked by the scan: the file changed since
+                        ref = refs[i]
+                        raise SourceError(f"{redact(path)}: row {ref.offset} (key {printable(ref.key)!r}): column 'data' is null")
                     result[i] = _checked(refs[i], np.frombuffer(value, dtype=np.uint8), path)
                 continue
             with fs.open_input_file(fpath) as f:

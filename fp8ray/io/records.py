@@ -237,12 +237,15 @@ class Manifest:
 @dataclass(frozen=True)
 class Plan:
     """An unfinished archive's ``_plan.json``: a resumed run must find the same source,
-    options and parts."""
+    options and parts, and the source's files unchanged (``files``)."""
 
     source: str  # redacted
     codec: dict[str, Any]
     lossless: str
     parts: tuple[tuple[tuple[str, str], ...], ...]  # each part's blocks as (file, key)
+    # Each source file's (name, size, mtime_ns; None where its filesystem keeps none): a
+    # file rewritten since is not resumed. None: a plan written before they were recorded.
+    files: tuple[tuple[str, int, int | None], ...] | None = None
 
     @classmethod
     def from_json(cls, obj: object, where: str) -> Plan:
@@ -255,11 +258,22 @@ class Plan:
                 isinstance(b, list) and len(b) == 2 and all(isinstance(s, str) for s in b) for b in part
             ):
                 raise CorruptArchiveError(f"{label}'s part {i} is {short_repr(part)}, not a list of [file, key] pairs")
+        files = field("files", list, optional=True)
+        for i, entry in enumerate(files or ()):
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 3
+                and isinstance(entry[0], str)
+                and _is(entry[1], int)
+                and (entry[2] is None or (isinstance(entry[2], int) and not isinstance(entry[2], bool)))
+            ):
+                raise CorruptArchiveError(f"{label}'s file {i} is {short_repr(entry)}, not [name, size, mtime_ns or null]")
         return cls(
             source=field("source", str),
             codec=field("codec", dict),
             lossless=field("lossless", str),
             parts=tuple(tuple((file, key) for file, key in part) for part in parts),
+            files=None if files is None else tuple((name, size, mtime) for name, size, mtime in files),
         )
 
     def to_json(self) -> dict:
@@ -268,4 +282,5 @@ class Plan:
             "codec": self.codec,
             "lossless": self.lossless,
             "parts": [[[file, key] for file, key in part] for part in self.parts],
+            **({} if self.files is None else {"files": [list(f) for f in self.files]}),
         }

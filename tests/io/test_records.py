@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -42,6 +43,7 @@ def test_the_kept_plan_and_sidecars_are_written_back_byte_for_byte(tmp_path):
     plan = archive.read_plan(FS, str(SCRATCH))
     assert plan.source == "v2_source" and [len(p) for p in plan.parts] == [2, 2]
     assert plan.parts[1][0] == ("tenant_b/req1.safetensors", "layer0.kv")
+    assert plan.files is None  # written before the source files' sizes and times were recorded
     archive.write_plan(FS, str(tmp_path), plan)
     assert (tmp_path / archive.PLAN_NAME).read_bytes() == (SCRATCH / archive.PLAN_NAME).read_bytes()
     for part in V2.glob("part-*.parquet"):  # a sidecar reads only beside its part
@@ -163,12 +165,22 @@ def test_a_damaged_manifest_file_names_the_file_and_field(tmp_path):
         inspect_archive(str(tmp_path / "a"))
 
 
+def test_a_plan_records_its_source_files_and_reads_them_back(tmp_path):
+    plan = replace(archive.read_plan(FS, str(SCRATCH)), files=(("a.safetensors", 10, 123), ("b.safetensors", 0, None)))
+    archive.write_plan(FS, str(tmp_path), plan)
+    written = json.loads((tmp_path / archive.PLAN_NAME).read_text())
+    assert written["files"] == [["a.safetensors", 10, 123], ["b.safetensors", 0, None]]
+    assert archive.read_plan(FS, str(tmp_path)) == plan
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
         (lambda p: without(p, ("lossless",)), r"the plan's 'lossless' is missing"),
         (lambda p: replaced(p, ("parts", 1, 0), ["a", 1]), r"the plan's part 1 is .*, not a list of \[file, key\] pairs"),
         (lambda p: replaced(p, ("codec",), "e4m3fn"), r"the plan's 'codec' is 'e4m3fn', not an object"),
+        (lambda p: {**p, "files": [["a", -1, None]]}, r"the plan's file 0 is .*, not \[name, size, mtime_ns or null\]"),
+        (lambda p: {**p, "files": [["a", 1, "x"]]}, r"the plan's file 0 is .*, not \[name, size, mtime_ns or null\]"),
     ],
 )
 def test_a_damaged_plan_is_refused_by_name(tmp_path, change, message):
