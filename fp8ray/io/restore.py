@@ -122,7 +122,9 @@ def plan_restore(
                     "file cannot hold both; decompress without --single-file to get the files back"
                 )
             seen[key] = file
-        metadata = {SINGLE_FILE_METADATA_KEY: json.dumps(manifest.codec)}
+        # The source files' __metadata__ where they all agree (all of it, from one file).
+        kept = _common_items([dict(f.metadata) for f in layout.files]) if layout is not None else {}
+        metadata = {**kept, SINGLE_FILE_METADATA_KEY: json.dumps(manifest.codec)}
         name = single_file_name or "restored.safetensors"
         blocks = tuple((p, r, key, dtype, shape) for p, r, _, key, dtype, shape in rows)
         container, files = "file", [RestoreFile(name, "safetensors", blocks, metadata)]
@@ -137,6 +139,13 @@ def plan_restore(
         else:
             pieces.append(f)
     return RestorePlan(container, _group(pieces), tuple(shared))
+
+
+def _common_items(dicts: list[dict]) -> dict:
+    """The items every one of ``dicts`` holds, with the same value."""
+    if not dicts:
+        return {}
+    return {k: v for k, v in dicts[0].items() if all(d.get(k) == v for d in dicts[1:])}
 
 
 def _checked_name(name) -> str:

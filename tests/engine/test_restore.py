@@ -102,6 +102,18 @@ def test_single_file_restores_as_a_file_and_single_file_option(kv_source, tmp_pa
     one = tmp_path / "one.safetensors"
     decompress_archive(str(arch), str(one), single_file=True)
     assert "fp8ray_archive" in read_metadata(one) and load_file(str(one)).keys() == restored.keys()
+    assert read_metadata(one) == {**read_metadata(src), "fp8ray_archive": read_metadata(one)["fp8ray_archive"]}
+
+
+def test_single_file_keeps_the_metadata_every_source_file_agrees_on(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(2):
+        save_file({f"l{i}.k": torch.randn(4, 64)}, str(src / f"f{i}.safetensors"), {"model": "m", "part": str(i)})
+    compress_archive(str(src), str(tmp_path / "arch"), pool=fp8ray.PoolSettings(address="inline"))
+    one = tmp_path / "one.safetensors"
+    decompress_archive(str(tmp_path / "arch"), str(one), single_file=True, pool=fp8ray.PoolSettings(address="inline"))
+    assert read_metadata(one).keys() == {"model", "fp8ray_archive"} and read_metadata(one)["model"] == "m"
 
 
 def test_single_file_refuses_keys_that_repeat_across_files(request_dir, tmp_path):
