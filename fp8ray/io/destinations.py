@@ -139,6 +139,8 @@ def check_output(
                 f"(name it .{kind}, or pass --single-file for one .safetensors file)"
             )
     kind = fs.get_file_info(path).type
+    if kind == pafs.FileType.NotFound and isinstance(fs, pafs.LocalFileSystem) and os.path.islink(path):
+        kind = pafs.FileType.File  # a symbolic link to nothing: the user's, replaced only with --overwrite
     if kind == pafs.FileType.NotFound:
         prepare_parent(fs, path, uri, parents)
         return []

@@ -143,3 +143,14 @@ def test_missing_parent_directories_are_named_not_created(kv_source, tmp_path, c
     arch = tmp_path / "no" / "such" / "arch"
     code, err = run(capsys, "decompress", arch, tmp_path / "gone" / "out.safetensors")
     assert code == 1 and "does not exist" in err and not (tmp_path / "gone").exists()
+
+
+def test_a_symbolic_link_to_nothing_at_the_output_is_replaced_only_with_overwrite(kvdir, tmp_path, capsys):
+    arch = tmp_path / "arch"
+    assert run(capsys, "compress", kvdir / "a.safetensors", arch, "--address", "inline")[0] == 0
+    out = tmp_path / "out.safetensors"
+    out.symlink_to(tmp_path / "nowhere")
+    code, err = run(capsys, "decompress", arch, out, "--address", "inline")
+    assert code == 1 and "exists (pass --overwrite" in err and out.is_symlink()
+    assert run(capsys, "decompress", arch, out, "--address", "inline", "--overwrite")[0] == 0
+    assert not out.is_symlink() and out.stat().st_size > 0
