@@ -7,7 +7,14 @@ row group of a part holds one block (large blocks), the keys are the footer's
 statistics of the ``key`` column; otherwise that column is read.
 :meth:`ArchiveReader.get` then reads the ``frame`` column of the one row group holding
 the block, and decodes it, checked by the frame's own CRC-32C (the part's CRC
-covers the whole file: it is checked by ``verify`` and ``decompress``, not here). Parts
+covers the whole file: it is checked by ``verify`` and ``decompress``, not here).
+What is read instead is checked (:mod:`fp8ray.io.part_checks`): the footer by its own
+CRC-32C before pyarrow parses it, the metadata columns by theirs where read, the row's
+key against the key asked for, the frame's dtype and shape against its row's, and each
+part's size, block count, first and last key and no block twice. Parts written before
+the footer and column CRCs (docs/FORMAT.md, "Manifest") lack those two checks: a
+damaged byte in such a part's key column can move a block under another key the other
+checks miss, and one in its footer can abort pyarrow. Parts
 written since row groups were bounded in bytes (:data:`fp8ray.io.archive.ROW_GROUP_BYTES`)
 give a large block a row group of its own; older parts are read a row group (up to 64
 blocks) at a time, as are small blocks (up to 1 MiB of them).
