@@ -296,6 +296,11 @@ class QuantWorker:
             result.errors.append(str(exc))
             return result
         names = table.schema.names
+        lacking = [name for name in ("key", "dtype", "shape", "frame") if name not in names]
+        if lacking:  # a damaged footer can drop a column: the part is damaged, its blocks not named
+            shown = archive.redact(directory)
+            result.errors.append(part_error or f"part {part.name} of {shown} is damaged: it has no {lacking[0]!r} column")
+            return result
         columns = {name: table.column(name).to_pylist() for name in archive.METADATA_COLUMNS if name in names}
         files = columns.get("file") or [""] * table.num_rows  # version 1 parts have no file column
         result.keys = columns["key"]

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from ..codec.options import CodecOptions
 from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError, MismatchError, SourceError
 from . import columns as arrow_columns
+from . import part_checks
 from .blocks import BlockRef, SourceLayout
 from .lossless import DEFAULT_LOSSLESS, LOSSLESS_CODECS  # noqa: F401 (DEFAULT_LOSSLESS re-exported)
 from .paths import TMP_MARK, os_reason, printable, redact, resolve, write_atomic
@@ -276,6 +277,8 @@ def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, 
         crc32c=crc32c.crc32c(memoryview(data)),
         first_key=keys[0] if keys else None,
         last_key=keys[-1] if keys else None,
+        footer_crc32c=part_checks.footer_crc32c(data),
+        columns_crc32c=part_checks.columns_crc32c(table.select(METADATA_COLUMNS).to_pydict()),
     )
     write_sidecar(fs, directory, index, info)
     return info
@@ -454,7 +457,8 @@ def read_part(
     fs: pafs.FileSystem, directory: str, info: Part, columns: list[str] | None = None, check: bool = True, uri: str | None = None
 ) -> pa.Table:
     """Read a part, checked against its manifest entry's size and CRC-32C unless ``check``
-    is false (to read a damaged part anyway and name the blocks the damage lies in). A
+    is false (to read a damaged part anyway and name the blocks the damage lies in; its
+    footer is still checked by its own CRC, where recorded, before it is parsed). A
     checked part is read once, into memory, and parsed from there. A part that is not
     there raises :class:`CorruptArchiveError` saying it is missing; one that is there
     but damaged, saying that (``uri``: the archive as the user gave it, for messages)."""
@@ -462,28 +466,29 @@ def read_part(
     path = f"{directory}/{info.name}"
     with open_part(fs, path, info, shown) as f:
         try:
-            if not check:
-                return _parquet_table(f, columns)
+            if not check:  # the footer checked by its own CRC first, where recorded
+                return _parquet_table(f, columns, part_checks.read_footer(f, info, shown))
             data = f.read_buffer()
         except OSError as exc:
             if getattr(exc, "errno", None):
                 raise CorruptArchiveError(f"part {info.name} of {shown} cannot be read: {os_reason(exc)}") from None
             raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
-        except pa.ArrowException as exc:
+        except (pa.ArrowException, KeyError, IndexError) as exc:
             raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
     _check_crc(info, crc32c.crc32c(memoryview(data)), data.size, shown)
     try:
         return _parquet_table(pa.BufferReader(data), columns)
-    except (OSError, pa.ArrowException) as exc:
+    except (OSError, pa.ArrowException, KeyError, IndexError) as exc:
         raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
 
 
-def _parquet_table(source, columns: list[str] | None) -> pa.Table:
-    """The ``columns`` of a Parquet file (all where None), each one required. Read with
+def _parquet_table(source, columns: list[str] | None, metadata: pq.FileMetaData | None = None) -> pa.Table:
+    """The ``columns`` of a Parquet file (all where None), each one required; ``metadata``:
+    its footer, already read. Read with
     ``pq.ParquetFile``: ``pq.read_table`` goes through ``pyarrow.dataset``, which imports
     pandas (0.14 s of a one-shot command's start, 0.2 s of every fresh worker's first
     part), and ``ParquetFile`` skips a column it lacks, so that is checked here."""
-    parquet = pq.ParquetFile(source)
+    parquet = pq.ParquetFile(source, metadata=metadata)
     if columns is not None and "frame" in columns and parquet.num_row_groups > 1:
         # A row group at a time: a whole read joins the groups' frames into one chunk, a
         # second copy of every frame (half the read's time for parts of small frames).

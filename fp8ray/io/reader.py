@@ -7,7 +7,14 @@ row group of a part holds one block (large blocks), the keys are the footer's
 statistics of the ``key`` column; otherwise that column is read.
 :meth:`ArchiveReader.get` then reads the ``frame`` column of the one row group holding
 the block, and decodes it, checked by the frame's own CRC-32C (the part's CRC
-covers the whole file: it is checked by ``verify`` and ``decompress``, not here). Parts
+covers the whole file: it is checked by ``verify`` and ``decompress``, not here).
+What is read instead is checked (:mod:`fp8ray.io.part_checks`): the footer by its own
+CRC-32C before pyarrow parses it, the metadata columns by theirs where read, the row's
+key against the key asked for, the frame's dtype and shape against its row's, and each
+part's size, block count, first and last key and no block twice. Parts written before
+the footer and column CRCs (docs/FORMAT.md, "Manifest") lack those two checks: a
+damaged byte in such a part's key column can move a block under another key the other
+checks miss, and one in its footer can abort pyarrow. Parts
 written since row groups were bounded in bytes (:data:`fp8ray.io.archive.ROW_GROUP_BYTES`)
 give a large block a row group of its own; older parts are read a row group (up to 64
 blocks) at a time, as are small blocks (up to 1 MiB of them).
@@ -16,6 +23,7 @@ blocks) at a time, as are small blocks (up to 1 MiB of them).
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Self
@@ -29,7 +37,7 @@ from ..codec.blocks import Block
 from ..codec.fp8codec import decode_raw
 from ..codec.frame import as_byte_array, parse_layout
 from ..errors import BadInputError, CorruptArchiveError
-from . import archive
+from . import archive, part_checks
 from .paths import os_reason, printable, redact, resolve
 from .provenance import Provenance, check_provenance
 from .records import Manifest, Part
@@ -55,6 +63,7 @@ class _PartIndex:
     rows: dict[tuple[str, str], int]  # (file, key) -> row
     keys: list[tuple[str, str]]  # (file, key) of each row, in order
     group_starts: list[int]  # first row of each row group
+    group_rows: list[int]  # rows of each row group
 
 
 class ArchiveReader:
@@ -114,7 +123,14 @@ class ArchiveReader:
         out = []
         for name in files:
             self._check_file(name)
-            out += [key for f, key in self._idents(name) if f == name]
+            keys = [key for f, key in self._idents(name) if f == name]
+            if len(set(keys)) != len(keys):  # each part's were checked: two parts hold one key
+                seen: set[str] = set()
+                twice = next(key for key in keys if key in seen or seen.add(key))
+                raise CorruptArchiveError(
+                    f"archive {self._shown} is damaged: it holds block {printable(twice)!r} of file {printable(name)!r} twice"
+                )
+            out += keys
         return out
 
     def file_of(self, key: str) -> str:
@@ -128,9 +144,9 @@ class ArchiveReader:
         Raises :class:`BadInputError` naming the key and file when the archive has no
         such block, and :class:`CorruptArchiveError`, in one line naming the block, when
         its part or frame is damaged."""
-        label, part, (frame,) = self._read_row(key, file, "frame")
+        label, part, buf, _ = self._read_frame(key, file)
         try:
-            return decode(memoryview(frame.as_buffer()), device=device)
+            return decode(buf, device=device)
         except (ValueError, TypeError) as exc:
             raise self._damaged(label, part, _one_line(exc)) from None
 
@@ -138,10 +154,8 @@ class ArchiveReader:
         """:meth:`get` as a :class:`~fp8ray.codec.blocks.Block`: the tensor's raw
         little-endian bytes with its dtype's name and shape, decoded on the CPU without
         torch. Raises as :meth:`get` does."""
-        label, part, (frame,) = self._read_row(key, file, "frame")
+        label, part, buf, header = self._read_frame(key, file)
         try:
-            buf = as_byte_array(memoryview(frame.as_buffer()))
-            header = parse_layout(buf)
             return Block(key, header.dtype, header.shape, decode_raw(buf, header.dtype, header.shape))
         except (ValueError, TypeError) as exc:
             raise self._damaged(label, part, _one_line(exc)) from None
@@ -149,15 +163,31 @@ class ArchiveReader:
     def nbytes(self, key: str, file: str | None = None) -> int:
         """The size of block ``key``'s tensor, read without its frame (to refuse a block
         too large before reading it). Raises as :meth:`get` does."""
-        _, _, (raw_bytes,) = self._read_row(key, file, "raw_bytes")
-        return raw_bytes.as_py()
+        _, _, row = self._read_row(key, file, "raw_bytes")
+        return row["raw_bytes"]
 
-    def _read_row(self, key: str, file: str | None, *columns: str) -> tuple[str, Part, list]:
+    def _read_frame(self, key: str, file: str | None):
+        """The block's label, part, frame and frame header; the header's dtype and shape
+        must be its row's (a frame carries no key: its row says whose it is)."""
+        label, part, row = self._read_row(key, file, "dtype", "shape", "frame")
+        try:
+            buf = as_byte_array(memoryview(row["frame"]))
+            header = parse_layout(buf)
+        except (ValueError, TypeError) as exc:
+            raise self._damaged(label, part, _one_line(exc)) from None
+        if header.dtype != row["dtype"] or list(header.shape) != row["shape"]:
+            raise self._damaged(
+                label, part, f"its row says {row['dtype']} {row['shape']}, its frame {header.dtype} {list(header.shape)}"
+            )
+        return label, part, buf, header
+
+    def _read_row(self, key: str, file: str | None, *columns: str) -> tuple[str, Part, dict]:
         """The block's label, its part, and its values of ``columns`` (read from its row
-        group alone)."""
+        group alone), its row's key and file checked to be the ones asked for."""
         file = self._file_of(key) if file is None else file
         self._check_file(file)
         label = f"{file}:{key}" if len(self._file_rows) > 1 else key
+        part = None
         try:
             located = self._locate(file, key)
             if located is None:
@@ -167,13 +197,23 @@ class ArchiveReader:
             index, row = located
             part, meta = self.manifest.parts[index], self._parts[index]
             group = bisect.bisect_right(meta.group_starts, row) - 1
+            names = ["key", *(["file"] if self.manifest.version >= 2 else []), *columns]
             with archive.open_part(self._fs, f"{self._dir}/{part.name}", part, self._shown) as f:
-                table = pq.ParquetFile(f, metadata=meta.metadata).read_row_group(group, columns=list(columns))
-            return label, part, [table.column(c).combine_chunks()[row - meta.group_starts[group]] for c in columns]
+                table = pq.ParquetFile(f, metadata=meta.metadata).read_row_group(group, columns=names)
+            at = row - meta.group_starts[group]
+            if table.num_rows != meta.group_rows[group]:
+                why = f"its row group holds {table.num_rows} rows, its footer {meta.group_rows[group]}"
+                raise self._damaged(label, part, why)
+            values = {c: table.column(c)[at] for c in names}
+            out = {c: v.as_buffer() if c == "frame" else v.as_py() for c, v in values.items()}
         except CorruptArchiveError as exc:
             raise CorruptArchiveError(f"block {printable(label)!r}: {exc}") from None
-        except (OSError, pa.ArrowException) as exc:
+        except (OSError, pa.ArrowException, KeyError, IndexError) as exc:
             raise self._damaged(label, part, f"not readable as Parquet ({_one_line(exc)})") from None
+        if out["key"] != key or out.get("file", file) != file:
+            held = f"{printable(str(out.get('file', file)))}:{printable(str(out['key']))}"
+            raise self._damaged(label, part, f"its row holds block {held!r}")
+        return label, part, out
 
     @property
     def _shown(self) -> str:
@@ -224,31 +264,58 @@ class ArchiveReader:
         """Part ``i``'s footer and the ``(file, key)`` of its rows, read on first use. A
         row's file is known from the layout (each file's rows are consecutive); its key from
         the footer's statistics where every row group holds one block (large blocks: no
-        column read at all), else from the ``key`` column."""
+        column read at all), else from the ``key`` column. Whatever a damaged part makes
+        pyarrow raise is a :class:`CorruptArchiveError` naming the part."""
         if i not in self._parts:
             part = self.manifest.parts[i]
             try:
-                with archive.open_part(self._fs, f"{self._dir}/{part.name}", part, self._shown) as f:
-                    parquet = pq.ParquetFile(f)
-                    metadata = parquet.metadata
-                    keys = _keys_in_footer(metadata)
-                    if keys is None:
-                        keys = parquet.read(columns=["key"], use_threads=False).column("key").to_pylist()
-            except (OSError, pa.ArrowException) as exc:
+                self._parts[i] = self._read_index(part, self._part_starts[i])
+            except CorruptArchiveError:
+                raise
+            except (OSError, pa.ArrowException, KeyError, IndexError, ValueError, TypeError) as exc:
                 raise CorruptArchiveError(
                     f"part {part.name} of {self._shown} is damaged: not readable as Parquet ({_one_line(exc)})"
                 ) from None
-            if len(keys) != part.blocks:
-                raise CorruptArchiveError(
-                    f"part {part.name} of {self._shown} is damaged: it holds {len(keys)} blocks, its manifest entry {part.blocks}"
-                )
-            idents = list(zip(self._files_of_rows(self._part_starts[i], len(keys)), keys))
-            starts, row = [], 0
-            for g in range(metadata.num_row_groups):
-                starts.append(row)
-                row += metadata.row_group(g).num_rows
-            self._parts[i] = _PartIndex(metadata, {ident: r for r, ident in enumerate(idents)}, idents, starts)
         return self._parts[i]
+
+    def _read_index(self, part: Part, first_row: int) -> _PartIndex:
+        """:meth:`_index` of one part: its footer read and checked (part_checks) before
+        pyarrow parses it, its key columns checked where read, then what any archive
+        allows: its size, its row count, its first and last key, no block twice."""
+        shown = self._shown
+        v2 = self.manifest.version >= 2
+        with archive.open_part(self._fs, f"{self._dir}/{part.name}", part, shown) as f:
+            if f.size() != part.file_bytes:
+                raise CorruptArchiveError(
+                    f"part {part.name} of {shown} is damaged: {f.size()} bytes, its entry records {part.file_bytes}"
+                )
+            metadata = part_checks.read_footer(f, part, shown)
+            needed = ["file"] * v2 + ["key", "dtype", "shape", "frame"]
+            part_checks.check_schema(metadata, part, shown, archive.SCHEMA, needed)
+            keys = _keys_in_footer(metadata)
+            if keys is None:
+                # The key column alone, but every metadata column where their CRC is recorded.
+                names = archive.METADATA_COLUMNS if part.columns_crc32c is not None else ["key"]
+                table = pq.ParquetFile(f, metadata=metadata).read(columns=names, use_threads=False)
+                columns = {name: table.column(name).to_pylist() for name in names}
+                part_checks.check_columns(columns, part, shown)
+                keys = columns["key"]
+        damaged = f"part {part.name} of {shown} is damaged"
+        if len(keys) != part.blocks:
+            raise CorruptArchiveError(f"{damaged}: it holds {len(keys)} blocks, its entry {part.blocks}")
+        if keys and (keys[0], keys[-1]) != (part.first_key, part.last_key):
+            raise CorruptArchiveError(
+                f"{damaged}: its keys run from {printable(str(keys[0]))!r} to {printable(str(keys[-1]))!r}, "
+                f"its entry records {printable(str(part.first_key))!r} to {printable(str(part.last_key))!r}"
+            )
+        idents = list(zip(self._files_of_rows(first_row, len(keys)), keys))
+        rows = {ident: r for r, ident in enumerate(idents)}
+        if len(rows) != len(idents):
+            twice = next(ident for r, ident in enumerate(idents) if rows[ident] != r)
+            raise CorruptArchiveError(f"{damaged}: it holds block {printable(twice[1])!r} twice")
+        group_rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+        starts = [0, *itertools.accumulate(group_rows)][:-1]
+        return _PartIndex(metadata, rows, idents, starts, group_rows)
 
     def _files_of_rows(self, first: int, count: int) -> list[str]:
         """The file of each of the archive's rows ``first`` to ``first + count``."""

@@ -90,6 +90,10 @@ class Part:
     crc32c: int  # of the whole file
     first_key: str | None  # None: a part without blocks
     last_key: str | None
+    # Optional (parts written before them lack them; fp8ray.io.part_checks): the CRC-32C
+    # of the Parquet footer, checked before pyarrow parses it, and of the metadata columns.
+    footer_crc32c: int | None = None
+    columns_crc32c: int | None = None
 
     @classmethod
     def from_json(cls, obj: object, where: str) -> Part:
@@ -104,15 +108,24 @@ class Part:
             crc32c=field("crc32c", int),
             first_key=field("first_key", str, null=True),
             last_key=field("last_key", str, null=True),
+            footer_crc32c=field("footer_crc32c", int, optional=True),
+            columns_crc32c=field("columns_crc32c", int, optional=True),
         )
         if "/" in part.name or not part.name.startswith(PART_PREFIX):
             raise CorruptArchiveError(f"{where} names {part.name!r}, not a part of this archive")
-        if part.crc32c >= 1 << 32:
-            raise CorruptArchiveError(f"{where}'s 'crc32c' is {part.crc32c}, more than 32 bits")
+        for name in ("crc32c", "footer_crc32c", "columns_crc32c"):
+            value = getattr(part, name)
+            if value is not None and value >= 1 << 32:
+                raise CorruptArchiveError(f"{where}'s {name!r} is {value}, more than 32 bits")
         return part
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The entry's JSON: an optional CRC not recorded stays out (older parts keep their JSON)."""
+        out = asdict(self)
+        for name in ("footer_crc32c", "columns_crc32c"):
+            if out[name] is None:
+                del out[name]
+        return out
 
 
 def _layout(obj: object, label: str) -> SourceLayout:

@@ -121,3 +121,54 @@ def test_get_loads_no_torch(archive, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[-2:] == ["0", "False"], result.stdout[-2000:]
     assert torch.equal(load_file(out)["shared"], restored["deep/b.safetensors"]["shared"])
+
+
+def _damage(arch, tmp_path, name: str, at: int):
+    """A copy of ``arch`` with byte ``at`` of its first part flipped (negative: from its end)."""
+    import shutil
+
+    copy = tmp_path / name
+    shutil.copytree(arch, copy)
+    part = copy / "part-00000.parquet"
+    data = bytearray(part.read_bytes())
+    data[at] ^= 0x5A
+    part.write_bytes(bytes(data))
+    return copy
+
+
+def test_a_damaged_footer_is_one_line_from_get_and_verify(archive, tmp_path):
+    """A flipped byte in a part's Parquet footer: `get` refuses the block naming the part,
+    `verify` names the part as damaged; exit 1, one line each, no traceback."""
+    arch, _ = archive
+    damaged = _damage(arch, tmp_path, "footer", -30)
+    result = fp8ray("get", damaged, "shared", "--file", FILES[0], "-o", tmp_path / "x.safetensors")
+    assert result.returncode == 1
+    assert_one_line(result, "part-00000.parquet", "is damaged: its Parquet footer has crc32c")
+    result = fp8ray("verify", damaged)
+    problems = [line for line in result.stderr.splitlines() if "part-00000.parquet" in line]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(problems) == 1 and "is damaged" in problems[0], result.stderr
+
+
+def test_verify_names_a_damaged_part_without_its_columns_in_one_line(archive, tmp_path):
+    """An archive from before the footer CRC whose damaged part lost its key column:
+    one problem line, no traceback."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    arch, _ = archive
+    damaged = _damage(arch, tmp_path, "nokey", 0)
+    part = damaged / "part-00000.parquet"
+    pq.write_table(pq.read_table(arch / "part-00000.parquet").drop_columns(["key"]), part)
+    manifest = json.loads((damaged / "_manifest.json").read_text())
+    for entry in manifest["parts"]:
+        entry.pop("footer_crc32c"), entry.pop("columns_crc32c")
+    manifest["parts"][0]["file_bytes"] = part.stat().st_size
+    (damaged / "_manifest.json").write_text(json.dumps(manifest))
+    result = fp8ray("verify", damaged)
+    problems = [line for line in result.stderr.splitlines() if "part-00000.parquet" in line]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(problems) == 1 and "is damaged" in problems[0], result.stderr
+    result = fp8ray("get", damaged, "shared", "--file", FILES[0], "-o", tmp_path / "x.safetensors")
+    assert_one_line(result, "part-00000.parquet", "is damaged: it has no 'key' column")

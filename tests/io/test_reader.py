@@ -4,9 +4,15 @@ damaged part named in one line."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
@@ -193,3 +199,220 @@ def test_a_key_too_long_for_statistics_is_read_from_its_column(tmp_path):
     codec = fp8ray.Fp8Codec(options=reader.manifest.options)
     for key, tensor in tensors.items():
         assert torch.equal(reader.get(key), codec.decode(codec.encode(tensor))), key[:10]
+
+
+# --- damage the part's own CRC does not reach on a read of one block ----------------------
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """An archive of small blocks (parts of several rows in one row group: the key column
+    is read) and each block's dtype, shape and bytes."""
+    root = tmp_path_factory.mktemp("small")
+    g = torch.Generator().manual_seed(5)
+    tensors = {
+        "bf": torch.randn(4, 64, generator=g).to(torch.bfloat16),
+        "fp16": torch.randn(3, 5, 7, generator=g).to(torch.float16),
+        "fp32": torch.randn(33, generator=g),
+        "zeros": torch.zeros(2, 40, dtype=torch.bfloat16),
+        "row": torch.randn(1, 40, generator=g).to(torch.bfloat16),
+        "col": torch.randn(40, 2, generator=g).to(torch.bfloat16),
+    }
+    save_file(tensors, str(root / "src.safetensors"))
+    compress_archive(str(root / "src.safetensors"), str(root / "arch"), part_bytes=1400, lossless="none", **INLINE)
+    reader = fp8ray.open_archive(str(root / "arch"))
+    good = {key: _block(reader, key) for key in tensors}
+    return root / "arch", good
+
+
+def _block(reader, key):
+    block = reader.block(key)
+    return block.dtype, tuple(block.shape), block.data.tobytes()
+
+
+def _widest(arch: Path) -> archive.Part:
+    return max(fp8ray.open_archive(str(arch)).manifest.parts, key=lambda p: p.blocks)
+
+
+def _as_written_before(arch: Path) -> None:
+    """Drop the part entries' footer and column CRCs: an archive as written before them."""
+    path = arch / archive.MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    for entry in manifest["parts"]:
+        del entry["footer_crc32c"], entry["columns_crc32c"]
+    path.write_text(json.dumps(manifest))
+
+
+SWEEP = """
+import json, sys
+import fp8ray
+arch, name, positions = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+def read(reader, key):
+    block = reader.block(key)
+    return block.dtype, tuple(block.shape), block.data.tobytes()
+reader = fp8ray.open_archive(arch)
+good = {key: read(reader, key) for key in reader.keys()}
+path = f"{arch}/{name}"
+original = open(path, "rb").read()
+for at in positions:
+    damaged = bytearray(original)
+    damaged[at] ^= 0x5A
+    open(path, "wb").write(damaged)
+    seen = []
+    for key in good:
+        try:
+            seen.append("same" if read(fp8ray.open_archive(arch), key) == good[key] else f"WRONG {key}")
+        except fp8ray.errors.CorruptArchiveError:
+            seen.append("refused")
+        except BaseException as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    print(json.dumps([at, seen]), flush=True)
+open(path, "wb").write(original)
+"""
+
+
+def _sweep(arch: Path, part: archive.Part, positions: list[int]) -> dict:
+    """Each byte of ``positions`` of ``part`` flipped in turn and every block read back,
+    in a child process (where pyarrow aborts, the child dies, not the tests): how each
+    read ended, with the positions that ended so."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    child = subprocess.run(
+        [sys.executable, "-c", SWEEP, str(arch), part.name, json.dumps(positions)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    lines = [json.loads(line) for line in child.stdout.splitlines()]
+    done = len(lines)
+    assert child.returncode == 0, f"aborted at byte {positions[done] if done < len(positions) else '?'}: {child.stderr[-2000:]}"
+    outcomes: dict = {}
+    for at, seen in lines:
+        for outcome in seen:
+            outcomes.setdefault(outcome, []).append(at)
+    return outcomes
+
+
+def _footer_and_key_bytes(path: Path) -> list[int]:
+    """The byte offsets of a part's ``key`` column chunks and of its footer."""
+    metadata = pq.ParquetFile(path).metadata
+    size = path.stat().st_size
+    footer = int.from_bytes(path.read_bytes()[-8:-4], "little")
+    at = list(range(size - footer - 8, size))
+    key = metadata.schema.names.index("key")
+    for g in range(metadata.num_row_groups):
+        chunk = metadata.row_group(g).column(key)
+        start = chunk.dictionary_page_offset or chunk.data_page_offset
+        at += range(start, start + chunk.total_compressed_size)
+    return at
+
+
+def test_no_flipped_byte_of_a_parts_footer_or_keys_gives_another_block_or_aborts(small, tmp_path):
+    """Every byte of the key column and of the footer of a part of several blocks,
+    flipped: each block reads as written or is refused as damaged."""
+    arch, good = small
+    shutil.copytree(arch, tmp_path / "arch")
+    part = _widest(arch)
+    assert part.blocks >= 3 and part.footer_crc32c is not None and part.columns_crc32c is not None
+    positions = _footer_and_key_bytes(arch / part.name)
+    outcomes = _sweep(tmp_path / "arch", part, positions)
+    assert set(outcomes) <= {"same", "refused"}, {k: v[:5] for k, v in outcomes.items()}
+    assert len(set(outcomes["refused"])) > 0.9 * len(positions)  # nearly every flip is seen (a few bytes change nothing read)
+
+
+def test_a_damaged_footer_or_key_column_is_refused_naming_the_part(small, tmp_path):
+    arch, good = small
+    shutil.copytree(arch, tmp_path / "arch")
+    part = _widest(arch)
+    path = tmp_path / "arch" / part.name
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0x5A  # in the footer
+    path.write_bytes(data)
+    reader = fp8ray.open_archive(str(tmp_path / "arch"))
+    key = next(iter(good))
+    for read in (reader.get, reader.block, lambda k: reader.keys()):
+        with pytest.raises(CorruptArchiveError) as caught:
+            read(key)
+        assert re.search(
+            rf"part {part.name} of .*arch is damaged: its Parquet footer has crc32c 0x\w+, its entry records", str(caught.value)
+        )
+        assert "\n" not in str(caught.value)
+
+
+def _rewrite(path: Path, column: str, values: list) -> archive.Part:
+    """The part rewritten, as fp8ray writes parts, with ``column`` holding ``values``:
+    valid Parquet whose footer matches its bytes; returns its entry."""
+    table = pq.read_table(path)
+    rows = table.set_column(table.schema.get_field_index(column), column, pa.array(values, table.schema.field(column).type))
+    index = int(path.name[len("part-") : -len(".parquet")])
+    return archive.write_part(pafs.LocalFileSystem(), str(path.parent), index, rows.to_pydict())
+
+
+def _record(arch: Path, entry: archive.Part, *fields: str) -> None:
+    """Record these fields of a part's entry in the manifest, as if the damage matched them."""
+    path = arch / archive.MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    (written,) = [e for e in manifest["parts"] if e["name"] == entry.name]
+    written.update({name: getattr(entry, name) for name in fields})
+    path.write_text(json.dumps(manifest))
+
+
+def test_keys_changed_with_a_matching_footer_are_refused(small, tmp_path):
+    """A part whose keys were swapped but whose size, CRC and footer CRC were made to
+    match: its columns' CRC refuses it."""
+    arch, good = small
+    shutil.copytree(arch, tmp_path / "arch")
+    part = _widest(arch)
+    path = tmp_path / "arch" / part.name
+    keys = pq.read_table(path, columns=["key"]).column("key").to_pylist()
+    entry = _rewrite(path, "key", [keys[0], keys[2], keys[1], *keys[3:]])
+    _record(tmp_path / "arch", entry, "crc32c", "file_bytes", "footer_crc32c")
+    with pytest.raises(
+        CorruptArchiveError, match=rf"^block '{keys[1]}': part {part.name} of .* is damaged: its metadata columns have crc32c"
+    ):
+        fp8ray.open_archive(str(tmp_path / "arch")).get(keys[1])
+
+
+def test_a_frame_in_another_blocks_row_is_refused_by_its_header(small, tmp_path):
+    """Two frames swapped (the part's CRCs made to match, or an older archive without
+    them): the frame's header says another shape than its row."""
+    arch, good = small
+    part = _widest(arch)
+    keys = pq.read_table(arch / part.name, columns=["key"]).column("key").to_pylist()
+    frames = pq.read_table(arch / part.name, columns=["frame"]).column("frame").to_pylist()
+    for name in ("new", "before"):
+        shutil.copytree(arch, tmp_path / name)
+        entry = _rewrite(tmp_path / name / part.name, "frame", [frames[0], frames[2], frames[1], *frames[3:]])
+        _record(tmp_path / name, entry, "crc32c", "file_bytes", "footer_crc32c", "columns_crc32c")
+        if name == "before":
+            _as_written_before(tmp_path / name)
+        reader = fp8ray.open_archive(str(tmp_path / name))
+        assert _block(reader, keys[0]) == good[keys[0]]
+        for read in (reader.get, reader.block):
+            with pytest.raises(
+                CorruptArchiveError,
+                match=rf"^block '{keys[1]}' in part {part.name} of .* is damaged: its row says \w+ \[.*\], its frame",
+            ):
+                read(keys[1])
+
+
+def test_an_older_archive_repeating_a_key_or_other_first_key_is_refused(small, tmp_path):
+    arch, good = small
+    part = _widest(arch)
+    keys = pq.read_table(arch / part.name, columns=["key"]).column("key").to_pylist()
+    for name, changed, message in [
+        ("twice", [keys[0], keys[1], keys[1], *keys[3:]], f"it holds block '{keys[1]}' twice"),
+        ("first", ["other", *keys[1:]], f"its keys run from 'other' to '{keys[-1]}', its entry records '{keys[0]}'"),
+    ]:
+        shutil.copytree(arch, tmp_path / name)
+        _record(tmp_path / name, _rewrite(tmp_path / name / part.name, "key", changed), "crc32c", "file_bytes")
+        _as_written_before(tmp_path / name)
+        reader = fp8ray.open_archive(str(tmp_path / name))
+        with pytest.raises(CorruptArchiveError, match=f"part {part.name} of .* is damaged: {re.escape(message)}"):
+            reader.keys()
+    reader = fp8ray.open_archive(str(tmp_path / "first"))
+    assert all(reader.block(k) is not None for k in good if k not in keys)  # the other parts read
+    shutil.copytree(arch, tmp_path / "before")
+    _as_written_before(tmp_path / "before")
+    reader = fp8ray.open_archive(str(tmp_path / "before"))
+    assert {key: _block(reader, key) for key in good} == good

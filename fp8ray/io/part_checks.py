@@ -1,0 +1,96 @@
+"""What a reader checks of a part without reading all of it (docs/FORMAT.md, "Manifest").
+
+The part's CRC-32C covers the whole file, so reading one block cannot check it. A part's
+entry (manifest and sidecar) therefore also records ``footer_crc32c``, the CRC-32C of
+the Parquet footer (the file's last 8 + footer-length bytes), and ``columns_crc32c``, of
+its metadata columns' values (:func:`columns_crc32c`). The footer is read and checked
+here before pyarrow parses it: pyarrow's parser can abort the process on damaged bytes,
+and a damaged footer can move a block under another key. Parts written before these
+fields read without these two checks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import crc32c
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import CorruptArchiveError
+from .records import Part
+
+MAGIC = b"PAR1"
+# One read takes the footer of most parts (pyarrow also reads a footer 64 KiB at a time).
+TAIL_READ = 64 << 10
+
+
+def footer_crc32c(data: pa.Buffer | bytes) -> int:
+    """The CRC-32C of a whole Parquet file's footer, its length and its closing magic."""
+    view = memoryview(data)
+    length = int.from_bytes(view[-8:-4], "little")
+    return crc32c.crc32c(view[-(length + 8) :])
+
+
+def columns_crc32c(columns: dict[str, list]) -> int:
+    """The CRC-32C of a part's metadata columns in canonical form: the values as Arrow
+    gives them (``to_pylist``), as compact JSON with sorted column names and ASCII escapes."""
+    return crc32c.crc32c(json.dumps(columns, sort_keys=True, separators=(",", ":")).encode("ascii"))
+
+
+def _damaged(info: Part, shown: str, why: str) -> CorruptArchiveError:
+    return CorruptArchiveError(f"part {info.name} of {shown} is damaged: {why}")
+
+
+def read_footer(f: pa.NativeFile, info: Part, shown: str) -> pq.FileMetaData:
+    """The part's footer, read from the open file ``f``, checked against the part's
+    ``footer_crc32c`` where recorded, then parsed. Raises :class:`CorruptArchiveError`
+    naming the part where it is not a Parquet footer or fails its CRC."""
+    size = f.size()
+    if size < 12:
+        raise _damaged(info, shown, f"{size} bytes, too short for Parquet")
+    f.seek(size - min(size, TAIL_READ))
+    tail = f.read()
+    if tail[-4:] != MAGIC:
+        raise _damaged(info, shown, "it does not end as a Parquet file")
+    length = int.from_bytes(tail[-8:-4], "little")
+    if length + 12 > size:
+        raise _damaged(info, shown, f"its footer's length {length} runs past the file's {size} bytes")
+    if length + 8 > len(tail):
+        f.seek(size - length - 8)
+        tail = f.read(length + 8)
+    footer = tail[-(length + 8) :]
+    if info.footer_crc32c is not None:
+        crc = crc32c.crc32c(footer)
+        if crc != info.footer_crc32c:
+            recorded = info.footer_crc32c
+            raise _damaged(info, shown, f"its Parquet footer has crc32c {crc:#010x}, its entry records {recorded:#010x}")
+    try:
+        return pq.read_metadata(pa.BufferReader(MAGIC + footer))
+    except (OSError, pa.ArrowException) as exc:
+        raise _damaged(info, shown, f"its Parquet footer is not readable ({' '.join(str(exc).split())})") from None
+
+
+def check_schema(metadata: pq.FileMetaData, info: Part, shown: str, schema: pa.Schema, names: list[str]) -> None:
+    """Refuse a footer lacking any column of ``names``, or giving one another type than
+    ``schema``'s, or whose row groups do not add up to the part's blocks."""
+    arrow = metadata.schema.to_arrow_schema()
+    for name in names:
+        index = arrow.get_field_index(name)
+        if index < 0:
+            raise _damaged(info, shown, f"it has no {name!r} column")
+        if arrow.field(index).type != schema.field(name).type:
+            raise _damaged(info, shown, f"its {name!r} column is {arrow.field(index).type}, not {schema.field(name).type}")
+    rows = sum(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))
+    if rows != info.blocks or metadata.num_rows != info.blocks:
+        raise _damaged(info, shown, f"it holds {rows} blocks, its entry {info.blocks}")
+
+
+def check_columns(columns: dict[str, list], info: Part, shown: str) -> None:
+    """Refuse metadata columns whose CRC-32C is not the part's ``columns_crc32c`` (where recorded)."""
+    if info.columns_crc32c is None:
+        return
+    crc = columns_crc32c(columns)
+    if crc != info.columns_crc32c:
+        recorded = info.columns_crc32c
+        raise _damaged(info, shown, f"its metadata columns have crc32c {crc:#010x}, its entry records {recorded:#010x}")
