@@ -18,7 +18,7 @@ import operator
 
 import numpy as np
 
-from ..errors import BadInputError, BlockError, CorruptFrameError, MismatchError, NonFiniteError
+from ..errors import BadInputError, BlockError, CorruptFrameError, InvalidOptionError, MismatchError, NonFiniteError
 from . import cpu, frame
 from .formats import DTYPE_ITEMSIZES, KERNEL_TYPES, Fp8Format, dtype_name
 from .options import DEFAULT_OPTIONS, CodecOptions
@@ -273,6 +273,8 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
         target = out.device
     else:
         target = torch.device(device) if device is not None else torch.device("cpu")
+    if target.type == "cuda" and not torch.cuda.is_available():  # torch's own error is an AssertionError
+        raise InvalidOptionError(f"device {str(target)!r} was asked for, but torch sees no CUDA device", field="device")
     if target.type == "cpu":
         result = out if out is not None and out.is_contiguous() else torch.empty(header.shape, dtype=dtype)
         _decode_host(buf, header, scales, codes, cpu.kernel_array(result), threads)

@@ -36,7 +36,7 @@ from ..codec import decode
 from ..codec.blocks import Block
 from ..codec.fp8codec import decode_raw
 from ..codec.frame import as_byte_array, parse_layout
-from ..errors import BadInputError, CorruptArchiveError
+from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError
 from . import archive, part_checks
 from .paths import os_reason, printable, redact, resolve
 from .provenance import Provenance, check_provenance
@@ -147,6 +147,8 @@ class ArchiveReader:
         label, part, buf, _ = self._read_frame(key, file)
         try:
             return decode(buf, device=device)
+        except InvalidOptionError:
+            raise  # the device asked for, not the archive
         except (ValueError, TypeError) as exc:
             raise self._damaged(label, part, _one_line(exc)) from None
 
@@ -184,6 +186,9 @@ class ArchiveReader:
     def _read_row(self, key: str, file: str | None, *columns: str) -> tuple[str, Part, dict]:
         """The block's label, its part, and its values of ``columns`` (read from its row
         group alone), its row's key and file checked to be the ones asked for."""
+        for name, value in (("key", key), ("file", file)):
+            if not isinstance(value, str) and not (name == "file" and value is None):
+                raise BadInputError(f"{name} must be a string, got {type(value).__name__} {value!r}", field=name)
         file = self._file_of(key) if file is None else file
         self._check_file(file)
         label = f"{file}:{key}" if len(self._file_rows) > 1 else key

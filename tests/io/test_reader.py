@@ -25,7 +25,7 @@ from fp8ray.bench.readcount import CountingHandler
 from fp8ray.codec.blocks import dtype_name, tensor_to_bytes
 from fp8ray.engine.archives import compress_archive, decompress_archive
 from fp8ray.engine.pool import PoolSettings
-from fp8ray.errors import BadInputError, CorruptArchiveError
+from fp8ray.errors import BadInputError, CorruptArchiveError, InvalidOptionError
 from fp8ray.io import archive
 from fp8ray.io.paths import resolve
 from fp8ray.io.reader import _keys_in_footer
@@ -132,6 +132,17 @@ def test_a_missing_block_names_the_key_and_file(multi):
         reader.get("layer0.kv")
     with pytest.raises(BadInputError, match=r"^no block 'nope' in any file of archive"):
         reader.get("nope")
+    with pytest.raises(BadInputError, match=r"^key must be a string, got int 5$"):
+        reader.get(5)
+    with pytest.raises(BadInputError, match=r"^file must be a string, got int 3$"):
+        reader.block("layer0.kv", 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")
+def test_a_device_this_torch_lacks_is_named_as_the_device_not_as_damage(multi):
+    arch, _ = multi
+    with pytest.raises(InvalidOptionError, match=r"^device 'cuda' was asked for, but torch sees no CUDA device$"):
+        fp8ray.open_archive(str(arch)).get("layer0.kv", "deep/c.safetensors", device="cuda")
 
 
 def test_blocks_read_from_s3(multi):
