@@ -108,6 +108,8 @@ def check_apart(source: str, destination: str) -> None:
     """Refuse a destination that is the source, lies inside it or holds it: writing or
     replacing it could destroy what is read. Local paths are compared after resolving
     symbolic links; URIs by scheme, bucket and path."""
+    if not destination:  # it would resolve to the current directory
+        raise DestinationError("the destination is an empty path: name the file or directory to write")
     (src_fs, src), (dst_fs, dst) = _location(source), _location(destination)
     if src_fs != dst_fs:
         return

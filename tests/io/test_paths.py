@@ -57,6 +57,11 @@ def test_write_atomic_leaves_only_the_complete_file(tmp_path):
     assert os.path.dirname(name) == str(tmp_path) and os.path.basename(name).startswith(".out.bin" + TMP_MARK)
 
 
+def test_an_empty_destination_is_refused_as_such(tmp_path):
+    with pytest.raises(DestinationError, match="^the destination is an empty path: name the file or directory to write$"):
+        check_apart(str(tmp_path / "kv"), "")
+
+
 @pytest.mark.parametrize("name", ["x" * 250 + ".bin", "ключ" * 30 + "й.bin"], ids=["ascii", "two-byte"])
 def test_a_file_of_the_longest_name_is_written_through_its_temporary(tmp_path, name):
     """A name of up to 255 bytes is legal; its temporary (a hidden name with a mark and a
