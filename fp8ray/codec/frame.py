@@ -118,6 +118,12 @@ def check_shape(shape: tuple[int, ...]) -> None:
             raise BadInputError(f"dimension {i} of shape {list(shape)} is {d}; a frame holds 0 to {MAX_DIM}")
     if math.prod(shape) > MAX_NUMEL:
         raise BadInputError(f"shape {list(shape)} has {math.prod(shape)} elements, more than the frame's limit of {MAX_NUMEL}")
+    spanned = math.prod(d for d in shape if d)
+    if spanned > MAX_NUMEL:  # an empty tensor still: numpy and torch multiply its other dimensions
+        raise BadInputError(
+            f"shape {list(shape)}: its non-zero dimensions multiply to {spanned}, more than {MAX_NUMEL} "
+            "(numpy and torch cannot make an array of it, even empty)"
+        )
 
 
 def write_header(buf: np.ndarray, header: FrameHeader) -> None:

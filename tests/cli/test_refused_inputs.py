@@ -45,6 +45,17 @@ def test_a_66_dimension_tensor_is_refused_by_compress(tmp_path, capsys):
     assert not (tmp_path / "arch").exists()
 
 
+def test_an_empty_tensor_numpy_cannot_shape_is_refused_naming_its_dimensions(tmp_path, capsys):
+    big = {"dtype": "BF16", "shape": [2**32, 2**32, 0], "data_offsets": [0, 0]}
+    src = raw_safetensors(
+        tmp_path / "h.safetensors", {"big": big, "k": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}, bytes(8)
+    )
+    code, _, err = run(capsys, "compress", src, tmp_path / "arch", "--address", "inline")
+    assert code == 1 and err.count("\n") == 1, err
+    assert "block 'big': shape [4294967296, 4294967296, 0]: its non-zero dimensions multiply to 18446744073709551616" in err
+    assert not (tmp_path / "arch").exists()
+
+
 def test_a_source_without_tensors_is_an_error_not_an_empty_archive(tmp_path, capsys):
     src = tmp_path / "meta.safetensors"
     save_file({}, str(src), {"only": "metadata"})
