@@ -19,6 +19,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number, 1 to 65535, got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ..errors import BadInputError
-from .common import non_negative_float, positive_float, positive_int
+from .common import non_negative_float, port_number, positive_float, positive_int
 
 APP_NAME = "fp8ray"
 
@@ -14,7 +14,7 @@ APP_NAME = "fp8ray"
 def add_commands(commands) -> None:
     serve = commands.add_parser("serve", help="run the HTTP encode/decode service on Ray Serve until SIGINT/SIGTERM")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=positive_int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
     service_arguments(serve)
     serve.add_argument(
         "--archives",

@@ -180,7 +180,7 @@ def read_plan(fs: pafs.FileSystem, directory: str) -> Plan | None:
             return Plan.from_json(json.loads(f.read()), path)
     except CorruptArchiveError as exc:
         raise CorruptArchiveError(f"{exc}; pass --overwrite to start again") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CorruptArchiveError(f"{path}: unreadable plan ({exc}); pass --overwrite to start again") from None
 
 
@@ -296,7 +296,7 @@ def read_sidecar(fs: pafs.FileSystem, directory: str, index: int) -> Part | None
     try:
         with fs.open_input_stream(path) as f:
             info = Part.from_json(json.loads(f.read()), f"{path}: the part entry")
-    except ValueError:  # damaged, e.g. by a writer killed mid-way: redo the part
+    except (ValueError, RecursionError):  # damaged, e.g. by a writer killed mid-way: redo the part
         return None
     if info.name != part_name(index):
         return None
@@ -364,7 +364,7 @@ def read_manifest(fs: pafs.FileSystem, directory: str, uri: str | None = None) -
         raise CorruptArchiveError(f"{path} cannot be read: {os_reason(exc)}") from None
     try:
         manifest = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's stack
         raise CorruptArchiveError(f"{path}: unreadable manifest: {exc}") from None
     return Manifest.from_json(manifest, path)
 

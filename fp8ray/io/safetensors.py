@@ -132,7 +132,7 @@ def parse_tensors(raw: bytes, data_size: int, what: str, allowed: tuple[str, ...
     """:func:`parse_header`, the tensors as columns."""
     try:
         header = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=_unique_members, parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested past Python's stack
         raise SafetensorsFormatError(f"{what}: the header is not valid JSON text: {exc}", "header") from None
     if not isinstance(header, dict):
         raise SafetensorsFormatError(f"{what}: the header is a JSON {type(header).__name__}, not an object", "header")

@@ -96,3 +96,10 @@ def test_sizes_must_be_finite_and_positive(value, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["compress", "a.safetensors", "b", "--part-mb", value])
     assert exc.value.code == 2 and "must be a positive number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "65536", "99999"])
+def test_a_port_is_1_to_65535(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--port", value])
+    assert exc.value.code == 2 and "argument --port: must be" in capsys.readouterr().err

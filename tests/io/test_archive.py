@@ -190,6 +190,7 @@ def test_a_manifest_cannot_name_files_outside_the_output(tmp_path):
     "text, message",
     [
         ("[]", "not an object"),
+        ("[" * 100_000 + "]" * 100_000, "unreadable manifest: maximum recursion depth exceeded"),  # nested past the stack
         ('{"format": "fp8ray-archive", "version": 2}', "'codec' is missing"),
         (
             (

@@ -348,3 +348,13 @@ def test_header_prefix_is_json_dumps_text(metadata):
     if metadata:
         with pytest.raises(SafetensorsFormatError, match="key '__metadata__' appears twice"):
             header_prefix([*tensors, ("__metadata__", "U8", (1,), 1)], metadata)
+
+
+def test_a_header_nested_past_pythons_stack_is_refused_as_bad_json():
+    """json.loads raises RecursionError, not ValueError, past about a thousand levels: a
+    safetensors body or file doing so is refused as any malformed header is (the service's
+    400, one line from the command), not a traceback or a 500."""
+    text = ('{"__metadata__":' + "[" * 5000 + "]" * 5000 + "}").encode()
+    text += b" " * (-len(text) % 8)
+    with pytest.raises(SafetensorsFormatError, match="the header is not valid JSON text: maximum recursion depth"):
+        parse_body(struct.pack("<Q", len(text)) + text, ALL_DTYPES)
