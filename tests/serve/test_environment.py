@@ -34,3 +34,21 @@ def test_haproxy_only_when_asked_for(tmp_path):
     environ: dict[str, str] = {}
     applied = apply_serve_environment(str(tmp_path), environ=environ)
     assert set(applied) == set(SERVE_SWITCHES) and not any("HA_PROXY" in n or "HAPROXY" in n for n in environ), environ
+
+
+def test_workers_the_commands_own_ray_cannot_place_are_refused_naming_what_is_short():
+    """`fp8ray serve` on a Ray it started: nothing will join it, so QuantWorkers that do
+    not fit would wait forever, with no line printed."""
+    import pytest
+
+    from fp8ray.cli.serve import _check_placeable
+    from fp8ray.errors import PoolStartError
+    from fp8ray.serve import ServiceOptions
+
+    two_cpus = {"CPU": 2.0, "memory": 1e9}
+    _check_placeable(ServiceOptions(workers=2), two_cpus)
+    _check_placeable(ServiceOptions(workers=4, cpus_per_worker=0.5), two_cpus)
+    with pytest.raises(PoolStartError, match=r"^3 QuantWorkers need 3 CPU\(s\), and the Ray this command started has 2: lower"):
+        _check_placeable(ServiceOptions(workers=3), two_cpus)
+    with pytest.raises(PoolStartError, match=r"need 1 GPU\(s\), and the Ray this command started has 0: .*--gpus-per-worker"):
+        _check_placeable(ServiceOptions(workers=1, gpus_per_worker=1.0), two_cpus)
