@@ -27,6 +27,7 @@ import torch
 
 from ..codec import frame
 from ..codec.blocks import decode_frames_into, encode_tensors_into
+from ..codec.formats import DTYPE_NAMES
 from ..codec.fp8codec import Fp8Codec
 from ..codec.options import CodecOptions
 from ..errors import BadInputError, CorruptFrameError, InvalidOptionError, MismatchError
@@ -224,6 +225,7 @@ class Fp8FrameDeserializer(_FramePair):
         data = src_bytes.numpy()
         offset = 0
         to_decode: list[tuple[str, np.ndarray, torch.Tensor]] = []  # every frame is checked for room first
+        passed: list[tuple[np.ndarray, torch.Tensor]] = []
         for i, t in enumerate(tensors):
             where = f"frame {i + 1} of {len(tensors)}" if len(tensors) > 1 else "frame"
             if t is None:  # a slot the caller does not want: skip its frame by its header
@@ -238,18 +240,45 @@ class Fp8FrameDeserializer(_FramePair):
                     f'bfloat16, float16 or float32 unless "fp8_input" is "passthrough"'
                 )
             size = self._size(t.shape, t.dtype)
+            if not one_byte(t.dtype):
+                self._check_written_alike(data, offset, t, size, where)
             if offset + size > data.size:
                 raise CorruptFrameError(
                     f"{where} truncated: src holds {data.size - offset} bytes from offset {offset}, "
                     f"a {tuple(t.shape)} {t.dtype} tensor's frame has {size}"
                 )
             chunk = data[offset : offset + size]
-            if one_byte(t.dtype):  # passthrough: the bytes as they were stored
-                t.copy_(torch.from_numpy(chunk.copy()).view(t.dtype).reshape(t.shape).to(t.device))
+            if one_byte(t.dtype):  # passthrough: the bytes as they were stored, once every frame checks
+                passed.append((chunk, t))
             else:
                 to_decode.append((where, chunk, t))
             offset += size
+        for chunk, t in passed:
+            t.copy_(torch.from_numpy(chunk.copy()).view(t.dtype).reshape(t.shape).to(t.device))
         decode_frames_into([(where, chunk) for where, chunk, _ in to_decode], [t for *_, t in to_decode])
+
+    def _check_written_alike(self, data: np.ndarray, offset: int, t: torch.Tensor, size: int, where: str) -> None:
+        """Refuse, before anything is written, a sound frame that holds another dtype or
+        shape than ``t``, or was written under other codec options (its size then differs
+        from the ``size`` these options give: read a store with the options it was written
+        with). A frame whose checksum fails is left to the decoder, which names the damage."""
+        header = frame.parse_header(data[offset : offset + frame.MAX_HEADER_BYTES])
+        if header is None:
+            return
+        same_tensor = (header.dtype, tuple(header.shape)) == (DTYPE_NAMES.get(t.dtype), tuple(t.shape))
+        if same_tensor and header.frame_size == size:
+            return
+        whole = data[offset : offset + header.frame_size]
+        if whole.size != header.frame_size or len(set(frame.checksums(whole))) != 1:
+            return  # damaged (a damaged dtype or shape is reported as damage, not as a mismatch)
+        if not same_tensor:
+            dst = f"{tuple(t.shape)} {t.dtype}"
+            raise MismatchError(f"{where}: dst is a {dst} tensor, the frame holds {header.shape} {header.dtype}")
+        block = f" {header.block_size}" if header.scaling == "block" else ""
+        raise MismatchError(
+            f"{where} was written with {header.fmt.name}, {header.scaling}{block} scaling, {header.scale_dtype} scales; "
+            f"this deserializer's options are {self.options.label()}: read a store with the serde options it was written with"
+        )
 
 
 class Fp8FrameMultiSerializer(Fp8FrameSerializer):

@@ -248,8 +248,8 @@ def test_frame_deserializer_refuses_corrupt_truncated_and_mismatched_frames():
         de.deserialize(obj(buf[: size - 1]), obj(out))
     with pytest.raises(MismatchError, match="float16"):  # a sound frame of another dtype, same size
         de.deserialize(obj(buf), obj(torch.empty(src.shape, dtype=torch.float16)))
-    with pytest.raises(CorruptFrameError, match=r"shape \[2, 4, 16, 64\]"):  # another shape: another length
-        de.deserialize(obj(buf), obj(torch.empty(2, 4, 8, 64, dtype=torch.bfloat16)))
+    with pytest.raises(MismatchError, match=r"dst is a \(2, 4, 8, 64\) torch.bfloat16 tensor, the frame holds \(2, 4, 16, 64\)"):
+        de.deserialize(obj(buf), obj(torch.empty(2, 4, 8, 64, dtype=torch.bfloat16)))  # a sound frame of another shape
     assert not bool(out.any())  # refusals by size, dtype or shape come before anything is decoded
 
 
@@ -507,3 +507,42 @@ def test_register_declares_the_exact_size_contract_where_the_registry_takes_one(
     serde.register_serde_factory("taken", lambda kwargs: None)
     with pytest.raises(ValueError, match="'taken' is already registered by another factory"):
         module.register("taken")
+
+
+@pytest.mark.parametrize("padding", [0, 64], ids=["exact", "padded"])
+@pytest.mark.parametrize(
+    "written, read",
+    [({"scaling": "token"}, {}), ({}, {"scaling": "token"}), ({"scale_dtype": "float32"}, {})],
+    ids=["token-read-as-block", "block-read-as-token", "fp32-scales"],
+)
+def test_frames_written_under_other_options_are_named_so_not_as_damage(written, read, padding):
+    """An adapter whose serde options changed reads every old chunk as another size: the
+    frames are sound, so the error says what they were written with, before writing."""
+    src = kv_like((4, 64), torch.bfloat16, seed=3)
+    ser, de = Fp8FrameSerializer(CodecOptions.parse(written)), Fp8FrameDeserializer(CodecOptions.parse(read))
+    size = ser.estimate_serialized_size(MemoryLayoutDesc([src.shape], [src.dtype]))
+    buf = torch.zeros(size + padding, dtype=torch.uint8)
+    ser.serialize(obj(src), obj(buf))
+    out = torch.zeros_like(src)
+    written_so = r"^frame was written with e4m3fn, .*; this deserializer's options are .*: read a store"
+    with pytest.raises(MismatchError, match=written_so):
+        de.deserialize(obj(buf), obj(out))
+    assert not out.any()
+    damaged = buf.clone()
+    damaged[size - 1] ^= 1  # a damaged frame of other options is damage
+    with pytest.raises(CorruptFrameError):
+        de.deserialize(obj(damaged), obj(out))
+
+
+def test_passthrough_writes_nothing_when_a_later_frame_holds_another_dtype():
+    ser, de = Fp8FrameSerializer(fp8_input="passthrough"), Fp8FrameDeserializer(fp8_input="passthrough")
+    fp8 = torch.randn(16).to(torch.float8_e4m3fn)
+    bf16 = kv_like((4, 8), torch.bfloat16, seed=5)
+    group = [obj(fp8), obj(bf16)]
+    buf = torch.zeros(ser.serialized_size([(fp8.shape, fp8.dtype), (bf16.shape, bf16.dtype)]), dtype=torch.uint8)
+    ser.serialize(group, obj(buf))
+    first, second = torch.zeros(16, dtype=torch.float8_e4m3fn), torch.zeros(4, 8, dtype=torch.float16)
+    mismatch = r"frame 2 of 2: dst is a \(4, 8\) torch.float16 tensor, the frame holds \(4, 8\) bfloat16"
+    with pytest.raises(MismatchError, match=mismatch):
+        de.deserialize(obj(buf), [obj(first), obj(second)])
+    assert not first.view(torch.uint8).any() and not second.any()
