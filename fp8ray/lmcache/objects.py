@@ -42,6 +42,9 @@ def layout_pairs(layout_desc) -> list[tuple[Shape, torch.dtype]]:
     shapes, dtypes = list(layout_desc.shapes), list(layout_desc.dtypes)
     if len(shapes) != len(dtypes):
         raise BadInputError(f"layout has {len(shapes)} shapes but {len(dtypes)} dtypes")
+    for i, dtype in enumerate(dtypes):
+        if not isinstance(dtype, torch.dtype):  # LMCache's layouts hold torch dtypes, never names
+            raise TypeError(f"layout dtype {i} is {dtype!r}, not a torch dtype (torch.bfloat16, ...)")
     return [(tuple(int(d) for d in shape), dtype) for shape, dtype in zip(shapes, dtypes)]
 
 

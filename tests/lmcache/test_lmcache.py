@@ -546,3 +546,8 @@ def test_passthrough_writes_nothing_when_a_later_frame_holds_another_dtype():
     with pytest.raises(MismatchError, match=mismatch):
         de.deserialize(obj(buf), [obj(first), obj(second)])
     assert not first.view(torch.uint8).any() and not second.any()
+
+
+def test_a_layout_naming_its_dtype_as_text_is_refused_by_name():
+    with pytest.raises(TypeError, match=r"^layout dtype 0 is 'bfloat16', not a torch dtype"):
+        Fp8FrameSerializer().estimate_serialized_size(MemoryLayoutDesc([[4]], ["bfloat16"]))
