@@ -131,6 +131,8 @@ def binary_values(table: pa.Table, name: str, row_keys: list[str]) -> list[memor
     """A ``binary`` or ``large_binary`` column's values as memoryviews of Arrow's buffer
     (read-only, no copy). A null value raises, naming its key."""
     column = table.column(name)
+    if not len(column):  # an empty pandas or numpy batch's column converts to Arrow's null type
+        return []
     if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
         raise BadInputError(f"column {name!r} must be binary or large_binary, not {column.type}", field=name)
     offset_type = np.int64 if pa.types.is_large_binary(column.type) else np.int32

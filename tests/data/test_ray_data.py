@@ -397,3 +397,15 @@ def test_numpy_and_pandas_batches_directly():
     assert Fp8Encoder()(table.to_pandas()).equals(expected)
     with pytest.raises(BadInputError, match="the batch lacks"):
         Fp8Encoder()({"key": np.array(["a"], dtype=object)})
+
+
+def test_an_empty_pandas_or_numpy_batch_gives_an_empty_table():
+    """An empty pandas or numpy batch's columns convert to Arrow's null type: still no rows,
+    not a refusal (an empty Arrow batch already gave an empty table)."""
+    import pandas as pd
+
+    empty_numpy = {name: np.array([], dtype=object) for name in ("key", "dtype", "shape", "data")}
+    for batch in (pd.DataFrame({name: [] for name in ("key", "dtype", "shape", "data")}), empty_numpy):
+        frames = Fp8Encoder()(batch)
+        assert frames.num_rows == 0 and frames.schema.field("frame").type == pa.large_binary()
+        assert Fp8Decoder()(frames).num_rows == 0
