@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from ..codec import CodecOptions
 from ..codec.formats import DTYPE_ITEMSIZES
+from ..codec.frame import check_shape
 from ..errors import (
     BadInputError,
     BlockError,
@@ -47,12 +48,16 @@ def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[s
         raise RequestError(f"unknown dtype {dtype!r}; expected one of {names}", 400, "dtype")
     if shape is None:
         raise RequestError("shape is required, as comma-separated sizes such as 2,30,256,192", 400, "shape")
-    try:
-        dims = tuple(int(d) for d in shape.split(",")) if shape.strip() else ()
-    except ValueError:
-        raise RequestError(f"shape {shape!r} is not comma-separated integers", 400, "shape") from None
-    if any(d < 0 for d in dims):
+    parts = [d.strip() for d in shape.split(",")] if shape.strip() else []
+    if any(d.startswith("-") and d[1:].isascii() and d[1:].isdigit() for d in parts):
         raise RequestError(f"shape {shape!r} has a negative size", 400, "shape")
+    if not all(d.isascii() and d.isdigit() for d in parts):  # int() would take "1_6", "+16" and other digits
+        raise RequestError(f"shape {shape!r} is not comma-separated integers", 400, "shape")
+    dims = tuple(int(d) for d in parts)
+    try:
+        check_shape(dims)
+    except ValueError as exc:
+        raise RequestError(str(exc), 400, "shape") from None
     expected = math.prod(dims) * DTYPE_ITEMSIZES[dtype]
     if expected != body_bytes:
         raise RequestError(f"shape {list(dims)} of {dtype} needs {expected} bytes but the body has {body_bytes}", 400, "shape")

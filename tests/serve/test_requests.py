@@ -42,12 +42,17 @@ def test_bad_query_options_are_400_naming_the_field(params, field, pattern):
 def test_raw_layout_is_checked_against_the_body():
     assert raw_layout("bfloat16", "2,3", 12) == ("bfloat16", (2, 3))
     assert raw_layout("torch.float32", "", 4) == ("float32", ())
+    assert raw_layout("float16", " 2, 8 ", 32) == ("float16", (2, 8))
     for args, field, pattern in [
         ((None, "2", 4), "dtype", "dtype is required"),
         (("int8", "2", 2), "dtype", "unknown dtype 'int8'"),
         (("float16", None, 4), "shape", "shape is required"),
         (("float16", "2,x", 4), "shape", "not comma-separated integers"),
         (("float16", "-2", 4), "shape", "negative size"),
+        (("float16", "1_6", 32), "shape", "not comma-separated integers"),  # int() takes these three
+        (("float16", "+16", 32), "shape", "not comma-separated integers"),
+        (("float16", "\u0661\u0666", 32), "shape", "not comma-separated integers"),
+        (("float16", ",".join(["1"] * 65), 2), "shape", "65 dimensions exceeds the frame's limit of 64"),
         (("float16", "3", 4), "shape", r"shape \[3\] of float16 needs 6 bytes but the body has 4"),
     ]:
         with pytest.raises(RequestError, match=pattern) as exc:
