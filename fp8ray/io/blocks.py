@@ -198,22 +198,22 @@ def _safetensors_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> 
 
 
 def _parquet_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tuple[SourceFile, list[BlockRef]]:
+    # One open file for the schema, the small columns and the data's nulls. Not
+    # pq.read_table: it goes through pyarrow.dataset, which imports pandas, and names a
+    # missing column in a many-line message of its own.
     try:
-        table = pq.read_table(path, filesystem=fs, columns=["key", "dtype", "shape"])
-        schema = pq.read_schema(path, filesystem=fs)
+        with fs.open_input_file(path) as f:
+            parquet = pq.ParquetFile(f)
+            schema = parquet.schema_arrow
+            _check_raw_columns(schema, uri)
+            table = parquet.read(columns=["key", "dtype", "shape"])
+            columns = _checked_columns(parquet, uri, table, schema)
     except OSError as exc:
         if getattr(exc, "errno", None):
             raise SourceError(f"{redact(uri)} cannot be read: {os_reason(exc)}") from None
         raise SourceError(f"{redact(uri)}: not a readable Parquet file: {exc}") from None
     except pa.ArrowException as exc:
         raise SourceError(f"{redact(uri)}: not a readable Parquet file: {exc}") from None
-    missing = [c for c in RAW_COLUMNS if c not in schema.names]
-    if missing:
-        raise SourceError(f"{redact(uri)}: a raw-block Parquet source needs columns {list(RAW_COLUMNS)}; missing {missing}")
-    extra = [c for c in schema.names if c not in RAW_COLUMNS]
-    if extra:  # they would not be archived, so not given back: refuse rather than lose them
-        raise SourceError(f"{redact(uri)}: columns {extra} are not archived; a raw-block source holds only {list(RAW_COLUMNS)}")
-    columns = _checked_columns(fs, path, uri, table, schema)
     refs = [
         BlockRef(str(key), dtype, tuple(shape), "parquet", uri, row, name)
         for row, (key, dtype, shape) in enumerate(zip(*(columns[c].to_pylist() for c in ("key", "dtype", "shape"))))
@@ -223,7 +223,17 @@ def _parquet_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tupl
     return SourceFile(name, len(refs), schema=base64.b64encode(schema.serialize().to_pybytes()).decode()), refs
 
 
-def _checked_columns(fs: pafs.FileSystem, path: str, uri: str, table: pa.Table, schema: pa.Schema) -> dict:
+def _check_raw_columns(schema: pa.Schema, uri: str) -> None:
+    """Refuse a Parquet source without the raw-block columns, or with others."""
+    missing = [c for c in RAW_COLUMNS if c not in schema.names]
+    if missing:
+        raise SourceError(f"{redact(uri)}: a raw-block Parquet source needs columns {list(RAW_COLUMNS)}; missing {missing}")
+    extra = [c for c in schema.names if c not in RAW_COLUMNS]
+    if extra:  # they would not be archived, so not given back: refuse rather than lose them
+        raise SourceError(f"{redact(uri)}: columns {extra} are not archived; a raw-block source holds only {list(RAW_COLUMNS)}")
+
+
+def _checked_columns(parquet: pq.ParquetFile, uri: str, table: pa.Table, schema: pa.Schema) -> dict:
     """The ``key``, ``dtype`` and ``shape`` columns (dictionaries decoded), each checked
     at once for its type and nulls, and ``data``'s type and nulls (from the row groups'
     statistics, so that the driver does not read the data): a bad row is refused naming
@@ -266,7 +276,7 @@ def _checked_columns(fs: pafs.FileSystem, path: str, uri: str, table: pa.Table, 
         bad = pc.or_kleene(pc.is_null(dims), pc.less(dims, 0))
         row = pc.list_parent_indices(shapes)[_first(pc.fill_null(bad, True))].as_py()
         refuse(row, f"column 'shape' is {shapes[row].as_py()}; expected a list of non-negative integers")
-    row = _first_null_data(fs, path, uri)
+    row = _first_null_data(parquet)
     if row is not None:
         refuse(row, "column 'data' is null; expected the block's bytes")
     return columns
@@ -290,25 +300,20 @@ def _first(mask) -> int:
     return pc.index(mask, True).as_py()
 
 
-def _first_null_data(fs: pafs.FileSystem, path: str, uri: str) -> int | None:
+def _first_null_data(parquet: pq.ParquetFile) -> int | None:
     """The first row whose ``data`` is null, or None. Read from the row groups' statistics:
     only a group that holds a null (or has no statistics) has its data read."""
-    try:
-        with fs.open_input_file(path) as f:
-            pf = pq.ParquetFile(f)
-            leaves = [pf.metadata.schema.column(i).path for i in range(pf.metadata.num_columns)]
-            column = leaves.index("data")
-            start = 0
-            for g in range(pf.num_row_groups):
-                group = pf.metadata.row_group(g)
-                stats = group.column(column).statistics
-                if stats is None or not stats.has_null_count or stats.null_count:
-                    data = pf.read_row_group(g, columns=["data"]).column("data")
-                    if data.null_count:
-                        return start + _first(pc.is_null(data))
-                start += group.num_rows
-    except (OSError, pa.ArrowException) as exc:
-        raise SourceError(f"{redact(uri)} cannot be read: {os_reason(exc)}") from None
+    metadata = parquet.metadata
+    column = [metadata.schema.column(i).path for i in range(metadata.num_columns)].index("data")
+    start = 0
+    for g in range(parquet.num_row_groups):
+        group = metadata.row_group(g)
+        stats = group.column(column).statistics
+        if stats is None or not stats.has_null_count or stats.null_count:
+            data = parquet.read_row_group(g, columns=["data"]).column("data")
+            if data.null_count:
+                return start + _first(pc.is_null(data))
+        start += group.num_rows
     return None
 
 

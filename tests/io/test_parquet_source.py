@@ -65,6 +65,22 @@ def test_a_bad_column_is_refused_naming_the_file_row_and_key(tmp_path, over, mes
         scan_source(path)
 
 
+@pytest.mark.parametrize(
+    "drop, add, message",
+    [
+        ("shape", {}, r"a raw-block Parquet source needs columns \['key', 'dtype', 'shape', 'data'\]; missing \['shape'\]$"),
+        (None, {"extra": pa.array([1, 2, 3])}, r"columns \['extra'\] are not archived"),
+    ],
+    ids=["missing", "extra"],
+)
+def test_a_missing_or_extra_column_is_named_in_one_line(tmp_path, drop, add, message):
+    table = pa.table({k: v for k, v in columns(**add).items() if k != drop})
+    path = str(tmp_path / "src.parquet")
+    pq.write_table(table, path)
+    with pytest.raises(SourceError, match=rf"^{path}: {message}"):
+        scan_source(path)
+
+
 def test_a_null_in_a_later_row_group_is_found_by_its_row(tmp_path):
     """Nulls in ``data`` are found from the row groups' statistics, the row counted across groups."""
     n = 10
