@@ -519,13 +519,7 @@ def read_metadata_columns(
 
 def iter_frames(table: pa.Table) -> Iterator[memoryview]:
     """The frame column of a part as zero-copy memoryviews of Arrow's buffer."""
-    column = table.column("frame")
-    for chunk in column.chunks:
-        offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int64)[chunk.offset : chunk.offset + len(chunk) + 1]
-        buffer = chunk.buffers()[2]
-        data = memoryview(buffer) if buffer is not None else memoryview(b"")  # every frame empty: no data buffer
-        for i in range(len(chunk)):
-            yield data[offsets[i] : offsets[i + 1]]
+    return iter(PartFrames(table))
 
 
 class PartFrames:
@@ -555,6 +549,12 @@ class PartFrames:
         first, data, offsets = self._chunk(row)
         i = row - first
         return memoryview(data[offsets[i] : offsets[i + 1]])
+
+    def __iter__(self) -> Iterator[memoryview]:
+        for _, data, offsets in self._chunks:
+            view = memoryview(data)
+            for i in range(len(offsets) - 1):
+                yield view[offsets[i] : offsets[i + 1]]
 
     def row_arrays(self, row: int, count: int) -> list[np.ndarray] | None:
         """Frames ``row`` to ``row + count - 1`` as ``[n, size]`` uint8 views, one for each
