@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import Fp8rayError
-from .interrupts import forget_caught_interrupt, interrupted_state, interrupts
+from .interrupts import forget_caught_interrupt, interrupted_state, interrupts, quiet_teardown
 
 # Which extra brings a missing module (pyproject.toml [project.optional-dependencies]).
 EXTRAS = (
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         except KeyboardInterrupt:  # SIGINT or SIGTERM (interrupts), once the clean-up has run
             forget_caught_interrupt()
+            if argv is None:
+                quiet_teardown()
             if args is None:  # interrupted while parsing: what the command would have touched
                 args = _parsed_quietly(argv)
             print(f"fp8ray: interrupted: {interrupted_state(args)}", file=sys.stderr, flush=True)

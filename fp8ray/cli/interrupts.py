@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 
@@ -77,6 +78,15 @@ def forget_caught_interrupt() -> None:
     ``run_eval_code_obj``; exit -2 instead of 130, after the one line). The start of any
     string ``exec`` clears that flag."""
     exec("", {})
+
+
+def quiet_teardown() -> None:
+    """An interrupt that lands while numba compiles can cut an llvmlite object short in its
+    making; as the process ends, its destructor fails and Python prints "Exception ignored
+    in ..." and a traceback after the command's one line. Such failures say nothing about
+    what the command left: once it has said that, the exiting process drops them. (Only
+    the program itself calls this; ``main`` called in another process leaves its hook.)"""
+    sys.unraisablehook = lambda unraisable: None
 
 
 def _importing(frame) -> bool:

@@ -220,6 +220,39 @@ def test_an_interrupt_caught_in_code_run_from_a_string_still_exits_130(tmp_path)
     assert result.stderr.startswith("fp8ray: interrupted: "), result.stderr[-2000:]
 
 
+def test_an_interrupted_command_ends_in_its_one_line_whatever_fails_in_teardown(tmp_path):
+    """An interrupt inside numba's compile can leave an llvmlite object half made, whose
+    destructor fails as the process ends ("Exception ignored in ..."): the interrupted
+    program's stderr is still its one line."""
+    package = tmp_path / "interrupted_mid_object"
+    package.mkdir()
+    (package / "__main__.py").write_text(
+        "import sys\n"
+        "import fp8ray.cli\n"
+        "class HalfMade:\n"
+        "    def __del__(self):\n"
+        "        raise AttributeError('no _as_parameter_')\n"
+        "def run(args):\n"
+        "    global kept\n"
+        "    kept = HalfMade()\n"
+        "    raise KeyboardInterrupt\n"
+        "fp8ray.cli._run = run\n"
+        "sys.argv = ['fp8ray', 'inspect', 'nowhere']\n"
+        "code = fp8ray.cli.main()\n"
+        "del kept\n"
+        "sys.exit(code)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", package.name],
+        env=dict(env(), PYTHONPATH=f"{REPO}:{tmp_path}"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 130, f"exit {result.returncode}: {result.stderr[-2000:]}"
+    assert result.stderr.splitlines() == ["fp8ray: interrupted: inspect only reads: nothing changed"], result.stderr[-2000:]
+
+
 def test_bench_startup_prints_help_beside_the_bare_interpreter(capsys):
     import re
 
