@@ -7,6 +7,7 @@ import socket
 from contextlib import contextmanager
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 
 from fp8ray.codec.bound import bound_constants, element_bound, element_scales  # noqa: F401 (re-exported)
@@ -131,3 +132,22 @@ def failing_fallocate(code: int):
         return -1
 
     return fallocate
+
+
+class InterruptedAfter:
+    """A local filesystem whose ``method`` does its work and is then interrupted, as a
+    Ctrl-C that arrives during the call is raised as it returns."""
+
+    def __init__(self, method: str):
+        self.fs, self.method = pafs.LocalFileSystem(), method
+
+    def __getattr__(self, name):
+        attr = getattr(self.fs, name)
+        if name != self.method:
+            return attr
+
+        def then_interrupt(*args, **kwargs):
+            attr(*args, **kwargs)
+            raise KeyboardInterrupt
+
+        return then_interrupt

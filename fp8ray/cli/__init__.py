@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import Fp8rayError
-from .interrupts import forget_caught_interrupt, interrupted_state, interrupts, quiet_teardown
+from .interrupts import forget_caught_interrupt, interrupted_state, interrupts, output_stamp, quiet_teardown
 
 # Which extra brings a missing module (pyproject.toml [project.optional-dependencies]).
 EXTRAS = (
@@ -52,9 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     # As the program itself (argv from the command line), an interrupt that comes once the
     # command has ended is ignored: the process is only exiting, its work done.
     with interrupts(exiting=argv is None):
-        args = None
+        args = before = None
+        started = False
         try:
             args = build_parser().parse_args(argv)
+            before = output_stamp(args)  # to tell, if interrupted, whether the command wrote its output
+            started = True
             return _run(args)
         except KeyboardInterrupt:  # SIGINT or SIGTERM (interrupts), once the clean-up has run
             forget_caught_interrupt()
@@ -62,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                 quiet_teardown()
             if args is None:  # interrupted while parsing: what the command would have touched
                 args = _parsed_quietly(argv)
-            print(f"fp8ray: interrupted: {interrupted_state(args)}", file=sys.stderr, flush=True)
+            if not started:  # the command did not run: its output is as it was
+                before = output_stamp(args)
+            print(f"fp8ray: interrupted: {interrupted_state(args, before)}", file=sys.stderr, flush=True)
             return 130
 
 

@@ -104,17 +104,52 @@ def _importing(frame) -> bool:
     return False
 
 
-def interrupted_state(args) -> str:
+ABSENT = "absent"  # an output_stamp: nothing at the output's path
+
+
+def output_stamp(args) -> tuple[int, int, int] | str | None:
+    """What is at the command's output now, to tell after an interrupt whether the command
+    put it there: a local file's or directory's identity and modification time (a
+    replacement is renamed into place: a new identity; a resumed archive gains entries: a
+    new time), :data:`ABSENT`, or None where that cannot be told (an object store, a
+    command that writes nothing, arguments not parsed)."""
+    uri = _output_uri(args)
+    if uri is None or "://" in uri:
+        return None
+    try:
+        st = os.stat(uri)
+    except FileNotFoundError:
+        return ABSENT
+    except (OSError, ValueError):
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+def _output_uri(args) -> str | None:
+    command = getattr(args, "command", "")
+    if command in ("compress", "lmcache-compress", "lmcache-decompress"):
+        return args.destination
+    if command == "decompress":
+        return args.output
+    return None
+
+
+def interrupted_state(args, before: tuple[int, int, int] | str | None = None) -> str:
     """What an interrupted command left, in a few words, from what is on disk now
-    (``args`` None: interrupted before its arguments were parsed)."""
+    (``args`` None: interrupted before its arguments were parsed). ``before``: the
+    :func:`output_stamp` taken as the command began; an output that has changed since was
+    put there, complete, by the command (its outputs appear by rename only when complete)."""
     if args is None:
         return "nothing done"
     command = getattr(args, "command", "")
     try:
+        finished = before is not None and output_stamp(args) not in (before, ABSENT, None)
         if command == "compress":
-            return _compress_state(args.destination)
+            return _compress_state(args.destination, finished)
         if command in ("decompress", "lmcache-compress", "lmcache-decompress"):
             output = args.output if command == "decompress" else args.destination
+            if finished:
+                return f"{_shown(output)} is complete: the {command} had finished"
             return f"nothing written; {_left_as_found(output)}"
         if command in ("verify", "inspect", "fidelity"):
             return f"{command} only reads: nothing changed"
@@ -125,30 +160,38 @@ def interrupted_state(args) -> str:
     return f"{command} stopped before it finished"
 
 
+def _shown(uri: str) -> str:
+    from ..io.paths import redact
+
+    return redact(uri)
+
+
 def _left_as_found(uri: str) -> str:
-    from ..io.paths import redact, resolve
+    from ..io.paths import resolve
 
     fs, path = resolve(uri)
     import pyarrow.fs as pafs
 
     if fs.get_file_info(path).type == pafs.FileType.NotFound:
-        return f"{redact(uri)} not created"
-    return f"{redact(uri)} left as it was"
+        return f"{_shown(uri)} not created"
+    return f"{_shown(uri)} left as it was"
 
 
-def _compress_state(uri: str) -> str:
+def _compress_state(uri: str, finished: bool) -> str:
     import pyarrow.fs as pafs
 
-    from ..io.paths import redact, resolve
+    from ..io.paths import resolve
 
     fs, path = resolve(uri)
-    shown = redact(uri)
+    shown = _shown(uri)
     if fs.get_file_info(path).type != pafs.FileType.Directory:
         return f"nothing written; {shown} not created"
     from ..io import archive  # loads the codec (torch): only once there is an archive to look at
 
     names = {e.base_name for e in fs.get_file_info(pafs.FileSelector(path))}
     if archive.MANIFEST_NAME in names:
+        if finished:
+            return f"{shown} holds the complete archive: the compress had finished"
         return f"{shown} left as it was (the archive it holds is unchanged)"
     plan = archive.read_plan(fs, path) if archive.PLAN_NAME in names else None
     if plan is None:

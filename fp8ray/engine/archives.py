@@ -20,7 +20,14 @@ from ..errors import ArchiveExistsError, CorruptArchiveError, DestinationError, 
 from ..io import archive
 from ..io.archive import DEFAULT_LOSSLESS, DEFAULT_PART_BYTES
 from ..io.blocks import scan_source
-from ..io.destinations import check_output, clean_temporaries, hold_destination, prepare_destination, undo_compress
+from ..io.destinations import (
+    check_output,
+    clean_temporaries,
+    hold_destination,
+    make_work,
+    prepare_destination,
+    undo_compress,
+)
 from ..io.lmcache_store import Layout
 from ..io.paths import (
     check_apart,
@@ -158,6 +165,15 @@ def _resumable_parts(
     return {i: info for i, info in infos.items() if info is not None}
 
 
+def _destination_error(exc: OSError, destination: str) -> OSError:
+    """An error making the destination ready, as the user sees it: fp8ray's own as it is;
+    pyarrow's text repeats its cause and may name a scratch directory, so name what was
+    typed, once."""
+    if isinstance(exc, Fp8rayError):
+        return exc
+    return DestinationError(f"cannot write destination {redact(destination)}: {os_reason(exc)}")
+
+
 def compress_archive(
     source: str,
     destination: str,
@@ -226,18 +242,21 @@ def compress_archive(
     try:
         dest = prepare_destination(destination, resume, overwrite, parents)
     except OSError as exc:
-        if isinstance(exc, Fp8rayError):
-            raise
-        # pyarrow's text repeats its cause and may name a scratch directory: name what was typed, once.
-        raise DestinationError(f"cannot write destination {redact(destination)}: {os_reason(exc)}") from None
+        raise _destination_error(exc, destination) from None
     fs, work = dest.fs, dest.work
-    with hold_destination(dest, destination):  # one compress at a time writes a directory
-        plan = archive.plan_record(source, codec.as_dict(), lossless, parts, stamps)
-        previous = archive.read_plan(fs, work) if resume and not dest.replacing else None
-        reused = _resumable_parts(fs, work, plan, previous, destination)
-        todo = [i for i in range(len(parts)) if i not in reused]
-        run = _PartsRun(dict(reused))
+    held, run = False, None
+    try:
         try:
+            make_work(dest)
+        except OSError as exc:
+            raise _destination_error(exc, destination) from None
+        with hold_destination(dest, destination):  # one compress at a time writes a directory
+            held = True
+            plan = archive.plan_record(source, codec.as_dict(), lossless, parts, stamps)
+            previous = archive.read_plan(fs, work) if resume and not dest.replacing else None
+            reused = _resumable_parts(fs, work, plan, previous, destination)
+            todo = [i for i in range(len(parts)) if i not in reused]
+            run = _PartsRun(dict(reused))
             if previous is None:
                 archive.write_plan(fs, work, plan)
             if progress:
@@ -250,14 +269,19 @@ def compress_archive(
             )
             archive.write_manifest(fs, work, manifest)
             archive.clean_scratch(fs, work)
-        except BaseException:
-            if dest.replacing:
-                remove_quietly(fs, work)  # the old archive stays as it was
-            elif not run.finished and not reused:
-                undo_compress(dest, todo)
-            raise
+    except BaseException as exc:
         if dest.replacing:
-            replace_directory(fs, work, dest.path, destination)
+            remove_quietly(fs, work)  # the old archive stays as it was
+        elif not held and isinstance(exc, ArchiveExistsError):
+            pass  # another compress holds the directory: what is in it is its own
+        elif run is None:  # before any work: what is there is an earlier run's, or nothing
+            if dest.created:
+                remove_quietly(fs, work)
+        elif not run.finished and not reused:
+            undo_compress(dest, todo)
+        raise
+    if dest.replacing:
+        replace_directory(fs, work, dest.path, destination)
     return CompressReport(
         source=redact(source),
         archive=redact(destination),
@@ -371,15 +395,12 @@ def decompress_archive(
             f"--force-replace: replacing {redact(output)} deletes {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
             f"the archive does not describe: {name_list(foreign)}"
         )
-    scratch = temporary_name(out_path)
-    try:
-        out_fs.create_dir(scratch)
-    except OSError as exc:
-        raise DestinationError(f"cannot write output {redact(output)}: {os_reason(exc)}") from None
     report = DecompressReport(redact(archive_uri), redact(output), 0, 0, 0.0, 0, deleted=foreign)
     report.lmcache_serde = restored_serde(manifest, lmcache_form)
     nodes = set()
+    scratch = temporary_name(out_path)
     try:
+        out_fs.create_dir(scratch)  # in the try: an interrupt that lands as it is made removes it
         with use_pool(pool) as running:
             start = time.perf_counter()
             if plan.shared and not running.on_this_machine():  # workers elsewhere cannot write this disk's files

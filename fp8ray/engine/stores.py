@@ -209,10 +209,10 @@ def convert_store(
     from ..lmcache.store_files import StoreConversion  # the LMCache modules load torch: only here
 
     scratch = temporary_name(dst)
-    os.mkdir(scratch)
     conversion = StoreConversion(src, scratch, layout, target, fmt.name, options)
     done = []
     try:
+        os.mkdir(scratch)  # in the try: an interrupt that lands as it is made removes it
         with use_pool(pool) as running:
             start = time.perf_counter()  # the conversion itself, once the workers are up
             workers = running.num_workers

@@ -34,7 +34,18 @@ from ..codec.blocks import BlockSpec, bytes_to_tensor, dtype_name, tensor_to_byt
 from ..codec.formats import DTYPE_ITEMSIZES
 from ..errors import MismatchError, SourceError
 from . import columns as arrow_columns
-from .paths import CompleteOrNothing, TreeEntry, list_tree, os_reason, printable, redact, resolve, temporary_name, uri_for
+from .paths import (
+    CompleteOrNothing,
+    TreeEntry,
+    delete_quietly,
+    list_tree,
+    os_reason,
+    printable,
+    redact,
+    resolve,
+    temporary_name,
+    uri_for,
+)
 from .safetensors import SOURCE_DTYPES, read_file_header
 
 RAW_COLUMNS = ("key", "dtype", "shape", "data")
@@ -457,8 +468,12 @@ class RawBlockParquetWriter(CompleteOrNothing):
         self.fs, self.path = resolve(uri)
         self.schema = schema
         self.tmp = temporary_name(self.path)
-        self.stream = self.fs.open_output_stream(self.tmp)
-        self.writer = pq.ParquetWriter(self.stream, schema)
+        try:
+            self.stream = self.fs.open_output_stream(self.tmp)
+            self.writer = pq.ParquetWriter(self.stream, schema)
+        except BaseException:  # before the caller holds the writer to abort it
+            delete_quietly(self.fs, self.tmp)
+            raise
         self.rows: dict[str, list] = {name: [] for name in RAW_COLUMNS}
 
     def write_block(self, key: str, dtype: str, shape: tuple[int, ...], data) -> None:

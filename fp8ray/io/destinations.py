@@ -26,7 +26,7 @@ class ArchiveDestination:
     fs: pafs.FileSystem
     path: str  # the destination
     work: str  # where the parts go
-    created: bool  # whether this run created ``work``
+    created: bool  # whether this run creates ``work`` (:func:`make_work`), and so may remove it
 
     @property
     def replacing(self) -> bool:
@@ -34,8 +34,10 @@ class ArchiveDestination:
 
 
 def prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) -> ArchiveDestination:
-    """Check the destination before any work, and make the directory parts go into.
-    Nothing there is deleted: ``--overwrite`` builds the new archive beside the old one."""
+    """Check the destination before any work, and say where the parts go (made by
+    :func:`make_work`, inside the caller's clean-up: an interrupt as it is made must not
+    leave it behind). Nothing there is deleted: ``--overwrite`` builds the new archive
+    beside the old one."""
     fs, path = resolve(uri)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.File:
@@ -60,9 +62,7 @@ def prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) 
                     f"archive that fp8ray did not write ({name_list(foreign)}): --overwrite replaces only an archive; "
                     "move them out first"
                 )
-            work = temporary_name(path)
-            fs.create_dir(work)
-            return ArchiveDestination(fs, path, work, True)
+            return ArchiveDestination(fs, path, temporary_name(path), True)
         if archive.MANIFEST_NAME in names:
             raise ArchiveExistsError(f"destination {redact(uri)} already holds an archive (pass --overwrite to replace it)")
         if not resume:
@@ -71,8 +71,13 @@ def prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) 
             )
         return ArchiveDestination(fs, path, path, False)
     prepare_parent(fs, path, uri, parents)
-    fs.create_dir(path)
     return ArchiveDestination(fs, path, path, True)
+
+
+def make_work(dest: ArchiveDestination) -> None:
+    """Make the directory the parts go into, where this run creates it."""
+    if dest.created:
+        dest.fs.create_dir(dest.work)
 
 
 @contextmanager

@@ -88,9 +88,20 @@ class CompleteOrNothing:
 def write_atomic(fs: pafs.FileSystem, path: str, data) -> None:
     """Write ``data`` (bytes or an Arrow buffer) under a temporary name beside ``path``, then rename."""
     tmp = temporary_name(path)
-    with fs.open_output_stream(tmp) as out:
-        out.write(data)
-    fs.move(tmp, path)
+    try:
+        with fs.open_output_stream(tmp) as out:
+            out.write(data)
+        fs.move(tmp, path)
+    except BaseException:  # an interrupt too: no temporary left beside the file
+        delete_quietly(fs, tmp)
+        raise
+
+
+def delete_quietly(fs: pafs.FileSystem, path: str) -> None:
+    """Delete the temporary file ``path`` after a failure, if it is there, without raising:
+    an error here must not hide the one that caused the clean-up."""
+    with contextlib.suppress(OSError):
+        fs.delete_file(path)
 
 
 def _location(uri: str) -> tuple[str, str]:
@@ -164,19 +175,23 @@ def replace_directory(fs: pafs.FileSystem, new: str, old: str, uri: str | None =
             os.rename(new, old)
             return
         trash = temporary_name(old)
-        os.rename(old, trash)
         try:
+            os.rename(old, trash)
             os.rename(new, old)
-        except BaseException:
-            os.rename(trash, old)  # put the old one back
-            raise
-        try:
             fs.delete_dir(trash)
-        except OSError as exc:
-            raise DestinationError(
-                f"{redact(uri or old)} is in place, but what it replaced could not be deleted ({os_reason(exc)}): "
-                f"it is left at {trash}"
-            ) from None
+        except BaseException as exc:  # an interrupt too, wherever it lands
+            if not os.path.lexists(old):
+                if os.path.lexists(trash):
+                    os.rename(trash, old)  # put the old one back
+                raise
+            if os.path.lexists(trash):  # the new one is in place: the old one goes
+                if isinstance(exc, OSError):
+                    raise DestinationError(
+                        f"{redact(uri or old)} is in place, but what it replaced could not be deleted "
+                        f"({os_reason(exc)}): it is left at {trash}"
+                    ) from None
+                remove_quietly(fs, trash)
+            raise
         return
     # No rename of a whole directory here: move file by file, names starting with "_"
     # (an archive's manifest) last, so that the directory reads as complete only once it

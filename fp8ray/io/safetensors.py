@@ -32,7 +32,7 @@ import pyarrow.fs as pafs
 
 from ..codec.formats import DTYPE_ITEMSIZES
 from ..errors import MismatchError, SafetensorsFormatError, SourceError
-from .paths import CompleteOrNothing, os_reason, redact, resolve, temporary_name
+from .paths import CompleteOrNothing, delete_quietly, os_reason, redact, resolve, temporary_name
 
 MAX_HEADER = 100_000_000  # the safetensors package's limit on the JSON header
 MAX_USIZE = 2**64 - 1
@@ -414,8 +414,12 @@ class SafetensorsWriter(CompleteOrNothing):
         layout = SafetensorsLayout.of(tensors, metadata)
         self.sizes = layout.sizes
         self.tmp = temporary_name(self.path)
-        self.stream = self.fs.open_output_stream(self.tmp)
-        self.stream.write(layout.prefix)
+        try:
+            self.stream = self.fs.open_output_stream(self.tmp)
+            self.stream.write(layout.prefix)
+        except BaseException:  # before the caller holds the writer to abort it
+            delete_quietly(self.fs, self.tmp)
+            raise
         self.written = 0
 
     def write(self, data) -> None:

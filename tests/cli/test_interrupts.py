@@ -18,16 +18,16 @@ import time
 from pathlib import Path
 
 import pytest
-from _util import processes_with_ray_tmp
+from _util import InterruptedAfter, processes_with_ray_tmp
 
 FP8RAY = [sys.executable, "-m", "fp8ray.cli"]
 SEED = 19
 # (command, address, points) of the commands run as processes: 12 points, 2 of them on an
 # embedded Ray (seconds to start); and 12 more of the command run inline in this process
-# (no start-up cost). The delays after the command is at work, from 0 to (about) its length.
+# (no start-up cost). The delays after the command is at work: from 0 to its length, as
+# measured in this process (warm) before the points.
 PLAN = [("compress", "inline", 5), ("decompress", "inline", 5), ("compress", "local", 1), ("decompress", "local", 1)]
 IN_PROCESS = [("compress", 6), ("decompress", 6)]
-DELAY = {"compress": 0.3, "decompress": 0.04}
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -55,6 +55,40 @@ def reference(tmp_path_factory):
     assert main(["compress", str(src), str(root / "ref.fp8"), "--part-mb", "0.5", "--address", "inline", "--json"]) == 0
     assert main(["decompress", str(root / "ref.fp8"), str(root / "ref.out"), "--address", "inline", "--json"]) == 0
     return root
+
+
+def _command(command: str, reference: Path, work: Path) -> tuple[list[str], Path]:
+    """The command's arguments (one worker, the reference's parts) and its output, in ``work``."""
+    if command == "compress":
+        dest = work / "kv.fp8"
+        return ["compress", str(reference / "kv"), str(dest), "--part-mb", "0.5", "--workers", "1"], dest
+    dest = work / "out"
+    return ["decompress", str(reference / "ref.fp8"), str(dest), "--workers", "1"], dest
+
+
+def _lengths(reference: Path, tmp_path: Path) -> dict[str, float]:
+    """How long each command takes, run inline in this process, warm and uninterrupted:
+    the points are drawn within it, so that most land while it works, whatever this
+    machine's speed."""
+    import contextlib
+    import io
+
+    from fp8ray.cli import main
+
+    length = {}
+    for command in ("compress", "decompress"):
+        work = tmp_path / f"{command}-timed"
+        work.mkdir()
+        args, _ = _command(command, reference, work)
+        for _ in range(2):  # the first run loads what the command needs
+            shutil.rmtree(work)
+            work.mkdir()
+            with contextlib.redirect_stdout(io.StringIO()):
+                start = time.monotonic()
+                assert main([*args, "--address", "inline"]) == 0
+                length[command] = time.monotonic() - start
+        shutil.rmtree(work)
+    return length
 
 
 def _interrupt(args: list[str], cwd: Path, ready, delay: float, sig: int) -> tuple[int, str, float]:
@@ -108,24 +142,21 @@ def _no_temporaries(directory: Path) -> None:
 @pytest.mark.slow
 def test_an_interrupt_at_any_point_exits_130_saying_what_it_left(reference, tmp_path):
     rng = random.Random(SEED)
-    src = reference / "kv"
+    length = _lengths(reference, tmp_path)
     outcomes = []
     for command, address, points in PLAN:
         for point in range(points):
             work = tmp_path / f"{command}-{address}-{point}"
             work.mkdir()
             sig = signal.SIGTERM if point == 3 else signal.SIGINT
-            delay = rng.uniform(0.0, DELAY[command])
-            if command == "compress":
-                dest = work / "kv.fp8"
-                args = ["compress", str(src), str(dest), "--part-mb", "0.5", "--workers", "1"]
-                ready = (lambda _, d=dest: d.exists()) if address == "inline" else _ray_starting
-            else:
-                dest = work / "out"
-                args = ["decompress", str(reference / "ref.fp8"), str(dest), "--workers", "1"]
-                ready = (lambda _, w=work: any(".tmp-" in p.name for p in w.iterdir())) if address == "inline" else _ray_starting
+            delay = rng.uniform(0.0, length[command])
+            args, dest = _command(command, reference, work)
             if address == "local":
-                delay = rng.uniform(0.0, 4.0)  # while Ray starts, or later
+                ready, delay = _ray_starting, rng.uniform(0.0, 4.0)  # while Ray starts, or later
+            elif command == "compress":
+                ready = lambda _, d=dest: d.exists()  # noqa: E731
+            else:
+                ready = lambda _, w=work: any(".tmp-" in p.name for p in w.iterdir())  # noqa: E731
             code, err, took = _interrupt([*args, "--address", address], work, ready, delay, sig)
             outcomes.append(
                 _check(
@@ -139,8 +170,10 @@ def test_an_interrupt_at_any_point_exits_130_saying_what_it_left(reference, tmp_
                     reference,
                 )
             )
-    outcomes += _in_process_points(reference, tmp_path, rng)
-    assert len(outcomes) == 24 and sum(o != "finished" for o in outcomes) >= 16, outcomes
+    outcomes += _in_process_points(reference, tmp_path, rng, length)
+    finished = sum(o == "finished" for o in outcomes)
+    print(f"interrupt points: {len(outcomes) - finished} interrupted, {finished} finished first (lengths {length})")
+    assert len(outcomes) == 24 and finished <= 8, outcomes
 
 
 def _check(label, code, err, took, work, dest, args, reference) -> str:
@@ -160,17 +193,18 @@ def _check(label, code, err, took, work, dest, args, reference) -> str:
     rerun = [*args, "--address", "inline", "--json"]
     if "--resume" in err:
         assert dest.is_dir() and (dest / "_plan.json").exists(), f"{label}: {err}"
-        rerun.append("--resume")
+        assert main([*rerun, "--resume"]) == 0, label
+    elif code == 130 and "had finished" in err:  # the output was in place, complete, as the signal came
+        assert dest.exists(), f"{label}: {err}"
     elif code == 130:
         assert "not created" in err and not dest.exists(), f"{label}: {err}"
-    if code == 130:
         assert main(rerun) == 0, label
     expected = reference / ("ref.fp8" if args[0] == "compress" else "ref.out")
     assert _tree(dest) == _tree(expected), label
     return outcome
 
 
-def _in_process_points(reference, tmp_path, rng) -> list[str]:
+def _in_process_points(reference, tmp_path, rng, length: dict[str, float]) -> list[str]:
     """The command run by ``main`` in this process, SIGINT sent to it by a timer: only
     while it runs (an outer handler takes one that comes as it returns)."""
     import contextlib
@@ -186,13 +220,8 @@ def _in_process_points(reference, tmp_path, rng) -> list[str]:
             for point in range(points):
                 work = tmp_path / f"{command}-in-process-{point}"
                 work.mkdir()
-                if command == "compress":
-                    dest = work / "kv.fp8"
-                    args = ["compress", str(reference / "kv"), str(dest), "--part-mb", "0.5", "--workers", "1"]
-                else:
-                    dest = work / "out"
-                    args = ["decompress", str(reference / "ref.fp8"), str(dest), "--workers", "1"]
-                delay = rng.uniform(0.0, DELAY[command])
+                args, dest = _command(command, reference, work)
+                delay = rng.uniform(0.0, length[command])
                 lock, running = threading.Lock(), [True]
 
                 def interrupt(lock=lock, running=running):  # this try's own, bound now
@@ -255,3 +284,59 @@ def test_an_interrupted_compress_keeps_its_finished_parts_for_resume(reference, 
     monkeypatch.setattr(QuantWorker, "compress_part", compress_part)
     assert main([*args, "--resume", "--json"]) == 0
     assert _tree(dest) == _tree(reference / "ref.fp8")
+
+
+def _interrupted_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["compress", "decompress"])
+def test_an_interrupt_as_the_output_directory_is_made_leaves_nothing(reference, tmp_path, monkeypatch, capsys, command):
+    """A Ctrl-C that arrives while the directory is being made (raised as the call
+    returns): the directory goes too, and the line says nothing was created."""
+    from fp8ray.cli import main
+    from fp8ray.engine import archives as engine_archives
+    from fp8ray.io import destinations
+    from fp8ray.io.paths import resolve
+
+    dest = tmp_path / ("kv.fp8" if command == "compress" else "out")
+
+    def resolve_dest(uri):
+        return (InterruptedAfter("create_dir"), resolve(uri)[1]) if uri == str(dest) else resolve(uri)
+
+    monkeypatch.setattr(destinations if command == "compress" else engine_archives, "resolve", resolve_dest)
+    source = reference / ("kv" if command == "compress" else "ref.fp8")
+    assert main([command, str(source), str(dest), "--address", "inline"]) == 130
+    assert _interrupted_line(capsys) == f"fp8ray: interrupted: nothing written; {dest} not created"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["compress", "decompress"])
+def test_an_interrupt_once_the_output_is_in_place_says_it_is_complete(reference, tmp_path, monkeypatch, capsys, command):
+    """A Ctrl-C that arrives after the output was renamed into place, before the command
+    returned: the line says the output is complete (it is), not that it was there before."""
+    from fp8ray.cli import main
+    from fp8ray.engine import archives as engine_archives
+
+    name = f"{command}_archive"
+    finished = getattr(engine_archives, name)
+
+    def then_interrupt(*args, **kwargs):
+        finished(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_archives, name, then_interrupt)
+    source = reference / ("kv" if command == "compress" else "ref.fp8")
+    dest = tmp_path / ("kv.fp8" if command == "compress" else "out")
+    args = [command, str(source), str(dest), "--address", "inline", *(["--part-mb", "0.5"] if command == "compress" else [])]
+    assert main(args) == 130
+    said = "holds the complete archive" if command == "compress" else "is complete"
+    assert _interrupted_line(capsys) == f"fp8ray: interrupted: {dest} {said}: the {command} had finished"
+    assert _tree(dest) == _tree(reference / ("ref.fp8" if command == "compress" else "ref.out"))
+    # The same interrupt as the command begins, its output there from before: left as it was.
+    monkeypatch.setattr(engine_archives, name, lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main([*args, "--overwrite"]) == 130
+    left = "left as it was (the archive it holds is unchanged)" if command == "compress" else "left as it was"
+    assert _interrupted_line(capsys).endswith(f"{dest} {left}")

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from fp8ray import PoolSettings
 from fp8ray.engine.archives import compress_archive
 from fp8ray.errors import ArchiveExistsError
-from fp8ray.io.destinations import hold_destination, prepare_destination
+from fp8ray.io.destinations import hold_destination, make_work, prepare_destination
 
 
 def test_a_compress_into_a_directory_another_one_holds_is_refused(tmp_path):
@@ -34,6 +34,7 @@ def test_a_compress_into_a_directory_another_one_holds_is_refused(tmp_path):
 
 def test_an_archive_finished_by_another_compress_meanwhile_is_not_written_over(tmp_path):
     dest = prepare_destination(str(tmp_path / "arch"), resume=False, overwrite=False, parents=False)
+    make_work(dest)
     (tmp_path / "arch" / "_manifest.json").write_text("{}")  # the other one finished first
     with pytest.raises(ArchiveExistsError, match="now holds an archive another compress has just written"):
         with hold_destination(dest, str(tmp_path / "arch")):

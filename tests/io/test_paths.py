@@ -7,9 +7,10 @@ import os
 
 import pyarrow.fs as pafs
 import pytest
+from _util import InterruptedAfter
 
 from fp8ray.errors import DestinationError
-from fp8ray.io.paths import TMP_MARK, check_apart, redact, resolve, temporary_name, uri_for, write_atomic
+from fp8ray.io.paths import TMP_MARK, check_apart, redact, replace_directory, resolve, temporary_name, uri_for, write_atomic
 
 
 def test_local_paths_resolve_to_absolute_paths(tmp_path, monkeypatch):
@@ -146,3 +147,44 @@ def test_a_tree_is_listed_alike_on_a_local_disk_and_on_a_store_without_folders(t
         TreeEntry("file_link", "file link"),
         TreeEntry("link/", "folder link"),
     ]
+
+
+@pytest.mark.parametrize("method", ["open_output_stream", "move"])
+def test_an_interrupted_write_atomic_leaves_no_temporary(tmp_path, method):
+    target = tmp_path / "f.bin"
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(InterruptedAfter(method), str(target), b"complete")
+    left = [p.name for p in tmp_path.iterdir()]
+    # Interrupted as the rename returned, the file is complete in place; before it, absent.
+    assert left == (["f.bin"] if method == "move" else []), left
+    if method == "move":
+        assert target.read_bytes() == b"complete"
+
+
+def _dir(path, text: str):
+    path.mkdir()
+    (path / "a").write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("renames", [1, 2])
+def test_an_interrupt_as_a_directory_is_replaced_leaves_one_whole_directory_and_no_temporary(tmp_path, monkeypatch, renames):
+    """Interrupted after the old directory is moved aside (1) or the new one moved in (2):
+    the old one is put back, or the new one stays and the old one goes; either way one
+    whole directory at the path and nothing hidden beside it."""
+    old, new = _dir(tmp_path / "out", "old"), _dir(tmp_path / ".out.tmp-new", "new")
+    rename, done = os.rename, []
+
+    def rename_then_interrupt(src, dst):
+        rename(src, dst)
+        done.append(dst)
+        if len(done) == renames:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "rename", rename_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        replace_directory(pafs.LocalFileSystem(), str(new), str(old))
+    monkeypatch.undo()
+    assert (old / "a").read_text() == ("old" if renames == 1 else "new")
+    hidden = sorted(p.name for p in tmp_path.iterdir() if TMP_MARK in p.name)
+    assert hidden == ([new.name] if renames == 1 else []), hidden  # the caller removes its own new one
