@@ -39,6 +39,7 @@ from fp8ray.errors import (
     SourceError,
 )
 from fp8ray.io.lmcache_store import ChunkName, form_of, format_chunk_name, parse_chunk_name, parse_layout, scan_store
+from fp8ray.io.paths import TMP_MARK
 from fp8ray.lmcache import Fp8QuantizationSerializer
 from fp8ray.lmcache.store_files import StoreConversion, convert_files
 
@@ -499,6 +500,25 @@ def test_overwrite_keeps_the_old_store_if_the_swap_fails(store, tmp_path, monkey
         compress_store(str(src), str(dst), LAYOUT, overwrite=True)
     assert os.listdir(dst) == ["keep"] and (dst / "keep").read_bytes() == b"x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["previous", "store"]  # no scratch left
+
+
+def test_an_interrupt_as_the_scratch_directory_is_made_leaves_nothing(store, tmp_path, monkeypatch):
+    """A Ctrl-C that arrives while the scratch directory is being made (raised as the
+    call returns): the directory goes too."""
+    import fp8ray.engine.stores as lmcache_store
+
+    src, _, _ = store
+    real_mkdir = os.mkdir
+
+    def mkdir_then_interrupt(path, *args, **kwargs):
+        real_mkdir(path, *args, **kwargs)
+        if TMP_MARK in os.path.basename(path):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(lmcache_store.os, "mkdir", mkdir_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        compress_store(str(src), str(tmp_path / "fp8"), LAYOUT, pool=fp8ray.PoolSettings(address="inline"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
 
 
 # --- with LMCache's own filesystem adapter, serde wrapper and L1 manager ----------------
