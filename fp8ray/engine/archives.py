@@ -269,9 +269,11 @@ def compress_archive(
             )
             archive.write_manifest(fs, work, manifest)
             archive.clean_scratch(fs, work)
+        if dest.replacing:  # the old archive goes only now
+            replace_directory(fs, work, dest.path, destination)
     except BaseException as exc:
         if dest.replacing:
-            remove_quietly(fs, work)  # the old archive stays as it was
+            remove_quietly(fs, work)  # the old archive stays as it was (or, once replaced, work is gone)
         elif not held and isinstance(exc, ArchiveExistsError):
             pass  # another compress holds the directory: what is in it is its own
         elif run is None:  # before any work: what is there is an earlier run's, or nothing
@@ -280,8 +282,6 @@ def compress_archive(
         elif not run.finished and not reused:
             undo_compress(dest, todo)
         raise
-    if dest.replacing:
-        replace_directory(fs, work, dest.path, destination)
     return CompressReport(
         source=redact(source),
         archive=redact(destination),

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from _util import InterruptedAfter, processes_with_ray_tmp
 
+from fp8ray.io.paths import TMP_MARK
+
 FP8RAY = [sys.executable, "-m", "fp8ray.cli"]
 SEED = 19
 # (command, address, points) of the commands run as processes: 12 points, 2 of them on an
@@ -340,3 +342,34 @@ def test_an_interrupt_once_the_output_is_in_place_says_it_is_complete(reference,
     assert main([*args, "--overwrite"]) == 130
     left = "left as it was (the archive it holds is unchanged)" if command == "compress" else "left as it was"
     assert _interrupted_line(capsys).endswith(f"{dest} {left}")
+
+
+@pytest.mark.parametrize("renames", [1, 2])
+def test_an_interrupt_as_overwrite_swaps_the_archives_leaves_one_whole_archive(reference, tmp_path, monkeypatch, capsys, renames):
+    """--overwrite puts the new archive in place by two renames (the old one aside, the
+    new one in): interrupted after the first, the old archive is put back; after the
+    second, the new one stays. Either way the line says which, and nothing is left hidden."""
+    from fp8ray.cli import main
+
+    dest = tmp_path / "kv.fp8"
+    shutil.copytree(reference / "ref.fp8", dest)
+    rename, done = os.rename, []
+
+    def rename_then_interrupt(src, dst):
+        rename(src, dst)
+        if TMP_MARK in os.path.basename(src) + os.path.basename(dst) and str(dest) in (str(src), str(dst)):
+            done.append(dst)  # one of the swap's renames
+            if len(done) == renames:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "rename", rename_then_interrupt)
+    args = ["compress", str(reference / "kv"), str(dest), "--part-mb", "0.5", "--address", "inline", "--overwrite"]
+    assert main(args) == 130
+    said = (
+        "left as it was (the archive it holds is unchanged)"
+        if renames == 1
+        else "holds the complete archive: the compress had finished"
+    )
+    assert _interrupted_line(capsys) == f"fp8ray: interrupted: {dest} {said}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.fp8"]
+    assert _tree(dest) == _tree(reference / "ref.fp8")
