@@ -30,7 +30,7 @@ from . import columns as arrow_columns
 from . import part_checks
 from .blocks import BlockRef, SourceLayout
 from .lossless import DEFAULT_LOSSLESS, LOSSLESS_CODECS  # noqa: F401 (DEFAULT_LOSSLESS re-exported)
-from .paths import TMP_MARK, os_reason, printable, redact, resolve, write_atomic
+from .paths import is_temporary, os_reason, printable, redact, resolve, write_atomic
 from .provenance import Provenance
 from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, Manifest, Part, Plan
 
@@ -73,7 +73,7 @@ def sidecar_name(index: int) -> str:
 def is_scratch(name: str) -> bool:
     """Whether a name in an archive directory is a leftover of writing it: the plan, a
     sidecar, or the temporary file of a writer that was killed."""
-    return name == PLAN_NAME or (name.startswith(SIDECAR_PREFIX) and name.endswith(SIDECAR_SUFFIX)) or TMP_MARK in name
+    return name == PLAN_NAME or (name.startswith(SIDECAR_PREFIX) and name.endswith(SIDECAR_SUFFIX)) or is_temporary(name)
 
 
 def is_archive_entry(name: str) -> bool:

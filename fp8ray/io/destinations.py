@@ -14,7 +14,7 @@ import pyarrow.fs as pafs
 
 from ..errors import ArchiveExistsError, DestinationError
 from . import archive
-from .paths import TMP_MARK, list_tree, name_list, os_reason, prepare_parent, redact, remove_quietly, resolve, temporary_name
+from .paths import is_temporary, list_tree, name_list, os_reason, prepare_parent, redact, remove_quietly, resolve, temporary_name
 from .restore import RestorePlan
 
 
@@ -171,8 +171,8 @@ def check_output(
 
 
 def clean_temporaries(fs: pafs.FileSystem, directory: str) -> None:
-    """Remove the temporary files (``TMP_MARK`` in their names) left under ``directory``
-    by writers that were killed mid-file; the files themselves were written again."""
+    """Remove the temporary files (:func:`~fp8ray.io.paths.is_temporary`) left under
+    ``directory`` by writers that were killed mid-file; the files themselves were written again."""
     for entry in fs.get_file_info(pafs.FileSelector(directory, recursive=True)):
-        if TMP_MARK in entry.base_name and entry.type == pafs.FileType.File:
+        if is_temporary(entry.base_name) and entry.type == pafs.FileType.File:
             fs.delete_file(entry.path)

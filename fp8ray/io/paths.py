@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -62,6 +63,13 @@ NAME_MAX_BYTES = 255  # a file name's limit on Linux's filesystems and on macOS
 
 
 TMP_MARK = ".tmp-"  # in every temporary name: a killed writer's leftovers are found by it
+_TEMPORARY = re.compile(r"\..*" + re.escape(TMP_MARK) + r"[0-9a-f]{32}", re.DOTALL)
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a file's own name is one :func:`temporary_name` gives (``.NAME.tmp-`` and 32
+    hex digits): a source file that only holds ``.tmp-`` in its name is not one."""
+    return _TEMPORARY.fullmatch(name) is not None
 
 
 class CompleteOrNothing:

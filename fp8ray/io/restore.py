@@ -26,7 +26,7 @@ from itertools import accumulate, groupby
 
 from ..errors import CorruptArchiveError, DestinationError
 from .blocks import RawBlockParquetWriter, SourceLayout, parquet_schema
-from .paths import TMP_MARK, printable
+from .paths import is_temporary, printable
 from .records import Manifest
 from .safetensors import SafetensorsLayout, SafetensorsWriter, create_presized
 
@@ -151,14 +151,16 @@ def _common_items(dicts: list[dict]) -> dict:
 def _checked_name(name) -> str:
     """A file name from a manifest, refused unless it is a plain relative path (parts
     separated by ``/``, as a source tree's files are named): never one that would write
-    outside the output directory, nor a hidden or scratch name."""
+    outside the output directory, into a hidden folder, or under a temporary's name. (A
+    file's own name may start with ``.``: an LMCache store's chunk of a model served from
+    a relative path, ``./models/x``, is named ``.-SEP-models-SEP-x@...``.)"""
     parts = name.split("/") if isinstance(name, str) else []
     if (
         not parts
         or "\\" in name
         or "\0" in name
-        or TMP_MARK in name
-        or any(not part or part in (".", "..") or part.startswith(".") for part in parts)
+        or any(not part or part in (".", "..") or is_temporary(part) for part in parts)
+        or any(folder.startswith(".") for folder in parts[:-1])
     ):
         raise CorruptArchiveError(
             f"the archive names a source file {printable(str(name))!r}, which is not a plain relative file name"

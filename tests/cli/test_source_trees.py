@@ -227,12 +227,37 @@ def test_old_manifests_without_skipped_still_read(tree, tmp_path, capsys):
     assert digests(tmp_path / "out") == taken(tree)
 
 
+def test_a_source_file_with_tmp_in_its_name_comes_back(tmp_path, capsys):
+    """``.tmp-`` inside a source file's name is not one of fp8ray's temporaries: verify and
+    decompress take the archive, and the file comes back under its name."""
+    src, arch, out = tmp_path / "kv", tmp_path / "arch", tmp_path / "out"
+    src.mkdir()
+    save_file(small(1), str(src / "run.tmp-2.safetensors"))
+    save_file(small(2), str(src / "a.safetensors"))
+    assert run(capsys, "compress", src, arch, *EXACT, *INLINE)[0] == 0
+    assert run(capsys, "verify", arch, "--against", src, *INLINE)[0] == 0
+    assert run(capsys, "decompress", arch, out, *INLINE)[0] == 0
+    assert digests(out) == digests(src)
+
+
 def test_a_file_inside_a_hidden_or_escaping_folder_is_refused_from_a_manifest():
     from fp8ray.errors import CorruptArchiveError
     from fp8ray.io.restore import _checked_name
 
     assert _checked_name("tenant_b/deep/t5.safetensors") == "tenant_b/deep/t5.safetensors"
-    for bad in ("a/../../x.safetensors", "/etc/x.safetensors", "a//b.safetensors", ".git/x.safetensors", "a/./b", "a\\b"):
+    # Names a source may have: a store's chunk of a model served from ./models/x, ".tmp-" inside a name.
+    for good in (".-SEP-models-SEP-x@0x01@0@ab01.data", "ab/.-SEP-m@0x01@0@ab01.data", "run.tmp-2.safetensors"):
+        assert _checked_name(good) == good
+    temporary = ".t5.safetensors.tmp-" + "0123456789abcdef" * 2  # what fp8ray's writers name their files
+    for bad in (
+        "a/../../x.safetensors",
+        "/etc/x.safetensors",
+        "a//b.safetensors",
+        ".git/x.safetensors",
+        "a/./b",
+        "a\\b",
+        temporary,
+    ):
         with pytest.raises(CorruptArchiveError, match="not a plain relative file name"):
             _checked_name(bad)
 

@@ -374,3 +374,19 @@ def test_lmcache_compress_converts_a_store_in_hash_prefix_folders_keeping_them(t
     assert out.keys() == files.keys()
     for name, data in files.items():
         assert out[name] == bytes(Fp8Codec().encode(source_values(data, "raw"))), name
+
+
+def test_a_store_of_a_model_served_from_a_relative_path_comes_back(tmp_path):
+    """LMCache names the chunks of a model served from ``./models/llama`` with a leading
+    ``.`` (``.-SEP-models-SEP-llama@...``): a plain name, which decompress gives back."""
+    store, arch, back = tmp_path / "store", str(tmp_path / "kv.fp8"), tmp_path / "back"
+    store.mkdir()
+    files = {}
+    for i in range(2):
+        name = format_chunk_name(ChunkName("./models/llama", 0x01000100, 0, bytes([i]) * 16))
+        assert name.startswith(".")
+        files[name] = stored(chunk_tensor(i), "fp8ray")
+        (store / name).write_bytes(files[name])
+    compress_archive(str(store), arch, lmcache_layout=parse_layout(LAYOUT), pool=INLINE)
+    decompress_archive(arch, str(back), lmcache_form="fp8ray", pool=INLINE)
+    assert tree(back) == files
