@@ -277,7 +277,7 @@ def run_get(args) -> int:
     import pyarrow.fs as pafs
 
     from ..errors import ArchiveExistsError, DestinationError
-    from ..io.paths import check_apart, prepare_parent, redact, resolve
+    from ..io.paths import check_apart, check_not_special, prepare_parent, redact, resolve
     from ..io.reader import open_archive
     from ..io.safetensors import SafetensorsWriter, build_body
 
@@ -285,6 +285,7 @@ def run_get(args) -> int:
     if not to_stdout:  # the output is checked before anything is read
         check_apart(args.archive, args.output)
         fs, path = resolve(args.output)
+        check_not_special(fs, path, args.output)  # '-' is the way to write to standard output
         kind = fs.get_file_info(path).type
         if kind == pafs.FileType.Directory:
             raise DestinationError(f"output {redact(args.output)} is a directory; name the .safetensors file to write")

@@ -14,7 +14,18 @@ import pyarrow.fs as pafs
 
 from ..errors import ArchiveExistsError, DestinationError
 from . import archive
-from .paths import is_temporary, list_tree, name_list, os_reason, prepare_parent, redact, remove_quietly, resolve, temporary_name
+from .paths import (
+    check_not_special,
+    is_temporary,
+    list_tree,
+    name_list,
+    os_reason,
+    prepare_parent,
+    redact,
+    remove_quietly,
+    resolve,
+    temporary_name,
+)
 from .restore import RestorePlan
 
 
@@ -143,6 +154,7 @@ def check_output(
                 f"output {redact(uri)} ends in {suffix}, but the archive gives back a {kind} file "
                 f"(name it .{kind}, or pass --single-file for one .safetensors file)"
             )
+    check_not_special(fs, path, uri)
     kind = fs.get_file_info(path).type
     if kind == pafs.FileType.NotFound and isinstance(fs, pafs.LocalFileSystem) and os.path.islink(path):
         kind = pafs.FileType.File  # a symbolic link to nothing: the user's, replaced only with --overwrite

@@ -7,6 +7,7 @@ import contextlib
 import os
 import posixpath
 import re
+import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -170,6 +171,27 @@ def prepare_parent(fs: pafs.FileSystem, path: str, uri: str, parents: bool) -> N
     if not parents:
         raise DestinationError(f"directory {parent} does not exist (create it, or pass --parents) for {redact(uri)}")
     fs.create_dir(parent, recursive=True)
+
+
+def check_not_special(fs: pafs.FileSystem, path: str, uri: str) -> None:
+    """Refuse an output that is a device, a FIFO or a socket (or a link to one): an output
+    appears by rename, which would put a plain file in its place (``/dev/null`` replaced
+    by a file, for everyone), and such a node is not a file to be written whole."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return  # not there (or a link to nothing): nothing of the kind to break
+    kinds = {
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISSOCK: "a socket",
+    }
+    kind = next((name for test, name in kinds.items() if test(mode)), None)
+    if kind is not None:
+        raise DestinationError(f"output {redact(uri)} is {kind}, not a file: fp8ray writes files only, and never replaces one")
 
 
 def replace_directory(fs: pafs.FileSystem, new: str, old: str, uri: str | None = None) -> None:

@@ -154,3 +154,25 @@ def test_a_symbolic_link_to_nothing_at_the_output_is_replaced_only_with_overwrit
     assert code == 1 and "exists (pass --overwrite" in err and out.is_symlink()
     assert run(capsys, "decompress", arch, out, "--address", "inline", "--overwrite")[0] == 0
     assert not out.is_symlink() and out.stat().st_size > 0
+
+
+def test_overwrite_never_puts_a_file_in_place_of_a_fifo_or_a_device(kvdir, tmp_path, capsys):
+    """An output that is a FIFO, or a link to a device (/dev/null), is refused even with
+    --overwrite: the output's rename would put a plain file in its place."""
+    import os
+    import stat
+
+    from fp8ray import open_archive
+
+    arch = tmp_path / "arch"
+    assert run(capsys, "compress", kvdir / "a.safetensors", arch, "--address", "inline")[0] == 0
+    key = next(iter(open_archive(str(arch)).keys()))
+    fifo, null = tmp_path / "fifo", tmp_path / "null"
+    os.mkfifo(fifo)
+    null.symlink_to("/dev/null")
+    for output, kind in ((fifo, "a FIFO"), (null, "a character device")):
+        refusal = f"fp8ray: error: output {output} is {kind}, not a file: fp8ray writes files only, and never replaces one\n"
+        for argv in (("decompress", arch, output, "--address", "inline"), ("get", arch, key, "-o", output)):
+            assert run(capsys, *argv, "--overwrite") == (1, refusal)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.readlink(null) == "/dev/null"
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
