@@ -113,7 +113,8 @@ class WorkerLostError(Fp8rayError, RuntimeError):
 
 
 class PoolStartError(WorkerLostError):
-    """The pool's workers did not start: the cluster lacks the resources asked for."""
+    """The pool's workers did not start: no Ray cluster answers at the address, or the
+    cluster lacks the resources asked for."""
 
 
 class WorkersUnavailableError(WorkerLostError):

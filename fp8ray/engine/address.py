@@ -24,6 +24,8 @@ LOCAL = "local"  # an embedded Ray, started for the pool and removed with it
 # The address is this machine's (or its cluster head's, from a `ray start --address`): a
 # refused connection comes back at once, so this bounds only an unreachable head.
 ANSWER_SECONDS = 0.5
+# How long an address given (RAY_ADDRESS, --address) gets: its head may be across a network.
+CONNECT_SECONDS = 5.0
 
 
 def default_address() -> str:
@@ -49,14 +51,26 @@ def running_local_cluster() -> str | None:
             address = f.read().strip()
     except OSError:
         return None
-    host, _, port = address.rpartition(":")
+    return address if endpoint(address) is not None and answers(address, ANSWER_SECONDS) else None
+
+
+def endpoint(address: str) -> tuple[str, int] | None:
+    """The host and port of a Ray address (``host:port``, or a Ray client's
+    ``ray://host:port``), or None for any other form (``auto``: Ray's to resolve)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         return None
+    return host.strip("[]"), int(port)
+
+
+def answers(address: str, seconds: float) -> bool:
+    """Whether the port of a Ray address with an :func:`endpoint` accepts a connection
+    within ``seconds`` (a refused one comes back at once)."""
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=ANSWER_SECONDS):
-            return address
+        with socket.create_connection(endpoint(address), timeout=seconds):
+            return True
     except OSError:
-        return None
+        return False
 
 
 def ray_temp_dir() -> str:

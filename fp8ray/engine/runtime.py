@@ -12,7 +12,8 @@ import threading
 import psutil
 import ray
 
-from .address import LOCAL
+from ..errors import PoolStartError
+from .address import CONNECT_SECONDS, LOCAL, answers, endpoint
 
 # What the embedded Ray this process started left on the machine, removed when it stops:
 # its temporary directory (the session's logs and sockets) and the processes it started.
@@ -42,7 +43,14 @@ def connect_ray(address: str | None, num_cpus: int | None) -> bool:
     global _started_dir, _before
     if ray.is_initialized():
         return False
+    from_environment = not address
     address = address or os.environ.get("RAY_ADDRESS") or LOCAL
+    # Ray retries an address that does not answer for minutes, printing its warnings: say so at once.
+    if address != LOCAL and endpoint(address) is not None and not answers(address, CONNECT_SECONDS):
+        raise PoolStartError(
+            f"no Ray cluster answers at {address}{' (RAY_ADDRESS)' if from_environment else ''}: start one "
+            "(ray start --head), or pass --address inline (no Ray) or --address local (an embedded one)"
+        )
     handlers = _signal_handlers()
     # An interrupt inside ray.init leaves a driver half connected that ray.shutdown does
     # not stop, and whose threads crash the process as it exits (SIGSEGV): one that comes

@@ -200,3 +200,19 @@ def test_with_a_local_cluster_running_a_command_joins_it(source, tmp_path, ray_t
     # in its session (an embedded Ray's would be in a session of its own, removed with it).
     logs = glob.glob(os.path.join(ray_tmp, "ray", "session_latest", "logs", f"python-core-driver-*_{pid}.log"))
     assert len(logs) == 2, sorted(os.listdir(os.path.join(ray_tmp, "ray", "session_latest", "logs")))
+
+
+@pytest.mark.parametrize("given", ["--address", "RAY_ADDRESS"])
+def test_an_address_where_no_cluster_answers_is_refused_at_once(source, tmp_path, ray_tmp, given):
+    """Ray retries such an address for minutes, printing its warnings: a command says in one
+    line that nothing answers there, and writes nothing."""
+    gone = f"127.0.0.1:{free_port()}"
+    env = env_for(ray_tmp)
+    argv = [str(BIN / "fp8ray"), "compress", str(source), str(tmp_path / "out.fp8")]
+    if given == "RAY_ADDRESS":
+        env["RAY_ADDRESS"] = gone
+    else:
+        argv += ["--address", gone]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stderr.startswith(f"fp8ray: error: no Ray cluster answers at {gone}"), result.stderr
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "out.fp8").exists()
