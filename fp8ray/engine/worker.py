@@ -38,7 +38,7 @@ from ..codec.devices import choose_device, host_buffer, is_tensor
 from ..codec.formats import DTYPE_ITEMSIZES
 from ..codec.runs import RUN_BYTES
 from ..errors import BlockError, MismatchError
-from ..io import archive
+from ..io import archive, part_checks
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
 from ..io.restore import RestoreTask
@@ -301,6 +301,11 @@ class QuantWorker:
             shown = archive.redact(directory)
             result.errors.append(part_error or f"part {part.name} of {shown} is damaged: it has no {lacking[0]!r} column")
             return result
+        if part_error is None:  # each frame may check and still sit in another block's row
+            try:
+                part_checks.check_frames(table, part, archive.redact(directory))
+            except archive.CorruptArchiveError as exc:
+                result.errors.append(str(exc))
         columns = {name: table.column(name).to_pylist() for name in archive.METADATA_COLUMNS if name in names}
         files = columns.get("file") or [""] * table.num_rows  # version 1 parts have no file column
         result.keys = columns["key"]

@@ -279,6 +279,7 @@ def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, 
         last_key=keys[-1] if keys else None,
         footer_crc32c=part_checks.footer_crc32c(data),
         columns_crc32c=part_checks.columns_crc32c(table.select(METADATA_COLUMNS).to_pydict()),
+        frames_crc32c=part_checks.frames_crc32c(table.column("frame")),
     )
     write_sidecar(fs, directory, index, info)
     return info
@@ -456,8 +457,8 @@ def _check_crc(info: Part, crc: int, size: int, shown: str) -> None:
 def read_part(
     fs: pafs.FileSystem, directory: str, info: Part, columns: list[str] | None = None, check: bool = True, uri: str | None = None
 ) -> pa.Table:
-    """Read a part, checked against its manifest entry's size and CRC-32C unless ``check``
-    is false (to read a damaged part anyway and name the blocks the damage lies in; its
+    """Read a part, checked against its manifest entry's size, CRC-32C and (read with its
+    frames) ``frames_crc32c`` unless ``check`` is false (to read a damaged part anyway and name the blocks the damage lies in; its
     footer is still checked by its own CRC, where recorded, before it is parsed). A
     checked part is read once, into memory, and parsed from there. A part that is not
     there raises :class:`CorruptArchiveError` saying it is missing; one that is there
@@ -477,9 +478,11 @@ def read_part(
             raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
     _check_crc(info, crc32c.crc32c(memoryview(data)), data.size, shown)
     try:
-        return _parquet_table(pa.BufferReader(data), columns)
+        table = _parquet_table(pa.BufferReader(data), columns)
     except (OSError, pa.ArrowException, KeyError, IndexError) as exc:
         raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
+    part_checks.check_frames(table, info, shown)  # what the part's CRC cannot see: frames moved between rows
+    return table
 
 
 def _parquet_table(source, columns: list[str] | None, metadata: pq.FileMetaData | None = None) -> pa.Table:

@@ -5,8 +5,15 @@ entry (manifest and sidecar) therefore also records ``footer_crc32c``, the CRC-3
 the Parquet footer (the file's last 8 + footer-length bytes), and ``columns_crc32c``, of
 its metadata columns' values (:func:`columns_crc32c`). The footer is read and checked
 here before pyarrow parses it: pyarrow's parser can abort the process on damaged bytes,
-and a damaged footer can move a block under another key. Parts written before these
-fields read without these two checks.
+and a damaged footer can move a block under another key.
+
+The part's CRC-32C cannot tell its frames apart, either: a frame ends with the CRC-32C
+of what precedes it (a CRC codeword), and every codeword of one length moves a CRC's
+state alike, so frames swapped between rows, or replaced by other valid frames of their
+lengths, leave the part's CRC-32C as it was. ``frames_crc32c`` (:func:`frames_crc32c`)
+is the CRC-32C of the frames' own CRCs in row order, which changes with both.
+
+Parts written before these fields read without these checks.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import json
 
 import crc32c
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -36,6 +44,38 @@ def columns_crc32c(columns: dict[str, list]) -> int:
     """The CRC-32C of a part's metadata columns in canonical form: the values as Arrow
     gives them (``to_pylist``), as compact JSON with sorted column names and ASCII escapes."""
     return crc32c.crc32c(json.dumps(columns, sort_keys=True, separators=(",", ":")).encode("ascii"))
+
+
+def frames_crc32c(frames: pa.Array | pa.ChunkedArray) -> int:
+    """The CRC-32C of a part's frames' own CRC-32Cs (each frame's last 4 bytes, as stored),
+    in row order. A frame shorter than 4 bytes (only a damaged one is) gives what it has."""
+    crc = 0
+    for chunk in frames.chunks if isinstance(frames, pa.ChunkedArray) else [frames]:
+        if len(chunk) == 0:
+            continue
+        offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int64)[chunk.offset : chunk.offset + len(chunk) + 1]
+        buffer = chunk.buffers()[2]
+        data = np.frombuffer(buffer, dtype=np.uint8) if buffer is not None else np.zeros(1, np.uint8)
+        ends = offsets[1:, None]
+        index = ends + np.arange(-4, 0)
+        held = index >= offsets[:-1, None]  # the bytes a frame has
+        crc = crc32c.crc32c(data[np.where(held, index, 0)][held].tobytes(), crc)
+    return crc
+
+
+def check_frames(table: pa.Table, info: Part, shown: str) -> None:
+    """Refuse a part whose frames are not those its entry's ``frames_crc32c`` (where
+    recorded) was taken of: frames swapped between rows, or replaced by others."""
+    if info.frames_crc32c is None or "frame" not in table.column_names:
+        return
+    crc = frames_crc32c(table.column("frame"))
+    if crc != info.frames_crc32c:
+        raise _damaged(
+            info,
+            shown,
+            f"its frames are not the ones written in its rows (their own CRC-32Cs, in row order, have crc32c "
+            f"{crc:#010x}, its entry records {info.frames_crc32c:#010x})",
+        )
 
 
 def _damaged(info: Part, shown: str, why: str) -> CorruptArchiveError:

@@ -78,6 +78,9 @@ def _strings(value: dict, label: str) -> None:
         raise CorruptArchiveError(f"{label}'s {bad[0]!r} is {short_repr(value[bad[0]])}, not a string")
 
 
+OPTIONAL_CRCS = ("footer_crc32c", "columns_crc32c", "frames_crc32c")  # of Part: absent from older entries
+
+
 @dataclass(frozen=True)
 class Part:
     """What the manifest (and a part's sidecar) records of one part."""
@@ -91,9 +94,11 @@ class Part:
     first_key: str | None  # None: a part without blocks
     last_key: str | None
     # Optional (parts written before them lack them; fp8ray.io.part_checks): the CRC-32C
-    # of the Parquet footer, checked before pyarrow parses it, and of the metadata columns.
+    # of the Parquet footer, checked before pyarrow parses it, of the metadata columns,
+    # and of the frames' own CRC-32Cs in row order.
     footer_crc32c: int | None = None
     columns_crc32c: int | None = None
+    frames_crc32c: int | None = None
 
     @classmethod
     def from_json(cls, obj: object, where: str) -> Part:
@@ -110,10 +115,11 @@ class Part:
             last_key=field("last_key", str, null=True),
             footer_crc32c=field("footer_crc32c", int, optional=True),
             columns_crc32c=field("columns_crc32c", int, optional=True),
+            frames_crc32c=field("frames_crc32c", int, optional=True),
         )
         if "/" in part.name or not part.name.startswith(PART_PREFIX):
             raise CorruptArchiveError(f"{where} names {part.name!r}, not a part of this archive")
-        for name in ("crc32c", "footer_crc32c", "columns_crc32c"):
+        for name in ("crc32c", *OPTIONAL_CRCS):
             value = getattr(part, name)
             if value is not None and value >= 1 << 32:
                 raise CorruptArchiveError(f"{where}'s {name!r} is {value}, more than 32 bits")
@@ -122,7 +128,7 @@ class Part:
     def to_json(self) -> dict:
         """The entry's JSON: an optional CRC not recorded stays out (older parts keep their JSON)."""
         out = asdict(self)
-        for name in ("footer_crc32c", "columns_crc32c"):
+        for name in OPTIONAL_CRCS:
             if out[name] is None:
                 del out[name]
         return out

@@ -163,7 +163,8 @@ def test_manifests_from_before_the_scale_options_read_as_written():
 
 
 def test_scratch_is_named_and_cleaned(tmp_path):
-    for name in ("_plan.json", "_part-00001.json", ".part-00002.parquet.tmp-abc", "part-00001.parquet", "_manifest.json"):
+    temporary = ".part-00002.parquet.tmp-" + "0123456789abcdef" * 2  # a killed writer's
+    for name in ("_plan.json", "_part-00001.json", temporary, "part-00001.parquet", "_manifest.json"):
         (tmp_path / name).write_bytes(b"x")
     archive.clean_scratch(FS, str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["_manifest.json", "part-00001.parquet"]
@@ -205,3 +206,33 @@ def test_damaged_manifests_are_refused_by_name(tmp_path, text, message):
     (tmp_path / archive.MANIFEST_NAME).write_text(text)
     with pytest.raises(CorruptArchiveError, match=message):
         archive.read_manifest(FS, str(tmp_path))
+
+
+def test_frames_swapped_between_rows_keep_the_parts_crc_and_are_refused(tmp_path):
+    """Each frame ends with its own CRC-32C, a CRC codeword: two frames of one length
+    swapped leave the part's CRC-32C as it was (shown here), so the frames' own CRCs in
+    row order are recorded too, and verify and decompress refuse the part by them."""
+    from safetensors.torch import save_file
+
+    from fp8ray import PoolSettings
+    from fp8ray.engine.archives import compress_archive, decompress_archive, verify_archive
+
+    src, arch = tmp_path / "kv.safetensors", tmp_path / "kv.fp8"
+    g = torch.Generator().manual_seed(3)
+    save_file({name: torch.randn(4, 64, generator=g).to(torch.bfloat16) for name in ("layer0.k", "layer0.v")}, str(src))
+    inline = PoolSettings(address="inline")
+    compress_archive(str(src), str(arch), lossless="none", pool=inline)
+    (part,) = archive.read_manifest(FS, str(arch)).parts
+    path = arch / part.name
+    data = bytearray(path.read_bytes())
+    first, second = pq.read_table(path, columns=["frame"]).column("frame").to_pylist()
+    assert len(first) == len(second) and first != second
+    at_first, at_second = data.find(first), data.find(second)
+    data[at_first : at_first + len(first)], data[at_second : at_second + len(second)] = second, first
+    path.write_bytes(data)
+    assert archive.file_crc32c(FS, str(path))[0] == part.crc32c  # the part's CRC cannot see it
+    report = verify_archive(str(arch), pool=inline)
+    assert not report.ok and any("its frames are not the ones written in its rows" in e for e in report.errors), report.errors
+    with pytest.raises(CorruptArchiveError, match="its frames are not the ones written in its rows"):
+        decompress_archive(str(arch), str(tmp_path / "out.safetensors"), pool=inline)
+    assert not (tmp_path / "out.safetensors").exists()
