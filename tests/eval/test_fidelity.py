@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from fp8ray.cli import main
 from fp8ray.engine.archives import compress_archive
-from fp8ray.errors import MismatchError
+from fp8ray.errors import InvalidOptionError, MismatchError
 from fp8ray.eval.fidelity import DEFAULT_KEY_PATTERN, classify, fidelity_report
 
 LAYERS = 3
@@ -155,6 +155,18 @@ def test_classify_and_key_patterns():
     assert classify("chunk", (3, 30, 256, 192), pattern) == ("other", None, None)
     custom = re.compile(r"past\.(?P<layer>\d+)\.(?P<kv>key|value)$", re.IGNORECASE)
     assert classify("past.4.key", (1, 2, 3), custom) == ("kv", "k", 4)
+
+
+def test_a_layer_group_that_matches_no_digits_names_the_key_and_the_pattern(stores, capsys):
+    pattern = r"(?P<kv>k|v)(?P<layer>\d*)"
+    with pytest.raises(InvalidOptionError, match=r"key 'layer07\.k': the layer group of key pattern .* matched no digits"):
+        classify("layer07.k", (8, 256, 64), re.compile(pattern, re.IGNORECASE))
+    with pytest.raises(InvalidOptionError, match=r"matched 'x', not digits"):
+        classify("layerx.k", (8, 256, 64), re.compile(r"layer(?P<layer>\w+)\.(?P<kv>k)"))
+    root, _ = stores
+    code = main(["fidelity", str(root / "exact.safetensors"), str(root / "arch"), "--key-pattern", pattern])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "matched no digits" in err and repr(pattern) in err
 
 
 def test_bad_key_pattern_is_refused(stores):
