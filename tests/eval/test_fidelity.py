@@ -188,6 +188,24 @@ def test_cli_json_and_plot(stores, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 
 
+@pytest.mark.parametrize(
+    "plot, message",
+    [
+        ("exact.safetensors", "is the source"),  # the original it reads
+        ("arch/_manifest.json", "must not lie inside each other"),  # a file of the archive
+        ("arch", "is the source"),
+        ("missing/layers.png", "--plot: directory"),
+    ],
+)
+def test_cli_plot_never_writes_over_what_it_reads(stores, capsys, plot, message):
+    root, _ = stores
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    code = main(["fidelity", str(root / "exact.safetensors"), str(root / "arch"), "--plot", str(root / plot)])
+    out, err = capsys.readouterr()
+    assert code == 1 and not out and err.count("\n") == 1 and err.startswith("fp8ray: error: --plot: ") and message in err
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before and not (root / "missing").exists()
+
+
 def test_cli_text_and_infinite_snr_in_json(stores, capsys):
     root, _ = stores
     assert main(["fidelity", str(root / "exact.safetensors"), str(root / "arch"), "--json"]) == 0
