@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import DestinationError
+from ..errors import DestinationError, InvalidOptionError
 from .common import json_argument, positive_int, warn
 
 SHIPPED_TEXT = "fp8ray/eval/texts/lighthouse.txt"
@@ -65,9 +65,40 @@ def add_commands(commands) -> None:
     evaluate.set_defaults(handler=run_eval_model)
 
 
+def check_output(option: str, path: str, *reads: str | None) -> None:
+    """Refuse, before any work, an output ``path`` that is, holds or lies inside a file or
+    directory the command reads (``reads``; None skipped): writing it could destroy what
+    is read. Its directory must exist."""
+    from ..io.paths import check_apart
+
+    for read in reads:
+        if read is not None:
+            try:
+                check_apart(str(read), path)
+            except DestinationError as exc:
+                raise DestinationError(f"{option}: {exc}") from None
+    if not Path(path).resolve().parent.is_dir():
+        raise DestinationError(f"{option}: directory {Path(path).parent} does not exist")
+
+
+def model_read(model: str | None) -> str | None:
+    """The model file or directory a command will read: ``--model``, else the shipped
+    GGUF file (None if it is missing: loading it reports that)."""
+    if model is not None:
+        return model
+    from ..errors import SourceError
+    from ..eval.models import shipped_model_path
+
+    try:
+        return str(shipped_model_path())
+    except SourceError:
+        return None
+
+
 def run_capture(args) -> int:
     from ..eval.capture import capture
 
+    check_output("--out", args.out, args.text, model_read(args.model))
     report = capture(args.out, args.text, args.tokens, args.model, args.dtype, args.overwrite)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
@@ -84,6 +115,8 @@ def run_fidelity(args) -> int:
     from ..eval.fidelity import DEFAULT_KEY_PATTERN, fidelity_report, format_report, plot_layers
 
     key_pattern = DEFAULT_KEY_PATTERN if args.key_pattern is None else args.key_pattern
+    if args.plot:
+        check_output("--plot", args.plot, args.original, args.archive)
     report = fidelity_report(args.original, args.archive, key_pattern=key_pattern)
     if args.plot:
         plot_layers(report, args.plot)
@@ -100,9 +133,12 @@ def run_eval_model(args) -> int:
     from ..eval.eval_model import DEFAULT_MODES, DEFAULT_TEXT, evaluate_text, format_markdown, format_text, plot
 
     text = args.text or str(DEFAULT_TEXT)
-    modes = [m for group in args.modes for m in group.split(",") if m.strip()] if args.modes else list(DEFAULT_MODES)
-    if args.plot and not Path(args.plot).resolve().parent.is_dir():
-        raise DestinationError(f"--plot: directory {Path(args.plot).parent} does not exist")
+    for group in args.modes or ():  # "--modes ,", "a,,b": refused before the model loads, not run as fewer modes
+        if not all(m.strip() for m in group.split(",")):
+            raise InvalidOptionError(f"--modes {group!r} has an empty mode: name each mode, separated by commas", field="modes")
+    modes = [m for group in args.modes for m in group.split(",")] if args.modes else list(DEFAULT_MODES)
+    if args.plot:
+        check_output("--plot", args.plot, text, model_read(args.model))
     loaded, results = evaluate_text(text, args.prefix, args.continuation, modes, args.model)
     title = (
         f"fp8ray eval-model: {loaded.name} ({str(loaded.dtype).removeprefix('torch.')}), {Path(text).name}, "

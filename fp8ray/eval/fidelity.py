@@ -41,10 +41,17 @@ def classify(key: str, shape: tuple[int, ...], pattern: re.Pattern) -> tuple[str
     ``[2, L, T, H]`` chunk block, ``("other", None, None)`` for anything else."""
     match = pattern.search(key)
     if match:
-        kind = match.group("kv").lower()[:1]
+        kind = (match.group("kv") or "").lower()[:1]  # None: an optional group that took no part
         if kind not in KINDS:
             raise MismatchError(f"key {key!r}: the pattern's kv group matched {match.group('kv')!r}; it must start with k or v")
-        return "kv", kind, int(match.group("layer"))
+        layer = match.group("layer")
+        if not layer or not layer.isdecimal():  # an optional or empty group, (?P<layer>\d*): no layer number
+            found = "no digits" if not layer else f"{layer!r}, not digits"
+            raise InvalidOptionError(
+                f"key {key!r}: the layer group of key pattern {pattern.pattern!r} matched {found}; "
+                "it must match the layer number, as (?P<layer>\\d+) does"
+            )
+        return "kv", kind, int(layer)
     if len(shape) == 4 and shape[0] == 2:
         return "block", None, None
     return "other", None, None

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from fp8ray.cli import main
 from fp8ray.engine.archives import compress_archive
-from fp8ray.errors import MismatchError
+from fp8ray.errors import InvalidOptionError, MismatchError
 from fp8ray.eval.fidelity import DEFAULT_KEY_PATTERN, classify, fidelity_report
 
 LAYERS = 3
@@ -157,6 +157,18 @@ def test_classify_and_key_patterns():
     assert classify("past.4.key", (1, 2, 3), custom) == ("kv", "k", 4)
 
 
+def test_a_layer_group_that_matches_no_digits_names_the_key_and_the_pattern(stores, capsys):
+    pattern = r"(?P<kv>k|v)(?P<layer>\d*)"
+    with pytest.raises(InvalidOptionError, match=r"key 'layer07\.k': the layer group of key pattern .* matched no digits"):
+        classify("layer07.k", (8, 256, 64), re.compile(pattern, re.IGNORECASE))
+    with pytest.raises(InvalidOptionError, match=r"matched 'x', not digits"):
+        classify("layerx.k", (8, 256, 64), re.compile(r"layer(?P<layer>\w+)\.(?P<kv>k)"))
+    root, _ = stores
+    code = main(["fidelity", str(root / "exact.safetensors"), str(root / "arch"), "--key-pattern", pattern])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "matched no digits" in err and repr(pattern) in err
+
+
 def test_bad_key_pattern_is_refused(stores):
     root, _ = stores
     with pytest.raises(ValueError, match="named groups"):
@@ -174,6 +186,24 @@ def test_cli_json_and_plot(stores, tmp_path, capsys):
     assert data["total"] == expected.total
     assert set(data["layers"]["k"]) == {"0", "1", "2"} and data["keys"]["misc"]["layout"] == "other"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "plot, message",
+    [
+        ("exact.safetensors", "is the source"),  # the original it reads
+        ("arch/_manifest.json", "must not lie inside each other"),  # a file of the archive
+        ("arch", "is the source"),
+        ("missing/layers.png", "--plot: directory"),
+    ],
+)
+def test_cli_plot_never_writes_over_what_it_reads(stores, capsys, plot, message):
+    root, _ = stores
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    code = main(["fidelity", str(root / "exact.safetensors"), str(root / "arch"), "--plot", str(root / plot)])
+    out, err = capsys.readouterr()
+    assert code == 1 and not out and err.count("\n") == 1 and err.startswith("fp8ray: error: --plot: ") and message in err
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before and not (root / "missing").exists()
 
 
 def test_cli_text_and_infinite_snr_in_json(stores, capsys):

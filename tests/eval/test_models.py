@@ -132,6 +132,21 @@ def test_capture_mistakes_are_one_line_errors(loaded, tmp_path, capsys, args, me
     assert not out.exists() and not list(tmp_path.iterdir())  # no file, not even a temporary one
 
 
+@pytest.mark.parametrize("where", ["text", "model"])
+def test_capture_never_writes_over_what_it_reads(tmp_path, capsys, where):
+    """--out is refused before any work (no model loads) when it is the --text file or lies
+    in the --model directory, even with --overwrite."""
+    text = tmp_path / "story.safetensors"
+    text.write_text("The lighthouse stood on the rock.\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    out = text if where == "text" else model / "model.safetensors"
+    code, _, err = run(capsys, "capture", "--out", out, "--text", text, "--model", model, "--overwrite")
+    assert code == 1 and err.startswith("fp8ray: error: --out: ") and err.count("\n") == 1
+    assert text.read_text() == "The lighthouse stood on the rock.\n" and (model / "model.safetensors").read_bytes() == b"weights"
+
+
 def test_model_argument_resolution(tmp_path):
     shipped = shipped_model_path()
     assert shipped.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and resolve_model(None) == (shipped.parent, shipped.name)
@@ -313,3 +328,25 @@ def test_eval_model_command(results, tmp_path, capsys):
 def test_eval_model_mistakes_are_one_line_errors(loaded, capsys, args, message):
     code, _, err = run(capsys, "eval-model", "--text", TEXT, *args)
     assert code == 1 and err.startswith("fp8ray: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("modes", [",", "", "e4m3fn:token,", "e4m3fn:token,,e5m2:none"])
+def test_eval_model_refuses_an_empty_mode_before_the_model_loads(capsys, modes):
+    """A missing model would be reported if it were loaded: the empty mode is refused first."""
+    code, _, err = run(capsys, "eval-model", "--text", TEXT, "--model", "/nonexistent/model.gguf", "--modes", modes)
+    assert code == 1 and err.count("\n") == 1 and f"--modes {modes!r} has an empty mode" in err
+
+
+@pytest.mark.parametrize("where, message", [("text", "is the source"), ("model", "inside each other"), ("nowhere", "directory")])
+def test_eval_model_plot_never_writes_over_what_it_reads(tmp_path, capsys, where, message):
+    """--plot is refused before the model loads (the missing model would be reported else)
+    when it is the --text file or lies in the --model directory, or its directory is missing."""
+    text = tmp_path / "story.txt"
+    text.write_text("The lighthouse stood on the rock.\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    plot = {"text": text, "model": model / "kl.png", "nowhere": tmp_path / "missing" / "kl.png"}[where]
+    code, _, err = run(capsys, "eval-model", "--text", text, "--model", model, "--plot", plot)
+    assert code == 1 and err.startswith("fp8ray: error: --plot: ") and message in err and err.count("\n") == 1
+    assert text.read_text() == "The lighthouse stood on the rock.\n" and sorted(tmp_path.iterdir()) == [model, text]
+    assert not list(model.iterdir())
