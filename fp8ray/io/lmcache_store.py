@@ -205,8 +205,8 @@ def scan_store(directory: str, layout: Layout) -> StoreScan:
     LMCache's FS adapter keeps chunks flat in the directory; its native connector may put
     them in hash-prefix folders (two hex digits a level, :func:`hash_folders`), which are
     entered, every other folder being skipped. Names are relative to ``directory``, ``/``
-    between parts. Reads the first bytes of a file only when its size is not the fp8
-    form's (a frame is always longer)."""
+    between parts; a skipped folder's ends in ``/``. Reads the first bytes of a file only
+    when its size is not the fp8 form's (a frame is always longer)."""
     scan = StoreScan()
     _scan_folder(directory, "", layout, scan)
     return scan
@@ -220,15 +220,16 @@ def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> Non
         scan.skipped.append({"name": prefix, "reason": "an empty hash-prefix folder"})
     for entry in entries:
         name = prefix + entry.name
+        folder = "/" if entry.is_dir() else ""  # a skipped folder's name ends in '/' (docs/FORMAT.md)
         if entry.is_symlink():
-            scan.skipped.append({"name": name, "reason": "a symbolic link"})
+            scan.skipped.append({"name": name + folder, "reason": "a symbolic link"})
             continue
         if entry.is_dir() and is_hash_folder(entry.name):
             _scan_folder(root, name + "/", layout, scan)
             continue
         if not entry.is_file():
             scan.skipped.append(
-                {"name": name, "reason": "not a regular file, nor a hash-prefix folder (two hex digits) of chunk files"}
+                {"name": name + folder, "reason": "not a regular file, nor a hash-prefix folder (two hex digits) of chunk files"}
             )
             continue
         try:

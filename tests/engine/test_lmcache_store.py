@@ -102,7 +102,7 @@ def store(tmp_path):
         short: "bytes, the layout bfloat16:2,2,16,64 needs",
         "notes.data": "not an LMCache chunk name",
         "m@0x1@zz@00.data": "not an LMCache chunk name",
-        "tmp": "not a regular file",
+        "tmp/": "not a regular file",
     }
     return src, tensors, skipped
 
@@ -246,6 +246,16 @@ def test_chunk_file_forms(tmp_path):
         ("a@0x1@0@03.data", "fp8ray", len(frame_token)),
     ]
     assert [s["name"] for s in scan.skipped] == ["a@0x1@0@04.data"]
+
+
+def test_skipped_folders_end_in_a_slash(tmp_path):
+    """As docs/FORMAT.md names them, so a summary counts them as folders, not files."""
+    (tmp_path / "tmp").mkdir()  # not a hash-prefix folder
+    (tmp_path / "9f").mkdir()  # an empty one
+    (tmp_path / "link").symlink_to(tmp_path / "tmp")
+    (tmp_path / "notes.txt").write_text("x")
+    scan = scan_store(str(tmp_path), parse_layout(LAYOUT))
+    assert [s["name"] for s in scan.skipped] == ["9f/", "link/", "notes.txt", "tmp/"]
 
 
 def test_compress_writes_exactly_the_fp8_serde_files_and_decompress_restores_within_bound(store, tmp_path):
