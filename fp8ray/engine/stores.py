@@ -153,9 +153,17 @@ def _check_models(scan: StoreScan, expect_model: str | None, source: str) -> Non
         return
     expect = Provenance(model=expect_model)  # an empty or unprintable name is refused here
     for chunk in scan.chunks:
-        made_for = Provenance(model=parse_chunk_name(os.path.basename(chunk.name)).model)
+        model = parse_chunk_name(os.path.basename(chunk.name)).model
+        what = f"chunk file {printable(chunk.name)} of store {printable(source)}"
+        if not model or not model.isprintable():  # the store's fault, not the option's: Provenance would blame it
+            raise MismatchError(
+                f"{what} was made for a model whose name is not printable ({printable(repr(model))}), "
+                f"expected model {expect_model!r}",
+                field="model",
+            )
+        made_for = Provenance(model=model)
         if made_for != expect:
-            check_provenance(made_for, expect, f"chunk file {printable(chunk.name)} of store {printable(source)}")
+            check_provenance(made_for, expect, what)
 
 
 def convert_store(
