@@ -47,12 +47,16 @@ from ..io.lmcache_store import (
     ChunkFile,
     Layout,
     StoreScan,
+    is_store_entry,
     parse_chunk_name,
     parse_layout,
     scan_store,
 )
 from ..io.paths import (
     check_apart,
+    list_tree,
+    name_list,
+    os_reason,
     prepare_parent,
     printable,
     remove_quietly,
@@ -107,6 +111,17 @@ def _check_paths(source: str, destination: str, overwrite: bool, parents: bool) 
             raise ArchiveExistsError(f"destination {destination} exists (pass --overwrite to replace it)")
         if not os.path.isdir(dst) or os.path.islink(destination):
             raise DestinationError(f"destination {destination} exists and is not a directory; not replacing it")
+        # Replacing it deletes the whole directory: never what is not a store's.
+        try:
+            foreign = [e.name for e in list_tree(LocalFileSystem(), dst) if not is_store_entry(e.name, e.kind)]
+        except OSError as exc:
+            raise DestinationError(f"destination {printable(destination)} cannot be listed: {os_reason(exc)}") from None
+        if foreign:
+            raise DestinationError(
+                f"destination {printable(destination)} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
+                f"that {'is' if len(foreign) == 1 else 'are'} not an LMCache store's ({name_list(foreign)}): "
+                "--overwrite replaces only a store; move them out first"
+            )
     else:
         fs, path = resolve(dst)
         prepare_parent(fs, path, destination, parents)

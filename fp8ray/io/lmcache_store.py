@@ -198,6 +198,22 @@ def hash_folders(chunk: ChunkName, levels: int) -> str:
     return "".join(f"{digits[2 * i : 2 * i + 2]}/" for i in range(levels))
 
 
+def is_store_entry(name: str, kind: str) -> bool:
+    """Whether an entry under a directory (a :class:`~fp8ray.io.paths.TreeEntry`'s
+    ``name`` and ``kind``) is one a store holds, whatever its layout: a regular file with
+    a chunk name, flat or in its hash's prefix folders, or an empty hash-prefix folder."""
+    *folders, base = name.rstrip("/").split("/")
+    if kind == "empty folder":
+        return all(is_hash_folder(f) for f in [*folders, base])
+    if kind != "file":
+        return False
+    try:
+        chunk = parse_chunk_name(base)
+    except ValueError:
+        return False
+    return hash_folders(chunk, len(folders)) == "".join(f"{f}/" for f in folders)
+
+
 def scan_store(directory: str, layout: Layout) -> StoreScan:
     """Sort the entries of a store directory into chunk files of ``layout`` (by form)
     and skipped ones (not a regular file, a name that is not a chunk name, a file of

@@ -38,7 +38,15 @@ from fp8ray.errors import (
     NonFiniteError,
     SourceError,
 )
-from fp8ray.io.lmcache_store import ChunkName, form_of, format_chunk_name, parse_chunk_name, parse_layout, scan_store
+from fp8ray.io.lmcache_store import (
+    ChunkName,
+    form_of,
+    format_chunk_name,
+    hash_folders,
+    parse_chunk_name,
+    parse_layout,
+    scan_store,
+)
 from fp8ray.io.paths import TMP_MARK
 from fp8ray.lmcache import Fp8QuantizationSerializer
 from fp8ray.lmcache.store_files import StoreConversion, convert_files
@@ -463,7 +471,8 @@ def test_cli_json_overwrite_and_errors(store, tmp_path, capsys):
     src, tensors, skipped = store
     dst = tmp_path / "dst"
     dst.mkdir()
-    (dst / "stale").write_bytes(b"x")
+    stale = format_chunk_name(ChunkName("m", 1, 0, b"\x05"))
+    (dst / stale).write_bytes(b"x")  # an earlier store's chunk file
     argv = ["lmcache-compress", str(src), str(dst), "--layout", LAYOUT, "--workers", "2"]
     assert main(argv) == 1
     _, err = capsys.readouterr()
@@ -474,7 +483,7 @@ def test_cli_json_overwrite_and_errors(store, tmp_path, capsys):
     report = json.loads(out)
     assert report["files"] == len(tensors) and {s["name"] for s in report["skipped"]} == set(skipped)
     assert report["bytes_before"] == 2 * report["bytes_after"] and report["fp8"] == "e4m3fn" and report["target"] == "fp8"
-    assert sorted(os.listdir(dst)) == sorted(tensors)  # "stale" went with the old destination
+    assert sorted(os.listdir(dst)) == sorted(tensors)  # the stale chunk went with the old store
 
     assert (
         main(["lmcache-compress", str(src), str(tmp_path / "f"), "--layout", LAYOUT, "--serde", "fp8ray", "--scaling", "token"])
@@ -487,6 +496,33 @@ def test_cli_json_overwrite_and_errors(store, tmp_path, capsys):
     assert (tmp_path / "f" / name).read_bytes() == bytes(Fp8Codec(scaling="token").encode(tensors[name]))
 
 
+def test_overwrite_replaces_only_a_store(store, tmp_path, capsys):
+    """--overwrite deletes the old destination: only one holding nothing but a store's
+    files (chunk files, hash-prefix folders) is replaced; anything else is named and
+    refused before any work, in both directions."""
+    src, tensors, _ = store
+    dst = tmp_path / "victim"
+    (dst / "docs").mkdir(parents=True)
+    (dst / "docs" / "thesis.txt").write_text("important")
+    (dst / format_chunk_name(CHUNKS[0])).write_bytes(b"x")  # a store's file beside them changes nothing
+    for command in ("lmcache-compress", "lmcache-decompress"):
+        argv = [command, str(src), str(dst), "--layout", LAYOUT, "--address", "inline", "--overwrite"]
+        assert main(argv) == 1
+        _, err = capsys.readouterr()
+        assert err.count("\n") == 1 and "holds 1 entry that is not an LMCache store's (docs/thesis.txt)" in err
+        assert "--overwrite replaces only a store" in err
+        assert (dst / "docs" / "thesis.txt").read_text() == "important"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store", "victim"]  # no scratch either
+    chunk = CHUNKS[0]
+    (dst / "docs" / "thesis.txt").unlink()
+    (dst / "docs").rmdir()
+    (dst / hash_folders(chunk, 2)).mkdir(parents=True)
+    (dst / hash_folders(chunk, 2) / format_chunk_name(chunk)).write_bytes(b"x")  # in its hash's folders
+    (dst / "ab").mkdir()  # an empty hash-prefix folder
+    report = compress_store(str(src), str(dst), LAYOUT, overwrite=True, pool=fp8ray.PoolSettings(address="inline"))
+    assert report.files == len(tensors) and sorted(os.listdir(dst)) == sorted(tensors)
+
+
 def test_overwrite_keeps_the_old_store_if_the_swap_fails(store, tmp_path, monkeypatch):
     """--overwrite moves the old destination aside, then the new one in; if that second
     rename fails, the old destination is put back and no scratch is left."""
@@ -495,7 +531,8 @@ def test_overwrite_keeps_the_old_store_if_the_swap_fails(store, tmp_path, monkey
     src, _, _ = store
     dst = tmp_path / "previous"
     dst.mkdir()
-    (dst / "keep").write_bytes(b"x")
+    keep = format_chunk_name(ChunkName("m", 1, 0, b"\x05"))
+    (dst / keep).write_bytes(b"x")
     real_rename = os.rename
     failed = []
 
@@ -508,7 +545,7 @@ def test_overwrite_keeps_the_old_store_if_the_swap_fails(store, tmp_path, monkey
     monkeypatch.setattr(lmcache_store.os, "rename", failing_rename)
     with pytest.raises(OSError, match="simulated"):
         compress_store(str(src), str(dst), LAYOUT, overwrite=True)
-    assert os.listdir(dst) == ["keep"] and (dst / "keep").read_bytes() == b"x"
+    assert os.listdir(dst) == [keep] and (dst / keep).read_bytes() == b"x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["previous", "store"]  # no scratch left
 
 
