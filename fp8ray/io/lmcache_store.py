@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..codec.formats import DTYPE_ITEMSIZES
-from ..codec.frame import MAX_HEADER_BYTES, parse_header
+from ..codec.frame import MAX_HEADER_BYTES, FrameHeader, parse_header, stored_scale_dtype
 from ..errors import BadInputError, CorruptFrameError
 
 SEP = "@"
@@ -140,11 +140,13 @@ def parse_layout(text: str) -> Layout:
 @dataclass(frozen=True)
 class ChunkFile:
     """A chunk file of a store: its name (relative to the store: ``9f/3a/<name>`` in
-    hash-prefix folders), its form (one of :data:`FORMS`) and its size."""
+    hash-prefix folders), its form (one of :data:`FORMS`) and its size; a frame's header
+    too (form ``fp8ray``), which gives the codec options it was written in."""
 
     name: str
     form: str
     size: int
+    header: FrameHeader | None = None
 
 
 @dataclass
@@ -184,6 +186,15 @@ def form_of(layout: Layout, size: int, prefix: bytes) -> tuple[str | None, str]:
         return None, f"an fp8ray frame of {size} bytes, but its header implies {header.frame_size}: truncated or padded?"
     sizes = f"{layout.raw_bytes} bytes ({layout.dtype}), {layout.numel} (LMCache fp8) or an fp8ray frame of that shape"
     return None, f"{size} bytes, the layout {layout} needs {sizes}" + (f"; {malformed}" if malformed else "")
+
+
+def frame_header_for(options, layout: Layout) -> FrameHeader:
+    """The header of the frame the codec options ``options`` (a
+    :class:`~fp8ray.codec.CodecOptions`) make of a chunk of ``layout``: a frame with
+    another is in other options, and the fp8ray serde in ``options`` refuses it."""
+    block_size = options.block_size if options.scaling == "block" else 0
+    scale_dtype = stored_scale_dtype(options.scaling, options.scale_dtype)
+    return FrameHeader(options.fmt, options.scaling, layout.dtype, layout.shape, block_size, scale_dtype)
 
 
 def is_hash_folder(name: str) -> bool:
@@ -271,4 +282,4 @@ def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> Non
         if form is None:
             scan.skipped.append({"name": name, "reason": reason})
         else:
-            scan.chunks.append(ChunkFile(name, form, size))
+            scan.chunks.append(ChunkFile(name, form, size, parse_header(prefix_bytes) if form == FRAMES else None))

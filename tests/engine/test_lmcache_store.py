@@ -28,6 +28,7 @@ import torch
 import fp8ray
 from fp8ray.cli import main
 from fp8ray.codec import CodecOptions, Fp8Codec
+from fp8ray.codec.frame import parse_header
 from fp8ray.engine.stores import compress_store, decompress_store
 from fp8ray.errors import (
     ArchiveExistsError,
@@ -369,6 +370,31 @@ def test_a_mixed_store_converts_what_needs_it_and_copies_what_is_already_convert
         else:
             x = from_raw(data) if form == "raw" else from_fp8(data)
             assert written == bytes(Fp8Codec().encode(x)), name
+
+
+def test_frames_in_other_codec_options_are_encoded_again_in_those_asked(tmp_path):
+    """The fp8ray serde in the options asked refuses a frame in other options: such a
+    frame is converted (decoded, encoded in the options asked), not copied as done."""
+    src = tmp_path / "store"
+    src.mkdir()
+    token, same, raw = (format_chunk_name(c) for c in CHUNKS[:3])
+    (src / token).write_bytes(bytes(Fp8Codec(scaling="token").encode(chunk_tensor(0))))
+    (src / same).write_bytes(bytes(Fp8Codec().encode(chunk_tensor(1))))
+    (src / raw).write_bytes(tensor_bytes(chunk_tensor(2)))
+    pool = fp8ray.PoolSettings(address="inline")
+    report = compress_store(str(src), str(tmp_path / "out"), LAYOUT, serde="fp8ray", pool=pool)
+    assert report.converted_from == {"fp8ray": 1, "raw": 1} and report.unchanged == [same]
+    x = fp8ray.decode((src / token).read_bytes())
+    assert (tmp_path / "out" / token).read_bytes() == bytes(Fp8Codec().encode(x))
+    assert (tmp_path / "out" / same).read_bytes() == (src / same).read_bytes()
+    # a store all of whose frames are in other options is re-encoded, not refused as done
+    (src / raw).unlink()
+    (src / same).write_bytes(bytes(Fp8Codec(scaling="token").encode(chunk_tensor(1))))
+    options = CodecOptions(scaling="tensor")
+    report = compress_store(str(src), str(tmp_path / "again"), LAYOUT, serde="fp8ray", options=options, pool=pool)
+    assert report.converted_from == {"fp8ray": 2} and report.unchanged == []
+    for name in (token, same):
+        assert parse_header((tmp_path / "again" / name).read_bytes()).scaling == "tensor"
 
 
 def test_a_store_already_in_the_target_form_is_reported_not_converted_again(store, tmp_path):
