@@ -37,7 +37,9 @@ def add_commands(commands) -> None:
             )
             codec_arguments(parser, (*FRAME_OPTIONS, "nonfinite"))
         parser.add_argument(
-            "--overwrite", action="store_true", help="replace an existing destination (only once the new store is complete)"
+            "--overwrite",
+            action="store_true",
+            help="replace an existing destination holding only a store's files (once the new store is complete)",
         )
         parser.add_argument("--parents", action="store_true", help="create the destination's missing parent directories")
         parser.add_argument(

@@ -7,8 +7,9 @@ serde's frames). :func:`convert_store` writes every chunk file in a target form,
 the bytes an LMCache with that serde would have stored, under the same names:
 :func:`compress_store` to ``fp8`` or ``fp8ray``, :func:`decompress_store` to ``raw``.
 Each file's form is found from its size and, for frames, its header, so a store that
-mixes forms converts too; files already in the target form are copied unchanged and
-listed, and a store with nothing to convert is refused. Workers are ``QuantWorker``
+mixes forms converts too; files already in the target form (frames: in the codec
+options asked) are copied unchanged and listed, and a store with nothing to convert is
+refused. Workers are ``QuantWorker``
 actors, a shard of files per call; docs/LMCACHE.md has the contract.
 
 Nothing is written at the destination until every file is converted: workers write into
@@ -47,12 +48,17 @@ from ..io.lmcache_store import (
     ChunkFile,
     Layout,
     StoreScan,
+    frame_header_for,
+    is_store_entry,
     parse_chunk_name,
     parse_layout,
     scan_store,
 )
 from ..io.paths import (
     check_apart,
+    list_tree,
+    name_list,
+    os_reason,
     prepare_parent,
     printable,
     remove_quietly,
@@ -107,6 +113,17 @@ def _check_paths(source: str, destination: str, overwrite: bool, parents: bool) 
             raise ArchiveExistsError(f"destination {destination} exists (pass --overwrite to replace it)")
         if not os.path.isdir(dst) or os.path.islink(destination):
             raise DestinationError(f"destination {destination} exists and is not a directory; not replacing it")
+        # Replacing it deletes the whole directory: never what is not a store's.
+        try:
+            foreign = [e.name for e in list_tree(LocalFileSystem(), dst) if not is_store_entry(e.name, e.kind)]
+        except OSError as exc:
+            raise DestinationError(f"destination {printable(destination)} cannot be listed: {os_reason(exc)}") from None
+        if foreign:
+            raise DestinationError(
+                f"destination {printable(destination)} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
+                f"that {'is' if len(foreign) == 1 else 'are'} not an LMCache store's ({name_list(foreign)}): "
+                "--overwrite replaces only a store; move them out first"
+            )
     else:
         fs, path = resolve(dst)
         prepare_parent(fs, path, destination, parents)
@@ -153,9 +170,17 @@ def _check_models(scan: StoreScan, expect_model: str | None, source: str) -> Non
         return
     expect = Provenance(model=expect_model)  # an empty or unprintable name is refused here
     for chunk in scan.chunks:
-        made_for = Provenance(model=parse_chunk_name(os.path.basename(chunk.name)).model)
+        model = parse_chunk_name(os.path.basename(chunk.name)).model
+        what = f"chunk file {printable(chunk.name)} of store {printable(source)}"
+        if not model or not model.isprintable():  # the store's fault, not the option's: Provenance would blame it
+            raise MismatchError(
+                f"{what} was made for a model whose name is not printable ({printable(repr(model))}), "
+                f"expected model {expect_model!r}",
+                field="model",
+            )
+        made_for = Provenance(model=model)
         if made_for != expect:
-            check_provenance(made_for, expect, f"chunk file {printable(chunk.name)} of store {printable(source)}")
+            check_provenance(made_for, expect, what)
 
 
 def convert_store(
@@ -178,9 +203,11 @@ def convert_store(
     ``options`` are the codec options of the frames written (default: the default mode);
     their format (``fp8``) and ``nonfinite`` apply to plain fp8 files too. Entries of no
     form are skipped and reported; files already in the target form are copied and
-    listed. A store with nothing to convert (every file in the target form, or none of
-    the layout: a wrong ``layout``) raises and creates nothing. A file that fails (non-finite values, a damaged frame) aborts the
-    whole run with an error naming it, leaving no destination.
+    listed (frames only in ``options``: one in other options is decoded and encoded
+    again). A store with nothing to convert (every file in the target form, or none of
+    the layout: a wrong ``layout``) raises and creates nothing. A file that fails
+    (non-finite values, a damaged frame) aborts the whole run with an error naming it,
+    leaving no destination.
 
     ``progress(n)`` is called with the files just written; ``on_scan(n)`` with the
     number of files to write, before the work starts. ``pool``: a running
@@ -200,7 +227,8 @@ def convert_store(
     src, dst = _check_paths(source, destination, overwrite, parents)
     scan = scan_store(src, layout)
     _check_models(scan, expect_model, source)
-    todo = [c for c in scan.chunks if c.form != target]
+    wanted = frame_header_for(options, layout)  # a frame in other options is converted: the serde would refuse it
+    todo = [c for c in scan.chunks if c.form != target or (target == FRAMES and c.header != wanted)]
     if not todo:
         raise _nothing_to_convert(source, layout, target, scan.chunks, scan.skipped)
     if on_scan is not None:

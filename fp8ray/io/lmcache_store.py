@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..codec.formats import DTYPE_ITEMSIZES
-from ..codec.frame import MAX_HEADER_BYTES, parse_header
+from ..codec.frame import MAX_HEADER_BYTES, FrameHeader, parse_header, stored_scale_dtype
 from ..errors import BadInputError, CorruptFrameError
 
 SEP = "@"
@@ -140,11 +140,13 @@ def parse_layout(text: str) -> Layout:
 @dataclass(frozen=True)
 class ChunkFile:
     """A chunk file of a store: its name (relative to the store: ``9f/3a/<name>`` in
-    hash-prefix folders), its form (one of :data:`FORMS`) and its size."""
+    hash-prefix folders), its form (one of :data:`FORMS`) and its size; a frame's header
+    too (form ``fp8ray``), which gives the codec options it was written in."""
 
     name: str
     form: str
     size: int
+    header: FrameHeader | None = None
 
 
 @dataclass
@@ -186,6 +188,15 @@ def form_of(layout: Layout, size: int, prefix: bytes) -> tuple[str | None, str]:
     return None, f"{size} bytes, the layout {layout} needs {sizes}" + (f"; {malformed}" if malformed else "")
 
 
+def frame_header_for(options, layout: Layout) -> FrameHeader:
+    """The header of the frame the codec options ``options`` (a
+    :class:`~fp8ray.codec.CodecOptions`) make of a chunk of ``layout``: a frame with
+    another is in other options, and the fp8ray serde in ``options`` refuses it."""
+    block_size = options.block_size if options.scaling == "block" else 0
+    scale_dtype = stored_scale_dtype(options.scaling, options.scale_dtype)
+    return FrameHeader(options.fmt, options.scaling, layout.dtype, layout.shape, block_size, scale_dtype)
+
+
 def is_hash_folder(name: str) -> bool:
     """Whether a folder's name is one level of LMCache's hash-prefix folders (two hex digits)."""
     return len(name) == 2 and set(name) <= HEX_DIGITS
@@ -198,6 +209,22 @@ def hash_folders(chunk: ChunkName, levels: int) -> str:
     return "".join(f"{digits[2 * i : 2 * i + 2]}/" for i in range(levels))
 
 
+def is_store_entry(name: str, kind: str) -> bool:
+    """Whether an entry under a directory (a :class:`~fp8ray.io.paths.TreeEntry`'s
+    ``name`` and ``kind``) is one a store holds, whatever its layout: a regular file with
+    a chunk name, flat or in its hash's prefix folders, or an empty hash-prefix folder."""
+    *folders, base = name.rstrip("/").split("/")
+    if kind == "empty folder":
+        return all(is_hash_folder(f) for f in [*folders, base])
+    if kind != "file":
+        return False
+    try:
+        chunk = parse_chunk_name(base)
+    except ValueError:
+        return False
+    return hash_folders(chunk, len(folders)) == "".join(f"{f}/" for f in folders)
+
+
 def scan_store(directory: str, layout: Layout) -> StoreScan:
     """Sort the entries of a store directory into chunk files of ``layout`` (by form)
     and skipped ones (not a regular file, a name that is not a chunk name, a file of
@@ -205,8 +232,8 @@ def scan_store(directory: str, layout: Layout) -> StoreScan:
     LMCache's FS adapter keeps chunks flat in the directory; its native connector may put
     them in hash-prefix folders (two hex digits a level, :func:`hash_folders`), which are
     entered, every other folder being skipped. Names are relative to ``directory``, ``/``
-    between parts. Reads the first bytes of a file only when its size is not the fp8
-    form's (a frame is always longer)."""
+    between parts; a skipped folder's ends in ``/``. Reads the first bytes of a file only
+    when its size is not the fp8 form's (a frame is always longer)."""
     scan = StoreScan()
     _scan_folder(directory, "", layout, scan)
     return scan
@@ -220,15 +247,16 @@ def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> Non
         scan.skipped.append({"name": prefix, "reason": "an empty hash-prefix folder"})
     for entry in entries:
         name = prefix + entry.name
+        folder = "/" if entry.is_dir() else ""  # a skipped folder's name ends in '/' (docs/FORMAT.md)
         if entry.is_symlink():
-            scan.skipped.append({"name": name, "reason": "a symbolic link"})
+            scan.skipped.append({"name": name + folder, "reason": "a symbolic link"})
             continue
         if entry.is_dir() and is_hash_folder(entry.name):
             _scan_folder(root, name + "/", layout, scan)
             continue
         if not entry.is_file():
             scan.skipped.append(
-                {"name": name, "reason": "not a regular file, nor a hash-prefix folder (two hex digits) of chunk files"}
+                {"name": name + folder, "reason": "not a regular file, nor a hash-prefix folder (two hex digits) of chunk files"}
             )
             continue
         try:
@@ -254,4 +282,4 @@ def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> Non
         if form is None:
             scan.skipped.append({"name": name, "reason": reason})
         else:
-            scan.chunks.append(ChunkFile(name, form, size))
+            scan.chunks.append(ChunkFile(name, form, size, parse_header(prefix_bytes) if form == FRAMES else None))

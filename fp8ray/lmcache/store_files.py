@@ -8,7 +8,8 @@ checksum verified, through :func:`~fp8ray.codec.decode`), then written in the ta
 form by the serializer an LMCache with that serde uses (:class:`~fp8ray.lmcache.Fp8QuantizationSerializer`
 for ``fp8``, :class:`~fp8ray.lmcache.Fp8FrameSerializer` for ``fp8ray``), so the output
 is byte for byte what LMCache would have stored. A file already in the target form is
-copied unchanged (a frame after its checksum is verified).
+copied unchanged (a frame, only in the codec options asked, after its checksum is
+verified; one in other options is decoded and encoded again).
 
 A store is also an archive's source (``fp8ray compress STORE ARCHIVE --lmcache-layout``)
 and an archive gives a store back (``fp8ray decompress ARCHIVE STORE --lmcache-form``):
@@ -32,7 +33,7 @@ from ..codec.formats import DTYPE_ITEMSIZES, DTYPES_BY_NAME
 from ..errors import BadInputError, CorruptArchiveError, MismatchError, SourceError, block_error
 from ..io import archive
 from ..io.blocks import BlockRef, bytes_to_tensor
-from ..io.lmcache_store import FORMS, FP8, FRAMES, HEADER_BYTES, RAW, ChunkFile, Layout, form_of
+from ..io.lmcache_store import FORMS, FP8, FRAMES, HEADER_BYTES, RAW, ChunkFile, Layout, form_of, frame_header_for
 from ..io.paths import resolve, write_atomic
 from ..io.restore import RestoreTask
 from .frames import Fp8FrameSerializer
@@ -106,6 +107,7 @@ class _Converter:
         self.fp8_reader = Fp8QuantizationDeserializer(conversion.fp8)
         self.fp8_writer = Fp8QuantizationSerializer(conversion.fp8, nonfinite)
         self.frame_writer = Fp8FrameSerializer(conversion.options)
+        self.frame_header = frame_header_for(conversion.options, conversion.layout)
 
     def to_tensor(self, data: bytearray, form: str) -> torch.Tensor:
         return chunk_tensor(data, form, self.c.layout, self.fp8_reader)
@@ -120,7 +122,8 @@ class _Converter:
 
     def convert(self, chunk: ChunkFile) -> ConvertedFile:
         data = _read(os.path.join(self.c.source, chunk.name), chunk.size)
-        if chunk.form == self.c.target:
+        # a frame in other codec options is not in the target form: the serde asked refuses it
+        if chunk.form == self.c.target and (chunk.form != FRAMES or frame.parse_header(data) == self.frame_header):
             if chunk.form == FRAMES:
                 frame.parse(frame.as_byte_array(data))  # nothing damaged is passed on
             payload, copied = memoryview(data), True
@@ -152,13 +155,6 @@ def convert_files(conversion: StoreConversion, chunks: list[ChunkFile]) -> list[
 # --- a store as an archive's source, and a store out of an archive --------------------
 
 
-def _frame_header(options: CodecOptions, ref: BlockRef) -> frame.FrameHeader:
-    """The header of the frame ``options`` make of the block ``ref``."""
-    block_size = options.block_size if options.scaling == "block" else 0
-    scale_dtype = frame.stored_scale_dtype(options.scaling, options.scale_dtype)
-    return frame.FrameHeader(options.fmt, options.scaling, ref.dtype, ref.shape, block_size, scale_dtype)
-
-
 def encode_chunk_files(refs: list[BlockRef], codec: Fp8Codec, out: np.ndarray, sizes: list[int], threads: int = 1) -> None:
     """The frames of the chunk files ``refs`` (an archive part's blocks, each a whole
     file of an LMCache store: :mod:`fp8ray.io.store_source`), end to end into ``out``,
@@ -183,7 +179,7 @@ def encode_chunk_files(refs: list[BlockRef], codec: Fp8Codec, out: np.ndarray, s
             form, reason = form_of(layout, len(data), bytes(data[:HEADER_BYTES]))
             if form is None:
                 raise SourceError(f"no longer a chunk file of the layout {layout}: {reason}")
-            if form == FRAMES and frame.parse_header(data) == _frame_header(options, ref):
+            if form == FRAMES and frame.parse_header(data) == frame_header_for(options, layout):
                 frame.parse(frame.as_byte_array(data))  # nothing damaged goes into the archive
                 slot[:] = np.frombuffer(data, dtype=np.uint8)
             else:

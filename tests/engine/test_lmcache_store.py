@@ -28,6 +28,7 @@ import torch
 import fp8ray
 from fp8ray.cli import main
 from fp8ray.codec import CodecOptions, Fp8Codec
+from fp8ray.codec.frame import parse_header
 from fp8ray.engine.stores import compress_store, decompress_store
 from fp8ray.errors import (
     ArchiveExistsError,
@@ -38,7 +39,15 @@ from fp8ray.errors import (
     NonFiniteError,
     SourceError,
 )
-from fp8ray.io.lmcache_store import ChunkName, form_of, format_chunk_name, parse_chunk_name, parse_layout, scan_store
+from fp8ray.io.lmcache_store import (
+    ChunkName,
+    form_of,
+    format_chunk_name,
+    hash_folders,
+    parse_chunk_name,
+    parse_layout,
+    scan_store,
+)
 from fp8ray.io.paths import TMP_MARK
 from fp8ray.lmcache import Fp8QuantizationSerializer
 from fp8ray.lmcache.store_files import StoreConversion, convert_files
@@ -102,7 +111,7 @@ def store(tmp_path):
         short: "bytes, the layout bfloat16:2,2,16,64 needs",
         "notes.data": "not an LMCache chunk name",
         "m@0x1@zz@00.data": "not an LMCache chunk name",
-        "tmp": "not a regular file",
+        "tmp/": "not a regular file",
     }
     return src, tensors, skipped
 
@@ -248,6 +257,16 @@ def test_chunk_file_forms(tmp_path):
     assert [s["name"] for s in scan.skipped] == ["a@0x1@0@04.data"]
 
 
+def test_skipped_folders_end_in_a_slash(tmp_path):
+    """As docs/FORMAT.md names them, so a summary counts them as folders, not files."""
+    (tmp_path / "tmp").mkdir()  # not a hash-prefix folder
+    (tmp_path / "9f").mkdir()  # an empty one
+    (tmp_path / "link").symlink_to(tmp_path / "tmp")
+    (tmp_path / "notes.txt").write_text("x")
+    scan = scan_store(str(tmp_path), parse_layout(LAYOUT))
+    assert [s["name"] for s in scan.skipped] == ["9f/", "link/", "notes.txt", "tmp/"]
+
+
 def test_compress_writes_exactly_the_fp8_serde_files_and_decompress_restores_within_bound(store, tmp_path):
     src, tensors, skipped = store
     before = digests(src)
@@ -353,6 +372,31 @@ def test_a_mixed_store_converts_what_needs_it_and_copies_what_is_already_convert
             assert written == bytes(Fp8Codec().encode(x)), name
 
 
+def test_frames_in_other_codec_options_are_encoded_again_in_those_asked(tmp_path):
+    """The fp8ray serde in the options asked refuses a frame in other options: such a
+    frame is converted (decoded, encoded in the options asked), not copied as done."""
+    src = tmp_path / "store"
+    src.mkdir()
+    token, same, raw = (format_chunk_name(c) for c in CHUNKS[:3])
+    (src / token).write_bytes(bytes(Fp8Codec(scaling="token").encode(chunk_tensor(0))))
+    (src / same).write_bytes(bytes(Fp8Codec().encode(chunk_tensor(1))))
+    (src / raw).write_bytes(tensor_bytes(chunk_tensor(2)))
+    pool = fp8ray.PoolSettings(address="inline")
+    report = compress_store(str(src), str(tmp_path / "out"), LAYOUT, serde="fp8ray", pool=pool)
+    assert report.converted_from == {"fp8ray": 1, "raw": 1} and report.unchanged == [same]
+    x = fp8ray.decode((src / token).read_bytes())
+    assert (tmp_path / "out" / token).read_bytes() == bytes(Fp8Codec().encode(x))
+    assert (tmp_path / "out" / same).read_bytes() == (src / same).read_bytes()
+    # a store all of whose frames are in other options is re-encoded, not refused as done
+    (src / raw).unlink()
+    (src / same).write_bytes(bytes(Fp8Codec(scaling="token").encode(chunk_tensor(1))))
+    options = CodecOptions(scaling="tensor")
+    report = compress_store(str(src), str(tmp_path / "again"), LAYOUT, serde="fp8ray", options=options, pool=pool)
+    assert report.converted_from == {"fp8ray": 2} and report.unchanged == []
+    for name in (token, same):
+        assert parse_header((tmp_path / "again" / name).read_bytes()).scaling == "tensor"
+
+
 def test_a_store_already_in_the_target_form_is_reported_not_converted_again(store, tmp_path):
     src, tensors, _ = store
     with pytest.raises(BadInputError, match=rf"every chunk file .* \({len(tensors)}\) is already in the target form 'raw'"):
@@ -453,7 +497,8 @@ def test_cli_json_overwrite_and_errors(store, tmp_path, capsys):
     src, tensors, skipped = store
     dst = tmp_path / "dst"
     dst.mkdir()
-    (dst / "stale").write_bytes(b"x")
+    stale = format_chunk_name(ChunkName("m", 1, 0, b"\x05"))
+    (dst / stale).write_bytes(b"x")  # an earlier store's chunk file
     argv = ["lmcache-compress", str(src), str(dst), "--layout", LAYOUT, "--workers", "2"]
     assert main(argv) == 1
     _, err = capsys.readouterr()
@@ -464,7 +509,7 @@ def test_cli_json_overwrite_and_errors(store, tmp_path, capsys):
     report = json.loads(out)
     assert report["files"] == len(tensors) and {s["name"] for s in report["skipped"]} == set(skipped)
     assert report["bytes_before"] == 2 * report["bytes_after"] and report["fp8"] == "e4m3fn" and report["target"] == "fp8"
-    assert sorted(os.listdir(dst)) == sorted(tensors)  # "stale" went with the old destination
+    assert sorted(os.listdir(dst)) == sorted(tensors)  # the stale chunk went with the old store
 
     assert (
         main(["lmcache-compress", str(src), str(tmp_path / "f"), "--layout", LAYOUT, "--serde", "fp8ray", "--scaling", "token"])
@@ -477,6 +522,33 @@ def test_cli_json_overwrite_and_errors(store, tmp_path, capsys):
     assert (tmp_path / "f" / name).read_bytes() == bytes(Fp8Codec(scaling="token").encode(tensors[name]))
 
 
+def test_overwrite_replaces_only_a_store(store, tmp_path, capsys):
+    """--overwrite deletes the old destination: only one holding nothing but a store's
+    files (chunk files, hash-prefix folders) is replaced; anything else is named and
+    refused before any work, in both directions."""
+    src, tensors, _ = store
+    dst = tmp_path / "victim"
+    (dst / "docs").mkdir(parents=True)
+    (dst / "docs" / "thesis.txt").write_text("important")
+    (dst / format_chunk_name(CHUNKS[0])).write_bytes(b"x")  # a store's file beside them changes nothing
+    for command in ("lmcache-compress", "lmcache-decompress"):
+        argv = [command, str(src), str(dst), "--layout", LAYOUT, "--address", "inline", "--overwrite"]
+        assert main(argv) == 1
+        _, err = capsys.readouterr()
+        assert err.count("\n") == 1 and "holds 1 entry that is not an LMCache store's (docs/thesis.txt)" in err
+        assert "--overwrite replaces only a store" in err
+        assert (dst / "docs" / "thesis.txt").read_text() == "important"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store", "victim"]  # no scratch either
+    chunk = CHUNKS[0]
+    (dst / "docs" / "thesis.txt").unlink()
+    (dst / "docs").rmdir()
+    (dst / hash_folders(chunk, 2)).mkdir(parents=True)
+    (dst / hash_folders(chunk, 2) / format_chunk_name(chunk)).write_bytes(b"x")  # in its hash's folders
+    (dst / "ab").mkdir()  # an empty hash-prefix folder
+    report = compress_store(str(src), str(dst), LAYOUT, overwrite=True, pool=fp8ray.PoolSettings(address="inline"))
+    assert report.files == len(tensors) and sorted(os.listdir(dst)) == sorted(tensors)
+
+
 def test_overwrite_keeps_the_old_store_if_the_swap_fails(store, tmp_path, monkeypatch):
     """--overwrite moves the old destination aside, then the new one in; if that second
     rename fails, the old destination is put back and no scratch is left."""
@@ -485,7 +557,8 @@ def test_overwrite_keeps_the_old_store_if_the_swap_fails(store, tmp_path, monkey
     src, _, _ = store
     dst = tmp_path / "previous"
     dst.mkdir()
-    (dst / "keep").write_bytes(b"x")
+    keep = format_chunk_name(ChunkName("m", 1, 0, b"\x05"))
+    (dst / keep).write_bytes(b"x")
     real_rename = os.rename
     failed = []
 
@@ -498,7 +571,7 @@ def test_overwrite_keeps_the_old_store_if_the_swap_fails(store, tmp_path, monkey
     monkeypatch.setattr(lmcache_store.os, "rename", failing_rename)
     with pytest.raises(OSError, match="simulated"):
         compress_store(str(src), str(dst), LAYOUT, overwrite=True)
-    assert os.listdir(dst) == ["keep"] and (dst / "keep").read_bytes() == b"x"
+    assert os.listdir(dst) == [keep] and (dst / keep).read_bytes() == b"x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["previous", "store"]  # no scratch left
 
 

@@ -80,3 +80,14 @@ def test_the_command_line(tmp_path):
     assert f"made for model {QWEN!r}, expected model {LLAMA!r}" in lines[0]
     done = subprocess.run([*argv, "--expect-model", QWEN], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_chunk_whose_model_name_is_not_printable_is_named_not_blamed_on_the_option(tmp_path):
+    names = write_store(tmp_path / "store", [LLAMA, "bad\tmodel"])
+    with pytest.raises(MismatchError) as err:
+        compress_store(str(tmp_path / "store"), str(tmp_path / "out"), LAYOUT, expect_model=LLAMA, **INLINE)
+    message = str(err.value)
+    assert err.value.field == "model" and "\n" not in message and "\t" not in message
+    assert "bad\\tmodel" in message and "not printable" in message and f"expected model {LLAMA!r}" in message
+    assert "chunk file bad\\tmodel@" in message and names[1].split("@")[1] in message  # the file is named
+    assert not (tmp_path / "out").exists()
