@@ -241,13 +241,14 @@ class QuantPool:
             backend.settle({call: w for call, (_, w, _, _) in running.items()})
 
     def encode_many(
-        self, tensors: list, batch_size: int | None = None, options: CodecOptions | None = None, **codec_options
+        self, tensors: Iterable, batch_size: int | None = None, options: CodecOptions | None = None, **codec_options
     ) -> list[np.ndarray]:
         """Encode tensors on the workers, through the object store; frames in input order.
         Codec options as :class:`~fp8ray.codec.CodecOptions` (``options``, then keywords
         overriding it; the default mode if none). ``batch_size``: blocks per task
         (default: about :data:`BATCH_BYTES` of input each)."""
         options = CodecOptions.parse(codec_options, base=options)
+        tensors = list(tensors)  # taken once: a generator is iterated by the check, then the blocks
         for i, t in enumerate(tensors):
             if not is_tensor(t) or t.dtype not in formats.DTYPE_NAMES:
                 raise TypeError(
@@ -258,7 +259,7 @@ class QuantPool:
         batches = ((batch, options) for batch in _batches(blocks, batch_size, lambda b: b.nbytes))
         return [f for batch in self.map(QuantWorker.encode_batch, batches) for f, _ in batch]
 
-    def decode_many(self, frames: list, batch_size: int | None = None) -> list:
+    def decode_many(self, frames: Iterable, batch_size: int | None = None) -> list:
         """Decode frames on the workers; tensors in input order. On Ray actors they are
         views of the results where the workers left them, in Ray's object store, not
         copies (as :meth:`encode_many`'s frames are): treat them as read-only (Ray's
