@@ -140,9 +140,18 @@ def is_torch_dtype(value) -> bool:
 
 
 def dtype_name(dtype) -> str:
-    """The name of a source dtype given by name (``"bfloat16"``) or as a torch dtype;
-    ``TypeError`` for any other."""
-    name = str(dtype).removeprefix("torch.") if is_torch_dtype(dtype) else dtype
+    """The name of a source dtype given by name (``"bfloat16"``), as a torch dtype or as
+    numpy's float16 or float32 (the arrays ``encode`` takes); ``TypeError`` for any other."""
+    if is_torch_dtype(dtype):
+        name = str(dtype).removeprefix("torch.")
+    elif isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
+        # the two encode takes as arrays, in this machine's byte order (numpy has no
+        # bfloat16 of its own); str() names another as numpy does: int32, >f4
+        if np.dtype(dtype) not in (np.dtype(np.float16), np.dtype(np.float32)):
+            raise TypeError(f"unsupported numpy dtype {np.dtype(dtype)}; expected float16 or float32 (or a torch bfloat16)")
+        name = np.dtype(dtype).name
+    else:
+        name = dtype
     if not isinstance(name, str) or name not in DTYPE_CODES:
         raise TypeError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPE_CODES)}")
     return name

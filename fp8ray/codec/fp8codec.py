@@ -36,7 +36,8 @@ def _check_tensor(tensor):
     if isinstance(tensor, np.ndarray):
         if tensor.dtype not in (np.float16, np.float32):
             raise TypeError(f"unsupported array dtype {tensor.dtype}; expected float16 or float32 (or a bfloat16 tensor)")
-        tensor = torch.from_numpy(np.ascontiguousarray(tensor))
+        # ascontiguousarray would make a 0-d array 1-d: its rank is kept
+        tensor = torch.from_numpy(np.ascontiguousarray(tensor).reshape(tensor.shape))
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor or numpy array, got {type(tensor).__name__}")
     dtype_name(tensor.dtype)  # a TypeError naming the dtypes there are
@@ -162,7 +163,7 @@ class Fp8Codec:
 
     def encoded_size(self, shape, dtype) -> int:
         """Exact size in bytes of the frame of a ``shape`` tensor of ``dtype`` (a torch
-        dtype or its name, ``"bfloat16"``)."""
+        dtype or its name, ``"bfloat16"``, or numpy's float16 or float32)."""
         return self._header(shape, dtype_name(dtype)).frame_size
 
     def encode(self, tensor, out: np.ndarray | None = None, *, threads: int | None = None) -> memoryview:

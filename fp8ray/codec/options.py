@@ -6,7 +6,9 @@ by least squared error. Every entry point (``Fp8Codec()``, the archive commands,
 engine, the service, the demo) starts from it, and an option given overrides only
 itself: ``CodecOptions(scaling="token")`` is token scaling with bfloat16 scales chosen
 by least squared error. ``scale_choice`` left out means ``"mse"`` where the scaling can
-search (token and block) and ``"amax"`` elsewhere, so ``scaling="tensor"`` alone is valid.
+search (token and block) and ``"amax"`` elsewhere, so ``scaling="tensor"`` alone is valid;
+over options whose ``scale_choice`` was given (:meth:`CodecOptions.parse`'s ``base``,
+:meth:`CodecOptions.replace`), a new ``scaling`` keeps that choice.
 
 Parsed from keyword arguments or query parameters (:meth:`CodecOptions.parse`), from
 mode strings ``FP8:SCALING[:key=value...]`` (:meth:`CodecOptions.from_mode`), and from
@@ -68,6 +70,10 @@ class CodecOptions:
             raise InvalidOptionError(
                 f"block_size must be a positive integer (at most {MAX_BLOCK_SIZE}), got {block_size!r}", field="block_size"
             )
+        # Whether scale_choice was left out (not a field: equal options may differ in it),
+        # so that options made over these derive it again for a new scaling, and keep it
+        # where it was given.
+        object.__setattr__(self, "_scale_choice_derived", self.scale_choice is None)
         if self.scale_choice is None:
             object.__setattr__(self, "scale_choice", default_scale_choice(self.scaling))
         _check_choice("scale_choice", self.scale_choice)
@@ -83,10 +89,10 @@ class CodecOptions:
         return get_format(self.fp8)
 
     def replace(self, **changes) -> CodecOptions:
-        """These options with ``changes`` applied (``scale_choice`` re-derived unless given)."""
-        if "scaling" in changes and "scale_choice" not in changes:
-            changes["scale_choice"] = None
-        return replace(self, **changes)
+        """These options with ``changes`` applied, each overriding only itself: a
+        ``scale_choice`` left out here and where these options were made is derived again
+        for the new ``scaling``; one given there is kept."""
+        return _over(self, dict(changes))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -106,10 +112,7 @@ class CodecOptions:
             if name not in _FIELDS:
                 raise InvalidOptionError(f"unknown codec option {name!r}; expected one of {list(_FIELDS)}", field=name)
             given[name] = _convert(name, value)
-        base = base or DEFAULT_OPTIONS
-        if "scaling" in given and "scale_choice" not in given:
-            given["scale_choice"] = None
-        return replace(base, **given)
+        return _over(base or DEFAULT_OPTIONS, given)
 
     @classmethod
     def from_mode(cls, text: str) -> CodecOptions:
@@ -142,6 +145,23 @@ class CodecOptions:
     def label(self) -> str:
         """A short description: ``e4m3fn, block 32, bfloat16 scales by mse``."""
         return mode_label(**self.as_dict())
+
+
+def _over(base: CodecOptions, given: dict) -> CodecOptions:
+    """``base`` with the options ``given`` over it (:meth:`CodecOptions.parse`, ``replace``)."""
+    if "scale_choice" in given or base._scale_choice_derived:
+        given.setdefault("scale_choice", None)  # derived again, for the scaling given if any
+        return replace(base, **given)
+    try:
+        return replace(base, **given)
+    except InvalidOptionError as exc:
+        if exc.field != "scale_choice":
+            raise
+        raise InvalidOptionError(
+            f"scaling {given['scaling']!r} given over options whose scale_choice is {base.scale_choice!r}, "
+            f"which needs scaling {' or '.join(map(repr, SEARCHED_SCALINGS))}: give scale_choice too",
+            field="scale_choice",
+        ) from None
 
 
 def _check_choice(name: str, value) -> None:

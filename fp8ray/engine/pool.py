@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -31,7 +32,7 @@ from ..codec.blocks import Block, bytes_to_tensor
 from ..codec.devices import cuda_available, is_tensor
 from ..errors import InvalidOptionError, PoolStartError, WorkerLostError
 from .address import INLINE, default_address
-from .backends import InlineBackend, RayBackend, WorkerDied
+from .backends import SETTLE_SECONDS, InlineBackend, RayBackend, WorkerDied
 from .worker import QuantWorker, WorkerInfo
 
 # Inline, Ray is never imported (a third of a second of a one-shot command), so it is
@@ -105,6 +106,9 @@ class QuantPool:
         self.address = self.settings.address
         self._backend: InlineBackend | RayBackend | None = None
         self._owns_ray = False
+        # One result ref of each by-reference call not yet known to have ended: closing
+        # waits for them, as killing the actors would fail the refs handed out.
+        self._by_reference_calls: list = []
 
     @property
     def inline(self) -> bool:
@@ -137,9 +141,12 @@ class QuantPool:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         backend, self._backend = self._backend, None
         try:
+            # An interrupt does not wait; on an embedded Ray (removed below) the refs end anyway.
+            if backend is not None and not self._owns_ray and (exc_type is None or issubclass(exc_type, Exception)):
+                self._wait_by_reference_calls()
             if backend is not None:
                 backend.close()
         finally:
@@ -241,13 +248,14 @@ class QuantPool:
             backend.settle({call: w for call, (_, w, _, _) in running.items()})
 
     def encode_many(
-        self, tensors: list, batch_size: int | None = None, options: CodecOptions | None = None, **codec_options
+        self, tensors: Iterable, batch_size: int | None = None, options: CodecOptions | None = None, **codec_options
     ) -> list[np.ndarray]:
         """Encode tensors on the workers, through the object store; frames in input order.
         Codec options as :class:`~fp8ray.codec.CodecOptions` (``options``, then keywords
         overriding it; the default mode if none). ``batch_size``: blocks per task
         (default: about :data:`BATCH_BYTES` of input each)."""
         options = CodecOptions.parse(codec_options, base=options)
+        tensors = list(tensors)  # taken once: a generator is iterated by the check, then the blocks
         for i, t in enumerate(tensors):
             if not is_tensor(t) or t.dtype not in formats.DTYPE_NAMES:
                 raise TypeError(
@@ -258,7 +266,7 @@ class QuantPool:
         batches = ((batch, options) for batch in _batches(blocks, batch_size, lambda b: b.nbytes))
         return [f for batch in self.map(QuantWorker.encode_batch, batches) for f, _ in batch]
 
-    def decode_many(self, frames: list, batch_size: int | None = None) -> list:
+    def decode_many(self, frames: Iterable, batch_size: int | None = None) -> list:
         """Decode frames on the workers; tensors in input order. On Ray actors they are
         views of the results where the workers left them, in Ray's object store, not
         copies (as :meth:`encode_many`'s frames are): treat them as read-only (Ray's
@@ -282,7 +290,11 @@ class QuantPool:
         each frame stays there, an object of its own, until someone ``ray.get`` s it.
         Blocks go to the workers several to a call (see :meth:`_by_reference`). Ray actors
         only (not ``address="inline"``). A block that fails, or a worker lost mid-way,
-        fails the refs of its call (on ``ray.get``), the failing block's key in the message."""
+        fails the refs of its call (on ``ray.get``), the failing block's key in the message.
+        The refs outlive the pool: closing it waits for the calls still running (at most
+        ``backends.SETTLE_SECONDS``; a ``RuntimeWarning`` names those it gives up on),
+        except on an interrupt, or on an embedded Ray the pool started itself (its objects
+        end with it)."""
         options = CodecOptions.parse(codec_options, base=options)
         return self._by_reference(QuantWorker.encode_blocks, list(refs), lambda keys, batch: (options, keys, *batch))
 
@@ -321,8 +333,36 @@ class QuantPool:
             check(args)
             w = min(range(self.num_workers), key=load.__getitem__)
             load[w] += sum(size for _, _, size in batch)
-            results += backend.submit_each(w, method, args, len(batch))
+            calls = backend.submit_each(w, method, args, len(batch))
+            self._by_reference_calls.append(calls[0])  # a call's results are made together
+            results += calls
+        self._by_reference_calls = self._unfinished(self._by_reference_calls, 0)  # so that the list stays short
         return results
+
+    def _unfinished(self, refs: list, timeout: float) -> list:
+        import ray
+
+        if not refs:
+            return refs
+        _, unfinished = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+        return unfinished
+
+    def _wait_by_reference_calls(self) -> None:
+        """Let the by-reference calls still running end (at most ``SETTLE_SECONDS``) before
+        the actors are killed: their refs stay readable after the pool closes. Those still
+        running then fail (``ActorDiedError`` on ``ray.get``), said here."""
+        calls, self._by_reference_calls = self._by_reference_calls, []
+        try:
+            left = self._unfinished(calls, SETTLE_SECONDS)
+        except Exception:  # Ray gone or leaving: nothing left to wait for; keep the real error
+            return
+        if left:
+            warnings.warn(
+                f"fp8ray: QuantPool closed with {len(left)} encode_refs/decode_refs call(s) still running after "
+                f"{SETTLE_SECONDS:.0f} s: their refs fail (ActorDiedError)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 @contextmanager

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Self
@@ -44,7 +45,7 @@ from .records import Manifest, Part
 
 
 def open_archive(
-    uri: str, *, filesystem: pafs.FileSystem | None = None, expect: Provenance | Mapping[str, str] | None = None
+    uri: str | os.PathLike, *, filesystem: pafs.FileSystem | None = None, expect: Provenance | Mapping[str, str] | None = None
 ) -> ArchiveReader:
     """A reader of the archive at ``uri`` (a local path or a URI such as ``s3://...``).
     ``filesystem``: read through this ``pyarrow.fs`` filesystem instead, ``uri`` being a
@@ -74,8 +75,16 @@ class ArchiveReader:
     where the key is in one file only.
     """
 
-    def __init__(self, uri: str, filesystem: pafs.FileSystem | None = None, expect: Provenance | Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        uri: str | os.PathLike,
+        filesystem: pafs.FileSystem | None = None,
+        expect: Provenance | Mapping[str, str] | None = None,
+    ):
         expect = Provenance.parse(expect)  # a bad field name fails before anything is read
+        uri = os.fspath(uri) if isinstance(uri, os.PathLike) else uri  # a pathlib.Path, as its string
+        if not isinstance(uri, str):
+            raise TypeError(f"an archive's path or URI must be a str or os.PathLike, got {type(uri).__name__}")
         self._fs, self._dir = (filesystem, uri.rstrip("/")) if filesystem is not None else resolve(uri)
         self._uri = uri
         self.manifest: Manifest = archive.read_manifest(self._fs, self._dir, uri)

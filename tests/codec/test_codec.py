@@ -290,6 +290,25 @@ def test_numpy_input():
     assert y.dtype == torch.float32 and (y - torch.from_numpy(a)).abs().max() < 0.2
 
 
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("np_dtype", [np.float16, np.float32])
+def test_numpy_arrays_keep_their_rank_and_give_the_tensors_frame(scaling, np_dtype):
+    """A 0-d array stays 0-d (not made 1-d on the way), and each array's frame is its
+    tensor's, byte for byte, of the size encoded_size gives for the array's own dtype."""
+    codec = Fp8Codec(scaling=scaling)
+    for a in (np.array(2.5, np_dtype), np.linspace(-3, 3, 64, dtype=np_dtype).reshape(4, 16)[:, ::2]):
+        f = codec.encode(a)
+        assert bytes(f) == bytes(codec.encode(torch.from_numpy(a.copy())))
+        assert len(f) == codec.encoded_size(a.shape, a.dtype) == codec.encoded_size(a.shape, np_dtype)
+        assert tuple(fp8ray.decode(f).shape) == a.shape
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.dtype(np.float64), np.dtype(">f4")])
+def test_encoded_size_names_a_numpy_dtype_it_refuses(dtype):
+    with pytest.raises(TypeError, match=rf"^unsupported numpy dtype {np.dtype(dtype)}; expected float16 or float32"):
+        Fp8Codec().encoded_size((2, 3), dtype)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, pattern",
     [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8ray import CodecOptions
+from fp8ray import CodecOptions, Fp8Codec, QuantPool
 from fp8ray.codec.options import DEFAULT_OPTIONS
 from fp8ray.errors import InvalidOptionError
 
@@ -34,8 +34,34 @@ def test_an_option_given_overrides_only_itself(given, expected):
 def test_parse_over_a_base_and_replace():
     base = CodecOptions(scaling="token", scale_dtype="float32", scale_choice="amax")
     assert CodecOptions.parse({"fp8": "e5m2"}, base=base) == CodecOptions("e5m2", "token", 32, "float32", "amax")
-    assert base.replace(scaling="block").scale_choice == "mse"  # re-derived for the new scaling
-    assert base.replace(scaling="block", scale_choice="amax").scale_choice == "amax"
+    assert base.replace(scaling="block", scale_choice="mse").scale_choice == "mse"
+
+
+@pytest.mark.parametrize("over", [lambda base, **given: CodecOptions.parse(given, base=base), CodecOptions.replace])
+def test_a_new_scaling_keeps_the_scale_choice_given_and_derives_one_left_out(over):
+    """Over a base, a new scaling overrides only itself: the base's scale_choice, block_size
+    and scale_dtype are kept where they were given; one left out is derived again."""
+    given = CodecOptions(scaling="token", block_size=64, scale_dtype="float32", scale_choice="amax")
+    assert over(given, scaling="block") == CodecOptions("e4m3fn", "block", 64, "float32", "amax")
+    assert over(given, scaling="tensor") == CodecOptions("e4m3fn", "tensor", 64, "float32", "amax")
+    left_out = CodecOptions(scaling="tensor", block_size=64)  # amax, as tensor scaling's own
+    assert over(left_out, scaling="block") == CodecOptions("e4m3fn", "block", 64, "bfloat16", "mse")
+    assert over(over(left_out, nonfinite="keep"), scaling="token").scale_choice == "mse"  # still left out
+    assert over(CodecOptions(), scaling="tensor").scale_choice == "amax"
+    with pytest.raises(InvalidOptionError, match=r"^scaling 'tensor' given over options whose scale_choice is 'mse'") as exc:
+        over(CodecOptions(scaling="token", scale_choice="mse"), scaling="tensor")
+    assert exc.value.field == "scale_choice"
+
+
+def test_codec_and_pool_over_a_base_encode_as_the_options_spelt_out():
+    base = CodecOptions(scaling="token", scale_choice="amax")
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    spelt_out = bytes(Fp8Codec(scaling="block", scale_choice="amax").encode(x))
+    assert spelt_out != bytes(Fp8Codec(scaling="block", scale_choice="mse").encode(x))  # the test can tell them apart
+    assert bytes(Fp8Codec(scaling="block", options=base).encode(x)) == spelt_out
+    with QuantPool(num_workers=1, address="inline") as pool:
+        [frame] = pool.encode_many([x], options=base, scaling="block")
+    assert bytes(frame) == spelt_out
 
 
 def test_options_are_values():

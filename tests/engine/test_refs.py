@@ -136,3 +136,36 @@ def test_a_worker_lost_fails_the_refs_it_held(ray_session, tmp_path):
         for frame in frames:
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(frame, timeout=60)
+
+
+def test_refs_handed_out_stay_readable_after_the_pool_closes(ray_session, tmp_path, monkeypatch):
+    """Closing the pool waits for the by-reference calls still running, then kills the
+    actors: their refs read as the codec's; a call still running when the wait ends fails
+    its refs, and the close says so."""
+    ray = ray_session
+    go = tmp_path / "go"
+
+    @ray.remote(num_cpus=0)
+    def upstream(i: int) -> torch.Tensor:  # still running when the pool closes
+        while not go.exists():
+            time.sleep(0.05)
+        return torch.full((4, 64), float(i + 1))
+
+    with QuantPool(num_workers=2, cpus_per_worker=0.5) as pool:
+        frames = pool.encode_refs([upstream.remote(i) for i in range(4)], scale_choice="amax")
+        blocks = pool.decode_refs(frames)
+        go.touch()
+    codec = Fp8Codec(scale_choice="amax")
+    for i, (frame, block) in enumerate(zip(frames, blocks)):
+        expected = bytes(codec.encode(torch.full((4, 64), float(i + 1))))
+        assert ray.get(frame, timeout=60).tobytes() == expected
+        assert torch.equal(ray.get(block, timeout=60).tensor(), decode(expected))
+
+    go.unlink()
+    monkeypatch.setattr("fp8ray.engine.pool.SETTLE_SECONDS", 0.5)
+    with pytest.warns(RuntimeWarning, match=r"QuantPool closed with 1 encode_refs/decode_refs call\(s\) still running"):
+        with QuantPool(num_workers=1, cpus_per_worker=0.5) as pool:
+            [late] = pool.encode_refs([upstream.remote(0)])
+    go.touch()
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(late, timeout=60)

@@ -84,3 +84,13 @@ def test_settings_are_checked_when_made_and_taken_by_every_operation(tmp_path):
     assert (pool.settings.num_workers, pool.settings.address, pool.window) == (3, "inline", 6)
     with pytest.raises(RuntimeError, match="QuantPool is not running"):
         pool.worker_info()
+
+
+def test_encode_many_and_decode_many_take_a_generator_as_a_list():
+    """A one-pass iterable is taken once: the same frames and tensors as its list."""
+    tensors = [torch.full((4, 64), float(i), dtype=torch.bfloat16) for i in range(3)]
+    with QuantPool(num_workers=2, address="inline") as pool:
+        frames = pool.encode_many(tensors)
+        assert [bytes(f) for f in pool.encode_many(t for t in tensors)] == [bytes(f) for f in frames]
+        back = pool.decode_many(f for f in frames)
+    assert len(back) == 3 and all(torch.equal(b, fp8ray.decode(f)) for b, f in zip(back, frames))

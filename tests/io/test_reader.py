@@ -69,6 +69,15 @@ def test_every_block_read_alone_equals_decompress(multi):
     assert reader.keys() == [k for name in FILES for k in restored[name]]
 
 
+def test_an_archive_opened_by_pathlib_path_reads_as_by_its_string(multi):
+    arch, restored = multi
+    reader = fp8ray.open_archive(arch)  # a pathlib.Path
+    assert reader.files() == FILES
+    assert torch.equal(reader.get("layer3.kv", FILES[1]), restored[FILES[1]]["layer3.kv"])
+    with pytest.raises(TypeError, match=r"^an archive's path or URI must be a str or os.PathLike, got int$"):
+        fp8ray.open_archive(3)
+
+
 def test_a_block_read_as_bytes_is_the_tensors_bytes_and_named_as_get_names_it(multi, tmp_path):
     """``block()``: the same tensor as ``get()``, as its raw bytes, dtype name and shape;
     a damaged frame and a missing key refused in the same words."""
