@@ -340,10 +340,10 @@ class QuantPool:
         return results
 
     def _unfinished(self, refs: list, timeout: float) -> list:
+        if not refs:  # and inline, where there are none, Ray is never imported
+            return refs
         import ray
 
-        if not refs:
-            return refs
         _, unfinished = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
         return unfinished
 
@@ -352,6 +352,8 @@ class QuantPool:
         the actors are killed: their refs stay readable after the pool closes. Those still
         running then fail (``ActorDiedError`` on ``ray.get``), said here."""
         calls, self._by_reference_calls = self._by_reference_calls, []
+        if not calls:
+            return
         try:
             left = self._unfinished(calls, SETTLE_SECONDS)
         except Exception:  # Ray gone or leaving: nothing left to wait for; keep the real error
