@@ -30,6 +30,7 @@ from ..io.destinations import (
 )
 from ..io.lmcache_store import Layout
 from ..io.paths import (
+    as_uri,
     check_apart,
     name_list,
     os_reason,
@@ -232,6 +233,7 @@ def compress_archive(
     """
     codec = CodecOptions.parse(codec_options, base=options)  # bad options fail before any work
     made_for = Provenance.parse(provenance)
+    source, destination = as_uri(source, "source"), as_uri(destination, "destination")
     check_pool(pool)
     archive.parse_lossless(lossless)
     check_apart(source, destination)
@@ -375,6 +377,7 @@ def decompress_archive(
     archive's codec options loads it; ``lmcache_serde`` in the report). An archive of a
     store needs one (or ``single_file``); any other archive refuses one.
     """
+    archive_uri, output = as_uri(archive_uri, "archive"), as_uri(output, "output")
     check_pool(pool)
     expect = Provenance.parse(expect)  # a bad field name fails before anything is read
     fs, path = resolve(archive_uri)
@@ -454,6 +457,8 @@ def verify_archive(
     (a source that is not the one compressed fails). Damage is reported, naming the block
     (or the part where it lies outside every block), not raised. ``pool``: as for
     :func:`compress_archive`."""
+    archive_uri = as_uri(archive_uri, "archive")
+    against = as_uri(against, "against") if against is not None else None
     check_pool(pool)
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path, archive_uri)

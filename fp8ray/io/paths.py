@@ -41,6 +41,15 @@ def uri_for(uri: str, path: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "/" + quote(path.lstrip("/"), safe="/"), parts.query, ""))
 
 
+def as_uri(value, what: str) -> str:
+    """A path or URI argument as a string: a ``str``, or an ``os.PathLike`` (a
+    ``pathlib.Path``) as its string; anything else is refused naming ``what`` it was for."""
+    value = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a path or URI (a str or os.PathLike), got {type(value).__name__}")
+    return value
+
+
 def redact(uri: str) -> str:
     """``uri`` as messages show it: without credentials (``s3://key:secret@bucket`` ->
     ``s3://***@bucket``), and with control characters escaped (:func:`printable`)."""

@@ -39,7 +39,7 @@ from ..codec.fp8codec import decode_raw
 from ..codec.frame import as_byte_array, parse_layout
 from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError
 from . import archive, part_checks
-from .paths import os_reason, printable, redact, resolve
+from .paths import as_uri, os_reason, printable, redact, resolve
 from .provenance import Provenance, check_provenance
 from .records import Manifest, Part
 
@@ -82,9 +82,7 @@ class ArchiveReader:
         expect: Provenance | Mapping[str, str] | None = None,
     ):
         expect = Provenance.parse(expect)  # a bad field name fails before anything is read
-        uri = os.fspath(uri) if isinstance(uri, os.PathLike) else uri  # a pathlib.Path, as its string
-        if not isinstance(uri, str):
-            raise TypeError(f"an archive's path or URI must be a str or os.PathLike, got {type(uri).__name__}")
+        uri = as_uri(uri, "an archive's path")
         self._fs, self._dir = (filesystem, uri.rstrip("/")) if filesystem is not None else resolve(uri)
         self._uri = uri
         self.manifest: Manifest = archive.read_manifest(self._fs, self._dir, uri)

@@ -414,3 +414,17 @@ def test_verify_fails_a_manifest_that_get_or_decompress_would_refuse(tmp_path, e
     path.write_text(json.dumps(manifest))
     report = verify_archive(str(tmp_path / "a"), pool=inline)
     assert not report.ok and any(message in e for e in report.errors), report.errors
+
+
+def test_archive_functions_take_pathlib_paths(tmp_path):
+    """compress_archive, verify_archive and decompress_archive take ``pathlib.Path`` s as
+    their strings; another type is refused naming the argument."""
+    src = tmp_path / "kv.safetensors"
+    save_file_torch({"layer0.k": torch.randn(4, 64).to(torch.bfloat16)}, str(src))
+    inline = fp8ray.PoolSettings(address="inline")
+    assert compress_archive(src, tmp_path / "kv.fp8", pool=inline).blocks == 1
+    assert verify_archive(tmp_path / "kv.fp8", against=src, pool=inline).ok
+    decompress_archive(tmp_path / "kv.fp8", tmp_path / "out.safetensors", pool=inline)
+    assert (tmp_path / "out.safetensors").exists()
+    with pytest.raises(TypeError, match=r"^destination must be a path or URI \(a str or os.PathLike\), got int$"):
+        compress_archive(src, 3, pool=inline)

@@ -74,7 +74,7 @@ def test_an_archive_opened_by_pathlib_path_reads_as_by_its_string(multi):
     reader = fp8ray.open_archive(arch)  # a pathlib.Path
     assert reader.files() == FILES
     assert torch.equal(reader.get("layer3.kv", FILES[1]), restored[FILES[1]]["layer3.kv"])
-    with pytest.raises(TypeError, match=r"^an archive's path or URI must be a str or os.PathLike, got int$"):
+    with pytest.raises(TypeError, match=r"^an archive's path must be a path or URI \(a str or os.PathLike\), got int$"):
         fp8ray.open_archive(3)
 
 
