@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..errors import BadInputError, PoolStartError
+from ..errors import BadInputError
 from .common import non_negative_float, port_number, positive_float, positive_int
 
 APP_NAME = "fp8ray"
@@ -90,20 +90,6 @@ def run_serve(args) -> int:
             shutil.rmtree(state, ignore_errors=True)
 
 
-def _check_placeable(service, have: dict) -> None:
-    """On a Ray this command started nothing else will ever join: QuantWorkers asking for
-    more CPUs or GPUs than it has would wait forever, silently. Refuse them, naming what
-    is short. (A cluster's autoscaler may add nodes: there Serve waits, as asked.)"""
-    need = {"CPU": service.workers * service.cpus_per_worker, "GPU": service.workers * service.gpus_per_worker}
-    for name, amount in need.items():
-        if amount > have.get(name, 0):
-            flag = "--cpus-per-worker" if name == "CPU" else "--gpus-per-worker"
-            raise PoolStartError(
-                f"{service.workers} QuantWorkers need {amount:g} {name}(s), and the Ray this command started has "
-                f"{have.get(name, 0):g}: lower --workers or {flag}, or join a cluster with --address"
-            )
-
-
 def _serve(args, options: dict) -> int:
     import logging
     import signal
@@ -112,7 +98,7 @@ def _serve(args, options: dict) -> int:
     import ray
     from ray import serve
 
-    from ..engine.runtime import connect_ray, disconnect_ray
+    from ..engine.runtime import check_placeable, connect_ray, disconnect_ray
     from ..serve import ServiceOptions, build_app
 
     owns_ray = connect_ray(args.address, None)
@@ -121,8 +107,9 @@ def _serve(args, options: dict) -> int:
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     deployed = False
     try:
-        if owns_ray:
-            _check_placeable(ServiceOptions.from_args(options), ray.cluster_resources())
+        if owns_ray:  # nothing else will join it: QuantWorkers it cannot hold would wait forever
+            service = ServiceOptions.from_args(options)
+            check_placeable(service.workers, service.cpus_per_worker, service.gpus_per_worker, ray.cluster_resources())
         if APP_NAME in serve.status().applications:
             raise BadInputError(f"a Serve application named {APP_NAME!r} already runs on this cluster; not replacing it")
         serve.start(http_options={"host": args.host, "port": args.port})

@@ -128,11 +128,15 @@ class QuantPool:
                 )
             self._backend = InlineBackend(s.num_workers, threads, device)
             return self
-        from .runtime import connect_ray, disconnect_ray
+        from .runtime import check_placeable, connect_ray, disconnect_ray
 
         embedded_cpus = max(int(s.num_workers * s.cpus_per_worker), os.cpu_count() or 1)
         self._owns_ray = connect_ray(self.address, embedded_cpus)
         try:
+            if self._owns_ray:  # a GPU it lacks: said at once, not after the start timeout
+                import ray
+
+                check_placeable(s.num_workers, s.cpus_per_worker, s.gpus_per_worker, ray.cluster_resources())
             self._backend = RayBackend(s.num_workers, s.cpus_per_worker, s.gpus_per_worker, s.start_timeout)
         except BaseException:
             if self._owns_ray:

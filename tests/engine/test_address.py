@@ -216,3 +216,25 @@ def test_an_address_where_no_cluster_answers_is_refused_at_once(source, tmp_path
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and result.stderr.startswith(f"fp8ray: error: no Ray cluster answers at {gone}"), result.stderr
     assert result.stderr.count("\n") == 1 and not (tmp_path / "out.fp8").exists()
+
+
+def test_gpus_the_pools_own_ray_lacks_are_refused_at_once(ray_tmp):
+    """An embedded Ray (``address="local"``) gets no more GPUs than this machine has, and
+    nothing else joins it: workers asking for one are refused at once, naming the GPUs,
+    not after the start timeout (600 s here) with a message blaming the CPUs too."""
+    code = (
+        "from fp8ray import PoolSettings, QuantPool\n"
+        "from fp8ray.errors import PoolStartError\n"
+        "try:\n"
+        "    with QuantPool(PoolSettings(num_workers=1, gpus_per_worker=1, address='local', start_timeout=600)):\n"
+        "        print('started')\n"
+        "except PoolStartError as exc:\n"
+        "    print(exc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=env_for(ray_tmp), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == (
+        "1 QuantWorkers need 1 GPU(s), and the Ray this command started has 0: lower --workers or --gpus-per-worker, "
+        "or join a cluster with --address"
+    ), result.stdout
+    assert not processes_with_ray_tmp(ray_tmp)

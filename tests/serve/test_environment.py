@@ -41,14 +41,18 @@ def test_workers_the_commands_own_ray_cannot_place_are_refused_naming_what_is_sh
     not fit would wait forever, with no line printed."""
     import pytest
 
-    from fp8ray.cli.serve import _check_placeable
+    from fp8ray.engine.runtime import check_placeable
     from fp8ray.errors import PoolStartError
     from fp8ray.serve import ServiceOptions
 
     two_cpus = {"CPU": 2.0, "memory": 1e9}
-    _check_placeable(ServiceOptions(workers=2), two_cpus)
-    _check_placeable(ServiceOptions(workers=4, cpus_per_worker=0.5), two_cpus)
+
+    def _placeable(service, have):
+        check_placeable(service.workers, service.cpus_per_worker, service.gpus_per_worker, have)
+
+    _placeable(ServiceOptions(workers=2), two_cpus)
+    _placeable(ServiceOptions(workers=4, cpus_per_worker=0.5), two_cpus)
     with pytest.raises(PoolStartError, match=r"^3 QuantWorkers need 3 CPU\(s\), and the Ray this command started has 2: lower"):
-        _check_placeable(ServiceOptions(workers=3), two_cpus)
+        _placeable(ServiceOptions(workers=3), two_cpus)
     with pytest.raises(PoolStartError, match=r"need 1 GPU\(s\), and the Ray this command started has 0: .*--gpus-per-worker"):
-        _check_placeable(ServiceOptions(workers=1, gpus_per_worker=1.0), two_cpus)
+        _placeable(ServiceOptions(workers=1, gpus_per_worker=1.0), two_cpus)
