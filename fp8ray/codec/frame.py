@@ -109,6 +109,15 @@ def stored_scale_dtype(scaling: str, scale_dtype: str) -> str:
     return "float32" if scaling == "none" else scale_dtype
 
 
+def header_for(options, dtype: str, shape: tuple[int, ...]) -> FrameHeader:
+    """The header of the frame the codec options ``options`` (a
+    :class:`~fp8ray.codec.CodecOptions`) make of a ``dtype`` tensor of ``shape``: a frame
+    with another header was written in other options."""
+    block_size = options.block_size if options.scaling == "block" else 0
+    scale_dtype = stored_scale_dtype(options.scaling, options.scale_dtype)
+    return FrameHeader(options.fmt, options.scaling, dtype, tuple(shape), block_size, scale_dtype)
+
+
 def check_shape(shape: tuple[int, ...]) -> None:
     """Refuse, with a ``ValueError`` naming the limit, a shape no frame can hold."""
     if len(shape) > MAX_NDIM:

@@ -475,7 +475,7 @@ def verify_archive(
     with use_pool(pool) as running:
         # The source's block map goes to the object store once, not with every part.
         shared_refs = running.share(refs)
-        tasks = ((archive_uri, part, shared_refs, bound, name_files) for part in manifest.parts)
+        tasks = ((archive_uri, part, shared_refs, bound, name_files, codec) for part in manifest.parts)
         for part, part_result in zip(manifest.parts, running.map(QuantWorker.verify_part, tasks)):
             report.blocks += part_result.blocks
             report.errors += part_result.errors

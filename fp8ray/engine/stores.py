@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pyarrow.fs import LocalFileSystem
 
 from ..codec import CodecOptions
+from ..codec.frame import header_for
 from ..errors import (
     ArchiveExistsError,
     BadInputError,
@@ -48,7 +49,6 @@ from ..io.lmcache_store import (
     ChunkFile,
     Layout,
     StoreScan,
-    frame_header_for,
     is_store_entry,
     parse_chunk_name,
     parse_layout,
@@ -227,7 +227,7 @@ def convert_store(
     src, dst = _check_paths(source, destination, overwrite, parents)
     scan = scan_store(src, layout)
     _check_models(scan, expect_model, source)
-    wanted = frame_header_for(options, layout)  # a frame in other options is converted: the serde would refuse it
+    wanted = header_for(options, layout.dtype, layout.shape)  # a frame in other options is converted: the serde would refuse it
     todo = [c for c in scan.chunks if c.form != target or (target == FRAMES and c.header != wanted)]
     if not todo:
         raise _nothing_to_convert(source, layout, target, scan.chunks, scan.skipped)

@@ -276,13 +276,19 @@ class QuantWorker:
         return result
 
     def verify_part(
-        self, directory: str, part: archive.Part, against: dict | None = None, bound: dict | None = None, name_files: bool = False
+        self,
+        directory: str,
+        part: archive.Part,
+        against: dict | None = None,
+        bound: dict | None = None,
+        name_files: bool = False,
+        codec: CodecOptions | None = None,
     ) -> VerifyResult:
-        """Check a part and each of its frames; with ``against`` (the source's blocks by
-        ``(file, key)``), compare each block with its source and hold it to the codec's
-        error ``bound`` (:mod:`fp8ray.codec.bound`). Blocks are named by key, and by file
-        too with ``name_files``. Reports problems instead of raising, so one run names
-        them all."""
+        """Check a part and each of its frames (written in ``codec``, the manifest's
+        options, where given); with ``against`` (the source's blocks by ``(file, key)``),
+        compare each block with its source and hold it to the codec's error ``bound``
+        (:mod:`fp8ray.codec.bound`). Blocks are named by key, and by file too with
+        ``name_files``. Reports problems instead of raising, so one run names them all."""
         fs, path = resolve(directory)
         result = VerifyResult(part.name)
         try:
@@ -334,6 +340,8 @@ class QuantWorker:
                         f"columns say {columns['shape'][row]} {columns['dtype'][row]}, "
                         f"the frame says {list(header.shape)} {header.dtype}"
                     )
+                if codec is not None and header != frame.header_for(codec, header.dtype, header.shape):
+                    raise MismatchError(f"the frame is in {_options_of(header)}, the manifest records {_options_of(codec)}")
                 if against is not None:
                     if ident not in originals:
                         raise MismatchError("not in the source it is verified against")
@@ -428,6 +436,13 @@ def _split(buffer: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     """``buffer`` cut into consecutive pieces of ``sizes`` bytes (views)."""
     ends = np.cumsum(sizes, dtype=np.int64)
     return [buffer[end - size : end] for size, end in zip(sizes, ends.tolist())]
+
+
+def _options_of(options) -> str:
+    """A frame header's or codec options' format, scaling and scales, as messages show them."""
+    scaling = f"block {options.block_size}" if options.scaling == "block" else options.scaling
+    scales = "" if options.scaling == "none" else f", {options.scale_dtype} scales"
+    return f"{options.fmt.name}, {scaling}{scales}"
 
 
 def _label(ident: tuple[str, str], name_files: bool) -> str:

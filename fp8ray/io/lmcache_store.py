@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..codec.formats import DTYPE_ITEMSIZES
-from ..codec.frame import MAX_HEADER_BYTES, FrameHeader, parse_header, stored_scale_dtype
+from ..codec.frame import MAX_HEADER_BYTES, FrameHeader, parse_header
 from ..errors import BadInputError, CorruptFrameError
 
 SEP = "@"
@@ -186,15 +186,6 @@ def form_of(layout: Layout, size: int, prefix: bytes) -> tuple[str | None, str]:
         return None, f"an fp8ray frame of {size} bytes, but its header implies {header.frame_size}: truncated or padded?"
     sizes = f"{layout.raw_bytes} bytes ({layout.dtype}), {layout.numel} (LMCache fp8) or an fp8ray frame of that shape"
     return None, f"{size} bytes, the layout {layout} needs {sizes}" + (f"; {malformed}" if malformed else "")
-
-
-def frame_header_for(options, layout: Layout) -> FrameHeader:
-    """The header of the frame the codec options ``options`` (a
-    :class:`~fp8ray.codec.CodecOptions`) make of a chunk of ``layout``: a frame with
-    another is in other options, and the fp8ray serde in ``options`` refuses it."""
-    block_size = options.block_size if options.scaling == "block" else 0
-    scale_dtype = stored_scale_dtype(options.scaling, options.scale_dtype)
-    return FrameHeader(options.fmt, options.scaling, layout.dtype, layout.shape, block_size, scale_dtype)
 
 
 def is_hash_folder(name: str) -> bool:

@@ -33,7 +33,7 @@ from ..codec.formats import DTYPE_ITEMSIZES, DTYPES_BY_NAME
 from ..errors import BadInputError, CorruptArchiveError, MismatchError, SourceError, block_error
 from ..io import archive
 from ..io.blocks import BlockRef, bytes_to_tensor
-from ..io.lmcache_store import FORMS, FP8, FRAMES, HEADER_BYTES, RAW, ChunkFile, Layout, form_of, frame_header_for
+from ..io.lmcache_store import FORMS, FP8, FRAMES, HEADER_BYTES, RAW, ChunkFile, Layout, form_of
 from ..io.paths import resolve, write_atomic
 from ..io.restore import RestoreTask
 from .frames import Fp8FrameSerializer
@@ -107,7 +107,7 @@ class _Converter:
         self.fp8_reader = Fp8QuantizationDeserializer(conversion.fp8)
         self.fp8_writer = Fp8QuantizationSerializer(conversion.fp8, nonfinite)
         self.frame_writer = Fp8FrameSerializer(conversion.options)
-        self.frame_header = frame_header_for(conversion.options, conversion.layout)
+        self.frame_header = frame.header_for(conversion.options, conversion.layout.dtype, conversion.layout.shape)
 
     def to_tensor(self, data: bytearray, form: str) -> torch.Tensor:
         return chunk_tensor(data, form, self.c.layout, self.fp8_reader)
@@ -179,7 +179,7 @@ def encode_chunk_files(refs: list[BlockRef], codec: Fp8Codec, out: np.ndarray, s
             form, reason = form_of(layout, len(data), bytes(data[:HEADER_BYTES]))
             if form is None:
                 raise SourceError(f"no longer a chunk file of the layout {layout}: {reason}")
-            if form == FRAMES and frame.parse_header(data) == frame_header_for(options, layout):
+            if form == FRAMES and frame.parse_header(data) == frame.header_for(options, layout.dtype, layout.shape):
                 frame.parse(frame.as_byte_array(data))  # nothing damaged goes into the archive
                 slot[:] = np.frombuffer(data, dtype=np.uint8)
             else:

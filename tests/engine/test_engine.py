@@ -428,3 +428,26 @@ def test_archive_functions_take_pathlib_paths(tmp_path):
     assert (tmp_path / "out.safetensors").exists()
     with pytest.raises(TypeError, match=r"^destination must be a path or URI \(a str or os.PathLike\), got int$"):
         compress_archive(src, 3, pool=inline)
+
+
+def test_verify_finds_frames_in_other_options_than_the_manifest_records(tmp_path):
+    """A manifest edited to other codec options (here token scaling over block-scaled
+    frames) would have decompress --lmcache-form print a serde that misses every chunk:
+    verify names each frame whose options differ."""
+    import json
+
+    src, arch = tmp_path / "kv.safetensors", tmp_path / "kv.fp8"
+    save_file_torch({f"layer{i}.k": torch.randn(4, 64).to(torch.bfloat16) for i in range(3)}, str(src))
+    inline = fp8ray.PoolSettings(address="inline")
+    compress_archive(str(src), str(arch), pool=inline)
+    assert verify_archive(str(arch), pool=inline).ok
+    path = arch / "_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["codec"]["scaling"] = "token"
+    path.write_text(json.dumps(manifest))
+    report = verify_archive(str(arch), pool=inline)
+    assert not report.ok and len(report.errors) == 3, report.errors
+    assert report.errors[0] == (
+        "block 'layer0.k' in part-00000.parquet: the frame is in e4m3fn, block 32, bfloat16 scales, "
+        "the manifest records e4m3fn, token, bfloat16 scales"
+    )
