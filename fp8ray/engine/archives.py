@@ -16,7 +16,15 @@ import pyarrow.fs as pafs
 from .. import __version__
 from ..codec import CodecOptions, frame
 from ..codec.bound import bound_constants
-from ..errors import ArchiveExistsError, CorruptArchiveError, DestinationError, Fp8rayError, SourceError, block_error
+from ..errors import (
+    ArchiveExistsError,
+    CorruptArchiveError,
+    DestinationError,
+    Fp8rayError,
+    InvalidOptionError,
+    SourceError,
+    block_error,
+)
 from ..io import archive
 from ..io.archive import DEFAULT_LOSSLESS, DEFAULT_PART_BYTES
 from ..io.blocks import scan_source
@@ -28,7 +36,7 @@ from ..io.destinations import (
     prepare_destination,
     undo_compress,
 )
-from ..io.lmcache_store import Layout
+from ..io.lmcache_store import STORE_KIND, Layout
 from ..io.paths import (
     as_uri,
     check_apart,
@@ -465,6 +473,13 @@ def verify_archive(
     layout = manifest.layout
     name_files = layout is not None and len(layout.files) > 1
     refs = source_layout = None
+    if against and layout is not None and layout.kind == STORE_KIND:
+        raise InvalidOptionError(
+            f"archive {redact(archive_uri)} is of an LMCache store, and verify --against compares an archive with a "
+            ".safetensors or .parquet source only: verify it without --against (every part's and frame's CRC), or "
+            "decompress it with --lmcache-form raw and compare the chunk files",
+            field="against",
+        )
     if against:
         source_layout, source_refs = scan_source(against)
         refs = archive.blocks_by_ident(layout, source_layout, source_refs, against)

@@ -390,3 +390,16 @@ def test_a_store_of_a_model_served_from_a_relative_path_comes_back(tmp_path):
     compress_archive(str(store), arch, lmcache_layout=parse_layout(LAYOUT), pool=INLINE)
     decompress_archive(arch, str(back), lmcache_form="fp8ray", pool=INLINE)
     assert tree(back) == files
+
+
+def test_verify_against_a_store_says_it_compares_only_file_sources(tmp_path):
+    """verify --against compares an archive with a .safetensors or .parquet source; an
+    archive of a store, given its store, is told so (not that the store holds no
+    .safetensors files)."""
+    store, arch = tmp_path / "store", str(tmp_path / "kv.fp8")
+    store.mkdir()
+    write_store(store, "raw", 0)
+    compress_archive(str(store), arch, lmcache_layout=parse_layout(LAYOUT), pool=INLINE)
+    with pytest.raises(InvalidOptionError, match=r"is of an LMCache store, and verify --against compares .* only: verify it"):
+        fp8ray.verify_archive(arch, against=str(store), pool=INLINE)
+    assert fp8ray.verify_archive(arch, pool=INLINE).ok
