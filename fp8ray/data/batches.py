@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from ..codec.formats import DTYPE_ITEMSIZES
 from ..errors import BadInputError
+from ..io.columns import binary_buffers
 
 # What Fp8Decoder returns: the raw-block layout fp8ray reads as a source. ``data`` is
 # large_binary (64-bit offsets) so that a batch may hold more than 2 GiB of blocks.
@@ -135,14 +136,12 @@ def binary_values(table: pa.Table, name: str, row_keys: list[str]) -> list[memor
         return []
     if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
         raise BadInputError(f"column {name!r} must be binary or large_binary, not {column.type}", field=name)
-    offset_type = np.int64 if pa.types.is_large_binary(column.type) else np.int32
     values: list[memoryview] = []
     for chunk in column.chunks:
         if chunk.null_count:
             row = len(values) + int(np.flatnonzero(chunk.is_null().to_numpy(zero_copy_only=False))[0])
             raise BadInputError(f"block {row_keys[row]!r}: column {name!r} is null", field=row_keys[row])
-        _, offsets_buffer, data_buffer = chunk.buffers()
-        offsets = np.frombuffer(offsets_buffer, dtype=offset_type)[chunk.offset : chunk.offset + len(chunk) + 1]
-        data = memoryview(data_buffer) if data_buffer is not None else memoryview(b"")  # all values empty
-        values.extend(data[offsets[i] : offsets[i + 1]] for i in range(len(chunk)))
+        data, offsets = binary_buffers(chunk)
+        view = memoryview(data)
+        values.extend(view[offsets[i] : offsets[i + 1]] for i in range(len(chunk)))
     return values

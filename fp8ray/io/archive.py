@@ -535,10 +535,7 @@ class PartFrames:
         self._chunks = []  # (first row, data as uint8, offsets into it)
         first = 0
         for chunk in table.column("frame").chunks:
-            offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int64)[chunk.offset : chunk.offset + len(chunk) + 1]
-            buffer = chunk.buffers()[2]
-            data = np.frombuffer(buffer, dtype=np.uint8) if buffer is not None else np.empty(0, np.uint8)  # all empty
-            self._chunks.append((first, data, offsets))
+            self._chunks.append((first, *arrow_columns.binary_buffers(chunk)))
             first += len(chunk)
         self._starts = [c[0] for c in self._chunks]
         self.num_rows = first

@@ -17,6 +17,15 @@ _OFFSETS = {pa.string(): np.int32, pa.binary(): np.int32, pa.large_string(): np.
 INT32_OFFSETS_MAX = 2**31 - 1  # past it, a string or binary column takes several chunks
 
 
+def binary_buffers(chunk: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """A ``binary`` or ``large_binary`` array's values without a copy: Arrow's data buffer
+    as uint8, and the ``len(chunk) + 1`` offsets of its values into it."""
+    _, offsets, data = chunk.buffers()
+    offsets = np.frombuffer(offsets, dtype=_OFFSETS[chunk.type])[chunk.offset : chunk.offset + len(chunk) + 1]
+    data = np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(0, np.uint8)  # every value empty
+    return data, offsets
+
+
 def table(columns: dict, schema: pa.Schema) -> pa.Table:
     """The table of ``schema`` holding ``columns`` (by name: lists of values, or Arrow
     arrays of the field's type); what ``pa.table(columns, schema=schema)`` gives."""

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import CorruptArchiveError
+from .columns import binary_buffers
 from .records import Part
 
 MAGIC = b"PAR1"
@@ -51,11 +52,9 @@ def frames_crc32c(frames: pa.Array | pa.ChunkedArray) -> int:
     in row order. A frame shorter than 4 bytes (only a damaged one is) gives what it has."""
     crc = 0
     for chunk in frames.chunks if isinstance(frames, pa.ChunkedArray) else [frames]:
-        if len(chunk) == 0:
+        data, offsets = binary_buffers(chunk)
+        if not data.size:  # no frame has a byte: nothing to add
             continue
-        offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int64)[chunk.offset : chunk.offset + len(chunk) + 1]
-        buffer = chunk.buffers()[2]
-        data = np.frombuffer(buffer, dtype=np.uint8) if buffer is not None else np.zeros(1, np.uint8)
         ends = offsets[1:, None]
         index = ends + np.arange(-4, 0)
         held = index >= offsets[:-1, None]  # the bytes a frame has
