@@ -40,6 +40,7 @@ from ..io.lmcache_store import STORE_KIND, Layout
 from ..io.paths import (
     as_uri,
     check_apart,
+    entries,
     name_list,
     os_reason,
     printable,
@@ -134,7 +135,7 @@ def _scan_compressible(source: str, strict: bool = False, lmcache_layout: Layout
     layout, refs = scan_source(source) if lmcache_layout is None else scan_store_source(source, lmcache_layout)
     if strict and layout.skipped:
         raise SourceError(
-            f"source {redact(source)} holds {len(layout.skipped)} entr{'y' if len(layout.skipped) == 1 else 'ies'} "
+            f"source {redact(source)} holds {entries(len(layout.skipped))} "
             f"compress does not take (--strict): " + name_list([f"{s.name} ({s.reason})" for s in layout.skipped])
         )
     if not refs:
@@ -273,9 +274,9 @@ def compress_archive(
                 progress(sum(info.blocks for info in reused.values()))
             _write_parts(run, pool, compress_part, parts, todo, (codec, uri_for(destination, work), lossless), progress)
             bound = bound_constants(codec.fmt, codec.scaling)
-            entries = [run.infos[i] for i in range(len(parts))]
+            part_infos = [run.infos[i] for i in range(len(parts))]
             manifest = archive.build_manifest(
-                source, layout, codec.as_dict(), lossless, bound, len(refs), entries, __version__, made_for
+                source, layout, codec.as_dict(), lossless, bound, len(refs), part_infos, __version__, made_for
             )
             archive.write_manifest(fs, work, manifest)
             archive.clean_scratch(fs, work)
@@ -403,7 +404,7 @@ def decompress_archive(
     foreign = check_output(out_fs, out_path, output, plan, overwrite or force_replace, force_replace, parents)
     if foreign and announce:
         announce(
-            f"--force-replace: replacing {redact(output)} deletes {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
+            f"--force-replace: replacing {redact(output)} deletes {entries(len(foreign))} "
             f"the archive does not describe: {name_list(foreign)}"
         )
     report = DecompressReport(redact(archive_uri), redact(output), 0, 0, 0.0, 0, deleted=foreign)

@@ -56,6 +56,7 @@ from ..io.lmcache_store import (
 )
 from ..io.paths import (
     check_apart,
+    entries,
     list_tree,
     name_list,
     os_reason,
@@ -120,7 +121,7 @@ def _check_paths(source: str, destination: str, overwrite: bool, parents: bool) 
             raise DestinationError(f"destination {printable(destination)} cannot be listed: {os_reason(exc)}") from None
         if foreign:
             raise DestinationError(
-                f"destination {printable(destination)} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
+                f"destination {printable(destination)} holds {entries(len(foreign))} "
                 f"that {'is' if len(foreign) == 1 else 'are'} not an LMCache store's ({name_list(foreign)}): "
                 "--overwrite replaces only a store; move them out first"
             )

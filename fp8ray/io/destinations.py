@@ -16,6 +16,7 @@ from ..errors import ArchiveExistsError, DestinationError
 from . import archive
 from .paths import (
     check_not_special,
+    entries,
     is_temporary,
     list_tree,
     name_list,
@@ -69,7 +70,7 @@ def prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) 
             foreign = sorted(name for name in names if not archive.is_archive_entry(name))
             if foreign:
                 raise DestinationError(
-                    f"destination {redact(uri)} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} beside the "
+                    f"destination {redact(uri)} holds {entries(len(foreign))} beside the "
                     f"archive that fp8ray did not write ({name_list(foreign)}): --overwrite replaces only an archive; "
                     "move them out first"
                 )
@@ -126,10 +127,10 @@ def undo_compress(dest: ArchiveDestination, todo: list[int]) -> None:
         return
     ours = {archive.part_name(i) for i in todo}
     try:
-        entries = dest.fs.get_file_info(pafs.FileSelector(dest.work))
+        found = dest.fs.get_file_info(pafs.FileSelector(dest.work))
     except OSError:
         return
-    for entry in entries:
+    for entry in found:
         if entry.base_name in ours or archive.is_scratch(entry.base_name):
             try:
                 dest.fs.delete_file(entry.path)
@@ -175,7 +176,7 @@ def check_output(
         raise DestinationError(f"output {redact(uri)} cannot be listed: {os_reason(exc)}") from None
     if foreign and not force_replace:
         raise DestinationError(
-            f"output {redact(uri)} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} the archive does not "
+            f"output {redact(uri)} holds {entries(len(foreign))} the archive does not "
             f"describe ({name_list(foreign)}): --overwrite replaces only the archive's own files; "
             "pass --force-replace to delete them too"
         )

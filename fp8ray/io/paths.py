@@ -155,6 +155,11 @@ def printable(name: str) -> str:
     return name if name.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in name)
 
 
+def entries(count: int) -> str:
+    """``count`` entries, in words: ``1 entry``, ``3 entries``."""
+    return f"{count} entr{'y' if count == 1 else 'ies'}"
+
+
 def name_list(names: list[str], limit: int = 10) -> str:
     """Names for a message, printable and comma-separated: the first ``limit``, then how
     many more."""
