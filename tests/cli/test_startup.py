@@ -197,24 +197,30 @@ def test_ctrl_c_while_the_command_starts_exits_130_in_one_line(source, tmp_path,
     assert took < 30, f"took {took:.1f} s to end"
 
 
+def _run_as_program(package, main: str) -> subprocess.CompletedProcess:
+    """Run ``main`` as the ``__main__`` of the package directory ``package`` (made here),
+    with ``python -m``, as the ``fp8ray`` program itself runs."""
+    package.mkdir()
+    (package / "__main__.py").write_text(main)
+    return subprocess.run(
+        [sys.executable, "-m", package.name],
+        env=dict(env(), PYTHONPATH=f"{REPO}:{package.parent}"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_an_interrupt_caught_in_code_run_from_a_string_still_exits_130(tmp_path):
     """A KeyboardInterrupt raised inside ``exec`` of text (numba's generated code, where
     Ctrl-C at about 1.2 s lands) and caught by the command: under ``python -m`` CPython
     would kill the process with SIGINT at exit (-2) unless the command says it handled it."""
-    package = tmp_path / "interrupted_in_exec"
-    package.mkdir()
-    (package / "__main__.py").write_text(
+    result = _run_as_program(
+        tmp_path / "interrupted_in_exec",
         "import sys\n"
         "import fp8ray.cli\n"
         "fp8ray.cli._run = lambda args: exec('raise KeyboardInterrupt', {})\n"
-        "sys.exit(fp8ray.cli.main(['inspect', 'nowhere']))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-m", package.name],
-        env=dict(env(), PYTHONPATH=f"{REPO}:{tmp_path}"),
-        capture_output=True,
-        text=True,
-        timeout=60,
+        "sys.exit(fp8ray.cli.main(['inspect', 'nowhere']))\n",
     )
     assert result.returncode == 130, f"exit {result.returncode}: {result.stderr[-2000:]}"
     assert result.stderr.startswith("fp8ray: interrupted: "), result.stderr[-2000:]
@@ -224,9 +230,8 @@ def test_an_interrupted_command_ends_in_its_one_line_whatever_fails_in_teardown(
     """An interrupt inside numba's compile can leave an llvmlite object half made, whose
     destructor fails as the process ends ("Exception ignored in ..."): the interrupted
     program's stderr is still its one line."""
-    package = tmp_path / "interrupted_mid_object"
-    package.mkdir()
-    (package / "__main__.py").write_text(
+    result = _run_as_program(
+        tmp_path / "interrupted_mid_object",
         "import sys\n"
         "import fp8ray.cli\n"
         "class HalfMade:\n"
@@ -240,14 +245,7 @@ def test_an_interrupted_command_ends_in_its_one_line_whatever_fails_in_teardown(
         "sys.argv = ['fp8ray', 'inspect', 'nowhere']\n"
         "code = fp8ray.cli.main()\n"
         "del kept\n"
-        "sys.exit(code)\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-m", package.name],
-        env=dict(env(), PYTHONPATH=f"{REPO}:{tmp_path}"),
-        capture_output=True,
-        text=True,
-        timeout=60,
+        "sys.exit(code)\n",
     )
     assert result.returncode == 130, f"exit {result.returncode}: {result.stderr[-2000:]}"
     assert result.stderr.splitlines() == ["fp8ray: interrupted: inspect only reads: nothing changed"], result.stderr[-2000:]
