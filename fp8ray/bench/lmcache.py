@@ -14,6 +14,13 @@ what the adapter stores), the relative Frobenius error of K and V over all chunk
 (:mod:`fp8ray.codec.metrics`), and serialize / deserialize throughput in GB/s of KV (the
 chunks' bf16 bytes) per second, the median of ``repeat`` timed runs after a warm-up, the
 serdes taking turns run after run. Each row's ratios are against LMCache's ``fp8`` row.
+
+Each run stores ``copies`` copies of the chunks, each in memory of its own. The shipped
+model's chunks are small (5.9 MB for 256 tokens); stored again and again they stay in
+the CPU's cache, where LMCache's plain cast runs about twice as fast as from memory. A
+chunk of an 8B model (33.5 MB) is larger than that cache, and LMCache stores each chunk
+once, after the GPU wrote it to host memory: enough copies put the run's chunks out of
+the cache, as LMCache's are (BENCHMARKS.md, "LMCache serde").
 """
 
 from __future__ import annotations
@@ -123,7 +130,8 @@ def keys_for(count: int) -> list:
 
 
 class _Subject:
-    """One serde under test: its processor, and buffers for ``chunks`` (all of one shape)."""
+    """One serde under test: its processor, and buffers for ``chunks`` (all of one shape;
+    each in memory of its own)."""
 
     def __init__(self, name: str, processor, chunks: list[torch.Tensor]):
         from lmcache.v1.distributed.api import MemoryLayoutDesc
@@ -145,9 +153,12 @@ class _Subject:
         return time.perf_counter() - start
 
 
-def bench_lmcache(chunks: list[torch.Tensor], modes: list[CodecOptions], repeat: int = 9, max_workers: int = 1) -> list[Row]:
+def bench_lmcache(
+    chunks: list[torch.Tensor], modes: list[CodecOptions], repeat: int = 9, max_workers: int = 1, copies: int = 1
+) -> list[Row]:
     """LMCache's ``fp8`` serde (the baseline), then fp8ray's serde (registered as
-    ``"fp8ray"``) in each of ``modes``, on ``chunks`` (full chunks of one shape).
+    ``"fp8ray"``) in each of ``modes``, on ``chunks`` (full chunks of one shape), each run
+    storing ``copies`` copies of them (the module's docstring says why).
 
     The serdes take turns, run after run (after one warm-up run each), so a change in
     the machine's load during the benchmark reaches every row alike."""
@@ -160,10 +171,11 @@ def bench_lmcache(chunks: list[torch.Tensor], modes: list[CodecOptions], repeat:
     for mode in modes:
         kwargs = {**mode.as_dict(), "max_workers": max_workers}  # as an adapter's "serde" JSON gives them
         configs.append((f"fp8ray {mode.label()}", SerdeConfig(SERDE_TYPE, kwargs)))
+    stored = chunks * copies  # _Subject copies each into memory of its own
     subjects = []
     try:
         for name, config in configs:
-            subjects.append(_Subject(name, create_serde_processor(config), chunks))
+            subjects.append(_Subject(name, create_serde_processor(config), stored))
         for direction in ("serialize", "deserialize"):
             for attempt in range(repeat + 1):  # the first is a warm-up (JIT, page faults)
                 for subject in subjects:
@@ -173,16 +185,16 @@ def bench_lmcache(chunks: list[torch.Tensor], modes: list[CodecOptions], repeat:
     finally:
         for subject in subjects:
             subject.processor.close()
-    raw = sum(c.numel() * c.element_size() for c in chunks)
+    raw = sum(c.numel() * c.element_size() for c in stored)
     rows = []
     for subject in subjects:
         k, v = ErrorSums(), ErrorSums()
-        for chunk, out in zip(chunks, subject.outs):
+        for chunk, out in zip(stored, subject.outs):
             k.add(error_sums(chunk[0], out.tensor[0]))
             v.add(error_sums(chunk[1], out.tensor[1]))
         t_ser, t_de = (statistics.median(subject.times[d]) for d in ("serialize", "deserialize"))
         rows.append(
-            Row(subject.name, subject.size, raw // len(chunks), k.rel_fro, v.rel_fro, raw / t_ser / 1e9, raw / t_de / 1e9)
+            Row(subject.name, subject.size, raw // len(stored), k.rel_fro, v.rel_fro, raw / t_ser / 1e9, raw / t_de / 1e9)
         )
     return rows
 
@@ -205,12 +217,16 @@ def format_table(rows: list[Row], title: str) -> str:
     return "\n".join(lines)
 
 
-def describe(chunks: list[torch.Tensor], tokens: int, max_workers: int, load: float | None = None) -> str:
-    """The table's title: the data, the machine, and its 1-minute load average when the
-    run began (other processes on the same cores slow every row)."""
+def describe(chunks: list[torch.Tensor], tokens: int, max_workers: int, load: float | None = None, copies: int = 1) -> str:
+    """The table's title: the data, how much of it a run stores, the machine, and its
+    1-minute load average when the run began (other processes on the same cores slow
+    every row)."""
     shape = list(chunks[0].shape)
     load_text = f", load average {load:.2f} at the start" if load is not None else ""
+    raw = copies * sum(c.numel() * c.element_size() for c in chunks)
     return (
         f"fp8ray bench lmcache: SmolLM2-135M KV cache of {tokens} tokens as {len(chunks)} LMCache chunks {shape} "
-        f"bfloat16, through AsyncSerdeProcessor(max_workers={max_workers})\n{describe_machine()}{load_text}"
+        f"bfloat16, each run storing {copies} {'copy' if copies == 1 else 'copies'} of them "
+        f"({copies * len(chunks)} chunks, {raw / 1e6:.1f} MB of bf16), "
+        f"through AsyncSerdeProcessor(max_workers={max_workers})\n{describe_machine()}{load_text}"
     )

@@ -94,6 +94,13 @@ def add_commands(commands) -> None:
     lmcache.add_argument("--tokens", type=positive_int, default=512, help="tokens of the shipped text to capture (default 512)")
     lmcache.add_argument("--chunk-tokens", type=positive_int, default=256, help="tokens per LMCache chunk (default 256)")
     lmcache.add_argument("--max-workers", type=positive_int, default=1, help="AsyncSerdeProcessor threads (default 1, LMCache's)")
+    lmcache.add_argument(
+        "--copies",
+        type=positive_int,
+        default=8,
+        help="copies of the chunks each run stores, each in memory of its own (default 8: 16 chunks, 94 MB, more than "
+        "the CPU's cache holds, as LMCache's chunks are when it stores them; 1: the same chunks every run, from the cache)",
+    )
     lmcache.add_argument("--repeat", type=positive_int, default=9, help="timed runs per figure; the median is shown (default 9)")
     lmcache.set_defaults(handler=run_bench_lmcache)
 
@@ -200,8 +207,8 @@ def run_bench_lmcache(args) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # before this run's own work
     chunks = capture_chunks(args.tokens, args.chunk_tokens)
     chunks = [c for c in chunks if c.shape == chunks[0].shape]  # full chunks only: one layout, as a store has
-    rows = bench_lmcache(chunks, modes, args.repeat, args.max_workers)
-    print(format_table(rows, describe(chunks, args.tokens, args.max_workers, load)))
+    rows = bench_lmcache(chunks, modes, args.repeat, args.max_workers, args.copies)
+    print(format_table(rows, describe(chunks, args.tokens, args.max_workers, load, args.copies)))
     return 0
 
 

@@ -397,3 +397,31 @@ def test_bench_lmcache_measures_every_serde_on_the_same_chunks():
     assert all(r.serialize_gbps > 0 and r.deserialize_gbps > 0 for r in rows)
     table = format_table(rows, "title")
     assert table.count("\n| ") == 4 and "| 1.00, 1.00 |" in table
+
+
+def test_bench_lmcache_copies_store_the_chunks_again_from_memory_of_their_own():
+    from fp8ray.bench.lmcache import _Subject, bench_lmcache, describe
+    from fp8ray.eval.sample import sample_kv_chunk
+
+    chunks = [sample_kv_chunk(layers=2, tokens=16, seed=s) for s in range(2)]
+    once, thrice = (bench_lmcache(chunks, [CodecOptions()], repeat=1, copies=n) for n in (1, 3))
+    for a, b in zip(once, thrice):  # the same chunks again: the same sizes and errors
+        assert (a.serde, a.bytes_per_chunk, a.raw_per_chunk, a.k_err, a.v_err) == (
+            b.serde,
+            b.bytes_per_chunk,
+            b.raw_per_chunk,
+            b.k_err,
+            b.v_err,
+        )
+    processor = create_serde_processor(SerdeConfig("fp8", {"max_workers": 1}))
+    try:
+        subject = _Subject("LMCache fp8", processor, chunks * 3)
+    finally:
+        processor.close()
+    for objs in (subject.srcs, subject.bufs, subject.outs):
+        assert len({o.tensor.data_ptr() for o in objs}) == 6  # no copy shares another's memory
+    assert all(torch.equal(o.tensor, c) for o, c in zip(subject.srcs, chunks * 3))
+    title = describe(chunks, 32, 1, copies=3)
+    size = 3 * sum(c.numel() * 2 for c in chunks) / 1e6
+    assert f"each run storing 3 copies of them (6 chunks, {size:.1f} MB of bf16)" in title
+    assert "storing 1 copy of them (2 chunks" in describe(chunks, 32, 1)
