@@ -216,9 +216,11 @@ def _parquet_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tupl
         with fs.open_input_file(path) as f:
             parquet = pq.ParquetFile(f)
             schema = parquet.schema_arrow
-            _check_raw_columns(schema, uri)
+            problem = raw_schema_problem(schema)
+            if problem:
+                raise SourceError(f"{redact(uri)}: {problem}")
             table = parquet.read(columns=["key", "dtype", "shape"])
-            columns = _checked_columns(parquet, uri, table, schema)
+            columns = _checked_columns(parquet, uri, table)
     except OSError as exc:
         if getattr(exc, "errno", None):
             raise SourceError(f"{redact(uri)} cannot be read: {os_reason(exc)}") from None
@@ -234,38 +236,42 @@ def _parquet_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tupl
     return SourceFile(name, len(refs), schema=base64.b64encode(schema.serialize().to_pybytes()).decode()), refs
 
 
-def _check_raw_columns(schema: pa.Schema, uri: str) -> None:
-    """Refuse a Parquet source without the raw-block columns, or with others."""
+def raw_schema_problem(schema: pa.Schema) -> str | None:
+    """What keeps ``schema`` from being a raw-block Parquet source's (the columns
+    :data:`RAW_COLUMNS`, no others, of their types), or None. A source is checked
+    against it as it is scanned, and the schema an archive records as it is read back."""
     missing = [c for c in RAW_COLUMNS if c not in schema.names]
     if missing:
-        raise SourceError(f"{redact(uri)}: a raw-block Parquet source needs columns {list(RAW_COLUMNS)}; missing {missing}")
+        return f"a raw-block Parquet source needs columns {list(RAW_COLUMNS)}; missing {missing}"
     extra = [c for c in schema.names if c not in RAW_COLUMNS]
     if extra:  # they would not be archived, so not given back: refuse rather than lose them
-        raise SourceError(f"{redact(uri)}: columns {extra} are not archived; a raw-block source holds only {list(RAW_COLUMNS)}")
+        return f"columns {extra} are not archived; a raw-block source holds only {list(RAW_COLUMNS)}"
+    types = {c: schema.field(c).type for c in RAW_COLUMNS}
+    plain = {c: t.value_type if pa.types.is_dictionary(t) else t for c, t in types.items()}  # repeated strings
+    expected = {
+        "key": (_is_text(plain["key"]) or pa.types.is_integer(plain["key"]), "a string"),
+        "dtype": (_is_text(plain["dtype"]), "a string"),
+        "shape": (_is_int_list(plain["shape"]), "a list of integers"),
+        "data": (_is_bytes(types["data"]), "binary"),
+    }
+    for name, (ok, wanted) in expected.items():
+        if not ok:
+            return f"column {name!r} is {types[name]}; expected {wanted}"
+    return None
 
 
-def _checked_columns(parquet: pq.ParquetFile, uri: str, table: pa.Table, schema: pa.Schema) -> dict:
-    """The ``key``, ``dtype`` and ``shape`` columns (dictionaries decoded), each checked
-    at once for its type and nulls, and ``data``'s type and nulls (from the row groups'
-    statistics, so that the driver does not read the data): a bad row is refused naming
-    the file, the column, the row (counted from 0) and its key, before anything is written."""
+def _checked_columns(parquet: pq.ParquetFile, uri: str, table: pa.Table) -> dict:
+    """The ``key``, ``dtype`` and ``shape`` columns (dictionaries decoded; their types
+    checked by :func:`raw_schema_problem`), each checked at once for nulls and values, and
+    ``data``'s nulls (from the row groups' statistics, so that the driver does not read
+    the data): a bad row is refused naming the file, the column, the row (counted from 0)
+    and its key, before anything is written."""
     columns = {}
     for name in ("key", "dtype", "shape"):
         column = table.column(name)
         if pa.types.is_dictionary(column.type):  # how pandas and Arrow write repeated strings
             column = column.cast(column.type.value_type)
         columns[name] = column
-    key_type, dtype_type, shape_type = (columns[c].type for c in ("key", "dtype", "shape"))
-    data_type = schema.field("data").type
-    expected = {
-        "key": (_is_text(key_type) or pa.types.is_integer(key_type), "a string"),
-        "dtype": (_is_text(dtype_type), "a string"),
-        "shape": (_is_int_list(shape_type), "a list of integers"),
-        "data": (_is_bytes(data_type), "binary"),
-    }
-    for name, (ok, wanted) in expected.items():
-        if not ok:
-            raise SourceError(f"{redact(uri)}: column {name!r} is {schema.field(name).type}; expected {wanted}")
     keys = columns["key"]
 
     def refuse(row: int, what: str) -> None:

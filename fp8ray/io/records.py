@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import pyarrow as pa
+
 from ..codec.bound import bound_constants
 from ..codec.options import CodecOptions
 from ..errors import CorruptArchiveError, InvalidOptionError
-from .blocks import SUFFIXES, SourceLayout
+from .blocks import SUFFIXES, SourceLayout, parquet_schema, raw_schema_problem
 from .lmcache_store import STORE_KIND
 from .provenance import Provenance, short_repr
 
@@ -146,7 +148,7 @@ def _layout(obj: object, label: str) -> SourceLayout:
         file = _Fields(entry, f"{label}, file {i}")
         file("name", str)
         file("blocks", int)
-        file("schema", str, null=True, optional=True)
+        _schema(file("schema", str, null=True, optional=True), kind, f"{label}, file {i}")
         metadata = file("metadata", dict, optional=True)
         if metadata:
             _strings(metadata, f"{label}, file {i}'s metadata")
@@ -158,6 +160,23 @@ def _layout(obj: object, label: str) -> SourceLayout:
         return SourceLayout.from_dict(obj)
     except TypeError as exc:  # a field this reader does not know
         raise CorruptArchiveError(f"{label}: {exc}") from None
+
+
+def _schema(schema: str | None, kind: str, label: str) -> None:
+    """A file's recorded Arrow schema: what a Parquet file is written back with (base64
+    IPC bytes), and nothing for the other kinds."""
+    if kind != "parquet":
+        if schema is not None:
+            raise CorruptArchiveError(f"{label} records a Parquet schema, but the layout's 'kind' is {kind!r}")
+        return
+    if schema is None:
+        raise CorruptArchiveError(f"{label} records no Parquet schema, which a layout of 'kind' 'parquet' needs")
+    try:
+        problem = raw_schema_problem(parquet_schema(schema))
+    except (ValueError, OSError, pa.ArrowException) as exc:  # binascii.Error: ValueError; a bad IPC message: OSError
+        raise CorruptArchiveError(f"{label}'s 'schema' is not a base64 Arrow schema: {exc}") from None
+    if problem:
+        raise CorruptArchiveError(f"{label}'s 'schema' is not a raw-block source's: {problem}")
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,14 @@ needs is checked once, and a bad one is named with its file."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 from safetensors.torch import load_file
@@ -145,6 +147,8 @@ def test_a_part_entry_missing_a_field_names_it(name):
         (("parts", 1, "name"), "_manifest.json", r"part entry 1 names '_manifest.json', not a part"),
         (("layout", "kind"), "numpy", r"layout's 'kind' is 'numpy', not one of \['parquet', 'safetensors'\]"),
         (("layout", "container"), "zip", r"layout's 'container' is 'zip'"),
+        (("layout", "kind"), "parquet", r"layout, file 0 records no Parquet schema, which a layout of 'kind' 'parquet' needs"),
+        (("layout", "files", 1, "schema"), "AAAA", r"layout, file 1 records a Parquet schema, but the layout's 'kind' is 'safe"),
         (("layout", "files", 1, "blocks"), 2.5, r"layout, file 1's 'blocks' is 2.5, not a non-negative integer"),
         (("layout", "files", 0, "metadata", "request"), 0, r"file 0's metadata's 'request' is 0, not a string"),
         (("layout", "files", 0, "owner"), "x", r"layout: .*owner"),
@@ -156,6 +160,37 @@ def test_a_part_entry_missing_a_field_names_it(name):
 def test_a_manifest_field_of_the_wrong_kind_is_named(path, value, message):
     with pytest.raises(CorruptArchiveError, match=rf"^m\.json: .*{message}"):
         Manifest.from_json(replaced(manifest_json(), path, value), "m.json")
+
+
+def encoded(schema: pa.Schema) -> str:
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+RAW = [("key", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("data", pa.binary())]
+
+
+@pytest.mark.parametrize(
+    "schema, message",
+    [
+        ("not base64!", "a base64 Arrow schema: "),
+        ("AAAA", "a base64 Arrow schema: "),
+        (base64.b64encode(b"\xff" * 40).decode(), "a base64 Arrow schema: "),
+        (encoded(pa.schema([("x", pa.int32())])), r"a raw-block source's: .* needs columns .*; missing \['key'"),
+        (encoded(pa.schema([*RAW[:3], ("data", pa.string())])), r"a raw-block source's: column 'data' is string; expected bin"),
+        (encoded(pa.schema([*RAW, ("note", pa.string())])), r"a raw-block source's: columns \['note'\] are not archived"),
+    ],
+)
+def test_a_parquet_layout_whose_schema_is_not_a_sources_is_refused(schema, message):
+    """A decompress would write the Parquet file back with this schema (a tampered one
+    crashed the writer)."""
+    obj = replaced(manifest_json(), ("layout", "kind"), "parquet")
+    good = encoded(pa.schema(RAW))
+    for i, file in enumerate(obj["layout"]["files"]):
+        file["schema"] = schema if i == 1 else good
+    with pytest.raises(CorruptArchiveError, match=rf"^m\.json: the manifest's layout, file 1's 'schema' is not {message}"):
+        Manifest.from_json(obj, "m.json")
+    obj["layout"]["files"][1]["schema"] = good
+    assert Manifest.from_json(obj, "m.json").layout.kind == "parquet"
 
 
 def test_a_damaged_manifest_file_names_the_file_and_field(tmp_path):
