@@ -113,6 +113,7 @@ def _finish(args, bar, report, summary: str) -> None:
 def run_compress(args) -> int:
     from ..engine.archives import compress_archive
     from ..io.blocks import list_blocks
+    from ..io.paths import counted
     from ..io.store_source import scan_store_source
 
     options = codec_options(args)  # bad options fail before Ray starts
@@ -140,10 +141,10 @@ def run_compress(args) -> int:
         bar,
         report,
         (
-            f"compressed {report.blocks} blocks into {report.parts} parts ({report.parts_reused} reused): "
+            f"compressed {counted(report.blocks, 'block')} into {counted(report.parts, 'part')} ({report.parts_reused} reused): "
             f"{report.raw_bytes / 2**20:.1f} MiB -> {report.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x), "
-            f"{report.input_gbps:.2f} GB/s of input on {report.workers} workers ({', '.join(report.devices) or 'no new parts'})"
-            + skipped_summary(report.skipped)
+            f"{report.input_gbps:.2f} GB/s of input on {counted(report.workers, 'worker')} "
+            f"({', '.join(report.devices) or 'no new parts'})" + skipped_summary(report.skipped)
         ),
     )
     return 0
@@ -153,13 +154,13 @@ def skipped_summary(skipped: list[dict]) -> str:
     """``"; skipped 2 files: README.txt, tenant_b/index.json"`` (folders end in ``/``), or
     nothing when a source tree was taken whole. Every one is in ``--json`` and the
     manifest, with why."""
-    from ..io.paths import name_list
+    from ..io.paths import counted, name_list
 
     if not skipped:
         return ""
     folders = sum(s["name"].endswith("/") for s in skipped)
     files = len(skipped) - folders
-    counts = [f"{n} {word}{'' if n == 1 else 's'}" for n, word in ((files, "file"), (folders, "folder")) if n]
+    counts = [counted(n, word) for n, word in ((files, "file"), (folders, "folder")) if n]
     return f"; skipped {' and '.join(counts)}: {name_list([s['name'] for s in skipped])}"
 
 
@@ -172,6 +173,7 @@ def _manifest_blocks(uri: str) -> int:
 
 def run_decompress(args) -> int:
     from ..engine.archives import decompress_archive
+    from ..io.paths import counted
 
     bar, update = progress(args, lambda: _manifest_blocks(args.archive))
     report = decompress_archive(
@@ -194,9 +196,9 @@ def run_decompress(args) -> int:
         bar,
         report,
         (
-            f"decompressed {report.blocks} blocks ({report.raw_bytes / 2**20:.1f} MiB) "
-            f"into {report.files} file(s){as_store} at {report.output}, "
-            f"{report.output_gbps:.2f} GB/s of output on {args.workers} workers{serde}"
+            f"decompressed {counted(report.blocks, 'block')} ({report.raw_bytes / 2**20:.1f} MiB) "
+            f"into {counted(report.files, 'file')}{as_store} at {report.output}, "
+            f"{report.output_gbps:.2f} GB/s of output on {counted(args.workers, 'worker')}{serde}"
         ),
     )
     return 0
@@ -204,10 +206,12 @@ def run_decompress(args) -> int:
 
 def run_verify(args) -> int:
     from ..engine.archives import verify_archive
+    from ..io.paths import counted
 
     bar, update = progress(args, lambda: _manifest_blocks(args.archive))
     report = verify_archive(args.archive, against=args.against, pool=pool_settings(args), progress=update)
-    summary = f"{report.blocks} blocks in {report.parts} parts: " + ("ok" if report.ok else f"{len(report.errors)} problem(s)")
+    summary = f"{counted(report.blocks, 'block')} in {counted(report.parts, 'part')}: "
+    summary += "ok" if report.ok else counted(len(report.errors), "problem")
     if report.metrics:
         worst = max(report.metrics.items(), key=lambda kv: kv[1]["rel_fro"])
         summary += f"; worst relative error {worst[1]['rel_fro']:.3%} ({worst[0]!r})"
@@ -215,7 +219,7 @@ def run_verify(args) -> int:
     if not report.ok:
         for error in report.errors:
             warn(error)
-        warn(f"error: archive {report.archive} failed verification ({len(report.errors)} problem(s))")
+        warn(f"error: archive {report.archive} failed verification ({counted(len(report.errors), 'problem')})")
         return 1
     return 0
 
@@ -224,7 +228,7 @@ def run_inspect(args) -> int:
     from dataclasses import asdict
 
     from ..engine.archives import inspect_archive
-    from ..io.paths import redact
+    from ..io.paths import counted, redact
 
     report = inspect_archive(args.archive)
     manifest = report.manifest
@@ -233,7 +237,8 @@ def run_inspect(args) -> int:
     else:
         skipped = [asdict(s) for s in manifest.layout.skipped] if manifest.layout else []
         print(
-            f"{redact(args.archive)}: {manifest.blocks} blocks in {len(manifest.parts)} parts, {manifest.options.label()}; "
+            f"{redact(args.archive)}: {counted(manifest.blocks, 'block')} in {counted(len(manifest.parts), 'part')}, "
+            f"{manifest.options.label()}; "
             f"{manifest.raw_bytes / 2**20:.1f} MiB -> {manifest.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x); "
             f"fp8ray {manifest.fp8ray_version}"
             + (f"; made for {manifest.provenance.describe()}" if manifest.provenance else "")
@@ -242,7 +247,7 @@ def run_inspect(args) -> int:
     if report.problems:
         for problem in report.problems:
             warn(problem)
-        warn(f"error: archive {redact(args.archive)} failed inspection ({len(report.problems)} problem(s))")
+        warn(f"error: archive {redact(args.archive)} failed inspection ({counted(len(report.problems), 'problem')})")
         return 1
     return 0
 

@@ -35,6 +35,7 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
     from ..engine.runtime import connect_ray, disconnect_ray
     from ..eval.capture import capture
     from ..eval.fidelity import fidelity_report
+    from ..io.paths import counted
 
     options = options or CodecOptions()
 
@@ -73,7 +74,8 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
             captured,
             f"compress ({mode}, {workers} QuantWorkers on {', '.join(compressed.devices)}): "
             f"{compressed.blocks} blocks, {compressed.raw_bytes / 2**20:.2f} MiB -> {compressed.archive_bytes / 2**20:.2f} MiB "
-            f"({compressed.ratio:.2f}x) in {compressed.parts} Parquet part(s), {compressed.input_gbps:.2f} GB/s of input",
+            f"({compressed.ratio:.2f}x) in {counted(compressed.parts, 'Parquet part')}, "
+            f"{compressed.input_gbps:.2f} GB/s of input",
             f"verify against the source: {verified.blocks} blocks, every checksum ok",
             f"fidelity: keys   relative error {k['rel_fro']:.3%}, SNR {k['snr_db']:.1f} dB, cosine {k['cosine']:.6f}",
             f"          values relative error {v['rel_fro']:.3%}, SNR {v['snr_db']:.1f} dB, cosine {v['cosine']:.6f}",

@@ -155,9 +155,15 @@ def printable(name: str) -> str:
     return name if name.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in name)
 
 
+def counted(count: int, word: str, plural: str | None = None) -> str:
+    """``count`` of ``word``, in words: ``1 part``, ``3 parts`` (``plural`` where it is
+    not the word and an s)."""
+    return f"{count} {word if count == 1 else plural or word + 's'}"
+
+
 def entries(count: int) -> str:
     """``count`` entries, in words: ``1 entry``, ``3 entries``."""
-    return f"{count} entr{'y' if count == 1 else 'ies'}"
+    return counted(count, "entry", "entries")
 
 
 def name_list(names: list[str], limit: int = 10) -> str:

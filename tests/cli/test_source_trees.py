@@ -127,10 +127,10 @@ def test_verify_against_names_the_source_file_the_archive_lacks(tree, tmp_path, 
     assert code == 0 and "ok" in stdout
     shutil.copy(tree / "req00.safetensors", tree / "tenant_b" / "extra.safetensors")  # every key is one the archive has
     code, stdout, err = run(capsys, "verify", arch, "--against", tree, *INLINE)
-    assert code == 1 and "1 problem(s)" in stdout
+    assert code == 1 and "1 problem" in stdout
     assert err.splitlines() == [
         "fp8ray: source file tenant_b/extra.safetensors (4 blocks) is not in the archive",
-        f"fp8ray: error: archive {arch} failed verification (1 problem(s))",
+        f"fp8ray: error: archive {arch} failed verification (1 problem)",
     ]
     (tree / "tenant_b" / "extra.safetensors").unlink()
     save_file(
@@ -185,7 +185,7 @@ def test_a_missing_part_is_missing_everywhere(two_parts, tmp_path, capsys):
     missing = f"part part-00001.parquet is missing from {arch} (the manifest records it, {size} bytes)"
     code, stdout, err = run(capsys, "inspect", arch)
     assert code == 1 and stdout.startswith(f"{arch}: ")
-    assert err.splitlines() == [f"fp8ray: {missing}", f"fp8ray: error: archive {arch} failed inspection (1 problem(s))"]
+    assert err.splitlines() == [f"fp8ray: {missing}", f"fp8ray: error: archive {arch} failed inspection (1 problem)"]
     code, stdout, _ = run(capsys, "inspect", arch, "--json")
     assert code == 1 and json.loads(stdout)["problems"] == [missing]
     code, _, err = run(capsys, "verify", arch, *INLINE)

@@ -267,7 +267,7 @@ def test_the_command_line_backs_up_and_restores_a_store(tmp_path, capsys):
     assert f"compressed {len(CHUNKS)} blocks" in out and "skipped 1 file and 1 folder: notes.txt, tmp/" in out
     assert main(["decompress", arch, str(tmp_path / "back"), "--lmcache-form", "fp8ray", "--expect-model", MODEL, *base]) == 0
     out, _ = capsys.readouterr()
-    assert f"into {len(CHUNKS)} file(s) as fp8ray LMCache chunk files" in out and '"serde": {"type": "fp8ray"' in out
+    assert f"into {len(CHUNKS)} files as fp8ray LMCache chunk files" in out and '"serde": {"type": "fp8ray"' in out
     assert tree(tmp_path / "back").keys() == files.keys()
     argv = ["decompress", arch, str(tmp_path / "other"), "--lmcache-form", "raw", "--expect-model", "Qwen/Qwen2.5-7B", *base]
     assert main(argv) == 1
