@@ -14,8 +14,6 @@ the scale convention is in :mod:`fp8ray.codec.formats`; the frame layout in
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
 from ..errors import BadInputError, BlockError, CorruptFrameError, InvalidOptionError, MismatchError, NonFiniteError
@@ -156,7 +154,7 @@ class Fp8Codec:
         )
 
     def _header(self, shape, dtype: str) -> frame.FrameHeader:
-        shape = tuple(operator.index(d) for d in shape)  # a float dimension is refused, not truncated
+        shape = frame.dimensions(shape)
         frame.check_shape(shape)  # what the decoder would refuse is never written
         scale_dtype = frame.stored_scale_dtype(self.scaling, self.scale_dtype)
         return frame.FrameHeader(self.fmt, self.scaling, dtype, shape, self.block_size, scale_dtype)
@@ -306,7 +304,7 @@ def decode_raw(data, dtype: str, shape, out: np.ndarray | None = None, *, thread
     the mirror of :meth:`Fp8Codec.encode_raw` (``fp8ray decompress`` writes bytes to
     files). A frame holding another dtype or shape raises :class:`MismatchError`, one
     that is damaged :class:`CorruptFrameError`."""
-    dtype, shape = dtype_name(dtype), tuple(operator.index(d) for d in shape)
+    dtype, shape = dtype_name(dtype), frame.dimensions(shape)
     buf, header, scales, codes = _opened(data)
     if (header.dtype, header.shape) != (dtype, shape):
         _refuse(buf, header, f"expected a {shape} {dtype} tensor", "shape" if header.dtype == dtype else "dtype")

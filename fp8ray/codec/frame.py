@@ -24,6 +24,7 @@ float32 scales, unchanged.
 from __future__ import annotations
 
 import math
+import operator
 import struct
 import sys
 from dataclasses import dataclass
@@ -116,6 +117,22 @@ def header_for(options, dtype: str, shape: tuple[int, ...]) -> FrameHeader:
     block_size = options.block_size if options.scaling == "block" else 0
     scale_dtype = stored_scale_dtype(options.scaling, options.scale_dtype)
     return FrameHeader(options.fmt, options.scaling, dtype, tuple(shape), block_size, scale_dtype)
+
+
+def dimensions(shape) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints; a ``TypeError`` naming the dimension for one that is
+    not an integer (a float is refused, not truncated)."""
+    try:
+        given = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape must be a sequence of integers, got {shape!r}") from None
+    out = []
+    for i, d in enumerate(given):
+        try:
+            out.append(operator.index(d))
+        except TypeError:
+            raise TypeError(f"shape {given}: dimension {i} is {d!r}, not an integer") from None
+    return tuple(out)
 
 
 def check_shape(shape: tuple[int, ...]) -> None:

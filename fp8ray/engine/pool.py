@@ -18,6 +18,8 @@ run (Ray actors, or threads of this process) is :mod:`fp8ray.engine.backends`.
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -72,17 +74,18 @@ class PoolSettings:
     start_timeout: float = 120.0
 
     def __post_init__(self):
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise InvalidOptionError(f"num_workers must be a positive integer, got {self.num_workers!r}", field="num_workers")
-        if self.gpus_per_worker < 0 or self.cpus_per_worker <= 0:
-            raise InvalidOptionError(
-                f"gpus_per_worker must be >= 0 and cpus_per_worker > 0, got {self.gpus_per_worker}, {self.cpus_per_worker}",
-                field="gpus_per_worker" if self.gpus_per_worker < 0 else "cpus_per_worker",
-            )
-        if self.window is not None and self.window < 1:
-            raise InvalidOptionError(f"window must be at least 1, got {self.window}", field="window")
-        if self.max_attempts < 1:
-            raise InvalidOptionError(f"max_attempts must be at least 1, got {self.max_attempts}", field="max_attempts")
+        whole = {"num_workers": self.num_workers, "max_attempts": self.max_attempts}
+        if self.window is not None:
+            whole["window"] = self.window
+        for name, value in whole.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise InvalidOptionError(f"{name} must be a positive integer, got {value!r}", field=name)
+        for name, above in (("gpus_per_worker", False), ("cpus_per_worker", True), ("start_timeout", True)):
+            value = getattr(self, name)
+            real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            if not real or value < 0 or (above and value == 0):
+                wanted = "above 0" if above else "at least 0"
+                raise InvalidOptionError(f"{name} must be a number {wanted}, got {value!r}", field=name)
 
     @property
     def inline(self) -> bool:

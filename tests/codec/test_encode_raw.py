@@ -101,8 +101,12 @@ def test_raw_bytes_that_do_not_fit_are_refused_by_name():
         codec.encode_raw(data, "int8", (2, 6))
     with pytest.raises(TypeError, match=r"data must be a 1-D uint8 array, got a 1-D int16 array"):
         codec.encode_raw(data.view(np.int16), "bfloat16", (2, 3))
-    with pytest.raises(TypeError, match=r"'float' object cannot be interpreted as an integer"):
+    with pytest.raises(TypeError, match=r"^shape \(2, 3.0\): dimension 1 is 3.0, not an integer$"):
         codec.encode_raw(data, "bfloat16", (2, 3.0))  # refused, not truncated
+    with pytest.raises(TypeError, match=r"^shape \('2', 3\): dimension 0 is '2', not an integer$"):
+        decode_raw(codec.encode_raw(data, "bfloat16", (2, 3)), "bfloat16", ("2", 3))
+    with pytest.raises(TypeError, match=r"^shape must be a sequence of integers, got 6$"):
+        codec.encoded_size(6, "bfloat16")
     with pytest.raises(BadInputError, match=r"out must be a writable contiguous 1-D uint8 array"):
         codec.encode_raw(data, "bfloat16", (2, 3), out=np.empty(3, np.uint8))
 

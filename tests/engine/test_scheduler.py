@@ -3,6 +3,7 @@ checked on the driver; order, window and per-worker load; settings checked at on
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -72,10 +73,23 @@ def test_inline_calls_keep_order_and_no_worker_runs_two_at_once():
 def test_settings_are_checked_when_made_and_taken_by_every_operation(tmp_path):
     with pytest.raises(InvalidOptionError, match="num_workers must be a positive integer, got 0"):
         PoolSettings(num_workers=0)
-    with pytest.raises(InvalidOptionError, match="cpus_per_worker > 0"):
+    with pytest.raises(InvalidOptionError, match="cpus_per_worker must be a number above 0, got 0"):
         QuantPool(cpus_per_worker=0)
-    with pytest.raises(InvalidOptionError, match="window must be at least 1"):
+    with pytest.raises(InvalidOptionError, match="window must be a positive integer, got 0"):
         PoolSettings(window=0)
+    for name, value, wanted in [
+        ("gpus_per_worker", float("nan"), "a number at least 0"),
+        ("gpus_per_worker", -0.5, "a number at least 0"),
+        ("cpus_per_worker", float("inf"), "a number above 0"),
+        ("start_timeout", -1, "a number above 0"),
+        ("start_timeout", "60", "a number above 0"),
+        ("max_attempts", 1.5, "a positive integer"),
+        ("window", True, "a positive integer"),
+    ]:
+        with pytest.raises(InvalidOptionError, match=rf"^{name} must be {wanted}, got {re.escape(repr(value))}$") as caught:
+            PoolSettings(**{name: value})
+        assert caught.value.field == name
+    assert PoolSettings(num_workers=np.int64(3), gpus_per_worker=np.float64(0.5), start_timeout=1).num_workers == 3
     with pytest.raises(TypeError, match="pool must be a running QuantPool, PoolSettings or None, got int"):
         fp8ray.compress_archive(str(tmp_path / "none.safetensors"), str(tmp_path / "a"), pool=4)
     with pytest.raises(InvalidOptionError, match="unknown codec option 'workers'"):  # pool=PoolSettings(num_workers=4)
