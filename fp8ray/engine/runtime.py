@@ -12,7 +12,7 @@ import threading
 import psutil
 import ray
 
-from ..errors import PoolStartError
+from ..errors import InvalidOptionError, PoolStartError
 from .address import CONNECT_SECONDS, LOCAL, answers, endpoint
 
 # What the embedded Ray this process started left on the machine, removed when it stops:
@@ -43,12 +43,18 @@ def connect_ray(address: str | None, num_cpus: int | None) -> bool:
     global _started_dir, _before
     if ray.is_initialized():
         return False
-    from_environment = not address
     address = address or os.environ.get("RAY_ADDRESS") or LOCAL
+    where = " (RAY_ADDRESS)" if address == os.environ.get("RAY_ADDRESS") else ""  # a pool's default is it too
+    if address not in (LOCAL, "auto") and endpoint(address) is None:  # Ray's own message names no form
+        raise InvalidOptionError(
+            f"address {address!r}{where} is not a Ray address: give HOST:PORT or ray://HOST:PORT (a cluster), "
+            "auto (the cluster ray start runs here), local (an embedded Ray) or inline (no Ray)",
+            field="address",
+        )
     # Ray retries an address that does not answer for minutes, printing its warnings: say so at once.
-    if address != LOCAL and endpoint(address) is not None and not answers(address, CONNECT_SECONDS):
+    if address not in (LOCAL, "auto") and not answers(address, CONNECT_SECONDS):
         raise PoolStartError(
-            f"no Ray cluster answers at {address}{' (RAY_ADDRESS)' if from_environment else ''}: start one "
+            f"no Ray cluster answers at {address}{where}: start one "
             "(ray start --head), or pass --address inline (no Ray) or --address local (an embedded one)"
         )
     handlers = _signal_handlers()

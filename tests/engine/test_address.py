@@ -214,8 +214,29 @@ def test_an_address_where_no_cluster_answers_is_refused_at_once(source, tmp_path
     else:
         argv += ["--address", gone]
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1 and result.stderr.startswith(f"fp8ray: error: no Ray cluster answers at {gone}"), result.stderr
+    named = f"{gone} (RAY_ADDRESS)" if given == "RAY_ADDRESS" else f"{gone}:"
+    assert result.returncode == 1 and result.stderr.startswith(f"fp8ray: error: no Ray cluster answers at {named}"), result.stderr
     assert result.stderr.count("\n") == 1 and not (tmp_path / "out.fp8").exists()
+
+
+@pytest.mark.parametrize("address", ["bogus", "host:notaport", ":6379"])
+@pytest.mark.parametrize("given", ["--address", "RAY_ADDRESS"])
+def test_an_address_of_no_known_form_is_refused_naming_the_forms(source, tmp_path, ray_tmp, given, address):
+    """Ray's own messages ('Invalid address format: bogus', a 'Malformed host' traceback
+    line) named no form an address may take."""
+    env = env_for(ray_tmp)
+    argv = [str(BIN / "fp8ray"), "compress", str(source), str(tmp_path / "out.fp8")]
+    if given == "RAY_ADDRESS":
+        env["RAY_ADDRESS"] = address
+    else:
+        argv += ["--address", address]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    named = f"{address!r} (RAY_ADDRESS)" if given == "RAY_ADDRESS" else repr(address)
+    assert result.returncode == 1 and result.stderr == (
+        f"fp8ray: error: address {named} is not a Ray address: give HOST:PORT or ray://HOST:PORT (a cluster), "
+        "auto (the cluster ray start runs here), local (an embedded Ray) or inline (no Ray)\n"
+    ), result.stderr
+    assert not (tmp_path / "out.fp8").exists()
 
 
 def test_gpus_the_pools_own_ray_lacks_are_refused_at_once(ray_tmp):
