@@ -45,14 +45,15 @@ def connect_ray(address: str | None, num_cpus: int | None) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS") or LOCAL
     where = " (RAY_ADDRESS)" if address == os.environ.get("RAY_ADDRESS") else ""  # a pool's default is it too
-    if address not in (LOCAL, "auto") and endpoint(address) is None:  # Ray's own message names no form
+    cluster = address not in (LOCAL, "auto")  # auto: Ray finds the cluster ray start runs here
+    if cluster and endpoint(address) is None:  # Ray's own message names no form
         raise InvalidOptionError(
             f"address {address!r}{where} is not a Ray address: give HOST:PORT or ray://HOST:PORT (a cluster), "
             "auto (the cluster ray start runs here), local (an embedded Ray) or inline (no Ray)",
             field="address",
         )
     # Ray retries an address that does not answer for minutes, printing its warnings: say so at once.
-    if address not in (LOCAL, "auto") and not answers(address, CONNECT_SECONDS):
+    if cluster and not answers(address, CONNECT_SECONDS):
         raise PoolStartError(
             f"no Ray cluster answers at {address}{where}: start one "
             "(ray start --head), or pass --address inline (no Ray) or --address local (an embedded one)"
