@@ -202,18 +202,23 @@ def test_with_a_local_cluster_running_a_command_joins_it(source, tmp_path, ray_t
     assert len(logs) == 2, sorted(os.listdir(os.path.join(ray_tmp, "ray", "session_latest", "logs")))
 
 
+def compress_at(address: str, given: str, source, out, ray_tmp) -> subprocess.CompletedProcess:
+    """``fp8ray compress source out`` with ``address`` given as ``--address`` or as ``RAY_ADDRESS``."""
+    env = env_for(ray_tmp)
+    argv = [str(BIN / "fp8ray"), "compress", str(source), str(out)]
+    if given == "RAY_ADDRESS":
+        env["RAY_ADDRESS"] = address
+    else:
+        argv += ["--address", address]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.parametrize("given", ["--address", "RAY_ADDRESS"])
 def test_an_address_where_no_cluster_answers_is_refused_at_once(source, tmp_path, ray_tmp, given):
     """Ray retries such an address for minutes, printing its warnings: a command says in one
     line that nothing answers there, and writes nothing."""
     gone = f"127.0.0.1:{free_port()}"
-    env = env_for(ray_tmp)
-    argv = [str(BIN / "fp8ray"), "compress", str(source), str(tmp_path / "out.fp8")]
-    if given == "RAY_ADDRESS":
-        env["RAY_ADDRESS"] = gone
-    else:
-        argv += ["--address", gone]
-    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    result = compress_at(gone, given, source, tmp_path / "out.fp8", ray_tmp)
     named = f"{gone} (RAY_ADDRESS)" if given == "RAY_ADDRESS" else f"{gone}:"
     assert result.returncode == 1 and result.stderr.startswith(f"fp8ray: error: no Ray cluster answers at {named}"), result.stderr
     assert result.stderr.count("\n") == 1 and not (tmp_path / "out.fp8").exists()
@@ -224,13 +229,7 @@ def test_an_address_where_no_cluster_answers_is_refused_at_once(source, tmp_path
 def test_an_address_of_no_known_form_is_refused_naming_the_forms(source, tmp_path, ray_tmp, given, address):
     """Ray's own messages ('Invalid address format: bogus', a 'Malformed host' traceback
     line) named no form an address may take."""
-    env = env_for(ray_tmp)
-    argv = [str(BIN / "fp8ray"), "compress", str(source), str(tmp_path / "out.fp8")]
-    if given == "RAY_ADDRESS":
-        env["RAY_ADDRESS"] = address
-    else:
-        argv += ["--address", address]
-    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    result = compress_at(address, given, source, tmp_path / "out.fp8", ray_tmp)
     named = f"{address!r} (RAY_ADDRESS)" if given == "RAY_ADDRESS" else repr(address)
     assert result.returncode == 1 and result.stderr == (
         f"fp8ray: error: address {named} is not a Ray address: give HOST:PORT or ray://HOST:PORT (a cluster), "
