@@ -39,6 +39,7 @@ from ray.util import metrics
 
 from ..codec import formats
 from ..codec.blocks import Block, bytes_to_tensor
+from ..codec.fp8codec import Fp8Codec
 from ..engine.backends import worker_exception
 from ..engine.worker import QuantWorker
 from ..errors import BadInputError, CorruptDataError, RequestError, WorkersUnavailableError
@@ -54,6 +55,7 @@ from .requests import (
     raw_layout,
     refusal,
     response_limit,
+    single_params,
     split,
 )
 from .stats import REPORT_INTERVAL_S, ReplicaCounts, ServiceStats
@@ -251,6 +253,8 @@ class Fp8Service:
         start = time.perf_counter()
         bytes_in = 0
         try:
+            query = request.query_params
+            single_params(query, {name: len(query.getlist(name)) for name in query})
             body = await self._read_body(request) if request.method == "POST" else b""
             bytes_in = len(body)
             response = await handler(request, body)
@@ -260,8 +264,8 @@ class Fp8Service:
                 logger.exception("%s %s failed", request.method, route)
                 answer = (500, f"internal error ({type(exc).__name__}); the service log has the details", None)
             response = _refusal_response(*answer)
-        if limit is None:
-            limit = response_limit(bytes_in + len(request.url.query))
+        if limit is None:  # the frames' bytes: what the encode handler found the request's shapes need
+            limit = response_limit(bytes_in + len(request.url.query), getattr(request.state, "frame_bytes", 0))
         if len(response.body) > limit:  # cannot happen by the derivation: never send it anyway
             logger.error(
                 "%s %s: a %d-byte response to a %d-byte request exceeds its bound",
@@ -319,6 +323,7 @@ class Fp8Service:
                     f"__metadata__ key {FRAMES_MARK!r} is fp8ray's own (it marks a body of frames)", 400, "__metadata__"
                 )
             blocks = [Block(e.key, e.fp8ray_dtype, e.shape, data) for e, data in entries]
+            self._check_frame_bytes(request, blocks, options)
             results = await self._map(QuantWorker.encode_batch, blocks, options)
             frames = [(meta.key, "uint8", (len(f),), f) for f, meta in results]
             # The body's own __metadata__ travels with its frames, and comes back on decode.
@@ -326,11 +331,27 @@ class Fp8Service:
         options = codec_options(params, ignore=("dtype", "shape"))
         dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
         block = Block("body", dtype, shape, np.frombuffer(body, dtype=np.uint8))
+        self._check_frame_bytes(request, [block], options)
         if len(body) > BATCH_BODY_BYTES:
             [(f, meta)] = await self._call(QuantWorker.encode_batch, [block], options)
         else:
             f, meta = _answer_of(await self._encode_one((block, options)))
         return Response(f.tobytes(), media_type=OCTET_STREAM, headers={"X-Fp8ray-Device": meta.device})
+
+    def _check_frame_bytes(self, request: Request, blocks: list[Block], options) -> None:
+        """Refuse with 413, before any work, blocks whose frames would be more than the
+        service answers (``max_body_bytes``): an empty tensor's frame still holds a scale
+        per channel or row, so a few bytes of query can ask for gigabytes. Records their
+        size for the response's bound (:func:`response_limit`)."""
+        codec = Fp8Codec(options=options)
+        total = sum(codec.encoded_size(b.shape, b.dtype) for b in blocks)
+        if total > self.max_body_bytes:
+            raise RequestError(
+                f"the frames would be {total} bytes, over the service's limit of {self.max_body_bytes} (--max-body-mb)",
+                413,
+                "shape",
+            )
+        request.state.frame_bytes = total
 
     async def _decode_body(self, request: Request, body: bytes) -> Response:
         if request.query_params:

@@ -65,20 +65,30 @@ def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[s
 
 
 # Every response is bounded by its request: at most MAX_EXPANSION bytes per byte of body
-# and query string, plus RESPONSE_SLACK. Derived (docs/FORMAT.md, "Service"): decoding
-# turns each 1-byte code into at most 4 bytes (float32), and a frame's shape bytes (8 per
-# dimension) into at most 21 characters of JSON; encoding turns 2 bytes of float16 into a
-# code and at most one 4-byte scale (2.5x), and each dimension of a shape, at least 2
-# characters of query or JSON, into 8 bytes of frame header; what is left (JSON per
-# tensor, a frame's 20 fixed bytes) is below 5x the request's own JSON per tensor, and the
-# slack covers a response's fixed headers.
+# and query string, plus RESPONSE_SLACK, plus (encode) the frames' own bytes, which the
+# request's shapes give before any work (an empty tensor still has a scale per channel or
+# row: [0, 10**6] under channel scaling is a 4 MB frame of a 0-byte body). Derived:
+# decoding turns each 1-byte code into at most 4 bytes (float32), and a frame's shape
+# bytes (8 per dimension) into at most 21 characters of JSON; each dimension of a shape,
+# at least 2 characters of query or JSON, becomes 8 bytes of frame header; what is left
+# (JSON per tensor, a frame's 20 fixed bytes) is below 5x the request's own JSON per
+# tensor, and the slack covers a response's fixed headers.
 MAX_EXPANSION = 5
 RESPONSE_SLACK = 1024
 
 
-def response_limit(request_bytes: int) -> int:
-    """The most bytes a response to a request of ``request_bytes`` (body and query) holds."""
-    return MAX_EXPANSION * request_bytes + RESPONSE_SLACK
+def response_limit(request_bytes: int, frame_bytes: int = 0) -> int:
+    """The most bytes a response to a request of ``request_bytes`` (body and query) holds,
+    one that encodes into frames of ``frame_bytes`` in all."""
+    return MAX_EXPANSION * request_bytes + RESPONSE_SLACK + frame_bytes
+
+
+def single_params(params: Mapping[str, str], counts: Mapping[str, int]) -> None:
+    """Refuse a query that gives a parameter more than once (``counts``: how many times
+    each is given): only one of them would be read, the body misread under it."""
+    for name, count in counts.items():
+        if count > 1:
+            raise RequestError(f"query parameter {name!r} is given {count} times; give it once", 400, name)
 
 
 def split(items: list, parts: int) -> list[list]:

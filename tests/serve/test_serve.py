@@ -205,6 +205,50 @@ def test_bad_encode_requests_answer_400_naming_the_field(service, params, body_l
     assert error_of(r)["field"] == field
 
 
+@pytest.mark.parametrize("shape, scaling", [((0, 1000), "channel"), ((1000, 0), "token"), ((3, 0, 1000), "channel")])
+def test_an_empty_tensor_is_encoded_whatever_its_frames_scales_take(service, shape, scaling):
+    """An empty tensor's frame still holds a scale per channel or row: more bytes than
+    the 0-byte body and short query that ask for it (this answered 500, 'the response
+    would exceed its bound'); raw and safetensors bodies alike."""
+    client, _ = service
+    t = torch.empty(shape, dtype=torch.float16)
+    expected = service_codec(scaling=scaling).encode(t)
+    assert len(expected) > 5 * 40 + 1024  # over the old bound
+    r = client.post("/v1/encode", params=encode_params(t, scaling=scaling), content=b"")
+    assert r.status_code == 200, r.text
+    assert digest(r.content) == digest(expected)
+    body = build_safetensors([("kv", "float16", shape, np.empty(0, np.uint8))], None)
+    headers = {"Content-Type": "application/x-safetensors"}
+    r = client.post("/v1/encode", params={"scaling": scaling}, content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    [(key, _, _, frame)], _ = parse_safetensors(r.content, ("U8",))
+    assert key == "kv" and digest(frame) == digest(expected)
+
+
+def test_frames_over_the_limit_are_refused_413_before_any_work(service):
+    """A few bytes of query can ask for gigabytes of scales: refused from the shape alone
+    (a worker built a 200 MB frame, or ran out of memory, and the answer was 500)."""
+    client, _ = service
+    for shape in ("0,100000000", "0,1099511627776"):
+        r = client.post("/v1/encode", params={"dtype": "float16", "shape": shape, "scaling": "channel"}, content=b"")
+        assert r.status_code == 413 and error_of(r)["field"] == "shape", r.text
+        assert f"over the service's limit of {MAX_BODY_MB * 2**20} (--max-body-mb)" in error_of(r)["error"]
+
+
+@pytest.mark.parametrize("route", ["/v1/encode", "/v1/decode", "/v1/archive/block"])
+def test_a_query_parameter_given_twice_is_refused_naming_it(service, route):
+    """Only one of them would be read, and the body misread under it (float32 bytes
+    decoded as float16 before)."""
+    client, _ = service
+    query = [("dtype", "float32"), ("shape", "2"), ("dtype", "float16"), ("key", "a"), ("key", "b")]
+    if route == "/v1/archive/block":
+        r = client.get(route, params=query)
+    else:
+        r = client.post(route, params=query, content=b"\0" * 8)
+    assert r.status_code == 400 and error_of(r)["field"] == "dtype", r.text
+    assert error_of(r)["error"] == "query parameter 'dtype' is given 2 times; give it once"
+
+
 def test_corrupt_and_truncated_frames_answer_422(service):
     client, _ = service
     frame = bytearray(Fp8Codec().encode(torch.randn(64, 64)))
