@@ -36,6 +36,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.serve.config import DeploymentActorConfig
 from ray.util import metrics
+from starlette.requests import ClientDisconnect
 
 from ..codec import formats
 from ..codec.blocks import Block, bytes_to_tensor
@@ -66,6 +67,7 @@ HEALTH_TIMEOUT_S = 10.0
 # The __metadata__ key that marks a safetensors body of frames, beside the body's own keys.
 FRAMES_MARK = "fp8ray"
 BLOCK_PARAMS = ("archive", "key", "file")  # the query of GET /v1/archive/block
+CLIENT_CLOSED = 499  # the status recorded for a request whose client hung up (nginx's)
 BATCH_BLOCKS = 16  # raw requests answered by one round of QuantWorker calls, at most
 # Raw bodies larger than this go to a QuantWorker alone: a batch of them would hold
 # BATCH_BLOCKS bodies' results in one worker, and small requests would wait behind them.
@@ -258,6 +260,11 @@ class Fp8Service:
             body = await self._read_body(request) if request.method == "POST" else b""
             bytes_in = len(body)
             response = await handler(request, body)
+        except ClientDisconnect:  # the client hung up mid-body: not a failure of the service
+            response = Response(status_code=CLIENT_CLOSED)
+        except asyncio.CancelledError:  # the proxy dropped the request (its client hung up): count it, then end
+            self._count(route, CLIENT_CLOSED, bytes_in, 0, start)
+            raise
         except Exception as exc:
             answer = refusal(exc)
             if answer is None:  # a bug: log it, and answer without its details
@@ -275,17 +282,20 @@ class Fp8Service:
                 bytes_in,
             )
             response = _refusal_response(500, f"internal error: the response would exceed its bound of {limit} bytes", None)
-        status = str(response.status_code)
-        bytes_out = len(response.body)
-        self._requests.inc(tags={"route": route, "status": status})
-        if response.status_code >= 400:
-            self._errors.inc(tags={"route": route, "status": status})
+        self._count(route, response.status_code, bytes_in, len(response.body), start)
+        return response
+
+    def _count(self, route: str, status: int, bytes_in: int, bytes_out: int, start: float) -> None:
+        """One request answered (or dropped) on ``route``: the Prometheus metrics and the
+        replica's totals (``/v1/stats``)."""
+        self._requests.inc(tags={"route": route, "status": str(status)})
+        if status >= 400:
+            self._errors.inc(tags={"route": route, "status": str(status)})
         for direction, count in (("in", bytes_in), ("out", bytes_out)):
             if count:  # a Counter takes only positive increments
                 self._bytes.inc(count, tags={"route": route, "direction": direction})
         self._latency.observe(time.perf_counter() - start, tags={"route": route})
-        self._record(requests=1, bytes_in=bytes_in, bytes_out=bytes_out, errors=int(response.status_code >= 400))
-        return response
+        self._record(requests=1, bytes_in=bytes_in, bytes_out=bytes_out, errors=int(status >= 400))
 
     @api.post("/v1/encode")
     async def http_encode(self, request: Request) -> Response:

@@ -583,6 +583,29 @@ def test_no_access_log_line_per_request(service, ray_session):
     assert route_lines() == before
 
 
+def test_a_client_hanging_up_mid_body_is_recorded_not_logged_as_a_failure(service, ray_session):
+    """Logged with a traceback as 'POST /v1/encode failed' (a 500) before; now recorded
+    with status 499, as Serve's proxy records it."""
+    from ray._private.worker import _global_node
+
+    client, _ = service
+    logs = Path(_global_node.get_logs_dir_path()) / "serve"
+
+    def failures() -> int:
+        return sum(p.read_text(errors="replace").count(" failed") for p in logs.glob("replica_fp8ray_Fp8Service_*.log"))
+
+    before, stats = failures(), client.get("/v1/stats").json()
+    port = int(str(client.base_url).rstrip("/").rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST /v1/encode?dtype=float32&shape=256 HTTP/1.1\r\nHost: x\r\nContent-Length: 1024\r\n\r\n" + b"\0" * 10)
+        time.sleep(1)  # the replica is reading the body when the client hangs up
+    deadline = time.monotonic() + 20
+    while (after := client.get("/v1/stats").json())["errors"] == stats["errors"] and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the hung-up request is recorded (the stats reads count as requests, not errors)
+    assert after["errors"] == stats["errors"] + 1 and after["bytes_in"] == stats["bytes_in"], (stats, after)
+    assert failures() == before
+
+
 async def _load(url: str, clients: int, requests: int, blocks: list[tuple[dict, bytes, str]], kill=None) -> dict:
     """``clients`` concurrent clients, ``requests`` each; every answer checked against the
     codec's own frame. Returns counts of each outcome."""
