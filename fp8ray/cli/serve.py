@@ -78,8 +78,10 @@ def run_serve(args) -> int:
         options["archives"] = os.path.abspath(args.archives)  # the replicas' working directory is Ray's, not ours
     ServiceOptions.from_args(options)  # bad options fail before Ray starts
     state = None
-    if not (args.address or os.environ.get("RAY_ADDRESS")):
-        _check_port(args.host, args.port)  # an embedded Ray's proxy binds here, on this machine
+    if (args.address or os.environ.get("RAY_ADDRESS") or "local") == "local":
+        # An embedded Ray's proxy binds here, on this machine, sharing a port another
+        # service holds (SO_REUSEPORT) without a word: refuse first.
+        _check_port(args.host, args.port)
         # Serve reads these as it is imported, in every process of the Ray started below.
         state = tempfile.mkdtemp(prefix="fp8ray-serve-")
         apply_serve_environment(state, args.haproxy)

@@ -54,12 +54,18 @@ def test_a_corrupt_part_in_decompress(kv_source, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["arch"]
 
 
-def test_serve_on_a_port_in_use():
+@pytest.mark.parametrize("address", [[], ["--address", "local"]], ids=["default", "local"])
+@pytest.mark.parametrize("reuse_port", [False, True], ids=["plain", "SO_REUSEPORT"])
+def test_serve_on_a_port_in_use(address, reuse_port):
+    """Serve's own proxy binds with SO_REUSEPORT, so a second service on the port of a
+    running one started and shared it (--address local skipped the check)."""
     with socket.socket() as s:
+        if reuse_port:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        result = fp8ray("serve", "--port", port)
+        result = fp8ray("serve", "--port", port, *address)
     assert_one_line(result, f"cannot listen on 127.0.0.1:{port}")
 
 
