@@ -31,13 +31,25 @@ _NONFINITE_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
 def _check_tensor(tensor):
     import torch  # a tensor was given (or a numpy array, made one here)
 
+    if isinstance(tensor, np.generic):  # a numpy scalar: a 0-d array
+        tensor = np.asarray(tensor)
+    if isinstance(tensor, np.ma.MaskedArray):
+        raise BlockError("cannot encode a masked array: its mask would be lost; fill it first (array.filled(value))")
     if isinstance(tensor, np.ndarray):
+        if tensor.dtype.kind == "f" and not tensor.dtype.isnative:
+            raise TypeError(
+                f"array dtype {tensor.dtype} is not in this machine's byte order; "
+                "convert it first (array.astype(array.dtype.newbyteorder('=')))"
+            )
         if tensor.dtype not in (np.float16, np.float32):
             raise TypeError(f"unsupported array dtype {tensor.dtype}; expected float16 or float32 (or a bfloat16 tensor)")
         # ascontiguousarray would make a 0-d array 1-d: its rank is kept
         tensor = torch.from_numpy(np.ascontiguousarray(tensor).reshape(tensor.shape))
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor or numpy array, got {type(tensor).__name__}")
+    if tensor.is_nested or tensor.layout != torch.strided:
+        kind = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+        raise BlockError(f"cannot encode a {kind} tensor: give a dense one (tensor.to_dense())")
     dtype_name(tensor.dtype)  # a TypeError naming the dtypes there are
     if tensor.device.type == "meta":
         raise BlockError("cannot encode a meta tensor: it has no data")
@@ -47,7 +59,10 @@ def _check_tensor(tensor):
 def _byte_buffer(out: np.ndarray | None, nbytes: int) -> np.ndarray:
     """``out``, checked to be a writable contiguous 1-D uint8 array of ``nbytes``, or a new one."""
     if out is None:
-        return np.empty(nbytes, dtype=np.uint8)
+        try:
+            return np.empty(nbytes, dtype=np.uint8)
+        except MemoryError:  # an empty tensor's frame still holds a scale per channel or row
+            raise BadInputError(f"the result needs {nbytes} bytes, more than this process can allocate") from None
     if not (
         isinstance(out, np.ndarray)
         and out.dtype == np.uint8
@@ -264,14 +279,19 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
 
     buf, header, scales, codes = _opened(data)
     dtype = header.torch_dtype
+    asked = _decode_device(device)
     if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         if tuple(out.shape) != header.shape or out.dtype != dtype:
             _refuse(buf, header, f"out is a {tuple(out.shape)} {out.dtype} tensor", "out")
-        if device is not None and torch.device(device) != out.device:
+        if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape)):
+            raise BadInputError("out overlaps itself (an expanded view): each element needs memory of its own", field="out")
+        if asked is not None and asked != out.device:
             raise MismatchError(f"out is on {out.device} but device={device!r} was asked for", field="device")
-        target = out.device
+        target = _decode_device(out.device)
     else:
-        target = torch.device(device) if device is not None else torch.device("cpu")
+        target = asked if asked is not None else torch.device("cpu")
     if target.type == "cuda" and not torch.cuda.is_available():  # torch's own error is an AssertionError
         raise InvalidOptionError(f"device {str(target)!r} was asked for, but torch sees no CUDA device", field="device")
     if target.type == "cpu":
@@ -295,6 +315,24 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
         out.copy_(result)
         return out
     return result
+
+
+def _decode_device(device):
+    """``device`` (a name or a ``torch.device``; None: not given) as a ``torch.device``
+    decode runs on: the CPU or a CUDA device (a meta tensor would hold no data)."""
+    import torch
+
+    if device is None:
+        return None
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidOptionError(
+            f"device {device!r} is not a torch device; expected 'cpu', 'cuda' or 'cuda:N'", field="device"
+        ) from None
+    if target.type not in ("cpu", "cuda"):
+        raise InvalidOptionError(f"decode runs on the CPU or a CUDA device, not {str(target)!r}", field="device")
+    return target
 
 
 def decode_raw(data, dtype: str, shape, out: np.ndarray | None = None, *, threads: int | None = None) -> np.ndarray:

@@ -200,6 +200,8 @@ def as_byte_array(frame) -> np.ndarray:
         view = memoryview(frame)
     except TypeError:
         raise TypeError(f"a frame must be bytes-like, got {type(frame).__name__}") from None
+    if not view.c_contiguous:  # a strided view (memoryview(b)[::2]): its bytes in order, copied
+        return np.frombuffer(view.tobytes(), dtype=np.uint8)
     return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=np.uint8)
 
 

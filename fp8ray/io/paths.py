@@ -15,11 +15,13 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
-from ..errors import DestinationError
+from ..errors import BadInputError, DestinationError
 
 
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     """A filesystem and path for a local path or a URI such as ``s3://bucket/key``."""
+    if isinstance(uri, str) and not uri:  # abspath("") is the working directory, named "" in every message
+        raise BadInputError("a path is empty: name a file or directory ('.' for the working directory)", field="path")
     if "://" in uri:
         return pafs.FileSystem.from_uri(uri)
     return pafs.LocalFileSystem(), os.path.abspath(uri)
@@ -139,6 +141,8 @@ def check_apart(source: str, destination: str) -> None:
     symbolic links; URIs by scheme, bucket and path."""
     if not destination:  # it would resolve to the current directory
         raise DestinationError("the destination is an empty path: name the file or directory to write")
+    if not source:
+        raise BadInputError("the source is an empty path: name the file or directory to read", field="source")
     (src_fs, src), (dst_fs, dst) = _location(source), _location(destination)
     if src_fs != dst_fs:
         return

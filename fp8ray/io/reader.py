@@ -235,6 +235,8 @@ class ArchiveReader:
         return CorruptArchiveError(f"block {printable(label)!r} in part {part.name} of {self._shown} is damaged: {why}")
 
     def _check_file(self, file: str) -> None:
+        if not isinstance(file, str):  # metadata(None), keys(3)
+            raise BadInputError(f"file must be a string, got {type(file).__name__} {file!r}", field="file")
         if file not in self._file_rows:
             raise BadInputError(f"archive {self._shown} holds no file {printable(file)!r}", field="file")
 

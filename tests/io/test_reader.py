@@ -145,6 +145,20 @@ def test_a_missing_block_names_the_key_and_file(multi):
         reader.get(5)
     with pytest.raises(BadInputError, match=r"^file must be a string, got int 3$"):
         reader.block("layer0.kv", 3)
+    for call in (reader.metadata, reader.keys):  # an AttributeError from printable(None) before
+        with pytest.raises(BadInputError, match=r"^file must be a string, got (NoneType None|int 3)$"):
+            call(None if call is reader.metadata else 3)
+
+
+def test_an_empty_path_is_refused_not_read_as_the_working_directory(tmp_path, monkeypatch):
+    """'' resolved to the working directory, and every message named it '' ("  has no
+    _manifest.json")."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BadInputError, match=r"^a path is empty: name a file or directory \('\.' for the working directory\)$"):
+        fp8ray.open_archive("")
+    with pytest.raises(BadInputError, match=r"^the source is an empty path: name the file or directory to read$"):
+        compress_archive("", str(tmp_path / "a"), **INLINE)
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")
