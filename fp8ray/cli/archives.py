@@ -287,6 +287,8 @@ def run_get(args) -> int:
     from ..io.safetensors import SafetensorsWriter, build_body
 
     to_stdout = args.output == "-"
+    if to_stdout and sys.stdout is None:  # started with it closed (>&-)
+        raise DestinationError("-o - writes to standard output, which is closed")
     if not to_stdout:  # the output is checked before anything is read
         check_apart(args.archive, args.output)
         fs, path = resolve(args.output)

@@ -63,6 +63,21 @@ def test_every_block_gotten_equals_decompress(archive, tmp_path):
     assert torch.equal(load_file(tmp_path / "only1.safetensors")["only1"], restored[FILES[1]]["only1"])
 
 
+def test_standard_output_closed_is_refused_in_one_line(archive):
+    """Started with stdout closed (``>&-``): an AttributeError traceback before."""
+    arch, _ = archive
+    closed = subprocess.run(
+        f"{FP8RAY} get {arch} only1 -o - >&-",
+        shell=True,
+        capture_output=False,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, RAY_AUTH_MODE="disabled"),
+    )
+    assert closed.returncode == 1 and closed.stderr == "fp8ray: error: -o - writes to standard output, which is closed\n"
+
+
 def test_missing_and_ambiguous_keys_name_what_to_choose(archive, tmp_path):
     arch, _ = archive
     out = tmp_path / "x.safetensors"
