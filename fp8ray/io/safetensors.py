@@ -237,9 +237,14 @@ def _entry(key: str, value, what: str) -> Entry:
     if not isinstance(dtype, str) or dtype not in ITEMSIZES:
         raise SafetensorsFormatError(f"{what}: key {key!r} has unknown dtype {dtype!r}", key)
     if not isinstance(shape, list) or not all(_is_usize(d) for d in shape):
-        raise SafetensorsFormatError(f"{what}: key {key!r} has shape {shape!r}; expected a list of non-negative integers", key)
+        raise SafetensorsFormatError(
+            f"{what}: key {key!r} has shape {json.dumps(shape)}; expected a list of integers from 0 to {MAX_USIZE}", key
+        )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_usize(o) for o in offsets)):
-        raise SafetensorsFormatError(f"{what}: key {key!r} has data_offsets {offsets!r}; expected [begin, end]", key)
+        raise SafetensorsFormatError(
+            f"{what}: key {key!r} has data_offsets {json.dumps(offsets)}; expected [begin, end], integers from 0 to {MAX_USIZE}",
+            key,
+        )
     begin, end = offsets
     nbytes = math.prod(shape) * ITEMSIZES[dtype]
     if end < begin or end - begin != nbytes:

@@ -66,8 +66,15 @@ def test_a_source_without_tensors_is_an_error_not_an_empty_archive(tmp_path, cap
 @pytest.mark.parametrize(
     "header, data, message",
     [
-        ({"a": {"dtype": "F32", "shape": [0, 1e30], "data_offsets": [0, 0]}}, b"", "expected a list of non-negative integers"),
-        ({"a": {"dtype": "F32", "shape": ["4"], "data_offsets": [0, 16]}}, bytes(16), "expected a list of non-negative integers"),
+        ({"a": {"dtype": "F32", "shape": [0, 1e30], "data_offsets": [0, 0]}}, b"", "shape [0, 1e+30]; expected a list of"),
+        ({"a": {"dtype": "F32", "shape": ["4"], "data_offsets": [0, 16]}}, bytes(16), 'shape ["4"]; expected a list of integers'),
+        # Non-negative but past 2**64 - 1 (it was called negative), and JSON's true not Python's True.
+        (
+            {"a": {"dtype": "F32", "shape": [0, 2**70], "data_offsets": [0, 0]}},
+            b"",
+            f"shape [0, {2**70}]; expected a list of integers from",
+        ),
+        ({"a": {"dtype": "F32", "shape": [True, 4], "data_offsets": [0, 16]}}, bytes(16), "shape [true, 4]; expected a list"),
         (
             {
                 "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
