@@ -28,7 +28,9 @@ DEFAULT_BLOCK_SIZE = DEFAULT_OPTIONS.block_size
 _NONFINITE_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
 
 
-def _check_tensor(tensor):
+def source_tensor(tensor):
+    """What :meth:`Fp8Codec.encode` takes (a dense bf16/fp16/fp32 tensor, or a float16 or
+    float32 numpy array or scalar) as a torch tensor, or the error naming what is wrong."""
     import torch  # a tensor was given (or a numpy array, made one here)
 
     if isinstance(tensor, np.generic):  # a numpy scalar: a 0-d array
@@ -190,7 +192,7 @@ class Fp8Codec:
         ``threads``: how many threads the CPU kernels (for a CUDA tensor, the checksum) may
         use for this call (default ``FP8RAY_NUM_THREADS``, else every CPU this process may use).
         """
-        x = _check_tensor(tensor)
+        x = source_tensor(tensor)
         header = self._header(x.shape, dtype_name(x.dtype))
         buf = _byte_buffer(out, header.frame_size)
         if x.device.type == "cpu":

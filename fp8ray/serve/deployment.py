@@ -38,9 +38,8 @@ from ray.serve.config import DeploymentActorConfig
 from ray.util import metrics
 from starlette.requests import ClientDisconnect
 
-from ..codec import formats
 from ..codec.blocks import Block, bytes_to_tensor
-from ..codec.fp8codec import Fp8Codec
+from ..codec.fp8codec import Fp8Codec, source_tensor
 from ..engine.backends import worker_exception
 from ..engine.worker import QuantWorker
 from ..errors import BadInputError, CorruptDataError, RequestError, WorkersUnavailableError
@@ -459,15 +458,9 @@ class Fp8Service:
     # --- Python handle API -------------------------------------------------------------
 
     async def encode(self, tensor, **codec_options_kw) -> bytes:
-        """Encode a tensor (or a float16/float32 ndarray); returns the frame's bytes."""
-        import torch  # the HTTP routes take bytes: a replica loads torch only for this API
-
-        if isinstance(tensor, np.ndarray):
-            tensor = torch.from_numpy(tensor)
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in formats.DTYPE_NAMES:
-            raise TypeError(
-                f"expected a bfloat16/float16/float32 tensor or array, got {getattr(tensor, 'dtype', type(tensor).__name__)}"
-            )
+        """Encode a tensor (or a float16/float32 ndarray); returns the frame's bytes. What
+        ``Fp8Codec.encode`` refuses is refused here, by the same message."""
+        tensor = source_tensor(tensor)  # loads torch: the HTTP routes take bytes, this API tensors
         options = codec_options({k: str(v) for k, v in codec_options_kw.items()})
         [(f, _)] = await self._call(QuantWorker.encode_batch, [Block.of("tensor", tensor.detach())], options)
         return f.tobytes()

@@ -171,6 +171,14 @@ def test_python_handle_returns_what_the_codec_returns(service):
     assert digest(as_array) == digest(service_codec().encode(t.float()))
     with pytest.raises(Exception, match="unknown scaling"):
         handle.encode.remote(t, scaling="sideways").result()
+    # Refused as Fp8Codec.encode refuses them ("got torch.float64" for an array; torch's
+    # NotImplementedError for a meta tensor, before).
+    for given, message in [
+        (np.zeros(4), r"unsupported array dtype float64; expected float16 or float32"),
+        (torch.empty(4, device="meta"), r"cannot encode a meta tensor: it has no data"),
+    ]:
+        with pytest.raises(Exception, match=message):
+            handle.encode.remote(given).result()
 
 
 def error_of(r: httpx.Response) -> dict:
