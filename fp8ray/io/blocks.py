@@ -195,7 +195,7 @@ def _check_unique(refs: list[BlockRef], uri: str) -> None:
     seen: set[str] = set()
     for r in refs:
         if r.key in seen:
-            raise SourceError(f"{redact(uri)}: key {printable(r.key)!r} appears twice in the file")
+            raise SourceError(f"{redact(uri)}: key {r.key!r} appears twice in the file")
         seen.add(r.key)
 
 
@@ -276,7 +276,7 @@ def _checked_columns(parquet: pq.ParquetFile, uri: str, table: pa.Table) -> dict
 
     def refuse(row: int, what: str) -> None:
         key = keys[row].as_py()
-        named = f" (key {printable(str(key))!r})" if key is not None else ""
+        named = f" (key {str(key)!r})" if key is not None else ""
         raise SourceError(f"{redact(uri)}: row {row}{named}: {what}")
 
     expected_text = {"key": "a string", "dtype": f"one of {sorted(DTYPE_ITEMSIZES)}", "shape": "a list of integers"}
@@ -384,7 +384,7 @@ class BlockReader:
                 for i, value in zip(indices, _parquet_rows(fs, fpath, [refs[i].offset for i in indices])):
                     if value is None:  # checked by the scan: the file changed since
                         ref = refs[i]
-                        raise SourceError(f"{redact(path)}: row {ref.offset} (key {printable(ref.key)!r}): column 'data' is null")
+                        raise SourceError(f"{redact(path)}: row {ref.offset} (key {ref.key!r}): column 'data' is null")
                     result[i] = _checked(refs[i], np.frombuffer(value, dtype=np.uint8), path)
                 continue
             with fs.open_input_file(fpath) as f:
@@ -441,7 +441,7 @@ def _read_fully(f, target: memoryview) -> int:
 def _checked(ref: BlockRef, data: np.ndarray, path: str) -> np.ndarray:
     if data.size != ref.nbytes:
         raise SourceError(
-            f"{redact(path)}: key {printable(ref.key)!r} has {data.size} bytes, "
+            f"{redact(path)}: key {ref.key!r} has {data.size} bytes, "
             f"its shape {list(ref.shape)} {ref.dtype} needs {ref.nbytes} (truncated?)"
         )
     return data

@@ -134,9 +134,7 @@ class ArchiveReader:
             if len(set(keys)) != len(keys):  # each part's were checked: two parts hold one key
                 seen: set[str] = set()
                 twice = next(key for key in keys if key in seen or seen.add(key))
-                raise CorruptArchiveError(
-                    f"archive {self._shown} is damaged: it holds block {printable(twice)!r} of file {printable(name)!r} twice"
-                )
+                raise CorruptArchiveError(f"archive {self._shown} is damaged: it holds block {twice!r} of file {name!r} twice")
             out += keys
         return out
 
@@ -203,9 +201,7 @@ class ArchiveReader:
         try:
             located = self._locate(file, key)
             if located is None:
-                raise BadInputError(
-                    f"no block {printable(key)!r} in file {printable(file)!r} of archive {self._shown}", field="key"
-                )
+                raise BadInputError(f"no block {key!r} in file {file!r} of archive {self._shown}", field="key")
             index, row = located
             part, meta = self.manifest.parts[index], self._parts[index]
             group = bisect.bisect_right(meta.group_starts, row) - 1
@@ -219,7 +215,7 @@ class ArchiveReader:
             values = {c: table.column(c)[at] for c in names}
             out = {c: v.as_buffer() if c == "frame" else v.as_py() for c, v in values.items()}
         except CorruptArchiveError as exc:
-            raise CorruptArchiveError(f"block {printable(label)!r}: {exc}") from None
+            raise CorruptArchiveError(f"block {label!r}: {exc}") from None
         except (OSError, pa.ArrowException, KeyError, IndexError) as exc:
             raise self._damaged(label, part, f"not readable as Parquet ({_one_line(exc)})") from None
         if out["key"] != key or out.get("file", file) != file:
@@ -232,13 +228,13 @@ class ArchiveReader:
         return redact(self._uri)
 
     def _damaged(self, label: str, part: Part, why: str) -> CorruptArchiveError:
-        return CorruptArchiveError(f"block {printable(label)!r} in part {part.name} of {self._shown} is damaged: {why}")
+        return CorruptArchiveError(f"block {label!r} in part {part.name} of {self._shown} is damaged: {why}")
 
     def _check_file(self, file: str) -> None:
         if not isinstance(file, str):  # metadata(None), keys(3)
             raise BadInputError(f"file must be a string, got {type(file).__name__} {file!r}", field="file")
         if file not in self._file_rows:
-            raise BadInputError(f"archive {self._shown} holds no file {printable(file)!r}", field="file")
+            raise BadInputError(f"archive {self._shown} holds no file {file!r}", field="file")
 
     def _file_of(self, key: str) -> str:
         """The one file holding ``key``, when no file is named."""
@@ -246,10 +242,10 @@ class ArchiveReader:
             return next(iter(self._file_rows))
         holding = [name for name in self.files() if self._locate(name, key) is not None]
         if not holding:
-            raise BadInputError(f"no block {printable(key)!r} in any file of archive {self._shown}", field="key")
+            raise BadInputError(f"no block {key!r} in any file of archive {self._shown}", field="key")
         if len(holding) > 1:
             raise BadInputError(
-                f"key {printable(key)!r} is in {len(holding)} files of archive {self._shown} "
+                f"key {key!r} is in {len(holding)} files of archive {self._shown} "
                 f"({', '.join(map(printable, holding[:3]))}{', ...' if len(holding) > 3 else ''}): name the file",
                 field="file",
             )
@@ -319,14 +315,14 @@ class ArchiveReader:
             raise CorruptArchiveError(f"{damaged}: it holds {len(keys)} blocks, its entry {part.blocks}")
         if keys and (keys[0], keys[-1]) != (part.first_key, part.last_key):
             raise CorruptArchiveError(
-                f"{damaged}: its keys run from {printable(str(keys[0]))!r} to {printable(str(keys[-1]))!r}, "
-                f"its entry records {printable(str(part.first_key))!r} to {printable(str(part.last_key))!r}"
+                f"{damaged}: its keys run from {str(keys[0])!r} to {str(keys[-1])!r}, "
+                f"its entry records {str(part.first_key)!r} to {str(part.last_key)!r}"
             )
         idents = list(zip(self._files_of_rows(first_row, len(keys)), keys))
         rows = {ident: r for r, ident in enumerate(idents)}
         if len(rows) != len(idents):
             twice = next(ident for r, ident in enumerate(idents) if rows[ident] != r)
-            raise CorruptArchiveError(f"{damaged}: it holds block {printable(twice[1])!r} twice")
+            raise CorruptArchiveError(f"{damaged}: it holds block {twice[1]!r} twice")
         group_rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
         starts = [0, *itertools.accumulate(group_rows)][:-1]
         return _PartIndex(metadata, rows, idents, starts, group_rows)

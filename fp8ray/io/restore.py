@@ -118,7 +118,7 @@ def plan_restore(
         for _, _, file, key, _, _ in rows:
             if key in seen:
                 raise DestinationError(
-                    f"key {printable(key)!r} is in both {printable(seen[key])} and {printable(file)}: one safetensors "
+                    f"key {key!r} is in both {printable(seen[key])} and {printable(file)}: one safetensors "
                     "file cannot hold both; decompress without --single-file to get the files back"
                 )
             seen[key] = file
@@ -162,9 +162,7 @@ def _checked_name(name) -> str:
         or any(not part or part in (".", "..") or is_temporary(part) for part in parts)
         or any(folder.startswith(".") for folder in parts[:-1])
     ):
-        raise CorruptArchiveError(
-            f"the archive names a source file {printable(str(name))!r}, which is not a plain relative file name"
-        )
+        raise CorruptArchiveError(f"the archive names a source file {str(name)!r}, which is not a plain relative file name")
     return name
 
 
@@ -172,9 +170,7 @@ def _layout_files(layout: SourceLayout, rows: list) -> list[RestoreFile]:
     by_file: dict[str, list] = {_checked_name(f.name): [] for f in layout.files}
     for part, row, file, key, dtype, shape in rows:
         if file not in by_file:
-            raise CorruptArchiveError(
-                f"a block of part {part} names the file {printable(str(file))!r}, which the manifest does not list"
-            )
+            raise CorruptArchiveError(f"a block of part {part} names the file {str(file)!r}, which the manifest does not list")
         by_file[file].append((part, row, key, dtype, shape))
     out = []
     for f in layout.files:

@@ -18,7 +18,6 @@ import pyarrow.fs as pafs
 
 from ..errors import RequestError
 from ..io.archive import MANIFEST_NAME
-from ..io.paths import printable
 from ..io.reader import ArchiveReader, open_archive
 
 READERS_KEPT = 8  # open readers per replica: each keeps its manifest and the part indexes it read
@@ -42,13 +41,13 @@ class ArchiveRoot:
         if not archive:
             raise RequestError("archive is required: an archive's path relative to the service's archives root", 400, "archive")
         if "\0" in archive or os.path.isabs(archive) or archive.startswith("~"):
-            raise RequestError(f"archive {printable(archive)!r} must be a path relative to the archives root", 400, "archive")
+            raise RequestError(f"archive {archive!r} must be a path relative to the archives root", 400, "archive")
         real = os.path.realpath(os.path.join(self.root, archive))  # ".." and symbolic links resolved
         if real != self.root and not real.startswith(self.root + os.sep):
-            raise RequestError(f"archive {printable(archive)!r} resolves outside the archives root", 403, "archive")
+            raise RequestError(f"archive {archive!r} resolves outside the archives root", 403, "archive")
         inside = os.path.relpath(real, self.root)
         if not os.path.isfile(os.path.join(real, MANIFEST_NAME)):
-            raise RequestError(f"no archive {printable(archive)!r} under the archives root", 404, "archive")
+            raise RequestError(f"no archive {archive!r} under the archives root", 404, "archive")
         return inside
 
     def reader(self, archive: str | None) -> ArchiveReader:
@@ -57,7 +56,7 @@ class ArchiveRoot:
         try:  # an archive replaced since (compress --overwrite) has a new manifest: open it again
             stat = os.stat(os.path.join(self.root, inside, MANIFEST_NAME))
         except OSError:
-            raise RequestError(f"no archive {printable(archive)!r} under the archives root", 404, "archive") from None
+            raise RequestError(f"no archive {archive!r} under the archives root", 404, "archive") from None
         version = (inside, stat.st_mtime_ns, stat.st_size, stat.st_ino)
         with self._lock:
             reader = self._readers.pop(version, None)

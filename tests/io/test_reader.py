@@ -143,6 +143,9 @@ def test_a_missing_block_names_the_key_and_file(multi):
         reader.get("nope")
     with pytest.raises(BadInputError, match=r"^key must be a string, got int 5$"):
         reader.get(5)
+    with pytest.raises(BadInputError) as caught:  # escaped once, by repr (printable() then repr escaped twice)
+        reader.get("no\x1b[31mpe")
+    assert str(caught.value).startswith("no block 'no\\x1b[31mpe' in any file")
     with pytest.raises(BadInputError, match=r"^file must be a string, got int 3$"):
         reader.block("layer0.kv", 3)
     for call in (reader.metadata, reader.keys):  # an AttributeError from printable(None) before
