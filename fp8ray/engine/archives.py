@@ -40,6 +40,7 @@ from ..io.lmcache_store import STORE_KIND, Layout
 from ..io.paths import (
     as_uri,
     check_apart,
+    counted,
     entries,
     name_list,
     os_reason,
@@ -496,13 +497,14 @@ def verify_archive(
             report.blocks += part_result.blocks
             report.errors += part_result.errors
             if part_result.blocks != part.blocks and not part_result.errors:
-                report.errors.append(f"the manifest records {part.blocks} blocks in {part.name}, it holds {part_result.blocks}")
+                recorded = counted(part.blocks, "block")
+                report.errors.append(f"the manifest records {recorded} in {part.name}, it holds {part_result.blocks}")
             report.metrics.update(part_result.metrics)
             seen.update(part_result.idents)
             if progress:
                 progress(part_result.blocks)
     if report.blocks != manifest.blocks and not report.errors:
-        report.errors.append(f"the manifest records {manifest.blocks} blocks, the parts hold {report.blocks}")
+        report.errors.append(f"the manifest records {counted(manifest.blocks, 'block')}, the parts hold {report.blocks}")
     if not report.errors:  # every part checks: what decompress would make of them must too
         try:
             plan_restore(manifest, archive.read_metadata_columns(fs, path, manifest, RESTORE_COLUMNS, archive_uri))
@@ -525,7 +527,7 @@ def _compare_files(layout, source_layout, refs: dict, seen: set, against: str) -
     for f in source_layout.files:
         name = printable(f.name)
         if in_archive is not None and file_of[f.name] not in in_archive:
-            errors.append(f"source file {name} ({f.blocks} blocks) is not in the archive")
+            errors.append(f"source file {name} ({counted(f.blocks, 'block')}) is not in the archive")
         elif f.name in missing:
             keys = missing[f.name]
             errors.append(f"{len(keys)} block(s) of source file {name} are not in the archive, e.g. {keys[0]!r}")

@@ -481,6 +481,7 @@ def read_part(
         table = _parquet_table(pa.BufferReader(data), columns)
     except (OSError, pa.ArrowException, KeyError, IndexError) as exc:
         raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
+    part_checks.check_rows(table.num_rows, info, shown)  # an entry's count is not in the part's CRC
     part_checks.check_frames(table, info, shown)  # what the part's CRC cannot see: frames moved between rows
     return table
 

@@ -77,6 +77,12 @@ def check_frames(table: pa.Table, info: Part, shown: str) -> None:
         )
 
 
+def check_rows(rows: int, info: Part, shown: str) -> None:
+    """Refuse a part of another number of rows than its entry's ``blocks``."""
+    if rows != info.blocks:
+        raise _damaged(info, shown, f"it holds {rows} blocks, its entry {info.blocks}")
+
+
 def _damaged(info: Part, shown: str, why: str) -> CorruptArchiveError:
     return CorruptArchiveError(f"part {info.name} of {shown} is damaged: {why}")
 
@@ -121,8 +127,8 @@ def check_schema(metadata: pq.FileMetaData, info: Part, shown: str, schema: pa.S
         if arrow.field(index).type != schema.field(name).type:
             raise _damaged(info, shown, f"its {name!r} column is {arrow.field(index).type}, not {schema.field(name).type}")
     rows = sum(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))
-    if rows != info.blocks or metadata.num_rows != info.blocks:
-        raise _damaged(info, shown, f"it holds {rows} blocks, its entry {info.blocks}")
+    check_rows(rows, info, shown)
+    check_rows(metadata.num_rows, info, shown)  # the footer's own total, which a reader may trust
 
 
 def check_columns(columns: dict[str, list], info: Part, shown: str) -> None:

@@ -416,6 +416,24 @@ def test_verify_fails_a_manifest_that_get_or_decompress_would_refuse(tmp_path, e
     assert not report.ok and any(message in e for e in report.errors), report.errors
 
 
+def test_decompress_refuses_a_part_whose_entry_counts_other_blocks(tmp_path):
+    """A hand-edited part entry's ``blocks`` (not covered by the part's CRC) passed
+    decompress; verify named it."""
+    import json
+
+    src = str(tmp_path / "kv.safetensors")
+    save_file_torch({f"k{i}": torch.randn(4, 64).to(torch.bfloat16) for i in range(4)}, src)
+    inline = fp8ray.PoolSettings(address="inline")
+    compress_archive(src, str(tmp_path / "a"), pool=inline)
+    path = tmp_path / "a" / "_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["parts"][0]["blocks"] -= 1
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CorruptArchiveError, match=r"part part-00000.parquet of .* is damaged: it holds 4 blocks, its entry 3$"):
+        decompress_archive(str(tmp_path / "a"), str(tmp_path / "out.safetensors"), pool=inline)
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 def test_archive_functions_take_pathlib_paths(tmp_path):
     """compress_archive, verify_archive and decompress_archive take ``pathlib.Path`` s as
     their strings; another type is refused naming the argument."""
