@@ -13,7 +13,9 @@ A default run covers every scaling with the default mode's other options (bfloat
 scales, chosen by least squared error where the scaling allows it); ``--scale-choice
 amax`` and ``--scale-dtype float32`` measure the plain modes. Each mode with the scale
 search is measured beside its plain twin (the same options with amax scales), and the
-table ends with what the search costs: its encode over the twin's, in the same run.
+table ends with what the search costs: its encode over the twin's, the two timed in
+turn, call after call, and the best of each kept (the rows' medians are taken mode after
+mode, seconds apart, and the machine's speed moves in between).
 """
 
 from __future__ import annotations
@@ -69,9 +71,10 @@ def copy_bandwidth(nbytes: int, repeat: int) -> float:
 
 def bench_codec(
     modes: list[CodecOptions], dtype: torch.dtype = torch.bfloat16, chunks: int = 4, repeat: int = 5, tokens: int = 256
-) -> list[Row]:
+) -> tuple[list[Row], list[str]]:
     """Measure encode and decode of ``chunks`` sample KV chunks ([2, 30, ``tokens``, 192]
-    each) under each of ``modes``."""
+    each) under each of ``modes`` (and each searched one's plain twin): the rows, and a
+    :func:`search_cost` line per searched mode."""
     x = torch.cat([sample_kv_chunk(tokens=tokens, seed=i, dtype=dtype) for i in range(chunks)], dim=1)
     in_bytes = x.numel() * x.element_size()
     # Bring the allocator to a long-running process's steady state: until a block this
@@ -81,7 +84,29 @@ def bench_codec(
     rows = []
     for mode in dict.fromkeys(with_plain_twins(modes)):  # each once, in order
         rows += _measure(mode, x, repeat)
-    return rows
+    return rows, [search_cost(mode, x, rows, repeat) for mode in modes if mode.scale_choice != "amax"]
+
+
+def search_cost(mode: CodecOptions, x: torch.Tensor, rows: list[Row], repeat: int) -> str:
+    """What the scale search costs ``mode``: its encode of ``x`` against its plain twin's,
+    the two taking turns ``max(repeat, 5)`` times (each into a reused frame), the best of
+    each; and each one's fraction of the copy its rows measured."""
+    codecs = [Fp8Codec(options=mode), Fp8Codec(options=plain_twin(mode))]
+    frames = [torch.empty(codec.encoded_size(x.shape, x.dtype), dtype=torch.uint8).numpy() for codec in codecs]
+    times: list[list[float]] = [[], []]
+    for _ in range(max(repeat, 5) + 1):
+        for codec, frame, spent in zip(codecs, frames, times):
+            start = time.perf_counter()
+            codec.encode(x, out=frame)
+            spent.append(time.perf_counter() - start)
+    best = [min(spent[1:]) for spent in times]  # the first round warms up
+    moved = [(x.numel() * x.element_size() + frame.size) / t / 1e9 for frame, t in zip(frames, best)]
+    copy = next(r.copy_gbps for r in rows if r.options == mode and r.direction == "encode")
+    return (
+        f"search cost: {mode.label()} encodes at {moved[0] / moved[1]:.2f} of its plain twin "
+        f"({moved[0]:.2f} against {moved[1]:.2f} GB/s, timed in turn, best of {max(repeat, 5)} each; "
+        f"{moved[0] / copy:.2f} and {moved[1] / copy:.2f} of the copy)"
+    )
 
 
 def _measure(mode: CodecOptions, x: torch.Tensor, repeat: int) -> list[Row]:
@@ -124,21 +149,7 @@ def with_plain_twins(modes: list[CodecOptions]) -> list[CodecOptions]:
     return out
 
 
-def search_costs(rows: list[Row]) -> list[str]:
-    """One line per searched mode: its encode against its plain twin's, from ``rows``."""
-    encode = {r.options: r for r in rows if r.direction == "encode"}
-    lines = []
-    for options, row in encode.items():
-        twin = encode.get(plain_twin(options))
-        if twin is not None and twin is not row:
-            lines.append(
-                f"search cost: {row.mode} encodes at {row.fast_gbps / twin.fast_gbps:.2f} of its plain twin "
-                f"({row.fast_gbps:.2f} against {twin.fast_gbps:.2f} GB/s; {row.vs_copy:.2f} and {twin.vs_copy:.2f} of the copy)"
-            )
-    return lines
-
-
-def format_table(rows: list[Row], title: str) -> str:
+def format_table(rows: list[Row], costs: list[str], title: str) -> str:
     lines = [
         title,
         "",
@@ -150,7 +161,6 @@ def format_table(rows: list[Row], title: str) -> str:
             f"| {r.mode} | {r.direction} | {r.fast_gbps:.2f} | {r.reference_gbps:.3f} | {r.copy_gbps:.1f} "
             f"| {r.vs_reference:.1f}x | {r.vs_copy:.2f} |"
         )
-    costs = search_costs(rows)
     return "\n".join(lines + ([""] + costs if costs else []))
 
 

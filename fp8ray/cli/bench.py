@@ -141,9 +141,9 @@ def run_bench_codec(args) -> int:
             if args.scaling:  # asked for: say why it cannot be measured
                 raise
             # else a scaling the given options do not apply to (mse needs token or block)
-    rows = bench_codec(modes, getattr(torch, args.dtype), args.chunks, args.repeat, args.tokens)
+    rows, costs = bench_codec(modes, getattr(torch, args.dtype), args.chunks, args.repeat, args.tokens)
     title = f"fp8ray bench codec: {args.dtype} input, {args.chunks} x [2, 30, {args.tokens}, 192]\n{describe_machine()}"
-    print(format_table(rows, title))
+    print(format_table(rows, costs, title))
     return 0
 
 

@@ -332,7 +332,7 @@ class Fp8Service:
                     f"__metadata__ key {FRAMES_MARK!r} is fp8ray's own (it marks a body of frames)", 400, "__metadata__"
                 )
             blocks = [Block(e.key, e.fp8ray_dtype, e.shape, data) for e, data in entries]
-            self._check_frame_bytes(request, blocks, options)
+            self._check_frame_bytes(request, blocks, body, options)
             results = await self._map(QuantWorker.encode_batch, blocks, options)
             frames = [(meta.key, "uint8", (len(f),), f) for f, meta in results]
             # The body's own __metadata__ travels with its frames, and comes back on decode.
@@ -340,25 +340,25 @@ class Fp8Service:
         options = codec_options(params, ignore=("dtype", "shape"))
         dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
         block = Block("body", dtype, shape, np.frombuffer(body, dtype=np.uint8))
-        self._check_frame_bytes(request, [block], options)
+        self._check_frame_bytes(request, [block], body, options)
         if len(body) > BATCH_BODY_BYTES:
             [(f, meta)] = await self._call(QuantWorker.encode_batch, [block], options)
         else:
             f, meta = _answer_of(await self._encode_one((block, options)))
         return Response(f.tobytes(), media_type=OCTET_STREAM, headers={"X-Fp8ray-Device": meta.device})
 
-    def _check_frame_bytes(self, request: Request, blocks: list[Block], options) -> None:
+    def _check_frame_bytes(self, request: Request, blocks: list[Block], body: bytes, options) -> None:
         """Refuse with 413, before any work, blocks whose frames would be more than the
-        service answers (``max_body_bytes``): an empty tensor's frame still holds a scale
-        per channel or row, so a few bytes of query can ask for gigabytes. Records their
-        size for the response's bound (:func:`response_limit`)."""
+        service answers: ``max_body_bytes``, or the bound of the request alone where that
+        is more. An empty tensor's frame still holds a scale per channel or row, so a few
+        bytes of query can ask for gigabytes. Records their size for the response's
+        bound (:func:`response_limit`)."""
         codec = Fp8Codec(options=options)
         total = sum(codec.encoded_size(b.shape, b.dtype) for b in blocks)
-        if total > self.max_body_bytes:
+        allowed = max(self.max_body_bytes, response_limit(len(body) + len(request.url.query)))
+        if total > allowed:
             raise RequestError(
-                f"the frames would be {total} bytes, over the service's limit of {self.max_body_bytes} (--max-body-mb)",
-                413,
-                "shape",
+                f"the frames would be {total} bytes, over the service's limit of {allowed} (--max-body-mb)", 413, "shape"
             )
         request.state.frame_bytes = total
 

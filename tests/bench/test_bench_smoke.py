@@ -67,8 +67,8 @@ def test_bench_codec(capsys):
     assert [direction for (_, direction), _ in rows] == ["encode", "decode", "decode, new tensor"] * 7
     costs = [line for line in lines if line.startswith("search cost:")]
     assert len(costs) == 2, lines
-    for line in costs:
-        assert "of its plain twin" in line and len(numbers(line.split(" encodes at ")[1])) == 5
+    for line in costs:  # ratio, the two GB/s, the rounds, the two fractions of the copy
+        assert "of its plain twin" in line and "timed in turn" in line and len(numbers(line.split(" encodes at ")[1])) == 6
 
 
 @pytest.mark.usefixtures("ray_session")
