@@ -405,14 +405,9 @@ def test_bench_lmcache_copies_store_the_chunks_again_from_memory_of_their_own():
 
     chunks = [sample_kv_chunk(layers=2, tokens=16, seed=s) for s in range(2)]
     once, thrice = (bench_lmcache(chunks, [CodecOptions()], repeat=1, copies=n) for n in (1, 3))
-    for a, b in zip(once, thrice):  # the same chunks again: the same sizes and errors
-        assert (a.serde, a.bytes_per_chunk, a.raw_per_chunk, a.k_err, a.v_err) == (
-            b.serde,
-            b.bytes_per_chunk,
-            b.raw_per_chunk,
-            b.k_err,
-            b.v_err,
-        )
+    for a, b in zip(once, thrice):  # the same chunks again: the same sizes and errors (sums of 3 copies: to rounding)
+        assert (a.serde, a.bytes_per_chunk, a.raw_per_chunk) == (b.serde, b.bytes_per_chunk, b.raw_per_chunk)
+        assert (a.k_err, a.v_err) == (pytest.approx(b.k_err, rel=1e-12), pytest.approx(b.v_err, rel=1e-12))
     processor = create_serde_processor(SerdeConfig("fp8", {"max_workers": 1}))
     try:
         subject = _Subject("LMCache fp8", processor, chunks * 3)
