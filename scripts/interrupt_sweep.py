@@ -20,12 +20,14 @@ import os
 import random
 import shutil
 import signal
+import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test's own helper
+
+from _util import interrupted_main  # noqa: E402
 
 
 def make_reference(root: Path) -> None:
@@ -42,32 +44,6 @@ def make_reference(root: Path) -> None:
         save_file(tensors, str(root / "kv" / f"f{f}.safetensors"))
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["compress", str(root / "kv"), str(root / "ref.fp8"), "--part-mb", "0.5", "--address", "inline"]) == 0
-
-
-def interrupted_run(args: list[str], delay: float) -> tuple[int, str]:
-    """``main(args)`` with SIGINT sent to this process ``delay`` seconds in, unless it has
-    returned by then: its exit code and stderr."""
-    from fp8ray.cli import main
-
-    lock, running = threading.Lock(), [True]
-
-    def interrupt():
-        with lock:
-            if running[0]:
-                os.kill(os.getpid(), signal.SIGINT)
-
-    timer = threading.Timer(delay, interrupt)
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        timer.start()
-        try:
-            code = main(args)
-        finally:
-            with lock:
-                running[0] = False
-            timer.cancel()
-    time.sleep(0.05)  # a signal still pending lands on the outer handler
-    return code, err.getvalue()
 
 
 def main() -> None:
@@ -89,7 +65,7 @@ def main() -> None:
             dest = work / ("kv.fp8" if args.command == "compress" else "out")
             source = root / ("kv" if args.command == "compress" else "ref.fp8")
             command = [args.command, str(source), str(dest), "--workers", "1", "--address", "inline"]
-            code, err = interrupted_run(command, rng.uniform(0.0, args.max_delay))
+            code, err, _ = interrupted_main(command, rng.uniform(0.0, args.max_delay))
             counts["finished" if code == 0 else "interrupted"] += 1
             if any(".tmp-" in p.name for p in work.iterdir()):
                 counts["temporary left"] += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import socket
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -151,3 +151,40 @@ class InterruptedAfter:
             raise KeyboardInterrupt
 
         return then_interrupt
+
+
+def interrupted_main(args: list[str], delay: float) -> tuple[int, str, float]:
+    """``fp8ray.cli.main(args)`` in this process with SIGINT sent to it ``delay`` seconds
+    in, unless it has returned by then (the caller holds a SIGINT handler of its own for
+    one that comes as it returns): its exit code, its stderr, and how long it ran past the
+    moment the signal was due (negative: it finished first). Shared by
+    tests/cli/test_interrupts.py and scripts/interrupt_sweep.py."""
+    import io
+    import os
+    import signal
+    import threading
+    import time
+
+    from fp8ray.cli import main
+
+    lock, running = threading.Lock(), [True]
+
+    def interrupt():
+        with lock:
+            if running[0]:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(delay, interrupt)
+    err = io.StringIO()
+    with redirect_stderr(err), redirect_stdout(io.StringIO()):
+        timer.start()
+        sent = time.monotonic()
+        try:
+            code = main(args)
+        finally:
+            with lock:
+                running[0] = False
+            timer.cancel()
+        took = time.monotonic() - sent - delay
+    time.sleep(0.05)  # a signal still pending lands on the caller's handler
+    return code, err.getvalue(), took

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _util import InterruptedAfter, processes_with_ray_tmp
+from _util import InterruptedAfter, interrupted_main, processes_with_ray_tmp
 
 from fp8ray.io.paths import TMP_MARK
 
@@ -209,12 +209,6 @@ def _check(label, code, err, took, work, dest, args, reference) -> str:
 def _in_process_points(reference, tmp_path, rng, length: dict[str, float]) -> list[str]:
     """The command run by ``main`` in this process, SIGINT sent to it by a timer: only
     while it runs (an outer handler takes one that comes as it returns)."""
-    import contextlib
-    import io
-    import threading
-
-    from fp8ray.cli import main
-
     outcomes = []
     previous = signal.signal(signal.SIGINT, lambda *_: None)
     try:
@@ -224,30 +218,9 @@ def _in_process_points(reference, tmp_path, rng, length: dict[str, float]) -> li
                 work.mkdir()
                 args, dest = _command(command, reference, work)
                 delay = rng.uniform(0.0, length[command])
-                lock, running = threading.Lock(), [True]
-
-                def interrupt(lock=lock, running=running):  # this try's own, bound now
-                    with lock:
-                        if running[0]:
-                            os.kill(os.getpid(), signal.SIGINT)
-
-                timer = threading.Timer(delay, interrupt)
-                err = io.StringIO()
-                with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                    timer.start()
-                    sent = time.monotonic()
-                    try:
-                        code = main([*args, "--address", "inline"])
-                    finally:
-                        with lock:
-                            running[0] = False
-                        timer.cancel()
-                    took = time.monotonic() - sent - delay
-                time.sleep(0.05)  # a signal still pending lands on the outer handler
+                code, err, took = interrupted_main([*args, "--address", "inline"], delay)
                 outcomes.append(
-                    _check(
-                        f"{command} in process, SIGINT at {delay:.2f} s", code, err.getvalue(), took, work, dest, args, reference
-                    )
+                    _check(f"{command} in process, SIGINT at {delay:.2f} s", code, err, took, work, dest, args, reference)
                 )
     finally:
         signal.signal(signal.SIGINT, previous)
