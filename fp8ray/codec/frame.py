@@ -119,6 +119,15 @@ def header_for(options, dtype: str, shape: tuple[int, ...]) -> FrameHeader:
     return FrameHeader(options.fmt, options.scaling, dtype, tuple(shape), block_size, scale_dtype)
 
 
+def layout_label(options) -> str:
+    """What a frame records of its options (a :class:`FrameHeader`, or the
+    :class:`~fp8ray.codec.CodecOptions` that make one), as messages show it: ``e4m3fn,
+    block 32, bfloat16 scales`` (a frame does not record how its scales were chosen)."""
+    scaling = f"block {options.block_size}" if options.scaling == "block" else options.scaling
+    scales = "" if options.scaling == "none" else f", {options.scale_dtype} scales"
+    return f"{options.fmt.name}, {scaling}{scales}"
+
+
 def dimensions(shape) -> tuple[int, ...]:
     """``shape`` as a tuple of ints; a ``TypeError`` naming the dimension for one that is
     not an integer (a float is refused, not truncated)."""

@@ -341,7 +341,8 @@ class QuantWorker:
                         f"the frame says {list(header.shape)} {header.dtype}"
                     )
                 if codec is not None and header != frame.header_for(codec, header.dtype, header.shape):
-                    raise MismatchError(f"the frame is in {_options_of(header)}, the manifest records {_options_of(codec)}")
+                    written, recorded = frame.layout_label(header), frame.layout_label(codec)
+                    raise MismatchError(f"the frame is in {written}, the manifest records {recorded}")
                 if against is not None:
                     if ident not in originals:
                         raise MismatchError("not in the source it is verified against")
@@ -436,13 +437,6 @@ def _split(buffer: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     """``buffer`` cut into consecutive pieces of ``sizes`` bytes (views)."""
     ends = np.cumsum(sizes, dtype=np.int64)
     return [buffer[end - size : end] for size, end in zip(sizes, ends.tolist())]
-
-
-def _options_of(options) -> str:
-    """A frame header's or codec options' format, scaling and scales, as messages show them."""
-    scaling = f"block {options.block_size}" if options.scaling == "block" else options.scaling
-    scales = "" if options.scaling == "none" else f", {options.scale_dtype} scales"
-    return f"{options.fmt.name}, {scaling}{scales}"
 
 
 def _label(ident: tuple[str, str], name_files: bool) -> str:

@@ -274,9 +274,8 @@ class Fp8FrameDeserializer(_FramePair):
         if not same_tensor:
             dst = f"{tuple(t.shape)} {t.dtype}"
             raise MismatchError(f"{where}: dst is a {dst} tensor, the frame holds {header.shape} {header.dtype}")
-        block = f" {header.block_size}" if header.scaling == "block" else ""
         raise MismatchError(
-            f"{where} was written with {header.fmt.name}, {header.scaling}{block} scaling, {header.scale_dtype} scales; "
+            f"{where} was written with {frame.layout_label(header)}; "
             f"this deserializer's options are {self.options.label()}: read a store with the serde options it was written with"
         )
 
