@@ -310,9 +310,8 @@ class ArchiveReader:
                 columns = {name: table.column(name).to_pylist() for name in names}
                 part_checks.check_columns(columns, part, shown)
                 keys = columns["key"]
+        part_checks.check_rows(len(keys), part, shown)
         damaged = f"part {part.name} of {shown} is damaged"
-        if len(keys) != part.blocks:
-            raise CorruptArchiveError(f"{damaged}: it holds {len(keys)} blocks, its entry {part.blocks}")
         if keys and (keys[0], keys[-1]) != (part.first_key, part.last_key):
             raise CorruptArchiveError(
                 f"{damaged}: its keys run from {str(keys[0])!r} to {str(keys[-1])!r}, "
