@@ -166,6 +166,26 @@ def test_nan_scale_is_refused_even_with_a_valid_checksum(scale_dtype, nan_bytes)
         fp8ray.decode(reseal(bad))
 
 
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), 0.0, -0.0, -1.0, -(2.0**-130)])
+def test_every_scale_not_finite_and_positive_is_refused(scale_dtype, value):
+    """The check on the scales' bits (between the smallest positive fp32 and the largest
+    finite one) refuses each kind, and accepts a subnormal positive scale."""
+    good = small_frame("token", scale_dtype)
+    header = frame.parse(np.frombuffer(good, np.uint8))
+    width = 4 if scale_dtype == "float32" else 2
+    second = header.scales_offset + width  # scale 1
+
+    def with_scale(x: float) -> bytes:
+        bad = bytearray(good)
+        bad[second : second + width] = struct.pack("<f", x)[4 - width :]
+        return reseal(bad)
+
+    with pytest.raises(CorruptFrameError, match=f"scale 1 of the frame is {value}, expected a finite positive number"):
+        fp8ray.decode(with_scale(value))
+    assert torch.isfinite(fp8ray.decode(with_scale(2.0**-130))).all()
+
+
 def test_non_bytes_like_is_a_type_error():
     with pytest.raises(TypeError, match="a frame must be bytes-like, got int"):
         fp8ray.decode(12)

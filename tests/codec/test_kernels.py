@@ -9,7 +9,7 @@ import pytest
 import torch
 from _util import DTYPES, SCALINGS, assert_same_bits, kv_like
 
-from fp8ray.codec import cpu, reference
+from fp8ray.codec import cpu, kernels, reference
 from fp8ray.codec.formats import FORMATS, SCALE_CHOICES, SCALE_DTYPES, SEARCHED_SCALINGS, num_scales
 
 # (scaling, scale_dtype, scale_choice) beyond the plain float32 / amax modes: every
@@ -95,6 +95,32 @@ def test_scaled_decode_of_every_code_matches_reference(fmt_name, dtype):
     out = fast_dequantize(codes, scales, fmt, "token", (64, 256), dtype)
     ref = reference.dequantize(codes, scales, fmt, "token", (64, 256), dtype, 0)
     assert_same_bits(out, ref)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_by_scales_about_the_bf16_narrowing_floor_matches_reference(fmt_name, dtype):
+    """Every code times scales just below, at and above the least whose products are all
+    fp32 normals (``bf16_narrowing_floor``), in each decode kernel (one scale, a scale per
+    column, a scale per row): the CPU's bf16 narrowing, which makes subnormals zeros, may
+    only be used at and above it, and the products just below it are subnormals."""
+    fmt = FORMATS[fmt_name]
+    floor = np.float32(kernels.bits.bf16_narrowing_floor(fmt))
+    scales = np.array([np.nextafter(floor, 0), floor, np.nextafter(floor, 1), floor / 2, floor * 2, 2.0**-126, 1], np.float32)
+    assert float(scales[0]) * 2.0**fmt.min_subnormal_exp < 2.0**-126  # the first scale's products are subnormals
+    codes = torch.arange(256, dtype=torch.uint8)
+    for scale in scales:
+        one = torch.tensor([scale])
+        out = fast_dequantize(codes, one, fmt, "tensor", (256,), dtype)
+        assert_same_bits(out, reference.dequantize(codes, one, fmt, "tensor", (256,), dtype, 0))
+    rows = codes.repeat(len(scales))
+    out = fast_dequantize(rows, torch.from_numpy(scales), fmt, "token", (len(scales), 256), dtype)
+    assert_same_bits(out, reference.dequantize(rows, torch.from_numpy(scales), fmt, "token", (len(scales), 256), dtype, 0))
+    for columns in (np.full(16, floor), np.concatenate([np.full(15, floor), scales[:1]])):  # least at, and below, the floor
+        grid = codes.repeat_interleave(16)
+        out = fast_dequantize(grid, torch.from_numpy(columns), fmt, "channel", (256, 16), dtype)
+        expected = reference.dequantize(grid, torch.from_numpy(columns), fmt, "channel", (256, 16), dtype, 0)
+        assert_same_bits(out, expected)
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)

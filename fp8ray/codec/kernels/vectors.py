@@ -30,14 +30,20 @@ from ..formats import SMALLEST_NORMAL_SCALE
 from .bits import (
     _F32,
     _I32,
+    _NATIVE_HALF,
+    NATIVE_BF16,
+    _format_of_tag,
     _i32,
+    bf16_narrowing_floor,
     code_fields,
-    decode_fields,
+    decode_params,
     emit_f16_bits_to_f32,
     emit_f32_to_bf16,
+    emit_f32_to_bf16_native,
     emit_f32_to_f16,
     emit_fp8_code,
     emit_fp8_to_f32,
+    emit_fp8_to_f32_by_half,
 )
 
 LANES = 16  # elements per vector
@@ -126,16 +132,24 @@ def _key_loader(context, builder, array_type, array):
     return keys, ir.Constant(i16, 0x7C00), lambda k: emit_f16_bits_to_f32(builder, k)
 
 
-def _chunk_storer(context, builder, array_type, array):
-    """``store(i, v)``: fp32 values ``v`` into chunk ``i`` (16 elements) of a bf16, fp16 or
-    fp32 output, rounded to its dtype."""
+def _chunk_storer(context, builder, array_type, array, nans_canonical=False):
+    """``store(i, v, native)``: fp32 values ``v`` into chunk ``i`` (16 elements) of a bf16,
+    fp16 or fp32 output, rounded to its dtype (``nans_canonical``: as
+    :func:`emit_f32_to_bf16`; ``native``: a bf16 output narrowed by
+    :func:`emit_f32_to_bf16_native`, for values none of which is an fp32 subnormal)."""
     data = context.make_array(array_type)(context, builder, array).data
     if array_type.dtype == types.float32:
         ptr = builder.bitcast(data, VF.as_pointer())
-        return lambda i, v: builder.store(v, builder.gep(ptr, [i]), align=4)
+        return lambda i, v, native=False: builder.store(v, builder.gep(ptr, [i]), align=4)
     ptr = builder.bitcast(data, ir.VectorType(ir.IntType(16), LANES).as_pointer())
-    rounding = emit_f32_to_bf16 if array_type.dtype == types.uint16 else emit_f32_to_f16
-    return lambda i, v: builder.store(rounding(builder, v), builder.gep(ptr, [i]), align=2)
+    if array_type.dtype == types.uint16:
+
+        def store_bf16(i, v, native=False):
+            bits = emit_f32_to_bf16_native(builder, v) if native else emit_f32_to_bf16(builder, v, nans_canonical)
+            builder.store(bits, builder.gep(ptr, [i]), align=2)
+
+        return store_bf16
+    return lambda i, v, native=False: builder.store(emit_f32_to_f16(builder, v), builder.gep(ptr, [i]), align=2)
 
 
 def _every_chunk(lanes):
@@ -321,45 +335,75 @@ def encode_chunks(typingctx, xs, codes, scales, p):
 
 
 def _chunk_decoder(context, builder, signature, args):
-    """``decode(i, scales)``: IR rounding chunk ``i`` of the codes ``args[0]`` times the
-    fp32 vector ``scales`` into chunk ``i`` of ``args[2]``; ``args[3]`` is the format's
-    :func:`~fp8ray.codec.kernels.bits.decode_params`."""
+    """``decode(i, scales, native)``: IR rounding chunk ``i`` of the codes ``args[0]``
+    times the fp32 vector ``scales`` (finite and positive, as frames' are) into chunk
+    ``i`` of ``args[2]`` (``native``: as :func:`_chunk_storer`); ``args[3]`` is the
+    format's tag. By the CPU's fp16 conversion where it has one
+    (:func:`~fp8ray.codec.kernels.bits.emit_fp8_to_f32_by_half`), else on the bits."""
+    fmt = _format_of_tag(signature.args[3])
     codes_ptr = _codes_pointer(context, builder, signature.args[0], args[0])
-    store = _chunk_storer(context, builder, signature.args[2], args[2])
-    fields = [splat(builder, f, ir.VectorType(f.type, LANES)) for f in decode_fields(builder, args[3])]
+    store = _chunk_storer(context, builder, signature.args[2], args[2], nans_canonical=_NATIVE_HALF)
+    if _NATIVE_HALF:
+        values = functools.partial(emit_fp8_to_f32_by_half, fmt=fmt)
+    else:
+        fields = [vi(f) for f in decode_params(fmt)[:-1]] + [ir.Constant(VF, [decode_params(fmt)[-1]] * LANES)]
+        values = functools.partial(emit_fp8_to_f32, fields=fields)
 
-    def decode(i, scales):
-        code = builder.load(builder.gep(codes_ptr, [i]), align=1)
-        store(i, builder.fmul(emit_fp8_to_f32(builder, code, fields), scales))
+    def decode(i, scales, native):
+        codes = builder.load(builder.gep(codes_ptr, [i]), align=1)
+        store(i, builder.fmul(values(builder, codes), scales), native)
 
     return decode
 
 
+def _with_narrowing(builder, signature, smallest_scale, body):
+    """IR of ``body(native)``: ``native`` True (under a test) where the output is bf16,
+    the CPU narrows to it in hardware (:data:`~fp8ray.codec.kernels.bits.NATIVE_BF16`) and
+    ``smallest_scale`` (fp32) is at least :func:`~fp8ray.codec.kernels.bits.bf16_narrowing_floor`,
+    so that no product is an fp32 subnormal; otherwise False."""
+    if not (NATIVE_BF16 and signature.args[2].dtype == types.uint16):
+        body(False)
+        return
+    floor = ir.Constant(_F32, bf16_narrowing_floor(_format_of_tag(signature.args[3])))
+    with builder.if_else(builder.fcmp_ordered(">=", smallest_scale, floor)) as (native, exact):
+        with native:
+            body(True)
+        with exact:
+            body(False)
+
+
 @intrinsic
-def decode_chunks(typingctx, codes, scales, out, dp):
-    """The whole 16-code chunks of ``codes`` times ``scales`` (as :func:`encode_chunks`),
-    rounded into ``out`` (bf16, fp16 or fp32); :func:`~fp8ray.codec.kernels.bits.emit_fp8_to_f32`
-    in vectors, which LLVM would not make of numba's loop over a row with a scale per
-    column (it took 8 lanes there). The elements past the last whole chunk are the caller's."""
-    if not (isinstance(codes, types.Array) and is_scale(scales) and is_source(out)):
+def decode_chunks(typingctx, codes, scales, out, tag, smallest_scale):
+    """The whole 16-code chunks of ``codes`` times ``scales`` (as :func:`encode_chunks`;
+    ``smallest_scale`` the least of them), rounded into ``out`` (bf16, fp16 or fp32), in
+    vectors, which LLVM would not make of numba's loop over a row with a scale per column
+    (it took 8 lanes there). The elements past the last whole chunk are the caller's."""
+    if not (isinstance(codes, types.Array) and is_scale(scales) and is_source(out) and isinstance(tag, types.Array)):
+        return None
+    if smallest_scale != types.float32:
         return None
 
     def codegen(context, builder, signature, args):
         decode = _chunk_decoder(context, builder, signature, args)
         scale = _scale_loader(context, builder, signature.args[1], args[1])
-        with cgutils.for_range(builder, _chunk_count(context, builder, signature.args[0], args[0])) as loop:
-            decode(loop.index, scale(loop.index))
+        chunks = _chunk_count(context, builder, signature.args[0], args[0])
+
+        def loop(native):
+            with cgutils.for_range(builder, chunks) as chunk:
+                decode(chunk.index, scale(chunk.index), native)
+
+        _with_narrowing(builder, signature, args[4], loop)
         return context.get_dummy_value()
 
-    return types.none(codes, scales, out, dp), codegen
+    return types.none(codes, scales, out, tag, smallest_scale), codegen
 
 
 @intrinsic
-def decode_groups(typingctx, codes, scales, out, dp):
+def decode_groups(typingctx, codes, scales, out, tag):
     """:func:`decode_chunks` of whole groups of a multiple of 16 codes, one scale each
     (``codes.size / scales.size`` codes a group), in one loop over the groups and one over
     their chunks: numba's loop over groups of 32, a call for each, took 7.6 ns a group, this 6.5."""
-    if not (isinstance(codes, types.Array) and isinstance(scales, types.Array) and is_source(out)):
+    if not all(isinstance(a, types.Array) for a in (codes, scales, tag)) or not is_source(out):
         return None
 
     def codegen(context, builder, signature, args):
@@ -368,9 +412,14 @@ def decode_groups(typingctx, codes, scales, out, dp):
         groups = builder.extract_value(scale_array.shape, 0)
         chunks = builder.udiv(_chunk_count(context, builder, signature.args[0], args[0]), groups)  # per group
         with cgutils.for_range(builder, groups) as group:
-            scales = splat(builder, builder.load(builder.gep(scale_array.data, [group.index])), VF)
-            with cgutils.for_range(builder, chunks) as chunk:
-                decode(builder.add(builder.mul(group.index, chunks), chunk.index), scales)
+            scale = builder.load(builder.gep(scale_array.data, [group.index]))
+            scales = splat(builder, scale, VF)
+
+            def loop(native):
+                with cgutils.for_range(builder, chunks) as chunk:
+                    decode(builder.add(builder.mul(group.index, chunks), chunk.index), scales, native)
+
+            _with_narrowing(builder, signature, scale, loop)
         return context.get_dummy_value()
 
-    return types.none(codes, scales, out, dp), codegen
+    return types.none(codes, scales, out, tag), codegen
