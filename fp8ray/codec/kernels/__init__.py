@@ -17,12 +17,13 @@ checks that exhaustively where it can (every bf16 and fp16 value, every fp8 code
 on random data elsewhere.
 """
 
-from .bits import FORMAT_TAGS, decode_params, format_params, scale_from_amax
+from .bits import CRC_IN_KERNELS, FORMAT_TAGS, decode_params, format_params, scale_from_amax
 from .decode import dequantize_columns, dequantize_groups, dequantize_uniform
 from .encode import amax_columns, amax_span, amax_to_scales, quantize_columns, quantize_groups, quantize_uniform
 from .search import SEARCH_WIDTH, pad_candidates, quantize_groups_search
 
 __all__ = [
+    "CRC_IN_KERNELS",
     "FORMAT_TAGS",
     "SEARCH_WIDTH",
     "amax_columns",

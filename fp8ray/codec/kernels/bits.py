@@ -12,6 +12,7 @@ import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..formats import E4M3FN, E5M2, SMALLEST_NORMAL_SCALE, Fp8Format, max_code
@@ -70,6 +71,34 @@ _NATIVE_HALF = _native_half_conversions()
 # nearest even, but reads and writes fp32 subnormals as zeros: it is used only where no
 # value can be one (:func:`bf16_narrowing_floor`).
 NATIVE_BF16 = "+avx512bf16" in _x86_features()
+# SSE 4.2's crc32 instruction computes CRC-32C: the decode kernels then take the checksum
+# of the codes in their own loops, on the scalar ports the vector work leaves idle.
+CRC_IN_KERNELS = "+sse4.2" in _x86_features()
+CRC_START = 0xFFFFFFFF  # CRC-32C's running value before any byte (and its final inversion)
+
+
+def emit_crc32c(builder, running, data):
+    """IR: the running (uninverted) CRC-32C ``running`` (i64) after the bytes of ``data``
+    (an i64 word, little-endian, or an i8), by x86's crc32 (:data:`CRC_IN_KERNELS`)."""
+    i64 = ir.IntType(64)
+    if data.type == i64:
+        crc32 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, i64]), "llvm.x86.sse42.crc32.64.64")
+        return builder.call(crc32, [running, data])
+    by_byte = ir.FunctionType(_I32, [_I32, ir.IntType(8)])
+    crc32 = cgutils.get_or_insert_function(builder.module, by_byte, "llvm.x86.sse42.crc32.32.8")
+    return builder.zext(builder.call(crc32, [builder.trunc(running, _I32), data]), i64)
+
+
+@intrinsic
+def _crc32c_byte(typingctx, running, byte):
+    """The running CRC-32C (int64, uninverted) after one more byte (:func:`emit_crc32c`)."""
+    if running != types.int64 or byte != types.uint8:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return emit_crc32c(builder, *args) if CRC_IN_KERNELS else args[0]
+
+    return types.int64(running, byte), codegen
 
 
 def _i32(value: int) -> ir.Constant:

@@ -31,12 +31,14 @@ from .bits import (
     _F32,
     _I32,
     _NATIVE_HALF,
+    CRC_IN_KERNELS,
     NATIVE_BF16,
     _format_of_tag,
     _i32,
     bf16_narrowing_floor,
     code_fields,
     decode_params,
+    emit_crc32c,
     emit_f16_bits_to_f32,
     emit_f32_to_bf16,
     emit_f32_to_bf16_native,
@@ -335,10 +337,12 @@ def encode_chunks(typingctx, xs, codes, scales, p):
 
 
 def _chunk_decoder(context, builder, signature, args):
-    """``decode(i, scales, native)``: IR rounding chunk ``i`` of the codes ``args[0]``
-    times the fp32 vector ``scales`` (finite and positive, as frames' are) into chunk
-    ``i`` of ``args[2]`` (``native``: as :func:`_chunk_storer`); ``args[3]`` is the
-    format's tag. By the CPU's fp16 conversion where it has one
+    """``(decode, running)``: ``decode(i, scales, native)``, IR rounding chunk ``i`` of
+    the codes ``args[0]`` times the fp32 vector ``scales`` (finite and positive, as
+    frames' are) into chunk ``i`` of ``args[2]`` (``native``: as :func:`_chunk_storer`),
+    and (where :data:`~fp8ray.codec.kernels.bits.CRC_IN_KERNELS`) adding its codes to the
+    running CRC-32C in the slot ``running``, which starts at ``args[-1]``; ``args[3]`` is
+    the format's tag. By the CPU's fp16 conversion where it has one
     (:func:`~fp8ray.codec.kernels.bits.emit_fp8_to_f32_by_half`), else on the bits."""
     fmt = _format_of_tag(signature.args[3])
     codes_ptr = _codes_pointer(context, builder, signature.args[0], args[0])
@@ -349,11 +353,20 @@ def _chunk_decoder(context, builder, signature, args):
         fields = [vi(f) for f in decode_params(fmt)[:-1]] + [ir.Constant(VF, [decode_params(fmt)[-1]] * LANES)]
         values = functools.partial(emit_fp8_to_f32, fields=fields)
 
+    words = builder.bitcast(codes_ptr, ir.IntType(64).as_pointer())  # a chunk's codes as 2 words
+    running = cgutils.alloca_once_value(builder, args[-1])
+
     def decode(i, scales, native):
         codes = builder.load(builder.gep(codes_ptr, [i]), align=1)
         store(i, builder.fmul(values(builder, codes), scales), native)
+        if CRC_IN_KERNELS:
+            crc = builder.load(running)
+            for k in (0, 1):
+                word = builder.load(builder.gep(words, [builder.add(builder.add(i, i), ir.Constant(i.type, k))]), align=1)
+                crc = emit_crc32c(builder, crc, word)
+            builder.store(crc, running)
 
-    return decode
+    return decode, running
 
 
 def _with_narrowing(builder, signature, smallest_scale, body):
@@ -373,18 +386,20 @@ def _with_narrowing(builder, signature, smallest_scale, body):
 
 
 @intrinsic
-def decode_chunks(typingctx, codes, scales, out, tag, smallest_scale):
+def decode_chunks(typingctx, codes, scales, out, tag, smallest_scale, running):
     """The whole 16-code chunks of ``codes`` times ``scales`` (as :func:`encode_chunks`;
     ``smallest_scale`` the least of them), rounded into ``out`` (bf16, fp16 or fp32), in
     vectors, which LLVM would not make of numba's loop over a row with a scale per column
-    (it took 8 lanes there). The elements past the last whole chunk are the caller's."""
+    (it took 8 lanes there): the running CRC-32C (``running``, uninverted) after their
+    codes, where :data:`~fp8ray.codec.kernels.bits.CRC_IN_KERNELS` (else ``running``).
+    The elements past the last whole chunk are the caller's."""
     if not (isinstance(codes, types.Array) and is_scale(scales) and is_source(out) and isinstance(tag, types.Array)):
         return None
-    if smallest_scale != types.float32:
+    if smallest_scale != types.float32 or running != types.int64:
         return None
 
     def codegen(context, builder, signature, args):
-        decode = _chunk_decoder(context, builder, signature, args)
+        decode, crc = _chunk_decoder(context, builder, signature, args)
         scale = _scale_loader(context, builder, signature.args[1], args[1])
         chunks = _chunk_count(context, builder, signature.args[0], args[0])
 
@@ -393,21 +408,21 @@ def decode_chunks(typingctx, codes, scales, out, tag, smallest_scale):
                 decode(chunk.index, scale(chunk.index), native)
 
         _with_narrowing(builder, signature, args[4], loop)
-        return context.get_dummy_value()
+        return builder.load(crc)
 
-    return types.none(codes, scales, out, tag, smallest_scale), codegen
+    return types.int64(codes, scales, out, tag, smallest_scale, running), codegen
 
 
 @intrinsic
-def decode_groups(typingctx, codes, scales, out, tag):
+def decode_groups(typingctx, codes, scales, out, tag, running):
     """:func:`decode_chunks` of whole groups of a multiple of 16 codes, one scale each
     (``codes.size / scales.size`` codes a group), in one loop over the groups and one over
     their chunks: numba's loop over groups of 32, a call for each, took 7.6 ns a group, this 6.5."""
-    if not all(isinstance(a, types.Array) for a in (codes, scales, tag)) or not is_source(out):
+    if not all(isinstance(a, types.Array) for a in (codes, scales, tag)) or not is_source(out) or running != types.int64:
         return None
 
     def codegen(context, builder, signature, args):
-        decode = _chunk_decoder(context, builder, signature, args)
+        decode, crc = _chunk_decoder(context, builder, signature, args)
         scale_array = context.make_array(signature.args[1])(context, builder, args[1])
         groups = builder.extract_value(scale_array.shape, 0)
         chunks = builder.udiv(_chunk_count(context, builder, signature.args[0], args[0]), groups)  # per group
@@ -420,6 +435,6 @@ def decode_groups(typingctx, codes, scales, out, tag):
                     decode(builder.add(builder.mul(group.index, chunks), chunk.index), scales, native)
 
             _with_narrowing(builder, signature, scale, loop)
-        return context.get_dummy_value()
+        return builder.load(crc)
 
-    return types.none(codes, scales, out, tag), codegen
+    return types.int64(codes, scales, out, tag, running), codegen
