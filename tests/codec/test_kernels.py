@@ -415,6 +415,19 @@ scales = np.empty(finite.numel() // 32, np.float32)
 cpu.quantize(cpu.kernel_array(finite), E4M3FN, "block", 32, codes, scales, "bfloat16", "mse")
 ref, ref_scales, _ = reference.quantize(finite, E4M3FN, "block", 32, False, "bfloat16", "mse")
 assert np.array_equal(codes, ref.numpy()) and np.array_equal(scales, ref_scales.numpy())
+import fp8ray  # whole frames: the checksum taken apart from the kernels (no SSE 4.2 assumed)
+assert not kernels.CRC_IN_KERNELS
+y = torch.randn(64, 48).to(torch.bfloat16)
+frame = bytearray(fp8ray.Fp8Codec().encode(y))
+codes, scales, _ = reference.quantize(y, E4M3FN, "block", 32, False, "bfloat16", "mse")
+expected = reference.dequantize(codes, scales, E4M3FN, "block", (64, 48), torch.bfloat16, 32)
+assert torch.equal(fp8ray.decode(frame).view(torch.int16), expected.view(torch.int16))
+frame[-10] ^= 1
+try:
+    fp8ray.decode(frame)
+    raise AssertionError("a damaged frame decoded")
+except fp8ray.CorruptFrameError:
+    pass
 print("portable half ok")
 """
 
