@@ -5,7 +5,10 @@ a tensor across threads; all are ``nogil``. Inputs and outputs are flat numpy ar
 ``float32``; ``uint16`` holding bfloat16 bits; ``int16`` holding float16 bits. The
 conversions between those and fp32 are done on the bits, in int64 arithmetic (numba
 promotes mixed signed/unsigned integers to float, so unsigned types are avoided), and
-every selection is written so that LLVM turns it into a vector blend.
+every selection is written so that LLVM turns it into a vector blend. Where the CPU has
+them, the decode widens fp8 codes through its fp16 conversion (x86 F16C), narrows bf16
+outputs in one instruction (AVX-512 BF16) and takes the frame's CRC-32C in its loop (SSE
+4.2's ``crc32``); each is chosen when a kernel is compiled, and the bits are the same.
 
 Every kernel is compiled with ``error_model="numpy"``: under numba's default ("python")
 each division checks for a zero divisor, and that per-element branch stops LLVM from
