@@ -24,7 +24,7 @@ from .formats import KERNEL_TYPES, SCALE_MASKS, Fp8Format, scale_candidates
 # to balance two to a few dozen cores.
 CHUNK_ELEMENTS = 1 << 20
 
-_pools: dict[int, ThreadPoolExecutor] = {}  # helpers, by the thread count of the calls they serve
+_pools: dict[int, ThreadPoolExecutor] = {}  # threads - 1 helpers, by the calls' thread count
 _pools_lock = threading.Lock()
 
 
@@ -48,23 +48,23 @@ def thread_count(threads: int | None) -> int:
 
 def _run(tasks: list, threads: int | None) -> list:
     """Run zero-argument callables on ``threads`` threads (default :func:`num_threads`):
-    the calling thread and ``threads - 1`` of a pool, each taking the next task no one has
-    taken, so that the caller works rather than waits. Returns their results in order;
-    the first error any raised is raised once every thread has stopped (no task runs on
-    into the caller's buffers after it returns).
+    the calling thread and up to ``threads - 1`` of a pool, each taking the next task no
+    one has taken, so that the caller works rather than waits. Returns their results in
+    order; the first error any raised (or an interrupt) is raised once no task runs any
+    more: none writes on into the caller's buffers after it returns.
 
     When the pool ran every task and the caller slept, a 12-task decode of 11.8M
     elements on 2 CPUs took 1.4 and 1.8 ms on alternate calls (median 1.8), now 1.25-1.45
     (median 1.33): three threads had shared two CPUs."""
-    threads = min(thread_count(threads), len(tasks))
-    if threads <= 1:
+    threads = thread_count(threads)
+    if threads == 1 or len(tasks) <= 1:
         return [task() for task in tasks]
     with _pools_lock:
         if threads not in _pools:
             _pools[threads] = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fp8ray-cpu")
         pool = _pools[threads]
     results = [None] * len(tasks)
-    claims = itertools.count()  # next() on it is atomic: each task is taken once
+    claims = itertools.count()  # next() on it is atomic (under the GIL): each task is taken once
     errors: list[BaseException] = []
 
     def work() -> None:
@@ -77,14 +77,29 @@ def _run(tasks: list, threads: int | None) -> list:
             except BaseException as error:  # noqa: BLE001 - raised in the caller, below
                 errors.append(error)
 
-    helpers = [pool.submit(work) for _ in range(threads - 1)]
+    helpers = [pool.submit(work) for _ in range(min(threads, len(tasks)) - 1)]
     try:
         work()
-    finally:
-        futures.wait(helpers)
+    except BaseException as error:  # an interrupt between two tasks  # noqa: BLE001
+        errors.append(error)
+    _wait_for(helpers, errors)
     if errors:
         raise errors[0]
     return results
+
+
+def _wait_for(helpers: list, errors: list) -> None:
+    """Wait for the helpers that have started; those still queued (behind another call's,
+    or this task's own caller, in a nested call) are cancelled, as the caller has taken
+    every task. An interrupt meanwhile is kept in ``errors``, which stops the helpers
+    taking more, and the wait goes on until the tasks running have returned."""
+    running = [helper for helper in helpers if not helper.cancel()]
+    while True:
+        try:
+            futures.wait(running)
+            return
+        except BaseException as error:  # noqa: BLE001 - raised by the caller once all have stopped
+            errors.append(error)
 
 
 def _spans(count: int, per_task: int, threads: int | None) -> list[tuple[int, int]]:
@@ -245,9 +260,10 @@ def dequantize_checksummed(
     out: np.ndarray,
     threads: int | None = None,
 ) -> int:
-    """:func:`dequantize`, and the CRC-32C of ``codes``: each task takes that of the codes
-    it has just read, still in cache, and the pieces are combined (as
-    :func:`quantize_checksummed` does), so checking the frame needs no pass of its own."""
+    """:func:`dequantize`, and the CRC-32C of ``codes``: each kernel takes that of the codes
+    it reads, in its own loop (:data:`~fp8ray.codec.kernels.CRC_IN_KERNELS`; else each
+    task, of the codes it has just read, still in cache), and the pieces are combined, so
+    checking the frame needs no pass of its own."""
     tasks = _decode_tasks(codes, scales, fmt, scaling, shape, block_size, out, threads)
     if kernels.CRC_IN_KERNELS:  # each kernel returns the CRC-32C of the codes it read
         return checksum.combine_all(zip(_run([task for task, _ in tasks], threads), (b - a for _, (a, b) in tasks)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -40,7 +42,7 @@ def test_an_error_is_raised_once_no_task_is_running_and_no_task_starts_after_it(
     assert len(started) < 8  # the others stop taking tasks after the error
 
 
-def test_many_callers_share_the_helpers_without_waiting_on_each_other():
+def test_many_callers_each_finish_their_own_tasks():
     """Callers from many threads at once (LMCache's workers, a Ray actor's threads) all
     finish: each works through its own tasks even while the helpers serve another."""
     outcomes = {}
@@ -55,3 +57,51 @@ def test_many_callers_share_the_helpers_without_waiting_on_each_other():
         caller.join(timeout=60)
     assert not any(caller.is_alive() for caller in callers)
     assert outcomes == {k: [(k, i) for i in range(20)] for k in range(8)}
+
+
+def test_a_task_that_runs_tasks_itself_finishes():
+    """A nested call (a task that calls the runner with the same thread count) finishes:
+    its caller takes every inner task, and its helpers still queued behind the outer
+    call's are cancelled rather than waited for."""
+
+    def inner():
+        return sum(cpu._run([lambda i=i: i for i in range(4)], threads=8))
+
+    done = []
+    runner = threading.Thread(target=lambda: done.append(cpu._run([inner] * 4, threads=8)))
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive() and done == [[6, 6, 6, 6]]
+
+
+def test_one_pool_per_thread_count_whatever_the_task_count():
+    before = threading.active_count()
+    for count in range(2, 12):
+        cpu._run([lambda: None] * count, threads=12)
+    assert threading.active_count() - before <= 11
+
+
+def test_an_interrupt_while_the_caller_waits_is_raised_once_the_helpers_task_returns():
+    """Ctrl-C as the caller waits for a helper: the interrupt is raised only after the
+    task the helper runs has returned (it writes into the caller's buffers, which the
+    caller frees as the interrupt unwinds: a decompress died of SIGSEGV so)."""
+    both_started = threading.Barrier(2, timeout=30)
+    finished, started = [], []
+
+    def task(i):
+        started.append(i)
+        both_started.wait()
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.5)  # the helper's task: the caller is waiting meanwhile
+            finished.append(i)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            cpu._run([lambda i=i: task(i) for i in range(2)], threads=2)
+        assert len(finished) == 1 and sorted(started) == [0, 1]  # the helper's task had returned
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -447,3 +448,73 @@ def test_portable_half_conversions_match_torch(tmp_path):
     result = subprocess.run([sys.executable, "-c", PORTABLE_HALF_CHECK], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "portable half ok" in result.stdout
+
+
+GENERIC_CPU_CHECK = """
+import torch, fp8ray
+from fp8ray.codec import kernels
+assert not (kernels.CRC_IN_KERNELS or kernels.bits.NATIVE_BF16 or kernels.bits._NATIVE_HALF)
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    x = torch.randn(64, 48).to(dtype)
+    frame = fp8ray.Fp8Codec().encode(x)
+    assert fp8ray.decode(frame).dtype == dtype
+print("generic ok")
+"""
+
+
+@pytest.mark.slow
+def test_a_generic_cpu_target_takes_the_portable_paths(tmp_path):
+    """Under ``NUMBA_CPU_NAME=generic`` numba compiles for no CPU features at all, so the
+    kernels must not take the host's (F16C, AVX-512 BF16, SSE 4.2's crc32): LLVM could not
+    select them and the process died on its first decode."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() != "x86_64":
+        pytest.skip("an x86_64 host's features are what a generic target lacks")
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("NUMBA_CPU_FEATURES", None)
+    result = subprocess.run([sys.executable, "-c", GENERIC_CPU_CHECK], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "generic ok" in result.stdout
+
+
+NAN_BITS_CHECK = """
+import numpy as np
+from fp8ray.codec import cpu
+from fp8ray.codec.formats import E4M3FN
+out = np.empty(32, np.float32)
+cpu.dequantize(np.full(32, 0x7F, np.uint8), np.empty(0, np.float32), E4M3FN, "none", (32,), 0, out)
+print(hex(out.view(np.uint32)[0]))
+"""
+
+
+@pytest.mark.slow
+def test_a_kernel_compiles_again_when_only_the_ir_it_is_built_from_changes(tmp_path):
+    """Numba keys a cached kernel on its own file (decode.py), but its IR comes from
+    bits.py too: an edit there alone must not leave the old machine code in use."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from fp8ray.codec.kernels import bits
+
+    if not bits._NATIVE_HALF:
+        pytest.skip("the canonical NaN is the fp16 path's")
+    package = Path(__file__).resolve().parents[2] / "fp8ray"
+    shutil.copytree(package, tmp_path / "fp8ray", ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env.pop("NUMBA_CACHE_DIR", None)
+
+    def nan_bits() -> str:
+        result = subprocess.run([sys.executable, "-c", NAN_BITS_CHECK], env=env, capture_output=True, text=True, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.strip()
+
+    assert nan_bits() == "0x7fc00000"  # compiled and cached
+    copied = tmp_path / "fp8ray" / "codec" / "kernels" / "bits.py"
+    copied.write_text(copied.read_text().replace("CANONICAL_NAN = 0x7FC00000", "CANONICAL_NAN = 0x7FC00001"))
+    assert nan_bits() == "0x7fc00001"

@@ -6,13 +6,12 @@ Every kernel in this package is built from these; none has a per-element branch.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
+from numba.core import config as numba_config
 from numba.extending import intrinsic, overload
 
 from ..formats import E4M3FN, E5M2, SMALLEST_NORMAL_SCALE, Fp8Format, max_code
@@ -51,10 +50,14 @@ _F32 = ir.FloatType()
 
 
 def _x86_features() -> list[str]:
-    """The x86 CPU features numba compiles for (``+f16c``, ...); none elsewhere."""
+    """The x86 CPU features numba compiles for (``+f16c``, ...); none elsewhere. Numba's
+    own setting where one is made (``NUMBA_CPU_FEATURES``, or none at all under
+    ``NUMBA_CPU_NAME``, as for ``generic``), else the host's."""
     if not llvm_binding.get_process_triple().startswith("x86_64"):
         return []
-    return (os.environ.get("NUMBA_CPU_FEATURES") or llvm_binding.get_host_cpu_features().flatten()).split(",")
+    if numba_config.CPU_FEATURES is not None:
+        return numba_config.CPU_FEATURES.split(",")
+    return llvm_binding.get_host_cpu_features().flatten().split(",")
 
 
 def _native_half_conversions() -> bool:
@@ -206,24 +209,35 @@ def emit_fp8_code(builder, q, v, fields):
     ``v`` are fp32 scalars or vectors, ``fields`` the i32 values (of their shape) of
     :func:`format_params` 1 to 7. Returns i32 codes of their shape."""
     c = _i32_constants(q.type)
-    int_type = ir.VectorType(_I32, q.type.count) if isinstance(q.type, ir.VectorType) else _I32
-    float_type = q.type
-    shift, norm_add, min_normal, denorm_bits, nan_code, posinf_code, neginf_code = fields
-    b = builder.bitcast(q, int_type)
-    sign = builder.and_(b, c(_SIGN_BIT))
-    a = builder.xor(b, sign)
+    b = builder.bitcast(q, _int_like(q.type))
+    code = emit_fp8_code_of_magnitude(builder, builder.and_(b, c(_ABS_MASK)), builder.and_(b, c(_SIGN_BIT)), fields)
+    return emit_nonfinite_codes(builder, code, v, fields)
+
+
+def emit_fp8_code_of_magnitude(builder, a, sign, fields):
+    """IR: the fp8 code (i32) of the quotient whose |q| has the bits ``a`` (at most the
+    format's max: clamped) and whose sign bit is ``sign`` (i32, bit 31), as
+    :func:`emit_fp8_code` takes it, before any non-finite input's code."""
+    c = _i32_constants(a.type)
+    float_type = _like(a.type, _F32)
+    shift, norm_add, min_normal, denorm_bits = fields[:4]
     magic = builder.bitcast(denorm_bits, float_type)
-    subnormal = builder.sub(builder.bitcast(builder.fadd(builder.bitcast(a, float_type), magic), int_type), denorm_bits)
+    subnormal = builder.sub(builder.bitcast(builder.fadd(builder.bitcast(a, float_type), magic), a.type), denorm_bits)
     odd = builder.and_(builder.lshr(a, shift), c(1))
     normal = builder.lshr(builder.add(builder.add(a, norm_add), odd), shift)
     code = builder.select(builder.icmp_unsigned("<", a, min_normal), subnormal, normal)
-    code = builder.or_(code, builder.lshr(sign, c(24)))
-    vb = builder.bitcast(v, int_type)
+    return builder.or_(code, builder.lshr(sign, c(24)))
+
+
+def emit_nonfinite_codes(builder, code, v, fields):
+    """IR: ``code`` (i32), or the format's NaN/inf code where the input ``v`` is not finite."""
+    c = _i32_constants(v.type)
+    nan_code, posinf_code, neginf_code = fields[4:7]
+    vb = builder.bitcast(v, _int_like(v.type))
     key = builder.and_(vb, c(_ABS_MASK))
     inf = builder.select(builder.icmp_signed("<", vb, c(0)), neginf_code, posinf_code)
     special = builder.select(builder.icmp_unsigned(">", key, c(_INF_BITS)), nan_code, inf)
-    nonfinite = builder.icmp_unsigned(">=", key, c(_INF_BITS))
-    return builder.select(nonfinite, special, code)
+    return builder.select(builder.icmp_unsigned(">=", key, c(_INF_BITS)), special, code)
 
 
 def code_fields(builder, params):
@@ -271,7 +285,7 @@ CANONICAL_NAN = 0x7FC00000  # fp32's positive quiet NaN
 
 def emit_fp8_to_f32_by_half(builder, codes, fmt: Fp8Format):
     """IR: the fp32 values of fp8 codes (a vector of i8) of ``fmt``, by the CPU's fp16
-    conversion (x86 F16C; only where :data:`_NATIVE_HALF`). An fp8 code is an IEEE half
+    conversion (x86 F16C, aarch64; only where :data:`_NATIVE_HALF`). An fp8 code is an IEEE half
     with shorter fields: its sign, exponent and mantissa bits placed at a half's widen to
     fp32 in one instruction, subnormals included (fp16 subnormals are fp32 normals, so
     none of fp32's slow denormals arises), and a product by 2**(15 - bias) (exact) rebias
