@@ -36,11 +36,12 @@ from .search import SEARCH_WIDTH, pad_candidates, quantize_groups_search
 
 def _flush_stale_caches() -> None:
     """Numba keys a cached kernel on the file that defines it, but a kernel here is built
-    from the IR of bits.py and vectors.py too: after a change to those alone (a pull, a
-    hand edit) it would load the old machine code, wrong bits and all. A digest of this
-    package's sources is kept beside the cache; when it differs, every kernel's cache is
-    flushed (each compiles again on first use)."""
-    sources = sorted(Path(__file__).parent.glob("*.py"))
+    from the IR of bits.py and vectors.py too, and from the formats' constants: after a
+    change to those alone (a pull, a hand edit) it would load the old machine code, wrong
+    bits and all. A digest of those sources is kept beside the cache; when it differs,
+    every kernel's cache is flushed (each compiles again on first use)."""
+    here = Path(__file__).parent
+    sources = [*sorted(here.glob("*.py")), here.parent / "formats.py"]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()
     caches = [
         kernel._cache
