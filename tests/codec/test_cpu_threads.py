@@ -17,7 +17,7 @@ def test_tasks_run_on_the_caller_and_its_helpers_and_results_come_in_order():
 
     def task(i):
         ran_on.append(threading.get_ident())
-        time.sleep(0.005)  # long enough for the helper to take some
+        time.sleep(0.02)  # long enough for the helper to start and take some
         return i * i
 
     results = cpu._run([lambda i=i: task(i) for i in range(8)], threads=2)
@@ -87,18 +87,18 @@ def test_an_interrupt_while_the_caller_waits_is_raised_once_the_helpers_task_ret
     caller frees as the interrupt unwinds: a decompress died of SIGSEGV so)."""
     both_started = threading.Barrier(2, timeout=30)
     finished, started = [], []
+    timer = threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT))
 
     def task(i):
         started.append(i)
-        both_started.wait()
+        both_started.wait()  # the caller's task and the helper's, one each
         if threading.current_thread() is not threading.main_thread():
-            time.sleep(0.5)  # the helper's task: the caller is waiting meanwhile
+            timer.start()  # the interrupt comes as the caller waits for this task
+            time.sleep(0.5)
             finished.append(i)
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
     try:
-        timer.start()
         with pytest.raises(KeyboardInterrupt):
             cpu._run([lambda i=i: task(i) for i in range(2)], threads=2)
         assert len(finished) == 1 and sorted(started) == [0, 1]  # the helper's task had returned
