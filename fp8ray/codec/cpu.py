@@ -170,7 +170,7 @@ def quantize_checksummed(
     library's three interleaved. Not kept.)"""
     tasks = _encode_tasks(x, fmt, scaling, block_size, codes, scales, scale_dtype, scale_choice, threads)
     done = _run([lambda t=t, a=a, b=b: _with_crc(t, codes[a:b]) for t, (a, b) in tasks], threads)
-    return sum(bad for bad, _ in done), _combined(done, tasks)
+    return sum(bad for bad, _ in done), _combined([crc for _, crc in done], tasks)
 
 
 def _with_crc(task, data: np.ndarray) -> tuple:
@@ -178,9 +178,9 @@ def _with_crc(task, data: np.ndarray) -> tuple:
     return task(), checksum.crc32c(data)
 
 
-def _combined(done: list[tuple], tasks: list) -> int:
-    """The CRC-32C of the tasks' ranges end to end, from each one's :func:`_with_crc`."""
-    return checksum.combine_all((piece, b - a) for (_, piece), (_, (a, b)) in zip(done, tasks))
+def _combined(crcs: list[int], tasks: list) -> int:
+    """The CRC-32C of the tasks' ranges end to end, from each range's own."""
+    return checksum.combine_all((crc, b - a) for crc, (_, (a, b)) in zip(crcs, tasks))
 
 
 def _encode_tasks(x, fmt, scaling, block_size, codes, scales, scale_dtype, scale_choice, threads) -> list:
@@ -266,8 +266,10 @@ def dequantize_checksummed(
     checking the frame needs no pass of its own."""
     tasks = _decode_tasks(codes, scales, fmt, scaling, shape, block_size, out, threads)
     if kernels.CRC_IN_KERNELS:  # each kernel returns the CRC-32C of the codes it read
-        return checksum.combine_all(zip(_run([task for task, _ in tasks], threads), (b - a for _, (a, b) in tasks)))
-    return _combined(_run([lambda t=t, a=a, b=b: _with_crc(t, codes[a:b]) for t, (a, b) in tasks], threads), tasks)
+        crcs = _run([task for task, _ in tasks], threads)
+    else:
+        crcs = [crc for _, crc in _run([lambda t=t, a=a, b=b: _with_crc(t, codes[a:b]) for t, (a, b) in tasks], threads)]
+    return _combined(crcs, tasks)
 
 
 def _decode_tasks(codes, scales, fmt, scaling, shape, block_size, out, threads) -> list:

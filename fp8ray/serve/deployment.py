@@ -255,7 +255,7 @@ class Fp8Service:
         bytes_in = 0
         try:
             query = request.query_params
-            single_params(query, {name: len(query.getlist(name)) for name in query})
+            single_params({name: len(query.getlist(name)) for name in query})
             body = await self._read_body(request) if request.method == "POST" else b""
             bytes_in = len(body)
             response = await handler(request, body)

@@ -83,7 +83,7 @@ def response_limit(request_bytes: int, frame_bytes: int = 0) -> int:
     return MAX_EXPANSION * request_bytes + RESPONSE_SLACK + frame_bytes
 
 
-def single_params(params: Mapping[str, str], counts: Mapping[str, int]) -> None:
+def single_params(counts: Mapping[str, int]) -> None:
     """Refuse a query that gives a parameter more than once (``counts``: how many times
     each is given): only one of them would be read, the body misread under it."""
     for name, count in counts.items():

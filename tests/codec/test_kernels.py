@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+import subprocess
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -437,17 +442,21 @@ print("portable half ok")
 def test_portable_half_conversions_match_torch(tmp_path):
     """The bit-level fp16 conversions, used where the CPU has no F16C: compiled for a
     generic x86-64 target in a subprocess, then checked like the native ones."""
-    import os
-    import platform
-    import subprocess
-    import sys
-
     if platform.machine() != "x86_64":
         pytest.skip("the portable path is only forced on x86_64")
-    env = dict(os.environ, NUMBA_CPU_NAME="x86-64", NUMBA_CPU_FEATURES="+sse2", NUMBA_CACHE_DIR=str(tmp_path))
-    result = subprocess.run([sys.executable, "-c", PORTABLE_HALF_CHECK], env=env, capture_output=True, text=True)
+    env = {"NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": "+sse2", "NUMBA_CACHE_DIR": str(tmp_path)}
+    assert "portable half ok" in python_output(PORTABLE_HALF_CHECK, env)
+
+
+def python_output(script: str, env: dict, cwd=None) -> str:
+    """What ``python -c script`` prints, run with these environment variables changed (a
+    value None: unset); it must exit 0."""
+    changed = {**os.environ, **{name: value for name, value in env.items() if value is not None}}
+    for name in (name for name, value in env.items() if value is None):
+        changed.pop(name, None)
+    result = subprocess.run([sys.executable, "-c", script], env=changed, capture_output=True, text=True, cwd=cwd)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "portable half ok" in result.stdout
+    return result.stdout
 
 
 GENERIC_CPU_CHECK = """
@@ -467,18 +476,10 @@ def test_a_generic_cpu_target_takes_the_portable_paths(tmp_path):
     """Under ``NUMBA_CPU_NAME=generic`` numba compiles for no CPU features at all, so the
     kernels must not take the host's (F16C, AVX-512 BF16, SSE 4.2's crc32): LLVM could not
     select them and the process died on its first decode."""
-    import os
-    import platform
-    import subprocess
-    import sys
-
     if platform.machine() != "x86_64":
         pytest.skip("an x86_64 host's features are what a generic target lacks")
-    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
-    env.pop("NUMBA_CPU_FEATURES", None)
-    result = subprocess.run([sys.executable, "-c", GENERIC_CPU_CHECK], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "generic ok" in result.stdout
+    env = {"NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": None, "NUMBA_CACHE_DIR": str(tmp_path)}
+    assert "generic ok" in python_output(GENERIC_CPU_CHECK, env)
 
 
 NAN_BITS_CHECK = """
@@ -495,26 +496,12 @@ print(hex(out.view(np.uint32)[0]))
 def test_a_kernel_compiles_again_when_only_the_ir_it_is_built_from_changes(tmp_path):
     """Numba keys a cached kernel on its own file (decode.py), but its IR comes from
     bits.py too: an edit there alone must not leave the old machine code in use."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    from fp8ray.codec.kernels import bits
-
-    if not bits._NATIVE_HALF:
+    if not kernels.bits._NATIVE_HALF:
         pytest.skip("the canonical NaN is the fp16 path's")
     package = Path(__file__).resolve().parents[2] / "fp8ray"
     shutil.copytree(package, tmp_path / "fp8ray", ignore=shutil.ignore_patterns("__pycache__"))
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    env.pop("NUMBA_CACHE_DIR", None)
-
-    def nan_bits() -> str:
-        result = subprocess.run([sys.executable, "-c", NAN_BITS_CHECK], env=env, capture_output=True, text=True, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-2000:]
-        return result.stdout.strip()
-
-    assert nan_bits() == "0x7fc00000"  # compiled and cached
+    env = {"PYTHONPATH": str(tmp_path), "NUMBA_CACHE_DIR": None}  # the copy's own in-tree cache
+    assert python_output(NAN_BITS_CHECK, env, cwd=tmp_path).strip() == "0x7fc00000"  # compiled and cached
     copied = tmp_path / "fp8ray" / "codec" / "kernels" / "bits.py"
     copied.write_text(copied.read_text().replace("CANONICAL_NAN = 0x7FC00000", "CANONICAL_NAN = 0x7FC00001"))
-    assert nan_bits() == "0x7fc00001"
+    assert python_output(NAN_BITS_CHECK, env, cwd=tmp_path).strip() == "0x7fc00001"

@@ -60,23 +60,26 @@ def _x86_features() -> list[str]:
     return llvm_binding.get_host_cpu_features().flatten().split(",")
 
 
+_FEATURES = _x86_features()  # asked once: each of the three flags below reads them
+
+
 def _native_half_conversions() -> bool:
     """Whether LLVM lowers fp32 <-> fp16 to one instruction here (x86 F16C, any aarch64).
 
     Elsewhere it would call a compiler-rt helper the JIT may not have, so the bit-level
     conversions below are used instead; both round to nearest even, so the bits agree.
     """
-    return llvm_binding.get_process_triple().startswith(("aarch64", "arm64")) or "+f16c" in _x86_features()
+    return llvm_binding.get_process_triple().startswith(("aarch64", "arm64")) or "+f16c" in _FEATURES
 
 
 _NATIVE_HALF = _native_half_conversions()
 # x86's AVX-512 BF16 narrows 16 fp32 values to bfloat16 in one instruction, rounding to
 # nearest even, but reads and writes fp32 subnormals as zeros: it is used only where no
 # value can be one (:func:`bf16_narrowing_floor`).
-NATIVE_BF16 = "+avx512bf16" in _x86_features()
+NATIVE_BF16 = "+avx512bf16" in _FEATURES
 # SSE 4.2's crc32 instruction computes CRC-32C: the decode kernels then take the checksum
 # of the codes in their own loops, on the scalar ports the vector work leaves idle.
-CRC_IN_KERNELS = "+sse4.2" in _x86_features()
+CRC_IN_KERNELS = "+sse4.2" in _FEATURES
 CRC_START = 0xFFFFFFFF  # CRC-32C's running value before any byte (and its final inversion)
 
 
