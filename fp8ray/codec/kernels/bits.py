@@ -212,35 +212,24 @@ def emit_fp8_code(builder, q, v, fields):
     ``v`` are fp32 scalars or vectors, ``fields`` the i32 values (of their shape) of
     :func:`format_params` 1 to 7. Returns i32 codes of their shape."""
     c = _i32_constants(q.type)
-    b = builder.bitcast(q, _int_like(q.type))
-    code = emit_fp8_code_of_magnitude(builder, builder.and_(b, c(_ABS_MASK)), builder.and_(b, c(_SIGN_BIT)), fields)
-    return emit_nonfinite_codes(builder, code, v, fields)
-
-
-def emit_fp8_code_of_magnitude(builder, a, sign, fields):
-    """IR: the fp8 code (i32) of the quotient whose |q| has the bits ``a`` (at most the
-    format's max: clamped) and whose sign bit is ``sign`` (i32, bit 31), as
-    :func:`emit_fp8_code` takes it, before any non-finite input's code."""
-    c = _i32_constants(a.type)
-    float_type = _like(a.type, _F32)
-    shift, norm_add, min_normal, denorm_bits = fields[:4]
+    int_type = ir.VectorType(_I32, q.type.count) if isinstance(q.type, ir.VectorType) else _I32
+    float_type = q.type
+    shift, norm_add, min_normal, denorm_bits, nan_code, posinf_code, neginf_code = fields
+    b = builder.bitcast(q, int_type)
+    sign = builder.and_(b, c(_SIGN_BIT))
+    a = builder.xor(b, sign)
     magic = builder.bitcast(denorm_bits, float_type)
-    subnormal = builder.sub(builder.bitcast(builder.fadd(builder.bitcast(a, float_type), magic), a.type), denorm_bits)
+    subnormal = builder.sub(builder.bitcast(builder.fadd(builder.bitcast(a, float_type), magic), int_type), denorm_bits)
     odd = builder.and_(builder.lshr(a, shift), c(1))
     normal = builder.lshr(builder.add(builder.add(a, norm_add), odd), shift)
     code = builder.select(builder.icmp_unsigned("<", a, min_normal), subnormal, normal)
-    return builder.or_(code, builder.lshr(sign, c(24)))
-
-
-def emit_nonfinite_codes(builder, code, v, fields):
-    """IR: ``code`` (i32), or the format's NaN/inf code where the input ``v`` is not finite."""
-    c = _i32_constants(v.type)
-    nan_code, posinf_code, neginf_code = fields[4:7]
-    vb = builder.bitcast(v, _int_like(v.type))
+    code = builder.or_(code, builder.lshr(sign, c(24)))
+    vb = builder.bitcast(v, int_type)
     key = builder.and_(vb, c(_ABS_MASK))
     inf = builder.select(builder.icmp_signed("<", vb, c(0)), neginf_code, posinf_code)
     special = builder.select(builder.icmp_unsigned(">", key, c(_INF_BITS)), nan_code, inf)
-    return builder.select(builder.icmp_unsigned(">=", key, c(_INF_BITS)), special, code)
+    nonfinite = builder.icmp_unsigned(">=", key, c(_INF_BITS))
+    return builder.select(nonfinite, special, code)
 
 
 def code_fields(builder, params):

@@ -31,7 +31,6 @@ from .bits import (
     _F32,
     _I32,
     _NATIVE_HALF,
-    _SIGN_BIT,
     CRC_IN_KERNELS,
     NATIVE_BF16,
     _format_of_tag,
@@ -44,10 +43,9 @@ from .bits import (
     emit_f32_to_bf16,
     emit_f32_to_bf16_native,
     emit_f32_to_f16,
-    emit_fp8_code_of_magnitude,
+    emit_fp8_code,
     emit_fp8_to_f32,
     emit_fp8_to_f32_by_half,
-    emit_nonfinite_codes,
 )
 
 LANES = 16  # elements per vector
@@ -253,43 +251,23 @@ def emit_cast(builder, chunks, loads, codes_ptrs, divisors, params):
     """IR: the codes of ``x / scale`` (clamped) for each source ``loads[k]`` (a chunk
     loader, :func:`_chunk_loader`) under the scales ``divisors[k](i)`` of its chunk ``i``
     (:func:`_scale_loader`) into ``codes_ptrs[k]`` (16 codes a chunk), ``chunks`` chunks
-    each, in one loop. Returns the non-finite inputs (i64).
-
-    The loop clamps |q| once, and only notes whether any quotient is not finite (as it is
-    wherever x is not): only then does a second loop put the non-finite inputs' NaN/inf
-    codes in and count them. (Choosing and counting them in the loop cost five of its 23
-    vector operations a chunk; now one.)"""
+    each, in one loop. Returns the non-finite inputs (i64), counted in the same loop."""
     fmax = splat(builder, builder.extract_value(params, 0), VF)
+    neg_fmax = builder.fneg(fmax)
     fields = [splat(builder, f, VI) for f in code_fields(builder, params)]
-    i8s = ir.VectorType(ir.IntType(8), LANES)
-
-    def nonfinite(x):
-        return builder.icmp_unsigned(">=", builder.and_(builder.bitcast(x, VI), vi(_ABS_MASK)), vi(INF_BITS))
-
-    seen = cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(ir.IntType(1), LANES), [0] * LANES))
+    nonfinite = cgutils.alloca_once_value(builder, vi(0))
     with cgutils.for_range(builder, chunks) as loop:
         for load, codes_ptr, divisor in zip(loads, codes_ptrs, divisors):
             x = load(loop.index)
-            q = builder.bitcast(builder.fdiv(x, divisor(loop.index)), VI)
-            key = builder.and_(q, vi(_ABS_MASK))
-            magnitude = builder.select(builder.fcmp_ordered(">", builder.bitcast(key, VF), fmax), fmax, builder.bitcast(key, VF))
-            code = emit_fp8_code_of_magnitude(builder, builder.bitcast(magnitude, VI), builder.and_(q, vi(_SIGN_BIT)), fields)
-            builder.store(builder.trunc(code, i8s), builder.gep(codes_ptr, [loop.index]), align=1)
-            # x / scale is inf or NaN wherever x is (scales are finite and positive): one test
-            builder.store(builder.or_(builder.load(seen), builder.icmp_unsigned(">=", key, vi(INF_BITS))), seen)
-    count = cgutils.alloca_once_value(builder, vi(0))
-    any_seen = builder.icmp_unsigned(
-        "!=", builder.bitcast(builder.load(seen), ir.IntType(LANES)), ir.Constant(ir.IntType(LANES), 0)
-    )
-    with cgutils.if_unlikely(builder, any_seen):
-        with cgutils.for_range(builder, chunks) as loop:
-            for load, codes_ptr in zip(loads, codes_ptrs):
-                x = load(loop.index)
-                slot = builder.gep(codes_ptr, [loop.index])
-                code = emit_nonfinite_codes(builder, builder.zext(builder.load(slot, align=1), VI), x, fields)
-                builder.store(builder.trunc(code, i8s), slot, align=1)
-                builder.store(builder.add(builder.load(count), builder.zext(nonfinite(x), VI)), count)
-    return builder.zext(halve(builder, builder.load(count), builder.add), ir.IntType(64))
+            q = builder.fdiv(x, divisor(loop.index))
+            q = builder.select(builder.fcmp_ordered(">", q, fmax), fmax, q)
+            q = builder.select(builder.fcmp_ordered("<", q, neg_fmax), neg_fmax, q)
+            code = emit_fp8_code(builder, q, x, fields)
+            builder.store(builder.trunc(code, ir.VectorType(ir.IntType(8), LANES)), builder.gep(codes_ptr, [loop.index]), align=1)
+            bad = builder.icmp_unsigned(">=", builder.and_(builder.bitcast(x, VI), vi(_ABS_MASK)), vi(INF_BITS))
+            builder.store(builder.add(builder.load(nonfinite), builder.zext(bad, VI)), nonfinite)
+    total = halve(builder, builder.load(nonfinite), builder.add)
+    return builder.zext(total, ir.IntType(64))
 
 
 def is_source(array) -> bool:
