@@ -111,6 +111,13 @@ def _i32(value: int) -> ir.Constant:
     return ir.Constant(_I32, value & 0xFFFFFFFF)
 
 
+def splat(builder, value, vector_type):
+    """A vector of ``vector_type`` holding ``value`` in every lane."""
+    undef = ir.Constant(vector_type, ir.Undefined)
+    one = builder.insert_element(undef, value, _i32(0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
+
+
 def _like(value_type, element_type):
     """``element_type``, or a vector of it as wide as ``value_type`` if that is a vector."""
     return ir.VectorType(element_type, value_type.count) if isinstance(value_type, ir.VectorType) else element_type
@@ -447,6 +454,9 @@ def format_params(fmt: Fp8Format) -> tuple:
         # The largest code a finite input can get: +-max after the clamp. Every code above
         # it (sign aside) is a NaN/inf code, which only non-finite inputs get.
         max_code(fmt),
+        # The scale's factor under which the quotient's fp16 bits are the code's
+        # (:mod:`fp8ray.codec.kernels.halfcast`).
+        np.float32(2.0 ** (15 - fmt.exponent_bias)),
     )
 
 
