@@ -505,3 +505,25 @@ def test_a_kernel_compiles_again_when_only_the_ir_it_is_built_from_changes(tmp_p
     copied = tmp_path / "fp8ray" / "codec" / "kernels" / "bits.py"
     copied.write_text(copied.read_text().replace("CANONICAL_NAN = 0x7FC00000", "CANONICAL_NAN = 0x7FC00001"))
     assert python_output(NAN_BITS_CHECK, env, cwd=tmp_path).strip() == "0x7fc00001"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_span_amax_is_the_largest_finite_magnitude(dtype):
+    """kernels.amax_span over spans whose whole chunks go through vectors and whose last
+    elements do not: the largest is placed in each part in turn, beside inf and NaN
+    (each larger in its bits than any finite value)."""
+    rng = np.random.default_rng(11)
+    for n in (0, 7, 16, 37, 1000):
+        for largest_at in {0, n // 2, n - 1} if n else {None}:
+            x = torch.from_numpy(rng.uniform(-1, 1, n).astype(np.float32)).to(dtype)
+            if largest_at is not None:
+                x[largest_at] = -3.5
+            for position, value in ((n // 3, float("inf")), (n - 2, float("nan")), (n // 5, float("-inf"))):
+                if 0 <= position < n and position != largest_at:
+                    x[position] = value
+            src = cpu.kernel_array(x)
+            for start, stop in ((0, n), (n // 4, n), (0, n - n // 3)):
+                part = x[start:stop].float()
+                finite = part[torch.isfinite(part)].abs()
+                expected = float(finite.max()) if finite.numel() else 0.0
+                assert kernels.amax_span(src, start, stop) == np.float32(expected), (n, largest_at, start, stop)

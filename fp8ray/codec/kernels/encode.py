@@ -6,7 +6,14 @@ import numpy as np
 from numba import njit
 
 from .bits import _bits_to_f32, _encode_params, _finite_key, _fp8_code, _load, scale_from_amax
-from .vectors import LANES, encode_chunks, encode_group_amax, encode_quad_amax
+from .vectors import (
+    LANES,
+    encode_chunks,
+    encode_chunks_per_element,
+    encode_group_amax,
+    encode_quad_amax,
+    finite_amax_chunks,
+)
 
 
 @njit(inline="always", error_model="numpy")
@@ -44,8 +51,11 @@ def _quantize_span(x, codes, scale, p):
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def amax_span(x, start, stop):
-    """Largest finite |x[i]| for i in [start, stop), as float32 (0 if none)."""
-    return _bits_to_f32(np.int64(_span_key(x[start:stop])))
+    """Largest finite |x[i]| for i in [start, stop), as float32 (0 if none): the whole
+    chunks in vectors (numba's own loop took 0.9 ns an element of bf16), the rest here."""
+    xs = x[start:stop]
+    whole = xs.size - xs.size % LANES
+    return max(finite_amax_chunks(xs[:whole]), _bits_to_f32(np.int64(_span_key(xs[whole:]))))
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -121,11 +131,14 @@ def quantize_columns(x, codes, scales, columns, row_start, row_stop, tag):
     """Codes of rows [row_start, row_stop) of x viewed as [rows, columns], scale per column."""
     p = _encode_params(tag)
     whole = columns - columns % LANES
+    reciprocals = np.empty(whole, np.float32)
+    for c in range(whole):
+        reciprocals[c] = np.float32(1) / (scales[c] * p[9])  # as the half route needs them (:mod:`.halfcast`)
     bad = 0
     for r in range(row_start, row_stop):
         row = x[r * columns : (r + 1) * columns]
         row_codes = codes[r * columns : (r + 1) * columns]
-        bad += encode_chunks(row[:whole], row_codes[:whole], scales[:whole], p)  # a scale per lane
+        bad += encode_chunks_per_element(row[:whole], row_codes[:whole], scales[:whole], reciprocals, p)
         rest, rest_codes, rest_scales = row[whole:], row_codes[whole:], scales[whole:columns]
         for c in range(rest.size):
             rest_codes[c] = _fp8_code(_load(rest, c), rest_scales[c], p)

@@ -151,14 +151,18 @@ def _inside(builder, s):
     return builder.and_(builder.fcmp_ordered(">=", s, low), builder.fcmp_ordered("<=", s, high))
 
 
-def pair_scales(builder, scales, orders, params):
-    """The :class:`PairScales` of a pair whose two chunks have the fp32 scales ``scales``
-    (a scale per element, in element order; ``orders``: its :class:`PairLoad`'s)."""
+def pair_scales(builder, chunks, orders, params):
+    """The :class:`PairScales` of a pair whose two chunks have the fp32 scales and
+    reciprocals ``chunks`` (``[(scales, reciprocals)] * 2``, a scale per element, in
+    element order; ``orders``: its :class:`PairLoad`'s). The reciprocals are the caller's,
+    computed once for all the rows that share them: two divisions a pair cost more than
+    the rest of the cast."""
     factor = splat(builder, builder.extract_value(params, 9), _VF)
-    lanes = [builder.fmul(builder.shuffle_vector(*scales, _indices(o)), factor) for o in orders]
+    (s0, y0), (s1, y1) = chunks
+    lanes = [builder.fmul(builder.shuffle_vector(s0, s1, _indices(o)), factor) for o in orders]
+    reciprocals = [builder.shuffle_vector(y0, y1, _indices(o)) for o in orders]
     every = builder.bitcast(builder.and_(*[_inside(builder, s) for s in lanes]), ir.IntType(16))
-    one = ir.Constant(_VF, [1.0] * 16)
-    return PairScales(lanes, [builder.fdiv(one, s) for s in lanes], builder.icmp_unsigned("==", every, _I16(0xFFFF)))
+    return PairScales(lanes, reciprocals, builder.icmp_unsigned("==", every, _I16(0xFFFF)))
 
 
 def uniform_pair_scales(builder, scale, params):

@@ -168,6 +168,24 @@ def _scale_loader(context, builder, scale_type, scale):
     return lambda i: builder.load(builder.gep(ptr, [i]), align=4)
 
 
+class _PerElement:
+    """``scales(i)``: chunk ``i`` of an fp32 array of scales, one per element (per column,
+    for a row); ``reciprocals(i)``: that of an array of their reciprocals (the half
+    route's, :func:`.halfcast.pair_scales`)."""
+
+    def __init__(self, context, builder, signature, args):
+        self.builder = builder
+        self.scales, self.inverses = (
+            builder.bitcast(context.make_array(t)(context, builder, a).data, VF.as_pointer()) for t, a in zip(signature, args)
+        )
+
+    def __call__(self, i):
+        return self.builder.load(self.builder.gep(self.scales, [i]), align=4)
+
+    def reciprocals(self, i):
+        return self.builder.load(self.builder.gep(self.inverses, [i]), align=4)
+
+
 def _codes_pointer(context, builder, array_type, array):
     """The data of a uint8 codes array as a pointer to 16-code chunks."""
     data = context.make_array(array_type)(context, builder, array).data
@@ -203,6 +221,55 @@ def emit_encode_quad(context, builder, signature, args, choose_scales):
     return context.make_tuple(builder, ENCODED_QUAD, [*scales, count])
 
 
+def _larger(builder, a, b):
+    return builder.select(builder.icmp_signed(">", a, b), a, b)
+
+
+def emit_finite_amaxes(builder, key_loaders, chunks):
+    """IR: the largest finite |x| (fp32 scalar IR, 0 if none) of each source's first
+    ``chunks`` chunks, ``key_loaders[k]`` its :func:`_key_loader` (the same source type
+    for every one).
+
+    The largest key of all, non-finite or not, in the source's width (bf16, fp16: no
+    widening); only where one is not finite, again without those (the filter cost two
+    vector operations a chunk: 2-4% of the encode; the 16-bit keys 4-8% more)."""
+    _, inf, value = key_loaders[0]
+    zeros = ir.Constant(ir.VectorType(inf.type, LANES), [0] * LANES)
+    largest = [cgutils.alloca_once_value(builder, zeros) for _ in key_loaders]
+    with cgutils.for_range(builder, chunks) as loop:
+        for (keys, _, _), slot in zip(key_loaders, largest):
+            builder.store(_larger(builder, keys(loop.index), builder.load(slot)), slot)
+    larger = functools.partial(_larger, builder)
+    top = [cgutils.alloca_once_value(builder, halve(builder, builder.load(slot), larger)) for slot in largest]
+    any_nonfinite = functools.reduce(builder.or_, [builder.icmp_signed(">=", builder.load(t), inf) for t in top])
+    with cgutils.if_unlikely(builder, any_nonfinite):
+        for slot in largest:
+            builder.store(zeros, slot)
+        with cgutils.for_range(builder, chunks) as loop:
+            for (keys, _, _), slot in zip(key_loaders, largest):
+                k = keys(loop.index)
+                k = builder.select(builder.icmp_signed("<", k, splat(builder, inf, k.type)), k, zeros)
+                builder.store(larger(k, builder.load(slot)), slot)
+        for slot, t in zip(largest, top):
+            builder.store(halve(builder, builder.load(slot), larger), t)
+    return [value(builder.load(t)) for t in top]
+
+
+@intrinsic
+def finite_amax_chunks(typingctx, xs):
+    """The largest finite |x| (fp32, 0 if none) of the whole 16-element chunks of ``xs``
+    (:func:`emit_finite_amaxes`); the elements past the last whole chunk are the caller's."""
+    if not is_source(xs):
+        return None
+
+    def codegen(context, builder, signature, args):
+        chunks = _chunk_count(context, builder, signature.args[0], args[0])
+        (amax,) = emit_finite_amaxes(builder, [_key_loader(context, builder, signature.args[0], args[0])], chunks)
+        return amax
+
+    return types.float32(xs), codegen
+
+
 def emit_encode_groups(context, builder, signature, args, count, choose_scales):
     """IR encoding ``count`` groups of the same size (a multiple of 16 elements), group
     ``k`` from ``args[2k]`` into the codes ``args[2k + 1]``, under the scales
@@ -216,32 +283,8 @@ def emit_encode_groups(context, builder, signature, args, count, choose_scales):
         keys = builder.and_(builder.bitcast(load(i), VI), vi(_ABS_MASK))
         return builder.select(builder.icmp_signed("<", keys, vi(INF_BITS)), keys, vi(0))
 
-    def larger(a, b):
-        return builder.select(builder.icmp_signed(">", a, b), a, b)
-
-    # The largest key of all, non-finite or not, in the source's width (bf16, fp16: no
-    # widening); only where one is not finite, again without those (the filter cost two
-    # vector operations a chunk: 2-4% of the encode; the 16-bit keys 4-8% more).
     key_loaders = [_key_loader(context, builder, signature.args[2 * k], args[2 * k]) for k in range(count)]
-    _, inf, value = key_loaders[0]  # the same source type for every group
-    zeros = ir.Constant(ir.VectorType(inf.type, LANES), [0] * LANES)
-    largest = [cgutils.alloca_once_value(builder, zeros) for _ in range(count)]
-    with cgutils.for_range(builder, chunks) as loop:
-        for (group_keys, _, _), slot in zip(key_loaders, largest):
-            builder.store(larger(group_keys(loop.index), builder.load(slot)), slot)
-    top = [cgutils.alloca_once_value(builder, halve(builder, builder.load(slot), larger)) for slot in largest]
-    any_nonfinite = functools.reduce(builder.or_, [builder.icmp_signed(">=", builder.load(t), inf) for t in top])
-    with cgutils.if_unlikely(builder, any_nonfinite):
-        for slot in largest:
-            builder.store(zeros, slot)
-        with cgutils.for_range(builder, chunks) as loop:
-            for (group_keys, _, _), slot in zip(key_loaders, largest):
-                k = group_keys(loop.index)
-                k = builder.select(builder.icmp_signed("<", k, splat(builder, inf, k.type)), k, zeros)
-                builder.store(larger(k, builder.load(slot)), slot)
-        for slot, t in zip(largest, top):
-            builder.store(halve(builder, builder.load(slot), larger), t)
-    amaxes = [value(builder.load(t)) for t in top]
+    amaxes = emit_finite_amaxes(builder, key_loaders, chunks)
     magnitudes = [lambda i, load=load: builder.bitcast(finite_keys(load, i), VF) for load in loads]
     scales = choose_scales(amaxes, chunks, magnitudes)
     divisors = [_EveryChunk(builder, scale) for scale in scales]
@@ -281,7 +324,7 @@ def emit_cast(builder, chunks, loads, codes_ptrs, divisors, params, pair_loads):
             if isinstance(divisor, _EveryChunk):
                 scaled = [uniform_pair_scales(builder, divisor.scale, params)] * count
             else:
-                chunk_scales = [divisor(i) for i in chunk_indices]
+                chunk_scales = [(divisor(i), divisor.reciprocals(i)) for i in chunk_indices]
                 scaled = [pair_scales(builder, chunk_scales[2 * k : 2 * k + 2], p.orders, params) for k, p in enumerate(pairs)]
             with builder.if_else(functools.reduce(builder.and_, [scales.inside for scales in scaled]), likely=True) as (
                 by_half,
@@ -363,28 +406,51 @@ def encode_quad_amax(typingctx, xs, codes, xs2, codes2, xs3, codes3, xs4, codes4
     return ENCODED_QUAD(xs, codes, xs2, codes2, xs3, codes3, xs4, codes4, mask, p), codegen
 
 
+def is_scale_array(scales) -> bool:
+    return isinstance(scales, types.Array) and scales.dtype == types.float32
+
+
 def is_scale(scale) -> bool:
     """One fp32 scale, or an fp32 array of them (one per element)."""
-    return scale == types.float32 or (isinstance(scale, types.Array) and scale.dtype == types.float32)
+    return scale == types.float32 or is_scale_array(scale)
+
+
+def _emit_chunks(context, builder, signature, args, divisor):
+    chunks = _chunk_count(context, builder, signature.args[0], args[0])
+    load = _chunk_loader(context, builder, signature.args[0], args[0])
+    codes_ptr = _codes_pointer(context, builder, signature.args[1], args[1])
+    pair_load = pair_loader(context, builder, signature.args[0], args[0])
+    return emit_cast(builder, chunks, [load], [codes_ptr], [divisor], args[-1], [pair_load])
 
 
 @intrinsic
-def encode_chunks(typingctx, xs, codes, scales, p):
-    """The whole 16-element chunks of ``xs`` under ``scales`` (one fp32 scale, or an fp32
-    array of one per element), into ``codes`` (:func:`emit_cast`): their non-finite
-    inputs. The elements past the last whole chunk are the caller's."""
-    if not (is_source(xs) and isinstance(codes, types.Array) and is_scale(scales)):
+def encode_chunks(typingctx, xs, codes, scale, p):
+    """The whole 16-element chunks of ``xs`` under one fp32 ``scale`` into ``codes``
+    (:func:`emit_cast`): their non-finite inputs. The elements past the last whole chunk
+    are the caller's."""
+    if not (is_source(xs) and isinstance(codes, types.Array) and scale == types.float32):
         return None
 
     def codegen(context, builder, signature, args):
-        chunks = _chunk_count(context, builder, signature.args[0], args[0])
-        load = _chunk_loader(context, builder, signature.args[0], args[0])
-        codes_ptr = _codes_pointer(context, builder, signature.args[1], args[1])
-        divisor = _scale_loader(context, builder, signature.args[2], args[2])
-        pair_load = pair_loader(context, builder, signature.args[0], args[0])
-        return emit_cast(builder, chunks, [load], [codes_ptr], [divisor], args[3], [pair_load])
+        return _emit_chunks(context, builder, signature, args, _EveryChunk(builder, args[2]))
 
-    return types.int64(xs, codes, scales, p), codegen
+    return types.int64(xs, codes, scale, p), codegen
+
+
+@intrinsic
+def encode_chunks_per_element(typingctx, xs, codes, scales, reciprocals, p):
+    """:func:`encode_chunks` under an fp32 array of scales, one per element, with their
+    reciprocals ``RN(1 / (scale * 2**(15 - bias)))`` (:func:`.halfcast.pair_scales`:
+    computed once per array, not once per row)."""
+    arrays = [scales, reciprocals]
+    if not (is_source(xs) and isinstance(codes, types.Array) and all(is_scale_array(a) for a in arrays)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        divisor = _PerElement(context, builder, signature.args[2:4], args[2:4])
+        return _emit_chunks(context, builder, signature, args, divisor)
+
+    return types.int64(xs, codes, scales, reciprocals, p), codegen
 
 
 def _chunk_decoder(context, builder, signature, args):
