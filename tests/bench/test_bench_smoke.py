@@ -61,10 +61,10 @@ def test_bench_codec(capsys):
     lines = bench(capsys, "codec", "--chunks", "1", "--tokens", "8", "--repeat", "1")
     assert lines[0] == "fp8ray bench codec: bfloat16 input, 1 x [2, 30, 8, 192]"
     rows = table(lines, "| mode | direction |", labels=2)
-    # Every scaling (token and block searched, each beside its plain twin), three directions each.
+    # Every scaling (token and block searched, each beside its plain twin), four directions each.
     modes = dict.fromkeys(mode for (mode, _), _ in rows)
     assert len(modes) == 7 and all(len(figures) == 5 for _, figures in rows)
-    assert [direction for (_, direction), _ in rows] == ["encode", "decode", "decode, new tensor"] * 7
+    assert [direction for (_, direction), _ in rows] == ["encode", "encode, new frame", "decode", "decode, new tensor"] * 7
     costs = [line for line in lines if line.startswith("search cost:")]
     assert len(costs) == 2, lines
     for line in costs:  # ratio, the two GB/s, the rounds, the two fractions of the copy

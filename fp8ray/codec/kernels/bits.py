@@ -440,7 +440,8 @@ def _store_impl(out, i, v):
 
 
 def format_params(fmt: Fp8Format) -> tuple:
-    """The constants of the fp32 -> fp8 rounding (c10's algorithm, generalised over formats)."""
+    """The constants of the fp32 -> fp8 rounding (c10's algorithm, generalised over
+    formats), and the scale factor of the half route (:mod:`.halfcast`)."""
     shift = 23 - fmt.mantissa_bits
     return (
         np.float32(fmt.max),

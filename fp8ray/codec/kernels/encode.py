@@ -133,7 +133,8 @@ def quantize_columns(x, codes, scales, columns, row_start, row_stop, tag):
     whole = columns - columns % LANES
     reciprocals = np.empty(whole, np.float32)
     for c in range(whole):
-        reciprocals[c] = np.float32(1) / (scales[c] * p[9])  # as the half route needs them (:mod:`.halfcast`)
+        # The half route's y = RN(1 / s'), s' = scale * 2**(15 - bias), as uniform_pair_scales makes it.
+        reciprocals[c] = np.float32(1) / (scales[c] * p[9])
     bad = 0
     for r in range(row_start, row_stop):
         row = x[r * columns : (r + 1) * columns]

@@ -295,12 +295,14 @@ def emit_encode_groups(context, builder, signature, args, count, choose_scales):
 def emit_cast(builder, chunks, loads, codes_ptrs, divisors, params, pair_loads):
     """IR: the codes of ``x / scale`` (clamped) for each source ``loads[k]`` (a chunk
     loader, :func:`_chunk_loader`) under the scales ``divisors[k](i)`` of its chunk ``i``
-    (:func:`_scale_loader`) into ``codes_ptrs[k]`` (16 codes a chunk), ``chunks`` chunks
-    each, in one loop. Returns the non-finite inputs (i64), counted in the same loop.
+    (an :class:`_EveryChunk`, or a :class:`_PerElement` with their reciprocals) into
+    ``codes_ptrs[k]`` (16 codes a chunk), ``chunks`` chunks each. Returns the non-finite
+    inputs (i64), counted as the codes are made.
 
     Where the CPU has it (:data:`.halfcast.HALF_CAST`), two chunks at a time go the way
     of :mod:`.halfcast` (``pair_loads``: the sources' :func:`.halfcast.pair_loader`)
-    where their scales allow it."""
+    where their scales allow it, the others (and the last chunk of an odd count) by the
+    division."""
     fmax = splat(builder, builder.extract_value(params, 0), VF)
     neg_fmax = builder.fneg(fmax)
     fields = [splat(builder, f, VI) for f in code_fields(builder, params)]
@@ -354,8 +356,8 @@ def emit_cast(builder, chunks, loads, codes_ptrs, divisors, params, pair_loads):
         with cgutils.for_range(builder, steps) as loop:
             cast_pairs(builder.mul(loop.index, loop.index.type(2)), 2)
         pairs = builder.udiv(chunks, chunks.type(2))
-        with cgutils.for_range(builder, builder.sub(pairs, builder.mul(steps, steps.type(2)))) as loop:  # 0 or 1
-            cast_pairs(builder.add(loop.index, builder.mul(steps, steps.type(2))), 1)
+        with builder.if_then(builder.icmp_unsigned("!=", pairs, builder.mul(steps, steps.type(2)))):  # a pair left
+            cast_pairs(builder.mul(steps, steps.type(2)), 1)
         first_single = builder.mul(pairs, pairs.type(2))
     with cgutils.for_range(builder, builder.sub(chunks, first_single)) as loop:  # all, or the last odd chunk
         for load, codes_ptr, divisor in zip(loads, codes_ptrs, divisors):
@@ -504,8 +506,8 @@ def _with_narrowing(builder, signature, smallest_scale, body):
 
 @intrinsic
 def decode_chunks(typingctx, codes, scales, out, tag, smallest_scale, running):
-    """The whole 16-code chunks of ``codes`` times ``scales`` (as :func:`encode_chunks`;
-    ``smallest_scale`` the least of them), rounded into ``out`` (bf16, fp16 or fp32), in
+    """The whole 16-code chunks of ``codes`` times ``scales`` (one fp32 scale, or an fp32
+    array of one per element; ``smallest_scale`` the least of them), rounded into ``out`` (bf16, fp16 or fp32), in
     vectors, which LLVM would not make of numba's loop over a row with a scale per column
     (it took 8 lanes there): the running CRC-32C (``running``, uninverted) after their
     codes, where :data:`~fp8ray.codec.kernels.bits.CRC_IN_KERNELS` (else ``running``).
