@@ -18,21 +18,8 @@ _POLYNOMIAL = 0x82F63B78  # CRC-32C, bit-reflected
 _ONE = 1 << 31  # the polynomial 1, bit-reflected
 
 
-_FOLD_FROM = 4096  # bytes: below, the call into the folding kernel costs more than it saves
-_MASK = 0xFFFFFFFF
-
-
 def crc32c(data, value: int = 0) -> int:
-    """The CRC-32C of ``data`` (bytes-like), continuing from ``value``: by carry-less
-    multiplication where the CPU has it (:mod:`fp8ray.codec.kernels.crc`), else by the
-    ``crc32c`` library's ``crc32`` instructions."""
-    view = memoryview(data)
-    if view.nbytes >= _FOLD_FROM and view.c_contiguous:
-        from .kernels.crc import FOLD_CRC, crc32c_fold  # numba's compiler: not for small calls' imports
-
-        if FOLD_CRC:
-            running = crc32c_fold(np.frombuffer(view.cast("B"), np.uint8), np.int64(~value & _MASK))
-            return ~int(running) & _MASK
+    """The CRC-32C of ``data`` (bytes-like), continuing from ``value``."""
     return _crc32c.crc32c(data, value)
 
 
