@@ -460,13 +460,19 @@ def python_output(script: str, env: dict, cwd=None) -> str:
 
 
 GENERIC_CPU_CHECK = """
-import torch, fp8ray
-from fp8ray.codec import kernels
+import numpy as np, torch, fp8ray
+from fp8ray.codec import cpu, kernels, reference
+from fp8ray.codec.formats import E4M3FN, num_scales
 assert not (kernels.CRC_IN_KERNELS or kernels.bits.NATIVE_BF16 or kernels.bits._NATIVE_HALF)
+assert not kernels.halfcast.HALF_CAST
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
-    x = torch.randn(64, 48).to(dtype)
+    x = (torch.randn(64, 48) * 5).to(dtype)
     frame = fp8ray.Fp8Codec().encode(x)
     assert fp8ray.decode(frame).dtype == dtype
+    for scaling in ("none", "tensor", "channel", "block"):  # the division's codes, as the reference's
+        codes, scales = np.empty(x.numel(), np.uint8), np.empty(num_scales(scaling, (64, 48), 32), np.float32)
+        cpu.quantize(cpu.kernel_array(x), E4M3FN, scaling, 32, codes, scales)
+        assert np.array_equal(codes, reference.quantize(x, E4M3FN, scaling, 32, False)[0].numpy()), (dtype, scaling)
 print("generic ok")
 """
 
