@@ -48,9 +48,10 @@ from .bits import (
     emit_fp8_to_f32_by_half,
     splat,
 )
-from .halfcast import HALF_CAST, PAIR, emit_pair_codes, pair_loader, pair_scales, uniform_pair_scales
+from .halfcast import HALF_CAST, PAIR, emit_pair_codes, pair_loader, pair_prefetcher, pair_scales, uniform_pair_scales
 
 LANES = 16  # elements per vector
+_PREFETCH_PAIRS = 64  # how far ahead the half route asks for its sources: 4 KiB of bf16
 VF = ir.VectorType(_F32, LANES)
 VI = ir.VectorType(_I32, LANES)
 _ABS_MASK = 0x7FFFFFFF
@@ -102,6 +103,17 @@ def _chunk_loader(context, builder, array_type, array):
     if array_type.dtype == types.uint16:  # bfloat16: fp32's top half
         return lambda i: builder.bitcast(builder.shl(builder.zext(builder.load(builder.gep(ptr, [i]), align=2), VI), vi(16)), VF)
     return lambda i: emit_f16_bits_to_f32(builder, builder.load(builder.gep(ptr, [i]), align=2))
+
+
+class _Source:
+    """A bf16, fp16 or fp32 source array as the cast reads it: ``chunk(i)``, 16 elements
+    as fp32 (:func:`_chunk_loader`); for the half route, ``pair(p)`` and ``prefetch(p)``
+    (:func:`.halfcast.pair_loader`, :func:`.halfcast.pair_prefetcher`)."""
+
+    def __init__(self, context, builder, array_type, array):
+        self.chunk = _chunk_loader(context, builder, array_type, array)
+        self.pair = pair_loader(context, builder, array_type, array)
+        self.prefetch = pair_prefetcher(context, builder, array_type, array)
 
 
 def _key_loader(context, builder, array_type, array):
@@ -275,7 +287,7 @@ def emit_encode_groups(context, builder, signature, args, count, choose_scales):
     ``k`` from ``args[2k]`` into the codes ``args[2k + 1]``, under the scales
     ``choose_scales`` gives them. Returns (their scales, their non-finite inputs: i64)."""
     params = args[-1]
-    loads = [_chunk_loader(context, builder, signature.args[2 * k], args[2 * k]) for k in range(count)]
+    sources = [_Source(context, builder, signature.args[2 * k], args[2 * k]) for k in range(count)]
     codes_ptrs = [_codes_pointer(context, builder, signature.args[2 * k + 1], args[2 * k + 1]) for k in range(count)]
     chunks = _chunk_count(context, builder, signature.args[0], args[0])
 
@@ -283,26 +295,27 @@ def emit_encode_groups(context, builder, signature, args, count, choose_scales):
         keys = builder.and_(builder.bitcast(load(i), VI), vi(_ABS_MASK))
         return builder.select(builder.icmp_signed("<", keys, vi(INF_BITS)), keys, vi(0))
 
+    if HALF_CAST:
+        for source in sources:
+            source.prefetch(ir.Constant(ir.IntType(64), _PREFETCH_PAIRS))
     key_loaders = [_key_loader(context, builder, signature.args[2 * k], args[2 * k]) for k in range(count)]
     amaxes = emit_finite_amaxes(builder, key_loaders, chunks)
-    magnitudes = [lambda i, load=load: builder.bitcast(finite_keys(load, i), VF) for load in loads]
+    magnitudes = [lambda i, source=source: builder.bitcast(finite_keys(source.chunk, i), VF) for source in sources]
     scales = choose_scales(amaxes, chunks, magnitudes)
     divisors = [_EveryChunk(builder, scale) for scale in scales]
-    pair_loads = [pair_loader(context, builder, signature.args[2 * k], args[2 * k]) for k in range(count)]
-    return scales, emit_cast(builder, chunks, loads, codes_ptrs, divisors, params, pair_loads)
+    return scales, emit_cast(builder, chunks, sources, codes_ptrs, divisors, params)
 
 
-def emit_cast(builder, chunks, loads, codes_ptrs, divisors, params, pair_loads):
-    """IR: the codes of ``x / scale`` (clamped) for each source ``loads[k]`` (a chunk
-    loader, :func:`_chunk_loader`) under the scales ``divisors[k](i)`` of its chunk ``i``
-    (an :class:`_EveryChunk`, or a :class:`_PerElement` with their reciprocals) into
+def emit_cast(builder, chunks, sources, codes_ptrs, divisors, params):
+    """IR: the codes of ``x / scale`` (clamped) for each of the :class:`_Source`
+    ``sources`` under the scales ``divisors[k](i)`` of its chunk ``i`` (an
+    :class:`_EveryChunk`, or a :class:`_PerElement` with their reciprocals) into
     ``codes_ptrs[k]`` (16 codes a chunk), ``chunks`` chunks each. Returns the non-finite
     inputs (i64), counted as the codes are made.
 
     Where the CPU has it (:data:`.halfcast.HALF_CAST`), two chunks at a time go the way
-    of :mod:`.halfcast` (``pair_loads``: the sources' :func:`.halfcast.pair_loader`)
-    where their scales allow it, the others (and the last chunk of an odd count) by the
-    division."""
+    of :mod:`.halfcast` where their scales allow it, the others (and the last chunk of an
+    odd count) by the division."""
     fmax = splat(builder, builder.extract_value(params, 0), VF)
     neg_fmax = builder.fneg(fmax)
     fields = [splat(builder, f, VI) for f in code_fields(builder, params)]
@@ -320,8 +333,8 @@ def emit_cast(builder, chunks, loads, codes_ptrs, divisors, params, pair_loads):
 
     def cast_pairs(first, count):
         """``count`` pairs of chunks from pair ``first`` of each source, their codes in one store."""
-        for load, pair_load, codes_ptr, divisor in zip(loads, pair_loads, codes_ptrs, divisors):
-            pairs = [pair_load(builder.add(first, first.type(k))) for k in range(count)]
+        for source, codes_ptr, divisor in zip(sources, codes_ptrs, divisors):
+            pairs = [source.pair(builder.add(first, first.type(k))) for k in range(count)]
             chunk_indices = [builder.add(builder.mul(first, first.type(2)), first.type(k)) for k in range(2 * count)]
             if isinstance(divisor, _EveryChunk):
                 scaled = [uniform_pair_scales(builder, divisor.scale, params)] * count
@@ -342,7 +355,7 @@ def emit_cast(builder, chunks, loads, codes_ptrs, divisors, params, pair_loads):
                     builder.store(functools.reduce(builder.add, [builder.load(counted)] + [n for _, n in done]), counted)
                 with by_division:
                     for i in chunk_indices:
-                        cast_chunk(load, codes_ptr, divisor, i)
+                        cast_chunk(source.chunk, codes_ptr, divisor, i)
 
     def concatenated(a, b):
         return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 2 * a.type.count), list(range(2 * a.type.count))))
@@ -354,14 +367,17 @@ def emit_cast(builder, chunks, loads, codes_ptrs, divisors, params, pair_loads):
         # past the cache than two 32-byte narrowing stores (scripts/plain_kernels.py).
         steps = builder.udiv(chunks, chunks.type(4))
         with cgutils.for_range(builder, steps) as loop:
-            cast_pairs(builder.mul(loop.index, loop.index.type(2)), 2)
+            first = builder.mul(loop.index, loop.index.type(2))
+            for source in sources:
+                source.prefetch(builder.add(first, first.type(_PREFETCH_PAIRS)))
+            cast_pairs(first, 2)
         pairs = builder.udiv(chunks, chunks.type(2))
         with builder.if_then(builder.icmp_unsigned("!=", pairs, builder.mul(steps, steps.type(2)))):  # a pair left
             cast_pairs(builder.mul(steps, steps.type(2)), 1)
         first_single = builder.mul(pairs, pairs.type(2))
     with cgutils.for_range(builder, builder.sub(chunks, first_single)) as loop:  # all, or the last odd chunk
-        for load, codes_ptr, divisor in zip(loads, codes_ptrs, divisors):
-            cast_chunk(load, codes_ptr, divisor, builder.add(loop.index, first_single))
+        for source, codes_ptr, divisor in zip(sources, codes_ptrs, divisors):
+            cast_chunk(source.chunk, codes_ptr, divisor, builder.add(loop.index, first_single))
     return builder.add(builder.load(counted), builder.zext(halve(builder, builder.load(nonfinite), builder.add), ir.IntType(64)))
 
 
@@ -419,10 +435,9 @@ def is_scale(scale) -> bool:
 
 def _emit_chunks(context, builder, signature, args, divisor):
     chunks = _chunk_count(context, builder, signature.args[0], args[0])
-    load = _chunk_loader(context, builder, signature.args[0], args[0])
+    source = _Source(context, builder, signature.args[0], args[0])
     codes_ptr = _codes_pointer(context, builder, signature.args[1], args[1])
-    pair_load = pair_loader(context, builder, signature.args[0], args[0])
-    return emit_cast(builder, chunks, [load], [codes_ptr], [divisor], args[-1], [pair_load])
+    return emit_cast(builder, chunks, [source], [codes_ptr], [divisor], args[-1])
 
 
 @intrinsic
