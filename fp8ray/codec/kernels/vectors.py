@@ -52,6 +52,7 @@ from .halfcast import HALF_CAST, PAIR, emit_pair_codes, pair_loader, pair_prefet
 
 LANES = 16  # elements per vector
 _PREFETCH_PAIRS = 64  # how far ahead the half route asks for its sources: 4 KiB of bf16
+_PREFETCH_CODE_CHUNKS = 256  # and the decode for its codes: 4 KiB
 VF = ir.VectorType(_F32, LANES)
 VI = ir.VectorType(_I32, LANES)
 _ABS_MASK = 0x7FFFFFFF
@@ -490,7 +491,13 @@ def _chunk_decoder(context, builder, signature, args):
     words = builder.bitcast(codes_ptr, ir.IntType(64).as_pointer())  # a chunk's codes as 2 words
     running = cgutils.alloca_once_value(builder, args[-1])
 
+    fetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0"
+    )
+
     def decode(i, scales, native):
+        ahead = builder.gep(codes_ptr, [builder.add(i, i.type(_PREFETCH_CODE_CHUNKS))])
+        builder.call(fetch, [builder.bitcast(ahead, ir.IntType(8).as_pointer()), _i32(0), _i32(3), _i32(1)])
         codes = builder.load(builder.gep(codes_ptr, [i]), align=1)
         store(i, builder.fmul(values(builder, codes), scales), native)
         if CRC_IN_KERNELS:
