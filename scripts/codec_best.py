@@ -15,24 +15,14 @@ of IEEE half" section quotes it.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from _timing import best_seconds  # scripts/, this script's directory
 
 from fp8ray.codec import CodecOptions, Fp8Codec, decode
 from fp8ray.eval.sample import sample_kv_chunk
 
 SCALINGS = ("none", "tensor", "channel", "token", "block")
-
-
-def best_seconds(call, repeat: int) -> float:
-    call()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:

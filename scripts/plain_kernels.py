@@ -15,9 +15,9 @@ the whole codec's are ``fp8ray bench codec``'s.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from _timing import best_seconds  # scripts/, this script's directory
 
 from fp8ray.codec import kernels
 from fp8ray.codec.formats import E4M3FN, SCALE_MASKS
@@ -27,13 +27,7 @@ GROUP = 32
 
 
 def best_ns_per_element(call, n: int, repeat: int) -> float:
-    call()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e9 / n
+    return best_seconds(call, repeat) * 1e9 / n
 
 
 def kernel_calls(n: int, rng: np.random.Generator) -> dict:

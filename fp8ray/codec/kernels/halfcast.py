@@ -10,9 +10,10 @@ Two roundings in a row (fp32 to fp16, then to fp8) could differ from the one the
 reference makes; rounding to fp16 *to odd* (towards zero, the last bit set where that
 was inexact) cannot, as fp16 keeps at least two more bits than any fp8 format at every
 magnitude (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums: proved
-algorithms using rounding to odd", 2008). The conversion towards zero and its
-inexactness come from two conversions, rounded down and up (they differ exactly where
-the value is not a half), each one instruction.
+algorithms using rounding to odd", 2008). The quotient is taken of |x| (the sign comes
+from x's bits), so towards zero is down; whether that was inexact comes from a second
+conversion, rounded up (the two differ exactly where the value is not a half): one
+instruction each.
 
 The quotient is ``RN(|x| / s')`` by Markstein's correction, three vector operations
 against a division that alone took 0.2 ns an element: ``q0 = |x| * y`` with ``y = RN(1 /
@@ -165,6 +166,7 @@ class PairScales:
 
 
 def _inside(builder, s):
+    """Whether the fp32 ``s`` (a scalar or a vector: then lane by lane) lies in :data:`SCALE_RANGE`."""
     low, high = (
         ir.Constant(s.type, bound) if not isinstance(s.type, ir.VectorType) else ir.Constant(s.type, [bound] * s.type.count)
         for bound in SCALE_RANGE
