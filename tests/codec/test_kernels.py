@@ -533,3 +533,19 @@ def test_span_amax_is_the_largest_finite_magnitude(dtype):
                 finite = part[torch.isfinite(part)].abs()
                 expected = float(finite.max()) if finite.numel() else 0.0
                 assert kernels.amax_span(src, start, stop) == np.float32(expected), (n, largest_at, start, stop)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("columns", [7, 16, 40, 192])
+def test_column_amax_is_each_columns_largest_finite_magnitude(dtype, columns):
+    """kernels.amax_columns, whose whole 16-column chunks go by the source's bits and the
+    rest by fp32 values: inf, NaN and the largest value are placed in both parts."""
+    rng = np.random.default_rng(columns)
+    x = torch.from_numpy(rng.uniform(-5, 5, (300, columns)).astype(np.float32)).to(dtype)
+    for row, column, value in ((3, 0, float("inf")), (7, columns - 1, float("nan")), (9, columns // 2, float("-inf"))):
+        x[row, column] = value
+    x[11, columns - 1], x[13, 0] = -300.0, 250.0
+    amax = np.zeros(columns, np.float32)
+    kernels.amax_columns(cpu.kernel_array(x).reshape(-1), columns, 0, 300, amax)
+    finite = torch.where(torch.isfinite(x.float()), x.float().abs(), 0.0)
+    np.testing.assert_array_equal(amax, finite.amax(dim=0).numpy())

@@ -8,6 +8,7 @@ from numba import njit
 from .bits import _bits_to_f32, _encode_params, _finite_key, _fp8_code, _load, scale_from_amax
 from .vectors import (
     LANES,
+    column_key_max,
     encode_chunks,
     encode_chunks_per_element,
     encode_group_amax,
@@ -61,14 +62,21 @@ def amax_span(x, start, stop):
 @njit(nogil=True, cache=True, error_model="numpy")
 def amax_columns(x, columns, row_start, row_stop, amax):
     """Fold rows [row_start, row_stop) of x viewed as [rows, columns] into per-column
-    float32 maxima of the finite |x|. Element-wise across a row, so it vectorises as a
-    blend; NaN fails the comparison and inf the bound, so neither enters."""
+    float32 maxima of the finite |x|: the whole 16-column chunks on the source's bits
+    (:func:`.vectors.column_key_max`), the rest on fp32 values (NaN fails the comparison
+    and inf the bound, so neither enters)."""
     inf = np.float32(np.inf)
+    whole = columns - columns % LANES
+    keys = np.zeros(whole, x.dtype)  # the bits of the largest finite |x| so far, per column
     for r in range(row_start, row_stop):
         row = x[r * columns : (r + 1) * columns]
-        for c in range(row.size):
-            a = abs(_load(row, c))
-            amax[c] = a if (a > amax[c]) & (a < inf) else amax[c]
+        column_key_max(row[:whole], keys)
+        rest, rest_amax = row[whole:], amax[whole:columns]
+        for c in range(rest.size):
+            a = abs(_load(rest, c))
+            rest_amax[c] = a if (a > rest_amax[c]) & (a < inf) else rest_amax[c]
+    for c in range(whole):
+        amax[c] = max(amax[c], _load(keys, c))
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
