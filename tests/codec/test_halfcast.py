@@ -11,7 +11,7 @@ import torch
 from llvmlite import binding as llvm_binding
 from numba.core import config as numba_config
 
-from fp8ray.codec import kernels
+from fp8ray.codec import cpu, kernels
 from fp8ray.codec.formats import FORMATS, Fp8Format
 from fp8ray.codec.kernels import halfcast
 
@@ -26,14 +26,9 @@ def expected_codes(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> np.n
     return torch.where(torch.isfinite(flat), codes, special).numpy()
 
 
-def kernel_source(x: torch.Tensor) -> np.ndarray:
-    bits = {torch.bfloat16: np.uint16, torch.float16: np.int16, torch.float32: np.float32}[x.dtype]
-    return x.contiguous().view({torch.bfloat16: torch.int16, torch.float16: torch.int16}.get(x.dtype, x.dtype)).numpy().view(bits)
-
-
 def uniform_codes(x: torch.Tensor, scale: float, fmt: Fp8Format) -> tuple[np.ndarray, int]:
     codes = np.empty(x.numel(), np.uint8)
-    bad = kernels.quantize_uniform(kernel_source(x), codes, 0, x.numel(), np.float32(scale), kernels.FORMAT_TAGS[fmt.name])
+    bad = kernels.quantize_uniform(cpu.kernel_array(x), codes, 0, x.numel(), np.float32(scale), kernels.FORMAT_TAGS[fmt.name])
     return codes, bad
 
 
@@ -107,7 +102,7 @@ def test_per_column_scales_mixing_both_casts_within_a_pair(fmt_name, dtype):
     scales = (rng.uniform(1, 2, columns) * 2.0 ** rng.integers(-30, 30, columns)).astype(np.float32)
     scales[[2, 33, 70]] = np.float32(2.0**-126), np.float32(2.0**100), np.float32(2.0**-100)  # outside: divided
     codes = np.empty(x.numel(), np.uint8)
-    source = kernel_source(x.reshape(-1))
+    source = cpu.kernel_array(x).reshape(-1)
     bad = kernels.quantize_columns(source, codes, scales, columns, 0, rows, kernels.FORMAT_TAGS[fmt.name])
     assert bad == 4
     np.testing.assert_array_equal(codes, expected_codes(x, torch.from_numpy(scales), fmt).reshape(-1))
