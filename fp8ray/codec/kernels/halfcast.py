@@ -127,23 +127,6 @@ def pair_loader(context, builder, array_type, array):
     return load_16
 
 
-def pair_prefetcher(context, builder, array_type, array):
-    """``prefetch(p)``: a hint to bring pair ``p`` of a source into the cache. Arrays past
-    the cache ran 5-10% faster with the pair 4 KiB ahead asked for (one thread, bf16);
-    a hint past the array's end is dropped, not a fault."""
-    data = context.make_array(array_type)(context, builder, array).data
-    pair_bytes = PAIR * context.get_abi_sizeof(context.get_data_type(array_type.dtype))
-    signature = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32])
-    prefetch = cgutils.get_or_insert_function(builder.module, signature, "llvm.prefetch.p0")
-    start = builder.bitcast(data, ir.IntType(8).as_pointer())
-
-    def fetch(p):
-        address = builder.gep(start, [builder.mul(p, p.type(pair_bytes))])
-        builder.call(prefetch, [address, _I32(0), _I32(3), _I32(1)])  # a read, kept close, data
-
-    return fetch
-
-
 def _directed_half(builder, v, rounding):
     """fp32 lanes to fp16 bits rounded down or up (x86 vcvtps2ph with its immediate)."""
     signature = ir.FunctionType(_HALF_W, [_VF, _I32, _HALF_W, _I16])

@@ -33,6 +33,7 @@ from .bits import (
     _NATIVE_HALF,
     CRC_IN_KERNELS,
     NATIVE_BF16,
+    PREFETCH_AHEAD,
     _format_of_tag,
     _i32,
     bf16_narrowing_floor,
@@ -46,13 +47,12 @@ from .bits import (
     emit_fp8_code,
     emit_fp8_to_f32,
     emit_fp8_to_f32_by_half,
+    emit_prefetch,
     splat,
 )
-from .halfcast import HALF_CAST, PAIR, emit_pair_codes, pair_loader, pair_prefetcher, pair_scales, uniform_pair_scales
+from .halfcast import HALF_CAST, PAIR, emit_pair_codes, pair_loader, pair_scales, uniform_pair_scales
 
 LANES = 16  # elements per vector
-_PREFETCH_PAIRS = 64  # how far ahead the half route asks for its sources: 4 KiB of bf16
-_PREFETCH_CODE_CHUNKS = 256  # and the decode for its codes: 4 KiB
 VF = ir.VectorType(_F32, LANES)
 VI = ir.VectorType(_I32, LANES)
 _ABS_MASK = 0x7FFFFFFF
@@ -108,13 +108,20 @@ def _chunk_loader(context, builder, array_type, array):
 
 class _Source:
     """A bf16, fp16 or fp32 source array as the cast reads it: ``chunk(i)``, 16 elements
-    as fp32 (:func:`_chunk_loader`); for the half route, ``pair(p)`` and ``prefetch(p)``
-    (:func:`.halfcast.pair_loader`, :func:`.halfcast.pair_prefetcher`)."""
+    as fp32 (:func:`_chunk_loader`); for the half route, ``pair(p)``
+    (:func:`.halfcast.pair_loader`) and ``prefetch_ahead(e)``, which asks for the data
+    :data:`~.bits.PREFETCH_AHEAD` bytes past element ``e`` (:func:`~.bits.emit_prefetch`)."""
 
     def __init__(self, context, builder, array_type, array):
+        self.builder = builder
         self.chunk = _chunk_loader(context, builder, array_type, array)
         self.pair = pair_loader(context, builder, array_type, array)
-        self.prefetch = pair_prefetcher(context, builder, array_type, array)
+        self.bytes = builder.bitcast(context.make_array(array_type)(context, builder, array).data, ir.IntType(8).as_pointer())
+        self.itemsize = context.get_abi_sizeof(context.get_data_type(array_type.dtype))
+
+    def prefetch_ahead(self, element):
+        offset = self.builder.add(self.builder.mul(element, element.type(self.itemsize)), element.type(PREFETCH_AHEAD))
+        emit_prefetch(self.builder, self.builder.gep(self.bytes, [offset]))
 
 
 def _key_loader(context, builder, array_type, array):
@@ -184,19 +191,13 @@ def _scale_loader(context, builder, scale_type, scale):
 class _PerElement:
     """``scales(i)``: chunk ``i`` of an fp32 array of scales, one per element (per column,
     for a row); ``reciprocals(i)``: that of an array of their reciprocals (the half
-    route's, :func:`.halfcast.pair_scales`)."""
+    route's, :func:`.halfcast.pair_scales`). Both by :func:`_scale_loader`."""
 
     def __init__(self, context, builder, signature, args):
-        self.builder = builder
-        self.scales, self.inverses = (
-            builder.bitcast(context.make_array(t)(context, builder, a).data, VF.as_pointer()) for t, a in zip(signature, args)
-        )
+        self.scales, self.reciprocals = (_scale_loader(context, builder, t, a) for t, a in zip(signature, args))
 
     def __call__(self, i):
-        return self.builder.load(self.builder.gep(self.scales, [i]), align=4)
-
-    def reciprocals(self, i):
-        return self.builder.load(self.builder.gep(self.inverses, [i]), align=4)
+        return self.scales(i)
 
 
 def _codes_pointer(context, builder, array_type, array):
@@ -323,7 +324,7 @@ def emit_encode_groups(context, builder, signature, args, count, choose_scales):
 
     if HALF_CAST:
         for source in sources:
-            source.prefetch(ir.Constant(ir.IntType(64), _PREFETCH_PAIRS))
+            source.prefetch_ahead(ir.Constant(ir.IntType(64), 0))
     key_loaders = [_key_loader(context, builder, signature.args[2 * k], args[2 * k]) for k in range(count)]
     amaxes = emit_finite_amaxes(builder, key_loaders, chunks)
     magnitudes = [lambda i, source=source: builder.bitcast(finite_keys(source.chunk, i), VF) for source in sources]
@@ -395,7 +396,7 @@ def emit_cast(builder, chunks, sources, codes_ptrs, divisors, params):
         with cgutils.for_range(builder, steps) as loop:
             first = builder.mul(loop.index, loop.index.type(2))
             for source in sources:
-                source.prefetch(builder.add(first, first.type(_PREFETCH_PAIRS)))
+                source.prefetch_ahead(builder.mul(first, first.type(PAIR)))
             cast_pairs(first, 2)
         pairs = builder.udiv(chunks, chunks.type(2))
         with builder.if_then(builder.icmp_unsigned("!=", pairs, builder.mul(steps, steps.type(2)))):  # a pair left
@@ -516,13 +517,8 @@ def _chunk_decoder(context, builder, signature, args):
     words = builder.bitcast(codes_ptr, ir.IntType(64).as_pointer())  # a chunk's codes as 2 words
     running = cgutils.alloca_once_value(builder, args[-1])
 
-    fetch = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0"
-    )
-
     def decode(i, scales, native):
-        ahead = builder.gep(codes_ptr, [builder.add(i, i.type(_PREFETCH_CODE_CHUNKS))])
-        builder.call(fetch, [builder.bitcast(ahead, ir.IntType(8).as_pointer()), _i32(0), _i32(3), _i32(1)])
+        emit_prefetch(builder, builder.gep(codes_ptr, [builder.add(i, i.type(PREFETCH_AHEAD // LANES))]))
         codes = builder.load(builder.gep(codes_ptr, [i]), align=1)
         store(i, builder.fmul(values(builder, codes), scales), native)
         if CRC_IN_KERNELS:
