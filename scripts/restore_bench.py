@@ -72,7 +72,9 @@ def decompress_runs(arch: str, out: str, runs: int) -> list[dict]:
     from fp8ray.engine.runtime import connect_ray, disconnect_ray
 
     connect_ray("local", 2)
-    warm_up = bytes(Fp8Codec(options=CodecOptions(scaling="tensor", scale_choice="amax")).encode(torch.zeros(BLOCK[-1])))
+    # The archive's dtype: a kernel is loaded for each dtype it decodes into.
+    block = torch.zeros(BLOCK[-1], dtype=torch.bfloat16)
+    warm_up = bytes(Fp8Codec(options=CodecOptions(scaling="tensor", scale_choice="amax")).encode(block))
     results = []
     try:
         for _ in range(runs):
