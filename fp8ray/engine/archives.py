@@ -129,10 +129,11 @@ class VerifyReport:
         return json_safe({**asdict(self), "ok": self.ok})  # an exact block's snr_db is +inf
 
 
-def _scan_compressible(source: str, strict: bool = False, lmcache_layout: Layout | str | None = None):
+def _scan_compressible(source: str, codec: CodecOptions, strict: bool = False, lmcache_layout: Layout | str | None = None):
     """The source's layout and blocks, refused before anything is written if it holds no
-    tensor, or one no frame can hold, or (``strict``) anything it does not take.
-    ``lmcache_layout``: the source is an LMCache store of chunks of that layout."""
+    tensor, or one no frame can hold (or whose frame in ``codec`` no part can), or
+    (``strict``) anything it does not take. ``lmcache_layout``: the source is an LMCache
+    store of chunks of that layout."""
     layout, refs = scan_source(source) if lmcache_layout is None else scan_store_source(source, lmcache_layout)
     if strict and layout.skipped:
         raise SourceError(
@@ -143,12 +144,13 @@ def _scan_compressible(source: str, strict: bool = False, lmcache_layout: Layout
         raise SourceError(f"source {redact(source)} holds no tensors: there is nothing to compress")
     checked = set()  # blocks share a few shapes: each is checked once, named by its first block
     for ref in refs:
-        if ref.shape not in checked:
+        if (ref.dtype, ref.shape) not in checked:
             try:
                 frame.check_shape(ref.shape)
+                archive.check_frame_fits(frame.header_for(codec, ref.dtype, ref.shape).frame_size)
             except ValueError as exc:
-                raise block_error(ref.key, exc) from None
-            checked.add(ref.shape)
+                raise block_error(ref.key, exc, f" of {printable(ref.file)}" if ref.file else "") from None
+            checked.add((ref.dtype, ref.shape))
     return layout, refs
 
 
@@ -247,7 +249,7 @@ def compress_archive(
     check_pool(pool)
     archive.parse_lossless(lossless)
     check_apart(source, destination)
-    layout, refs = _scan_compressible(source, strict, lmcache_layout)
+    layout, refs = _scan_compressible(source, codec, strict, lmcache_layout)
     compress_part = QuantWorker.compress_part if lmcache_layout is None else QuantWorker.compress_store_part
     parts = archive.plan_parts(refs, part_bytes)
     stamps = archive.source_stamps(source, layout)  # as the scan found the files: --resume compares them

@@ -42,6 +42,23 @@ DEFAULT_PART_BYTES = 64 << 20
 # a millisecond to write (ten column chunks): small blocks fill one to the byte bound.
 ROW_GROUP_ROWS = 1024
 ROW_GROUP_BYTES = 1 << 20
+# The largest frame a part holds. Parquet records a value's length, and a page's (the
+# value and its 4-byte length, compressed or not), in 32 signed bits, and pyarrow reads
+# values up to 2**31 - 5 bytes (2**31 - 2 raised "Negative buffer resize"); 64 MiB is left
+# for a lossless stage's growth of frames it cannot compress (random bytes of this size:
+# lz4 8 MB, gzip 0.6 MB, snappy, zstd and brotli under 0.1 MB, each read back whole).
+MAX_FRAME_BYTES = 2**31 - 2**26
+
+
+def check_frame_fits(frame_bytes: int) -> None:
+    """Refuse, naming the limit, a frame too large for a part (:data:`MAX_FRAME_BYTES`)."""
+    if frame_bytes > MAX_FRAME_BYTES:
+        raise BadInputError(
+            f"its frame would be {frame_bytes} bytes, more than an archive's part holds in one "
+            f"block ({MAX_FRAME_BYTES} bytes, Parquet's limit less a margin): split the tensor into "
+            "smaller ones to compress it"
+        )
+
 
 SCHEMA = pa.schema(
     [

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 import fp8ray
 from fp8ray.cli import main
+from fp8ray.io import archive
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -52,8 +53,41 @@ def test_an_empty_tensor_numpy_cannot_shape_is_refused_naming_its_dimensions(tmp
     )
     code, _, err = run(capsys, "compress", src, tmp_path / "arch", "--address", "inline")
     assert code == 1 and err.count("\n") == 1, err
-    assert "block 'big': shape [4294967296, 4294967296, 0]: its non-zero dimensions multiply to 18446744073709551616" in err
+    assert "block 'big' of h.safetensors: shape [4294967296, 4294967296, 0]: its non-zero dimensions multiply to 18446744073709551616" in err
     assert not (tmp_path / "arch").exists()
+
+
+@pytest.mark.parametrize("options", [[], ["--scaling", "none"], ["--scaling", "channel", "--scale-dtype", "float32"]])
+def test_a_tensor_whose_frame_no_part_can_hold_is_refused_before_any_work(tmp_path, capsys, options):
+    """A value of a Parquet column holds less than 2 GiB: a tensor of about 2**31 elements
+    (4 GiB of bfloat16) failed in the worker, after reading and encoding it, with
+    pyarrow's "cannot store strings". Refused now at the scan, naming its file and key;
+    the file's data is a hole, never read."""
+    codec = fp8ray.CodecOptions.parse({"scaling": options[1]} if options else {})
+    if options[2:]:
+        codec = fp8ray.CodecOptions.parse({"scale_dtype": "float32"}, base=codec)
+    rows = 4
+    size = lambda n: fp8ray.Fp8Codec(options=codec).encoded_size((rows, n), "bfloat16")  # noqa: E731
+    low, n = 1, archive.MAX_FRAME_BYTES  # the smallest row length past the limit: size(low) fits, size(n) not
+    while n - low > 1:
+        low, n = (low, (low + n) // 2) if size((low + n) // 2) > archive.MAX_FRAME_BYTES else ((low + n) // 2, n)
+    header = json.dumps({"kv": {"dtype": "BF16", "shape": [rows, n], "data_offsets": [0, 2 * rows * n]}}).encode()
+    src = tmp_path / "big.safetensors"
+    with open(src, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + 2 * rows * n)
+    code, _, err = run(capsys, "compress", src, tmp_path / "arch", "--address", "inline", *options)
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"block 'kv' of big.safetensors: its frame would be {size(n)} bytes, more than an archive's part" in err
+    assert not (tmp_path / "arch").exists()
+
+
+def test_the_frame_limit_is_pyarrows_less_a_margin():
+    archive.check_frame_fits(archive.MAX_FRAME_BYTES)
+    with pytest.raises(
+        fp8ray.errors.BadInputError, match=f"more than an archive's part holds in one block \\({archive.MAX_FRAME_BYTES} "
+    ):
+        archive.check_frame_fits(archive.MAX_FRAME_BYTES + 1)
 
 
 def test_a_source_without_tensors_is_an_error_not_an_empty_archive(tmp_path, capsys):
