@@ -178,13 +178,13 @@ def _resumable_parts(
     return {i: info for i, info in infos.items() if info is not None}
 
 
-def _destination_error(exc: OSError, destination: str) -> OSError:
-    """An error making the destination ready, as the user sees it: fp8ray's own as it is;
+def _destination_error(exc: OSError, destination: str, left: str = "") -> OSError:
+    """An error writing the destination, as the user sees it: fp8ray's own as it is;
     pyarrow's text repeats its cause and may name a scratch directory, so name what was
-    typed, once."""
+    typed, once (then ``left``: what is left of the run)."""
     if isinstance(exc, Fp8rayError):
         return exc
-    return DestinationError(f"cannot write destination {redact(destination)}: {os_reason(exc)}")
+    return DestinationError(f"cannot write destination {redact(destination)}: {os_reason(exc)}{left}")
 
 
 def compress_archive(
@@ -275,7 +275,13 @@ def compress_archive(
                 archive.write_plan(fs, work, plan)
             if progress:
                 progress(sum(info.blocks for info in reused.values()))
-            _write_parts(run, pool, compress_part, parts, todo, (codec, uri_for(destination, work), lossless), progress)
+            try:
+                _write_parts(run, pool, compress_part, parts, todo, (codec, uri_for(destination, work), lossless), progress)
+            except OSError as exc:  # a part's write (the source's reads raise SourceError): a full disk, above all
+                done = len(reused) + len(run.finished)
+                kept = done and not dest.replacing  # else nothing of this run is left (below)
+                left = f"; {done} of {len(parts)} parts done: rerun with --resume to keep them" if kept else ""
+                raise _destination_error(exc, destination, left) from None
             bound = bound_constants(codec.fmt, codec.scaling)
             part_infos = [run.infos[i] for i in range(len(parts))]
             manifest = archive.build_manifest(

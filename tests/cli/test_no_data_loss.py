@@ -4,6 +4,7 @@ result. Through the fp8ray command, in-process on the session Ray."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import fp8ray.io.archive
 from fp8ray.cli import main
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -128,6 +130,34 @@ def test_a_failed_overwrite_keeps_the_old_archive(kv_source, nan_source, tmp_pat
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     assert run(capsys, "compress", nan_source, arch, "--overwrite", "--nonfinite", "keep")[0] == 0
     assert digests(arch) != before and (arch / "_manifest.json").exists()
+
+
+def test_a_full_disk_mid_compress_names_the_destination_and_what_resume_keeps(tmp_path, capsys, monkeypatch):
+    """A part's write that fails (ENOSPC) was pyarrow's "[Errno 28] Error writing bytes to
+    file. Detail: ...", naming neither the archive nor what was left of the run."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):  # a part each
+        save_file(
+            {"kv": torch.randn(2, 512, 512, generator=torch.Generator().manual_seed(i)).bfloat16()}, str(src / f"{i}.safetensors")
+        )
+    write_atomic = fp8ray.io.archive.write_atomic
+
+    def full_from_part_2(fs, path, data):
+        if "part-00002" in path:
+            raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+        write_atomic(fs, path, data)
+
+    arch = tmp_path / "arch"
+    one_worker = ["--part-mb", "1", "--address", "inline", "--workers", "1"]
+    monkeypatch.setattr(fp8ray.io.archive, "write_atomic", full_from_part_2)
+    code, err = run(capsys, "compress", src, arch, *one_worker)
+    assert code == 1 and err.count("\n") == 1, err
+    left = "2 of 4 parts done: rerun with --resume to keep them"
+    assert err == f"fp8ray: error: cannot write destination {arch}: No space left on device; {left}\n"
+    monkeypatch.undo()
+    code, err = run(capsys, "compress", src, arch, *one_worker, "--resume")
+    assert code == 0 and (arch / "_manifest.json").exists()
 
 
 def test_missing_parent_directories_are_named_not_created(kv_source, tmp_path, capsys):
