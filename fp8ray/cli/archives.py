@@ -282,7 +282,7 @@ def run_get(args) -> int:
     import pyarrow.fs as pafs
 
     from ..errors import ArchiveExistsError, DestinationError
-    from ..io.paths import check_apart, check_not_special, prepare_parent, redact, resolve
+    from ..io.paths import check_apart, check_not_special, os_reason, prepare_parent, redact, resolve
     from ..io.reader import open_archive
     from ..io.safetensors import SafetensorsWriter, build_body
 
@@ -307,7 +307,10 @@ def run_get(args) -> int:
         sys.stdout.buffer.write(build_body([(args.key, block.dtype, block.shape, block.data)], metadata))
         sys.stdout.buffer.flush()
         return 0
-    with SafetensorsWriter(args.output, [(args.key, block.dtype, block.shape)], metadata) as writer:
-        writer.write(block.data)
+    try:
+        with SafetensorsWriter(args.output, [(args.key, block.dtype, block.shape)], metadata) as writer:
+            writer.write(block.data)
+    except OSError as exc:  # a full disk: pyarrow's text names a temporary file, and its cause twice
+        raise DestinationError(f"cannot write output {redact(args.output)}: {os_reason(exc)}") from None
     print(f"wrote {args.key!r} ({block.dtype} {list(block.shape)}) of {file!r} to {redact(args.output)}")
     return 0

@@ -36,6 +36,7 @@ from ..errors import (
     ArchiveExistsError,
     BadInputError,
     DestinationError,
+    Fp8rayError,
     InvalidOptionError,
     MismatchError,
     SourceError,
@@ -252,6 +253,11 @@ def convert_store(
                     progress(len(files))
             seconds = time.perf_counter() - start
         replace_directory(LocalFileSystem(), scratch, dst)  # --overwrite: the old store goes only now
+    except OSError as exc:  # a chunk file's write (a full disk); a source file's read fails as its block's error
+        remove_quietly(LocalFileSystem(), scratch)
+        if isinstance(exc, Fp8rayError):
+            raise
+        raise DestinationError(f"cannot write destination {printable(destination)}: {os_reason(exc)}") from None
     except BaseException:
         remove_quietly(LocalFileSystem(), scratch)
         raise

@@ -120,7 +120,8 @@ class _Converter:
         n = writer.serialize_tensors([x], out)
         return memoryview(out[:n].numpy())
 
-    def convert(self, chunk: ChunkFile) -> ConvertedFile:
+    def convert(self, chunk: ChunkFile) -> tuple[ConvertedFile, memoryview]:
+        """The file's record and its bytes in the target form."""
         data = _read(os.path.join(self.c.source, chunk.name), chunk.size)
         # a frame in other codec options is not in the target form: the serde asked refuses it
         if chunk.form == self.c.target and (chunk.form != FRAMES or frame.parse_header(data) == self.frame_header):
@@ -129,26 +130,31 @@ class _Converter:
             payload, copied = memoryview(data), True
         else:
             payload, copied = self.from_tensor(self.to_tensor(data, chunk.form)), False
-        target = os.path.join(self.c.scratch, chunk.name)
-        if "/" in chunk.name:  # in hash-prefix folders: the same folders in the output
+        return ConvertedFile(chunk.name, chunk.form, len(data), payload.nbytes, copied), payload
+
+    def write(self, name: str, payload: memoryview) -> None:
+        target = os.path.join(self.c.scratch, name)
+        if "/" in name:  # in hash-prefix folders: the same folders in the output
             os.makedirs(os.path.dirname(target), exist_ok=True)
         with open(target, "wb") as f:
             f.write(payload)
-        return ConvertedFile(chunk.name, chunk.form, len(data), payload.nbytes, copied)
 
 
 def convert_files(conversion: StoreConversion, chunks: list[ChunkFile]) -> list[ConvertedFile]:
     """Convert ``chunks`` from ``conversion.source`` into ``conversion.scratch``, each to
     the target form. A file that fails (non-finite values, a damaged frame, a file
-    changed since the scan) raises, naming it."""
+    changed since the scan) raises, naming it; a failed write (a full disk) raises the
+    ``OSError`` as it is, for the caller to name its destination."""
     converter = _Converter(conversion)
     done = []
     for chunk in chunks:
         try:
-            done.append(converter.convert(chunk))
+            converted, payload = converter.convert(chunk)
         except (ValueError, TypeError, OSError) as exc:
             where = f" ({chunk.form} -> {conversion.target} of {os.path.join(conversion.source, chunk.name)})"
             raise block_error(chunk.name, exc, where) from exc
+        converter.write(chunk.name, payload)
+        done.append(converted)
     return done
 
 

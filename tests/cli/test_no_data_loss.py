@@ -13,8 +13,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import fp8ray
 import fp8ray.io.archive
+import fp8ray.io.safetensors
+import fp8ray.lmcache.store_files
 from fp8ray.cli import main
+from fp8ray.io.lmcache_store import ChunkName, format_chunk_name
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -158,6 +162,30 @@ def test_a_full_disk_mid_compress_names_the_destination_and_what_resume_keeps(tm
     monkeypatch.undo()
     code, err = run(capsys, "compress", src, arch, *one_worker, "--resume")
     assert code == 0 and (arch / "_manifest.json").exists()
+
+
+def no_space(*_args, **_kwargs):
+    raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+
+def test_a_full_disk_under_get_and_a_store_conversion_names_the_output(kvdir, tmp_path, capsys, monkeypatch):
+    """Both said pyarrow's or Python's words for it: get "[Errno 28] Error writing bytes to
+    file...", lmcache-compress "block 'm@...data' (raw -> fp8 of <the source's file>): [Errno
+    28] ...", as if the source's file were at fault."""
+    arch = tmp_path / "arch"
+    assert run(capsys, "compress", kvdir / "a.safetensors", arch, "--address", "inline")[0] == 0
+    key = fp8ray.open_archive(str(arch)).keys()[0]
+    store = tmp_path / "store"
+    store.mkdir()
+    name = format_chunk_name(ChunkName("m", 0, 0, b"\x01"))
+    (store / name).write_bytes(torch.randn(2, 2, 16, 64).bfloat16().view(torch.uint8).numpy().tobytes())
+    monkeypatch.setattr(fp8ray.io.safetensors.SafetensorsWriter, "write", no_space)
+    monkeypatch.setattr(fp8ray.lmcache.store_files._Converter, "write", no_space)
+    out = tmp_path / "k.safetensors"
+    assert run(capsys, "get", arch, key, "-o", out) == (1, f"fp8ray: error: cannot write output {out}: No space left on device\n")
+    code, err = run(capsys, "lmcache-compress", store, tmp_path / "fp8", "--layout", "bfloat16:2,2,16,64", "--address", "inline")
+    assert (code, err) == (1, f"fp8ray: error: cannot write destination {tmp_path / 'fp8'}: No space left on device\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["arch", "kvdir", "store"]  # no temporary left either
 
 
 def test_missing_parent_directories_are_named_not_created(kv_source, tmp_path, capsys):

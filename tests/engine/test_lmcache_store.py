@@ -569,7 +569,7 @@ def test_overwrite_keeps_the_old_store_if_the_swap_fails(store, tmp_path, monkey
         return real_rename(a, b)
 
     monkeypatch.setattr(lmcache_store.os, "rename", failing_rename)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(DestinationError, match=f"^cannot write destination {dst}: simulated failure of the swap$"):
         compress_store(str(src), str(dst), LAYOUT, overwrite=True)
     assert os.listdir(dst) == [keep] and (dst / keep).read_bytes() == b"x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["previous", "store"]  # no scratch left
