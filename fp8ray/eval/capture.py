@@ -22,6 +22,7 @@ from .. import __version__
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..errors import ArchiveExistsError, BadInputError, DestinationError, InvalidOptionError
 from ..io.blocks import tensor_to_bytes
+from ..io.paths import os_reason
 from ..io.safetensors import SafetensorsWriter
 from .models import LoadedModel, cache_tensors, forward, load_model, read_text, tokenize
 
@@ -107,7 +108,10 @@ def capture(
         "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "fp8ray_version": __version__,
     }
-    write_blocks(out, blocks, metadata)
+    try:
+        write_blocks(out, blocks, metadata)
+    except OSError as exc:  # a full disk: pyarrow's words name a temporary file, and the cause twice
+        raise DestinationError(f"cannot write output {out}: {os_reason(exc)}") from None
     return CaptureReport(
         str(out),
         loaded.name,

@@ -29,6 +29,7 @@ cache in 16 bits costs).
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -40,6 +41,7 @@ from ..codec import CodecOptions, Fp8Codec, decode
 from ..codec.formats import FORMATS, SCALINGS
 from ..codec.metrics import relative_error
 from ..errors import BadInputError
+from ..io.paths import write_output
 from .models import LoadedModel, cache_tensors, forward, load_model, make_cache, read_text, tokenize
 
 REFERENCE = "reference"
@@ -221,8 +223,10 @@ def plot(results: list[ModeResult], path: str | os.PathLike, title: str) -> None
     ax.set_title(title, fontsize=9)
     ax.tick_params(axis="y", labelsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    write_output(str(path), png.getvalue())  # whole or not at all, as every output
 
 
 def evaluate_text(

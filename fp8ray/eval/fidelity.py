@@ -22,6 +22,7 @@ accept it.
 
 from __future__ import annotations
 
+import io
 import re
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ from ..codec.metrics import ErrorSums, json_safe, row_sums
 from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
 from ..io import archive
 from ..io.blocks import bytes_to_tensor, read_blocks, scan_source
-from ..io.paths import resolve
+from ..io.paths import resolve, write_output
 
 DEFAULT_KEY_PATTERN = r"(?:^|[^a-z0-9])layers?[._-]?(?P<layer>\d+)[._/-](?P<kv>k|v|key|value)$"
 KINDS = ("k", "v")
@@ -209,9 +210,11 @@ def plot_layers(report: FidelityReport, output: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(output, format="png")
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
     finally:
         plt.close(fig)
+    write_output(str(output), png.getvalue())  # whole or not at all, as every output
 
 
 def format_report(report: FidelityReport) -> str:

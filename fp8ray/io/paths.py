@@ -117,6 +117,16 @@ def write_atomic(fs: pafs.FileSystem, path: str, data) -> None:
         raise
 
 
+def write_output(uri: str, data: bytes) -> None:
+    """Write a command's output file ``uri`` whole (:func:`write_atomic`); a failure (a
+    full disk) raises a :class:`~fp8ray.errors.DestinationError` naming it."""
+    fs, path = resolve(uri)
+    try:
+        write_atomic(fs, path, data)
+    except OSError as exc:
+        raise DestinationError(f"cannot write output {redact(uri)}: {os_reason(exc)}") from None
+
+
 def delete_quietly(fs: pafs.FileSystem, path: str) -> None:
     """Delete the temporary file ``path`` after a failure, if it is there, without raising:
     an error here must not hide the one that caused the clean-up."""

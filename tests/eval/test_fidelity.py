@@ -13,6 +13,7 @@ so ORIGINAL is exact in bfloat16 too.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import re
@@ -21,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import fp8ray.io.paths
 from fp8ray.cli import main
 from fp8ray.engine.archives import compress_archive
 from fp8ray.errors import InvalidOptionError, MismatchError
@@ -204,6 +206,23 @@ def test_cli_plot_never_writes_over_what_it_reads(stores, capsys, plot, message)
     out, err = capsys.readouterr()
     assert code == 1 and not out and err.count("\n") == 1 and err.startswith("fp8ray: error: --plot: ") and message in err
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before and not (root / "missing").exists()
+
+
+def test_cli_plot_on_a_full_disk_names_it_and_leaves_nothing(stores, tmp_path, capsys, monkeypatch):
+    """The plot was written in place by matplotlib: a failed write could leave a partial
+    PNG, and said matplotlib's words for it. Now written as every output is
+    (``write_atomic``: a temporary, then a rename, the temporary removed on failure)."""
+    root, _ = stores
+
+    def no_space(fs, path, data):
+        raise OSError(errno.ENOSPC, "Error writing bytes to file")
+
+    monkeypatch.setattr(fp8ray.io.paths, "write_atomic", no_space)
+    png = tmp_path / "layers.png"
+    code = main(["fidelity", str(root / "exact.safetensors"), str(root / "arch"), "--plot", str(png)])
+    _, err = capsys.readouterr()
+    assert (code, err) == (1, f"fp8ray: error: cannot write output {png}: No space left on device\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_text_and_infinite_snr_in_json(stores, capsys):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 from _util import assert_same_bits
 
+import fp8ray.io.safetensors
 from fp8ray.cli import main
 from fp8ray.codec import Fp8Codec, decode
 from fp8ray.codec.formats import E4M3FN
@@ -115,6 +117,19 @@ def test_capture_command(loaded, tmp_path, capsys):
 
     code, _, err = run(capsys, "capture", "--out", out, "--text", TEXT)
     assert code == 1 and "already exists" in err and err.count("\n") == 1
+
+
+def test_capture_on_a_full_disk_names_the_output(loaded, tmp_path, capsys, monkeypatch):
+    """It said pyarrow's "[Errno 28] Error writing bytes to file. Detail: ...", naming no file."""
+
+    def no_space(self, data):
+        raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+    monkeypatch.setattr(fp8ray.io.safetensors.SafetensorsWriter, "write", no_space)
+    out = tmp_path / "kv.safetensors"
+    code, _, err = run(capsys, "capture", "--out", out, "--text", TEXT, "--tokens", 8)
+    assert (code, err) == (1, f"fp8ray: error: cannot write output {out}: No space left on device\n")
+    assert list(tmp_path.iterdir()) == []  # the writer's temporary removed
 
 
 @pytest.mark.parametrize(
