@@ -91,10 +91,12 @@ def check_within_bound(
     y64 = y.double().reshape(-1)
     bound = element_bound(target, y, scale, constants).where(finite, torch.zeros((), dtype=torch.float64))  # |y| inf there
     diff = (y64 - target).where(finite, torch.zeros((), dtype=torch.float64))
-    ok = (diff.abs() <= bound).all() and torch.isfinite(y64[finite]).all() and not torch.isfinite(y64[~finite]).any()
-    if bool(ok):
+    # y is finite where x is, and only there. (Not by boolean indexing: y64[finite] cost
+    # 0.6 ms a block of 4096, 75% of verify --against on an archive of small blocks.)
+    y_finite = torch.isfinite(y64)
+    if bool((diff.abs() <= bound).all()) and y_finite.equal(finite):
         return None
     norm = float(target.norm())
-    error = float(diff.norm()) if bool(torch.isfinite(y64[finite]).all()) else math.inf
+    error = float(diff.norm()) if bool((y_finite | ~finite).all()) else math.inf
     allowed = float(bound.norm())
     return (error / norm, allowed / norm) if norm else (math.inf, math.inf)

@@ -1,0 +1,60 @@
+"""verify --against's check of a decoded block against its source
+(:func:`fp8ray.codec.bound.check_within_bound`): every element within the derived bound,
+and the block finite exactly where the source is."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fp8ray import CodecOptions, Fp8Codec, decode
+from fp8ray.codec import frame
+from fp8ray.codec.bound import bound_constants, check_within_bound, element_scales
+
+OPTIONS = CodecOptions(nonfinite="keep")  # the default mode, non-finite values stored
+
+
+@pytest.fixture(scope="module")
+def block():
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x[0, 3], x[1, 7], x[2, 9] = math.nan, math.inf, -math.inf
+    buf = frame.as_byte_array(Fp8Codec(options=OPTIONS).encode(x))
+    header = frame.parse(buf)
+    scales = element_scales(torch.from_numpy(frame.scales_of(buf, header).copy()), "block", header.shape, header.block_size)
+    return x, decode(buf), scales
+
+
+def check(x, y, scales):
+    return check_within_bound(x, y, scales, bound_constants(OPTIONS.fmt, OPTIONS.scaling))
+
+
+def test_the_decoded_block_is_within_its_bound(block):
+    assert check(*block) is None
+
+
+def test_one_element_past_its_bound_fails_with_the_blocks_errors(block):
+    x, y, scales = block
+    far = y.clone()
+    far[3, 100] = x[3, 100].float() * 1.5 + 1
+    error, allowed = check(x, far, scales)  # the block's relative errors, as verify reports them
+    assert np.isfinite(error) and error > 0 and allowed > 0
+
+
+@pytest.mark.parametrize("at, value", [((0, 3), 0.0), ((1, 7), 1.0), ((2, 9), -2.0)])
+def test_a_finite_value_where_the_source_is_not_fails(block, at, value):
+    x, y, scales = block
+    wrong = y.clone()
+    wrong[at] = value  # NaN or inf in the source: the codec kept it, so must the block
+    assert check(x, wrong, scales) is not None
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_value_where_the_source_is_finite_fails_with_an_infinite_error(block, value):
+    x, y, scales = block
+    wrong = y.clone()
+    wrong[3, 5] = value
+    error, _ = check(x, wrong, scales)
+    assert error == math.inf
