@@ -64,7 +64,13 @@ class SafetensorsFormatError(BadInputError):
 
 class DestinationError(BadInputError):
     """A destination cannot be written as asked: it overlaps the source, its parent is
-    missing, it is the wrong kind of file."""
+    missing, it is the wrong kind of file, or a write to it failed (a full disk)."""
+
+
+class WriteError(DestinationError):
+    """A worker could not write one file of a destination (an archive's part, a store's
+    chunk file): the message names the file and the system's reason, and the driver names
+    the destination."""
 
 
 class MismatchError(BadInputError):

@@ -23,6 +23,7 @@ from ..errors import (
     Fp8rayError,
     InvalidOptionError,
     SourceError,
+    WriteError,
     block_error,
 )
 from ..io import archive
@@ -178,6 +179,13 @@ def _resumable_parts(
     return {i: info for i, info in infos.items() if info is not None}
 
 
+def _parts_left(fs: pafs.FileSystem, work: str, total: int) -> str:
+    """What a failed compress leaves for ``--resume``: the parts finished, as their
+    sidecars say (calls still running when one failed finish theirs too)."""
+    done = sum(archive.read_sidecar(fs, work, i) is not None for i in range(total))
+    return f"; {done} of {total} parts done: rerun with --resume to keep them"
+
+
 def _destination_error(exc: OSError, destination: str, left: str = "") -> OSError:
     """An error writing the destination, as the user sees it: fp8ray's own as it is;
     pyarrow's text repeats its cause and may name a scratch directory, so name what was
@@ -272,22 +280,27 @@ def compress_archive(
             todo = [i for i in range(len(parts)) if i not in reused]
             run = _PartsRun(dict(reused))
             if previous is None:
-                archive.write_plan(fs, work, plan)
+                try:
+                    archive.write_plan(fs, work, plan)
+                except OSError as exc:
+                    raise _destination_error(exc, destination) from None
             if progress:
                 progress(sum(info.blocks for info in reused.values()))
             try:
                 _write_parts(run, pool, compress_part, parts, todo, (codec, uri_for(destination, work), lossless), progress)
-            except OSError as exc:  # a part's write (the source's reads raise SourceError): a full disk, above all
-                done = len(reused) + len(run.finished)
-                kept = done and not dest.replacing  # else nothing of this run is left (below)
-                left = f"; {done} of {len(parts)} parts done: rerun with --resume to keep them" if kept else ""
-                raise _destination_error(exc, destination, left) from None
+            except WriteError as exc:  # a part's write: a full disk, above all
+                kept = (run.finished or reused) and not dest.replacing  # else nothing of this run is left (below)
+                left = _parts_left(fs, work, len(parts)) if kept else ""
+                raise DestinationError(f"cannot write destination {redact(destination)} ({exc}){left}") from None
             bound = bound_constants(codec.fmt, codec.scaling)
             part_infos = [run.infos[i] for i in range(len(parts))]
             manifest = archive.build_manifest(
                 source, layout, codec.as_dict(), lossless, bound, len(refs), part_infos, __version__, made_for
             )
-            archive.write_manifest(fs, work, manifest)
+            try:
+                archive.write_manifest(fs, work, manifest)
+            except OSError as exc:
+                raise _destination_error(exc, destination, "" if dest.replacing else _parts_left(fs, work, len(parts))) from None
             archive.clean_scratch(fs, work)
         if dest.replacing:  # the old archive goes only now
             replace_directory(fs, work, dest.path, destination)

@@ -36,10 +36,10 @@ from ..errors import (
     ArchiveExistsError,
     BadInputError,
     DestinationError,
-    Fp8rayError,
     InvalidOptionError,
     MismatchError,
     SourceError,
+    WriteError,
 )
 from ..io.lmcache_store import (
     FORMS,
@@ -241,23 +241,28 @@ def convert_store(
     scratch = temporary_name(dst)
     conversion = StoreConversion(src, scratch, layout, target, fmt.name, options)
     done = []
+    cannot_write = f"cannot write destination {printable(destination)}"
     try:
-        os.mkdir(scratch)  # in the try: an interrupt that lands as it is made removes it
+        try:
+            os.mkdir(scratch)  # in the try: an interrupt that lands as it is made removes it
+        except OSError as exc:
+            raise DestinationError(f"{cannot_write}: {os_reason(exc)}") from None
         with use_pool(pool) as running:
             start = time.perf_counter()  # the conversion itself, once the workers are up
             workers = running.num_workers
             items = ((conversion, shard) for shard in _plan_shards(scan.chunks, workers))
-            for files in running.map(QuantWorker.convert_store_files, items):
-                done.extend(files)
-                if progress is not None:
-                    progress(len(files))
+            try:
+                for files in running.map(QuantWorker.convert_store_files, items):
+                    done.extend(files)
+                    if progress is not None:
+                        progress(len(files))
+            except WriteError as exc:  # a chunk file's write: a full disk, above all
+                raise DestinationError(f"{cannot_write} ({exc})") from None
             seconds = time.perf_counter() - start
-        replace_directory(LocalFileSystem(), scratch, dst)  # --overwrite: the old store goes only now
-    except OSError as exc:  # a chunk file's write (a full disk); a source file's read fails as its block's error
-        remove_quietly(LocalFileSystem(), scratch)
-        if isinstance(exc, Fp8rayError):
-            raise
-        raise DestinationError(f"cannot write destination {printable(destination)}: {os_reason(exc)}") from None
+        try:
+            replace_directory(LocalFileSystem(), scratch, dst)  # --overwrite: the old store goes only now
+        except OSError as exc:
+            raise DestinationError(f"{cannot_write}: {os_reason(exc)}") from None
     except BaseException:
         remove_quietly(LocalFileSystem(), scratch)
         raise

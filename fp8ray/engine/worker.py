@@ -117,12 +117,21 @@ class QuantWorker:
         self._reader = BlockReader(lambda nbytes: host_buffer(nbytes, self.device))  # pinned on a GPU
         self._frames = np.empty(0, np.uint8)
         self._results = np.empty(0, np.uint8)
-        # A restore's decoded batches, kept from task to task: a part's decode into fresh
-        # pages took 9 ms a 32 MiB batch against 5-6 ms into pages used before.
+        # A restore's decoded batches, kept from task to task (up to a batch's usual
+        # RUN_BYTES: a larger block's buffer goes with its task): a part's decode into
+        # fresh pages took 9 ms a 32 MiB batch against 5-6 ms into pages used before.
         self._decoded = np.empty(0, np.uint8)
         # Results may live in a buffer reused from call to call only where Ray copies them
         # out as a call ends (an actor); run inline, they are the caller's to keep.
         self._reuse_results = reuse_buffers
+
+    def _decode_buffer(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least ``nbytes`` for a restore's batch: the one kept, or a new one
+        (kept in turn where it is no larger than :data:`~fp8ray.codec.runs.RUN_BYTES`)."""
+        buffer = _at_least(self._decoded, nbytes)
+        if buffer.size <= RUN_BYTES:
+            self._decoded = buffer
+        return buffer
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(os.getpid(), _node_id(), self.device)
@@ -239,7 +248,7 @@ class QuantWorker:
             if pieces is not None:
                 nbytes = math.prod(shape) * DTYPE_ITEMSIZES[dtype]
                 size = len(batch) * nbytes
-                buffer = self._decoded = _at_least(self._decoded, size)
+                buffer = self._decode_buffer(size)
                 keys = [key for _, _, key, *_ in batch]
                 done = 0
                 for rows in pieces:  # one a row group
@@ -250,7 +259,7 @@ class QuantWorker:
             else:
                 specs = [BlockSpec(key, dtype, shape) for _, _, key, dtype, shape in batch]
                 size = sum(spec.nbytes for spec in specs)
-                buffer = self._decoded = _at_least(self._decoded, size)
+                buffer = self._decode_buffer(size)
                 pairs = [(key, frames[part][row]) for _, row, key, *_ in batch]
                 decode_into(pairs, buffer, specs, threads=self.threads, where=where)
             left[part] -= len(batch)

@@ -223,10 +223,10 @@ def plot(results: list[ModeResult], path: str | os.PathLike, title: str) -> None
     ax.set_title(title, fontsize=9)
     ax.tick_params(axis="y", labelsize=8)
     fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, format=Path(path).suffix[1:].lower() or "png", dpi=120)  # .svg, .pdf: as matplotlib takes them
     plt.close(fig)
-    write_output(str(path), png.getvalue())  # whole or not at all, as every output
+    write_output(str(path), image.getvalue())  # whole or not at all, as every output
 
 
 def evaluate_text(

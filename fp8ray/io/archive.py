@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..codec.options import CodecOptions
-from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError, MismatchError, SourceError
+from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError, MismatchError, SourceError, WriteError
 from . import columns as arrow_columns
 from . import part_checks
 from .blocks import BlockRef, SourceLayout
@@ -283,7 +283,10 @@ def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, 
             writer.write_table(table.slice(start, rows_in_group), row_group_size=max(rows_in_group, 1))
             start += rows_in_group
     data = sink.getvalue()
-    write_atomic(fs, f"{directory}/{part_name(index)}", data)
+    try:
+        write_atomic(fs, f"{directory}/{part_name(index)}", data)
+    except OSError as exc:  # a full disk, above all
+        raise WriteError(f"{part_name(index)}: {os_reason(exc)}") from None
     keys = rows["key"]
     info = Part(
         name=part_name(index),
@@ -298,7 +301,10 @@ def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, 
         columns_crc32c=part_checks.columns_crc32c(table.select(METADATA_COLUMNS).to_pydict()),
         frames_crc32c=part_checks.frames_crc32c(table.column("frame")),
     )
-    write_sidecar(fs, directory, index, info)
+    try:
+        write_sidecar(fs, directory, index, info)
+    except OSError as exc:
+        raise WriteError(f"{sidecar_name(index)}: {os_reason(exc)}") from None
     return info
 
 

@@ -30,11 +30,11 @@ import torch
 
 from ..codec import CodecOptions, Fp8Codec, decode, frame
 from ..codec.formats import DTYPE_ITEMSIZES, DTYPES_BY_NAME
-from ..errors import BadInputError, CorruptArchiveError, MismatchError, SourceError, block_error
+from ..errors import BadInputError, CorruptArchiveError, MismatchError, SourceError, WriteError, block_error
 from ..io import archive
 from ..io.blocks import BlockRef, bytes_to_tensor
 from ..io.lmcache_store import FORMS, FP8, FRAMES, HEADER_BYTES, RAW, ChunkFile, Layout, form_of
-from ..io.paths import resolve, write_atomic
+from ..io.paths import os_reason, resolve, write_atomic
 from ..io.restore import RestoreTask
 from .frames import Fp8FrameSerializer
 from .seed import Fp8QuantizationDeserializer, Fp8QuantizationSerializer
@@ -134,17 +134,20 @@ class _Converter:
 
     def write(self, name: str, payload: memoryview) -> None:
         target = os.path.join(self.c.scratch, name)
-        if "/" in name:  # in hash-prefix folders: the same folders in the output
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "wb") as f:
-            f.write(payload)
+        try:
+            if "/" in name:  # in hash-prefix folders: the same folders in the output
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "wb") as f:
+                f.write(payload)
+        except OSError as exc:  # a full disk, above all: the destination's, not the chunk's
+            raise WriteError(f"{name}: {os_reason(exc)}") from None
 
 
 def convert_files(conversion: StoreConversion, chunks: list[ChunkFile]) -> list[ConvertedFile]:
     """Convert ``chunks`` from ``conversion.source`` into ``conversion.scratch``, each to
     the target form. A file that fails (non-finite values, a damaged frame, a file
-    changed since the scan) raises, naming it; a failed write (a full disk) raises the
-    ``OSError`` as it is, for the caller to name its destination."""
+    changed since the scan) raises, naming it; a failed write (a full disk) raises
+    :class:`~fp8ray.errors.WriteError`, for the caller to name its destination."""
     converter = _Converter(conversion)
     done = []
     for chunk in chunks:

@@ -4,6 +4,7 @@ result. Through the fp8ray command, in-process on the session Ray."""
 
 from __future__ import annotations
 
+import builtins
 import errno
 import hashlib
 import shutil
@@ -157,11 +158,15 @@ def test_a_full_disk_mid_compress_names_the_destination_and_what_resume_keeps(tm
     monkeypatch.setattr(fp8ray.io.archive, "write_atomic", full_from_part_2)
     code, err = run(capsys, "compress", src, arch, *one_worker)
     assert code == 1 and err.count("\n") == 1, err
-    left = "2 of 4 parts done: rerun with --resume to keep them"
-    assert err == f"fp8ray: error: cannot write destination {arch}: No space left on device; {left}\n"
+    # Parts 0 and 1, and any call already queued when part 2 failed: what --resume keeps.
+    done = len(list(arch.glob("_part-*.json")))
+    assert done >= 2 and not (arch / "_part-00002.json").exists()
+    left = f"{done} of 4 parts done: rerun with --resume to keep them"
+    assert err == f"fp8ray: error: cannot write destination {arch} (part-00002.parquet: No space left on device); {left}\n"
     monkeypatch.undo()
-    code, err = run(capsys, "compress", src, arch, *one_worker, "--resume")
-    assert code == 0 and (arch / "_manifest.json").exists()
+    code = main([str(a) for a in ["compress", src, arch, *one_worker, "--resume"]])
+    out, _ = capsys.readouterr()
+    assert code == 0 and (arch / "_manifest.json").exists() and f"({done} reused)" in out
 
 
 def no_space(*_args, **_kwargs):
@@ -180,11 +185,16 @@ def test_a_full_disk_under_get_and_a_store_conversion_names_the_output(kvdir, tm
     name = format_chunk_name(ChunkName("m", 0, 0, b"\x01"))
     (store / name).write_bytes(torch.randn(2, 2, 16, 64).bfloat16().view(torch.uint8).numpy().tobytes())
     monkeypatch.setattr(fp8ray.io.safetensors.SafetensorsWriter, "write", no_space)
-    monkeypatch.setattr(fp8ray.lmcache.store_files._Converter, "write", no_space)
+
+    def open_for_reading_only(path, mode="r", *args, **kwargs):
+        return no_space() if "w" in mode else builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(fp8ray.lmcache.store_files, "open", open_for_reading_only, raising=False)
     out = tmp_path / "k.safetensors"
     assert run(capsys, "get", arch, key, "-o", out) == (1, f"fp8ray: error: cannot write output {out}: No space left on device\n")
     code, err = run(capsys, "lmcache-compress", store, tmp_path / "fp8", "--layout", "bfloat16:2,2,16,64", "--address", "inline")
-    assert (code, err) == (1, f"fp8ray: error: cannot write destination {tmp_path / 'fp8'}: No space left on device\n")
+    expected = f"cannot write destination {tmp_path / 'fp8'} ({name}: No space left on device)"
+    assert (code, err) == (1, f"fp8ray: error: {expected}\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["arch", "kvdir", "store"]  # no temporary left either
 
 
