@@ -282,7 +282,7 @@ def run_get(args) -> int:
     import pyarrow.fs as pafs
 
     from ..errors import ArchiveExistsError, DestinationError
-    from ..io.paths import check_apart, check_not_special, os_reason, prepare_parent, redact, resolve
+    from ..io.paths import check_apart, check_not_special, output_error, prepare_parent, redact, resolve
     from ..io.reader import open_archive
     from ..io.safetensors import SafetensorsWriter, build_body
 
@@ -310,7 +310,7 @@ def run_get(args) -> int:
     try:
         with SafetensorsWriter(args.output, [(args.key, block.dtype, block.shape)], metadata) as writer:
             writer.write(block.data)
-    except OSError as exc:  # a full disk: pyarrow's text names a temporary file, and its cause twice
-        raise DestinationError(f"cannot write output {redact(args.output)}: {os_reason(exc)}") from None
+    except OSError as exc:  # a full disk
+        raise output_error(args.output, exc) from None
     print(f"wrote {args.key!r} ({block.dtype} {list(block.shape)}) of {file!r} to {redact(args.output)}")
     return 0

@@ -45,6 +45,7 @@ from ..io.paths import (
     entries,
     name_list,
     os_reason,
+    output_error,
     printable,
     redact,
     remove_quietly,
@@ -187,9 +188,12 @@ def _parts_left(fs: pafs.FileSystem, work: str, total: int) -> str:
 
 
 def _destination_error(exc: OSError, destination: str, left: str = "") -> OSError:
-    """An error writing the destination, as the user sees it: fp8ray's own as it is;
-    pyarrow's text repeats its cause and may name a scratch directory, so name what was
-    typed, once (then ``left``: what is left of the run)."""
+    """An error writing the destination, as the user sees it (then ``left``: what is
+    left of the run): a worker's :class:`WriteError` names the file within it; fp8ray's
+    other errors stay as they are; pyarrow's text repeats its cause and may name a
+    scratch directory, so name what was typed, once."""
+    if isinstance(exc, WriteError):
+        return DestinationError(f"cannot write destination {redact(destination)} ({exc}){left}")
     if isinstance(exc, Fp8rayError):
         return exc
     return DestinationError(f"cannot write destination {redact(destination)}: {os_reason(exc)}{left}")
@@ -291,7 +295,7 @@ def compress_archive(
             except WriteError as exc:  # a part's write: a full disk, above all
                 kept = (run.finished or reused) and not dest.replacing  # else nothing of this run is left (below)
                 left = _parts_left(fs, work, len(parts)) if kept else ""
-                raise DestinationError(f"cannot write destination {redact(destination)} ({exc}){left}") from None
+                raise _destination_error(exc, destination, left) from None
             bound = bound_constants(codec.fmt, codec.scaling)
             part_infos = [run.infos[i] for i in range(len(parts))]
             manifest = archive.build_manifest(
@@ -468,8 +472,7 @@ def decompress_archive(
         remove_quietly(out_fs, scratch)
         if isinstance(exc, Fp8rayError):
             raise
-        # pyarrow names the scratch directory, and twice: name what the user typed, once.
-        raise DestinationError(f"cannot write output {redact(output)}: {os_reason(exc)}") from None
+        raise output_error(output, exc) from None  # pyarrow's text names the scratch directory
     except BaseException:
         remove_quietly(out_fs, scratch)
         raise

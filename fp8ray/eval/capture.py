@@ -22,7 +22,7 @@ from .. import __version__
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..errors import ArchiveExistsError, BadInputError, DestinationError, InvalidOptionError
 from ..io.blocks import tensor_to_bytes
-from ..io.paths import os_reason
+from ..io.paths import output_error
 from ..io.safetensors import SafetensorsWriter
 from .models import LoadedModel, cache_tensors, forward, load_model, read_text, tokenize
 
@@ -110,8 +110,8 @@ def capture(
     }
     try:
         write_blocks(out, blocks, metadata)
-    except OSError as exc:  # a full disk: pyarrow's words name a temporary file, and the cause twice
-        raise DestinationError(f"cannot write output {out}: {os_reason(exc)}") from None
+    except OSError as exc:  # a full disk
+        raise output_error(str(out), exc) from None
     return CaptureReport(
         str(out),
         loaded.name,

@@ -117,14 +117,21 @@ def write_atomic(fs: pafs.FileSystem, path: str, data) -> None:
         raise
 
 
+def output_error(uri: str, exc: OSError) -> DestinationError:
+    """The error of a command's output ``uri`` that could not be written (a full disk), as
+    the user sees it: pyarrow's text names a temporary file and repeats its cause, so
+    name what was typed, once."""
+    return DestinationError(f"cannot write output {redact(uri)}: {os_reason(exc)}")
+
+
 def write_output(uri: str, data: bytes) -> None:
-    """Write a command's output file ``uri`` whole (:func:`write_atomic`); a failure (a
-    full disk) raises a :class:`~fp8ray.errors.DestinationError` naming it."""
+    """Write a command's output file ``uri`` whole (:func:`write_atomic`); a failure
+    raises :func:`output_error`."""
     fs, path = resolve(uri)
     try:
         write_atomic(fs, path, data)
     except OSError as exc:
-        raise DestinationError(f"cannot write output {redact(uri)}: {os_reason(exc)}") from None
+        raise output_error(uri, exc) from None
 
 
 def delete_quietly(fs: pafs.FileSystem, path: str) -> None:
