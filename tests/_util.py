@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import socket
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
@@ -188,3 +189,8 @@ def interrupted_main(args: list[str], delay: float) -> tuple[int, str, float]:
         took = time.monotonic() - sent - delay
     time.sleep(0.05)  # a signal still pending lands on the caller's handler
     return code, err.getvalue(), took
+
+
+def no_space(*_args, **_kwargs):
+    """A stand-in for any write that fails as a full disk does, in pyarrow's words."""
+    raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")

@@ -5,13 +5,13 @@ result. Through the fp8ray command, in-process on the session Ray."""
 from __future__ import annotations
 
 import builtins
-import errno
 import hashlib
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from _util import no_space
 from safetensors.torch import save_file
 
 import fp8ray
@@ -150,7 +150,7 @@ def test_a_full_disk_mid_compress_names_the_destination_and_what_resume_keeps(tm
 
     def full_from_part_2(fs, path, data):
         if "part-00002" in path:
-            raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+            no_space()
         write_atomic(fs, path, data)
 
     arch = tmp_path / "arch"
@@ -167,10 +167,6 @@ def test_a_full_disk_mid_compress_names_the_destination_and_what_resume_keeps(tm
     code = main([str(a) for a in ["compress", src, arch, *one_worker, "--resume"]])
     out, _ = capsys.readouterr()
     assert code == 0 and (arch / "_manifest.json").exists() and f"({done} reused)" in out
-
-
-def no_space(*_args, **_kwargs):
-    raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
 
 
 def test_a_full_disk_under_get_and_a_store_conversion_names_the_output(kvdir, tmp_path, capsys, monkeypatch):

@@ -13,13 +13,13 @@ so ORIGINAL is exact in bfloat16 too.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import re
 
 import pytest
 import torch
+from _util import no_space
 from safetensors.torch import save_file
 
 import fp8ray.io.paths
@@ -213,10 +213,6 @@ def test_cli_plot_on_a_full_disk_names_it_and_leaves_nothing(stores, tmp_path, c
     PNG, and said matplotlib's words for it. Now written as every output is
     (``write_atomic``: a temporary, then a rename, the temporary removed on failure)."""
     root, _ = stores
-
-    def no_space(fs, path, data):
-        raise OSError(errno.ENOSPC, "Error writing bytes to file")
-
     monkeypatch.setattr(fp8ray.io.paths, "write_atomic", no_space)
     png = tmp_path / "layers.png"
     code = main(["fidelity", str(root / "exact.safetensors"), str(root / "arch"), "--plot", str(png)])

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from _util import assert_same_bits
+from _util import assert_same_bits, no_space
 
 import fp8ray.io.safetensors
 from fp8ray.cli import main
@@ -121,10 +120,6 @@ def test_capture_command(loaded, tmp_path, capsys):
 
 def test_capture_on_a_full_disk_names_the_output(loaded, tmp_path, capsys, monkeypatch):
     """It said pyarrow's "[Errno 28] Error writing bytes to file. Detail: ...", naming no file."""
-
-    def no_space(self, data):
-        raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
-
     monkeypatch.setattr(fp8ray.io.safetensors.SafetensorsWriter, "write", no_space)
     out = tmp_path / "kv.safetensors"
     code, _, err = run(capsys, "capture", "--out", out, "--text", TEXT, "--tokens", 8)
