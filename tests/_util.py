@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import socket
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from contextlib import ExitStack, contextmanager, redirect_stderr, redirect_stdout
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -82,6 +82,21 @@ def wait_for_lmcache_fd(fd: int) -> None:
     consume_fd(fd)
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback TCP ports nothing listens on now. Each is held open
+    until all are chosen: a port closed and asked for again can come back, and ``ray
+    start`` given one port twice fails (it did in CI, client server and agent on one)."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
 @contextmanager
 def moto_s3(bucket: str):
     """A moto S3 server on a free loopback port holding ``bucket``; yields a function of a
@@ -90,9 +105,7 @@ def moto_s3(bucket: str):
     import pyarrow.fs as pafs
     from moto.server import ThreadedMotoServer
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _util import free_ports
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,21 +31,15 @@ def user_env() -> dict:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def ray_head():
     """A real Ray head with its dashboard (the job server), and only its processes stopped."""
     temp_dir = tempfile.mkdtemp(prefix="frj", dir="/tmp")  # short: Ray's socket paths are limited
-    gcs_port, dashboard_port = free_port(), free_port()
+    gcs_port, dashboard_port, client_port, agent_port, metrics_port = free_ports(5)
     start = (
         f"ray start --head --node-ip-address=127.0.0.1 --port={gcs_port} --include-dashboard=true "
-        f"--dashboard-host=127.0.0.1 --dashboard-port={dashboard_port} --ray-client-server-port={free_port()} "
-        f"--dashboard-agent-listen-port={free_port()} --metrics-export-port={free_port()} --num-cpus=2 "
+        f"--dashboard-host=127.0.0.1 --dashboard-port={dashboard_port} --ray-client-server-port={client_port} "
+        f"--dashboard-agent-listen-port={agent_port} --metrics-export-port={metrics_port} --num-cpus=2 "
         f"--temp-dir={temp_dir} --disable-usage-stats"
     )
     subprocess.run(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _util import processes_with_ray_tmp
+from _util import free_port, free_ports, processes_with_ray_tmp
 
 from fp8ray.engine import address as addresses
 
@@ -44,12 +44,6 @@ with QuantPool(PoolSettings(num_workers=1)) as pool:
 print(json.dumps({"code": code, "address": address, "inline": inline, "worker_pids": pids, "parents": parents,
                   "ray_imported": "ray" in sys.modules, "children": [p.pid for p in psutil.Process().children(recursive=True)]}))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_for(ray_tmp: str) -> dict:
@@ -156,15 +150,16 @@ def test_without_a_cluster_a_command_runs_inline_and_never_imports_ray(source, t
 def local_cluster(ray_tmp):
     """A `ray start --head` as a user runs it (recorded in RAY_TMPDIR's ray_current_cluster),
     on ports of its own; its processes stopped by PID afterwards."""
-    gcs_port = free_port()
-    ports = {
-        "--port": gcs_port,
-        "--ray-client-server-port": free_port(),
-        "--dashboard-agent-listen-port": free_port(),
-        "--dashboard-agent-grpc-port": free_port(),
-        "--metrics-export-port": free_port(),
-        "--runtime-env-agent-port": free_port(),
-    }
+    flags = [
+        "--port",
+        "--ray-client-server-port",
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--metrics-export-port",
+        "--runtime-env-agent-port",
+    ]
+    ports = dict(zip(flags, free_ports(len(flags))))
+    gcs_port = ports["--port"]
     argv = [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false"]
     argv += [f"{flag}={port}" for flag, port in ports.items()] + ["--disable-usage-stats"]
     try:

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from _util import free_port
 
 from fp8ray import Fp8Codec, decode
 from fp8ray.codec import CodecOptions
@@ -29,12 +30,6 @@ from fp8ray.io.safetensors import parse_body
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_BODY_MB = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def digest(data) -> str:
