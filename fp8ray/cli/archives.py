@@ -308,7 +308,7 @@ def run_get(args) -> int:
         sys.stdout.buffer.flush()
         return 0
     try:
-        with SafetensorsWriter(args.output, [(args.key, block.dtype, block.shape)], metadata) as writer:
+        with SafetensorsWriter(args.output, [(args.key, block.dtype, block.shape)], metadata, replace=args.overwrite) as writer:
             writer.write(block.data)
     except OSError as exc:  # a full disk
         raise output_error(args.output, exc) from None

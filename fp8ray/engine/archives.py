@@ -43,6 +43,7 @@ from ..io.paths import (
     check_apart,
     counted,
     entries,
+    move_into_place,
     name_list,
     os_reason,
     output_error,
@@ -307,7 +308,7 @@ def compress_archive(
                 raise _destination_error(exc, destination, "" if dest.replacing else _parts_left(fs, work, len(parts))) from None
             archive.clean_scratch(fs, work)
         if dest.replacing:  # the old archive goes only now
-            replace_directory(fs, work, dest.path, destination)
+            replace_directory(fs, work, dest.path, destination, replace=True)
     except BaseException as exc:
         if dest.replacing:
             remove_quietly(fs, work)  # the old archive stays as it was (or, once replaced, work is gone)
@@ -463,10 +464,11 @@ def decompress_archive(
             report.nodes = len(nodes - {None})
         clean_temporaries(out_fs, scratch)  # of workers killed mid-file; their files were rewritten
         if plan.container == "directory":
-            replace_directory(out_fs, scratch, out_path, output)
+            replace_directory(out_fs, scratch, out_path, output, replace=overwrite or force_replace)
         else:
             (only,) = plan.files
-            out_fs.move(f"{scratch}/{only.name}", out_path)  # replaces an old file (--overwrite) in one step
+            # Replaces an old file (--overwrite) in one step; else keeps one made meanwhile.
+            move_into_place(out_fs, f"{scratch}/{only.name}", out_path, output, replace=overwrite or force_replace)
             out_fs.delete_dir(scratch)
     except OSError as exc:
         remove_quietly(out_fs, scratch)

@@ -260,7 +260,9 @@ def convert_store(
                 raise DestinationError(f"{cannot_write} ({exc})") from None
             seconds = time.perf_counter() - start
         try:
-            replace_directory(LocalFileSystem(), scratch, dst)  # --overwrite: the old store goes only now
+            replace_directory(LocalFileSystem(), scratch, dst, destination, replace=overwrite)  # the old store goes only now
+        except ArchiveExistsError:
+            raise
         except OSError as exc:
             raise DestinationError(f"{cannot_write}: {os_reason(exc)}") from None
     except BaseException:

@@ -49,10 +49,13 @@ def capture_kv(loaded: LoadedModel, input_ids: torch.Tensor, dtype: torch.dtype 
     return blocks
 
 
-def write_blocks(path: str | os.PathLike, blocks: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write blocks as a safetensors file (to a temporary name, renamed when complete)."""
+def write_blocks(
+    path: str | os.PathLike, blocks: dict[str, torch.Tensor], metadata: dict[str, str], replace: bool = True
+) -> None:
+    """Write blocks as a safetensors file (to a temporary name, renamed when complete;
+    without ``replace``, never in the place of a file that appeared meanwhile)."""
     entries = [(key, DTYPE_NAMES[t.dtype], tuple(t.shape)) for key, t in blocks.items()]
-    with SafetensorsWriter(str(path), entries, metadata) as writer:
+    with SafetensorsWriter(str(path), entries, metadata, replace=replace) as writer:
         for t in blocks.values():
             writer.write(tensor_to_bytes(t))
 
@@ -109,7 +112,7 @@ def capture(
         "fp8ray_version": __version__,
     }
     try:
-        write_blocks(out, blocks, metadata)
+        write_blocks(out, blocks, metadata, replace=overwrite)
     except OSError as exc:  # a full disk
         raise output_error(str(out), exc) from None
     return CaptureReport(

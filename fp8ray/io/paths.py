@@ -4,6 +4,7 @@ credentials kept out of messages, and files that appear only when complete."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
 import re
@@ -15,7 +16,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
-from ..errors import BadInputError, DestinationError
+from ..errors import ArchiveExistsError, BadInputError, DestinationError, Fp8rayError
 
 
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -117,10 +118,40 @@ def write_atomic(fs: pafs.FileSystem, path: str, data) -> None:
         raise
 
 
-def output_error(uri: str, exc: OSError) -> DestinationError:
+def move_into_place(fs: pafs.FileSystem, tmp: str, path: str, uri: str, replace: bool) -> None:
+    """Rename the complete file ``tmp`` to ``path``. Without ``replace``, a file that
+    appeared at ``path`` since the command checked it (another command writing the same
+    output) is kept, and :class:`~fp8ray.errors.ArchiveExistsError` raised, ``tmp`` left
+    to the caller: locally the move is a hard link, which fails where ``path`` exists,
+    then the unlink of ``tmp``. Where links are not to be had (object stores, a filesystem
+    without them) it is a check, then the rename."""
+    if not replace and isinstance(fs, pafs.LocalFileSystem):
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise _appeared(uri) from None
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        else:
+            os.unlink(tmp)
+            return
+    if not replace and fs.get_file_info(path).type != pafs.FileType.NotFound:
+        raise _appeared(uri)
+    fs.move(tmp, path)
+
+
+def _appeared(uri: str) -> ArchiveExistsError:
+    return ArchiveExistsError(f"output {redact(uri)} appeared while this command ran: not replacing it (--overwrite would)")
+
+
+def output_error(uri: str, exc: OSError) -> Fp8rayError:
     """The error of a command's output ``uri`` that could not be written (a full disk), as
     the user sees it: pyarrow's text names a temporary file and repeats its cause, so
-    name what was typed, once."""
+    name what was typed, once. fp8ray's own errors (an output that appeared meanwhile)
+    already name it."""
+    if isinstance(exc, Fp8rayError):
+        return exc
     return DestinationError(f"cannot write output {redact(uri)}: {os_reason(exc)}")
 
 
@@ -235,15 +266,23 @@ def check_not_special(fs: pafs.FileSystem, path: str, uri: str) -> None:
         raise DestinationError(f"output {redact(uri)} is {kind}, not a file: fp8ray writes files only, and never replaces one")
 
 
-def replace_directory(fs: pafs.FileSystem, new: str, old: str, uri: str | None = None) -> None:
+def replace_directory(fs: pafs.FileSystem, new: str, old: str, uri: str | None = None, *, replace: bool) -> None:
     """Put the complete directory ``new`` in the place of ``old`` (which may not exist),
     deleted only once ``new`` is in place (locally by renames; on object stores, which
     have no directories to rename, file by file). ``uri``: ``old`` as the user gave it,
-    for messages."""
+    for messages. Without ``replace`` (no --overwrite), an ``old`` that appeared since the
+    command checked it is kept, and :class:`~fp8ray.errors.ArchiveExistsError` raised."""
     exists = fs.get_file_info(old).type != pafs.FileType.NotFound
+    if exists and not replace:
+        raise _appeared(uri or old)
     if isinstance(fs, pafs.LocalFileSystem):
         if not exists:
-            os.rename(new, old)
+            try:
+                os.rename(new, old)
+            except OSError as exc:  # made since the check, by another command: not an empty directory
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                    raise _appeared(uri or old) from None
+                raise
             return
         trash = temporary_name(old)
         try:

@@ -32,7 +32,7 @@ import pyarrow.fs as pafs
 
 from ..codec.formats import DTYPE_ITEMSIZES
 from ..errors import MismatchError, SafetensorsFormatError, SourceError
-from .paths import CompleteOrNothing, delete_quietly, os_reason, redact, resolve, temporary_name
+from .paths import CompleteOrNothing, delete_quietly, move_into_place, os_reason, redact, resolve, temporary_name
 
 MAX_HEADER = 100_000_000  # the safetensors package's limit on the JSON header
 MAX_USIZE = 2**64 - 1
@@ -410,10 +410,18 @@ class SafetensorsWriter(CompleteOrNothing):
     be written at offsets, as :class:`RangeWriter` does locally).
 
     ``tensors`` are ``(key, fp8ray dtype name, shape)``; use as a context manager, or call
-    :meth:`close` (rename) or :meth:`abort` (delete) yourself.
+    :meth:`close` (rename) or :meth:`abort` (delete) yourself. ``replace=False``: a file
+    another command put at ``uri`` meanwhile is kept (:func:`~fp8ray.io.paths.move_into_place`).
     """
 
-    def __init__(self, uri: str, tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        uri: str,
+        tensors: list[tuple[str, str, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+        replace: bool = True,
+    ):
+        self.uri, self.replace = uri, replace
         self.fs, self.path = resolve(uri)
         self.tensors = tensors
         layout = SafetensorsLayout.of(tensors, metadata)
@@ -467,7 +475,11 @@ class SafetensorsWriter(CompleteOrNothing):
         if self.written != len(self.tensors):
             self.fs.delete_file(self.tmp)
             raise MismatchError(f"only {self.written} of {len(self.tensors)} tensors were written")
-        self.fs.move(self.tmp, self.path)
+        try:
+            move_into_place(self.fs, self.tmp, self.path, self.uri, self.replace)
+        except BaseException:
+            delete_quietly(self.fs, self.tmp)
+            raise
 
     def abort(self) -> None:
         self.stream.close()

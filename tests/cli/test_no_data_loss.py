@@ -169,6 +169,19 @@ def test_a_full_disk_mid_compress_names_the_destination_and_what_resume_keeps(tm
     assert code == 0 and (arch / "_manifest.json").exists() and f"({done} reused)" in out
 
 
+def appeared(output) -> str:
+    return f"fp8ray: error: output {output} appeared while this command ran: not replacing it (--overwrite would)\n"
+
+
+def one_chunk_store(tmp_path) -> tuple[Path, str]:
+    """An LMCache store of one bfloat16 chunk of the layout 2,2,16,64, and the chunk's name."""
+    store = tmp_path / "store"
+    store.mkdir()
+    name = format_chunk_name(ChunkName("m", 0, 0, b"\x01"))
+    (store / name).write_bytes(torch.randn(2, 2, 16, 64).bfloat16().view(torch.uint8).numpy().tobytes())
+    return store, name
+
+
 def test_a_full_disk_under_get_and_a_store_conversion_names_the_output(kvdir, tmp_path, capsys, monkeypatch):
     """Both said pyarrow's or Python's words for it: get "[Errno 28] Error writing bytes to
     file...", lmcache-compress "block 'm@...data' (raw -> fp8 of <the source's file>): [Errno
@@ -176,10 +189,7 @@ def test_a_full_disk_under_get_and_a_store_conversion_names_the_output(kvdir, tm
     arch = tmp_path / "arch"
     assert run(capsys, "compress", kvdir / "a.safetensors", arch, "--address", "inline")[0] == 0
     key = fp8ray.open_archive(str(arch)).keys()[0]
-    store = tmp_path / "store"
-    store.mkdir()
-    name = format_chunk_name(ChunkName("m", 0, 0, b"\x01"))
-    (store / name).write_bytes(torch.randn(2, 2, 16, 64).bfloat16().view(torch.uint8).numpy().tobytes())
+    store, name = one_chunk_store(tmp_path)
     monkeypatch.setattr(fp8ray.io.safetensors.SafetensorsWriter, "write", no_space)
 
     def open_for_reading_only(path, mode="r", *args, **kwargs):
@@ -240,3 +250,61 @@ def test_overwrite_never_puts_a_file_in_place_of_a_fifo_or_a_device(kvdir, tmp_p
             assert run(capsys, *argv, "--overwrite") == (1, refusal)
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.readlink(null) == "/dev/null"
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_an_output_made_while_a_command_runs_is_never_replaced(kvdir, tmp_path, capsys, monkeypatch):
+    """Another command (or the user) puts a file or a directory at the output after this
+    one checked it: without --overwrite it stays as it is, and the refusal says why."""
+    from fp8ray import PoolSettings, decompress_archive, open_archive
+    from fp8ray.errors import ArchiveExistsError
+
+    arch = tmp_path / "arch"
+    assert run(capsys, "compress", kvdir, arch, "--address", "inline")[0] == 0
+    inline = PoolSettings(address="inline")
+    for output, single_file, make in (
+        (tmp_path / "one.safetensors", True, lambda p: p.write_bytes(b"theirs")),
+        (tmp_path / "tree", False, lambda p: (p.mkdir(), (p / "a.safetensors").write_bytes(b"theirs"))),
+    ):
+
+        def meanwhile(_blocks, output=output, make=make):
+            if not output.exists():
+                make(output)
+
+        with pytest.raises(ArchiveExistsError, match=f"output {output} appeared while this command ran: not replacing it"):
+            decompress_archive(str(arch), str(output), single_file=single_file, progress=meanwhile, pool=inline)
+        theirs = output if single_file else output / "a.safetensors"
+        assert theirs.read_bytes() == b"theirs"
+        assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name], "a temporary left behind"
+
+    # get: the file appears as the block is written.
+    key = next(iter(open_archive(str(arch)).keys()))
+    out = tmp_path / "got.safetensors"
+    write = fp8ray.io.safetensors.SafetensorsWriter.write
+
+    def write_meanwhile(self, data):
+        out.write_bytes(b"theirs")
+        return write(self, data)
+
+    monkeypatch.setattr(fp8ray.io.safetensors.SafetensorsWriter, "write", write_meanwhile)
+    code, err = run(capsys, "get", arch, key, "-o", out)
+    assert (code, err) == (1, appeared(out))
+    assert out.read_bytes() == b"theirs" and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert run(capsys, "get", arch, key, "-o", out, "--overwrite")[0] == 0 and out.read_bytes() != b"theirs"
+
+
+def test_a_store_made_while_lmcache_compress_runs_is_never_replaced(tmp_path, capsys, monkeypatch):
+    from fp8ray.engine import stores
+
+    (store, _), out = one_chunk_store(tmp_path), tmp_path / "fp8"
+    replace = stores.replace_directory
+
+    def made_meanwhile(*args, **kwargs):
+        out.mkdir()
+        (out / "theirs.txt").write_text("theirs")
+        return replace(*args, **kwargs)
+
+    monkeypatch.setattr(stores, "replace_directory", made_meanwhile)
+    code, err = run(capsys, "lmcache-compress", store, out, "--layout", "bfloat16:2,2,16,64", "--address", "inline")
+    assert (code, err) == (1, appeared(out))
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"]
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]

@@ -183,7 +183,7 @@ def test_an_interrupt_as_a_directory_is_replaced_leaves_one_whole_directory_and_
 
     monkeypatch.setattr(os, "rename", rename_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
-        replace_directory(pafs.LocalFileSystem(), str(new), str(old))
+        replace_directory(pafs.LocalFileSystem(), str(new), str(old), replace=True)
     monkeypatch.undo()
     assert (old / "a").read_text() == ("old" if renames == 1 else "new")
     hidden = sorted(p.name for p in tmp_path.iterdir() if TMP_MARK in p.name)
