@@ -18,6 +18,9 @@ one of three forms:
 - ``fp8ray``: the ``"fp8ray"`` serde (:func:`fp8ray.lmcache.register`), one fp8ray frame
   of that dtype and shape, whose header gives its length.
 
+Only the first two share a size: the fp8 form's is also a raw chunk's of 1/itemsize of
+the tokens, so :func:`scan_store` takes such a file for a raw one in a store of raw chunks.
+
 The conversion itself is :mod:`fp8ray.lmcache.store_files`, run on the engine
 (:mod:`fp8ray.engine.stores`); a store as an archive's source is
 :mod:`fp8ray.io.store_source`; docs/LMCACHE.md has the contract.
@@ -224,9 +227,22 @@ def scan_store(directory: str, layout: Layout) -> StoreScan:
     them in hash-prefix folders (two hex digits a level, :func:`hash_folders`), which are
     entered, every other folder being skipped. Names are relative to ``directory``, ``/``
     between parts; a skipped folder's ends in ``/``. Reads the first bytes of a file only
-    when its size is not the fp8 form's (a frame is always longer)."""
+    when its size is not the fp8 form's (a frame is always longer).
+
+    In a store that holds raw chunks, a file of the fp8 form's size is skipped: a raw
+    chunk of 1/itemsize of the tokens (the last of a sequence, which LMCache stores with
+    ``save_unfull_chunk``) has that size too, and an LMCache that wrote raw chunks wrote
+    no fp8 ones."""
     scan = StoreScan()
     _scan_folder(directory, "", layout, scan)
+    if scan.count(RAW) and scan.count(FP8):
+        itemsize = LAYOUT_DTYPES[layout.dtype]
+        reason = (
+            f"{layout.numel} bytes, a chunk of LMCache's fp8 serde or a raw chunk of 1/{itemsize} of the tokens "
+            "(save_unfull_chunk): in a store of raw chunks, taken for the latter, a chunk of another layout"
+        )
+        scan.skipped += [{"name": c.name, "reason": reason} for c in scan.chunks if c.form == FP8]
+        scan.chunks = [c for c in scan.chunks if c.form != FP8]
     return scan
 
 

@@ -241,8 +241,7 @@ def test_chunk_file_forms(tmp_path):
         "100 bytes, the layout bfloat16:2,2,16,64 needs 8192 bytes (bfloat16), "
         "4096 (LMCache fp8) or an fp8ray frame of that shape"
     )
-    for name, data in (
-        ("a@0x1@0@01.data", tensor_bytes(x)),
+    for name, data in (  # no raw chunk beside the fp8 one (the next test)
         ("a@0x1@0@02.data", fp8_bytes(x)),
         ("a@0x1@0@03.data", frame_token),
         ("a@0x1@0@04.data", other),
@@ -250,11 +249,42 @@ def test_chunk_file_forms(tmp_path):
         (tmp_path / name).write_bytes(data)
     scan = scan_store(str(tmp_path), layout)
     assert [(c.name, c.form, c.size) for c in scan.chunks] == [
-        ("a@0x1@0@01.data", "raw", RAW),
         ("a@0x1@0@02.data", "fp8", NUMEL),
         ("a@0x1@0@03.data", "fp8ray", len(frame_token)),
     ]
     assert [s["name"] for s in scan.skipped] == ["a@0x1@0@04.data"]
+
+
+def test_a_raw_chunk_of_half_the_tokens_is_never_read_as_fp8(tmp_path, capsys):
+    """LMCache stores the last, shorter chunk of a sequence with save_unfull_chunk; a raw
+    bfloat16 one of half the tokens has the fp8 form's size. In a store of raw chunks it
+    is skipped as a chunk of another layout, not converted (or copied) as fp8: before, it
+    was copied into the fp8 store as it was, and LMCache's fp8 serde loaded garbage."""
+    layout = parse_layout(LAYOUT)
+    full, half = chunk_tensor(0), chunk_tensor(1)[:, :, :8]
+    assert len(tensor_bytes(half)) == NUMEL
+    names = [format_chunk_name(c) for c in CHUNKS[:3]]
+    src = tmp_path / "store"
+    src.mkdir()
+    for name, data in zip(names, (tensor_bytes(full), tensor_bytes(half), bytes(Fp8Codec().encode(full)))):
+        (src / name).write_bytes(data)
+    scan = scan_store(str(src), layout)
+    assert sorted((c.name, c.form) for c in scan.chunks) == sorted([(names[0], "raw"), (names[2], "fp8ray")])
+    assert scan.skipped == [
+        {
+            "name": names[1],
+            "reason": f"{NUMEL} bytes, a chunk of LMCache's fp8 serde or a raw chunk of 1/2 of the tokens "
+            "(save_unfull_chunk): in a store of raw chunks, taken for the latter, a chunk of another layout",
+        }
+    ]
+    for command in ("lmcache-compress", "lmcache-decompress"):
+        out = tmp_path / command
+        assert main([command, str(src), str(out), "--layout", LAYOUT, "--address", "inline"]) == 0
+        assert names[1] not in os.listdir(out) and f"skipped '{names[1]}'" in capsys.readouterr().err
+    (src / names[0]).unlink()  # no raw chunk left: a file of that size is an fp8 one
+    assert sorted((c.name, c.form) for c in scan_store(str(src), layout).chunks) == sorted(
+        [(names[1], "fp8"), (names[2], "fp8ray")]
+    )
 
 
 def test_skipped_folders_end_in_a_slash(tmp_path):
@@ -349,19 +379,22 @@ def test_every_form_converts_to_every_other_as_lmcaches_serializers_write(store,
         assert (again / name).read_bytes() == bytes(Fp8Codec().encode(from_fp8((plain / name).read_bytes()))), name
 
 
-def test_a_mixed_store_converts_what_needs_it_and_copies_what_is_already_converted(tmp_path):
+@pytest.mark.parametrize("other", ["raw", "fp8"])
+def test_a_mixed_store_converts_what_needs_it_and_copies_what_is_already_converted(tmp_path, other):
+    """Frames beside raw chunks, or beside fp8 ones (raw and fp8 together: the test above)."""
     src = tmp_path / "mixed"
     src.mkdir()
     forms = {}
     for i, chunk in enumerate(CHUNKS):
         x, name = chunk_tensor(i), format_chunk_name(chunk)
-        form = ("raw", "fp8", "fp8ray")[i % 3]
+        form = (other, "fp8ray")[i % 2]
         data = {"raw": tensor_bytes(x), "fp8": fp8_bytes(x), "fp8ray": bytes(Fp8Codec().encode(x))}[form]
         (src / name).write_bytes(data)
         forms[name] = (form, data)
     dst = tmp_path / "out"
     report = compress_store(str(src), str(dst), LAYOUT, serde="fp8ray", pool=fp8ray.PoolSettings(num_workers=1))
-    assert report.converted_from == {"raw": 2, "fp8": 2} and report.files == 4
+    converted = sum(f == other for f, _ in forms.values())
+    assert report.converted_from == {other: converted} and report.files == converted
     assert report.unchanged == [n for n, (f, _) in sorted(forms.items()) if f == "fp8ray"]
     for name, (form, data) in forms.items():
         written = (dst / name).read_bytes()
