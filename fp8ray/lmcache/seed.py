@@ -1,9 +1,11 @@
 """Drop-in replacements for LMCache's ``"fp8"`` serde (``lmcache/v1/distributed/serde/fp8.py``,
 the seed this project started from): headerless, one byte per element.
 
-Byte-identical to LMCache's plain ``src.to(float8_e4m3fn)`` wherever that cast is finite.
-Where it is not, these differ on purpose: finite values beyond the format's range
-saturate to +-max (the cast gives NaN or inf), and NaN or +-inf input raises
+Byte-identical to LMCache's plain ``src.to(float8_e4m3fn)`` wherever that cast is finite,
+for a source of any real dtype, as LMCache's (float64, float8 and integer ones go by way
+of float32, as torch's cast does). Where it is not, these differ on purpose: finite
+values beyond the format's range saturate to +-max (torch's cast gives inf in e5m2, and
+NaN in e4m3fn in some of its versions), and NaN or +-inf input raises
 ``NonFiniteError`` (a ``ValueError``) unless ``nonfinite="keep"`` (then NaN is stored as
 NaN, and +-inf as +-inf in e5m2 or NaN in e4m3fn). An object of several kernel groups is
 written group after group, in order.
@@ -21,7 +23,7 @@ from ..codec import cpu, reference
 from ..codec.formats import DTYPES, NONFINITE_POLICIES, Fp8Format, get_format
 from ..codec.fp8codec import raise_nonfinite
 from ..errors import BadInputError, CorruptDataError, InvalidOptionError
-from .objects import Shape, byte_view, check_dtype, kv_tensors, layout_pairs
+from .objects import Shape, byte_view, kv_tensors, layout_pairs
 
 
 def _code_spans(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], roles: tuple[str, str], error: type[Exception]):
@@ -33,6 +35,17 @@ def _code_spans(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], roles: tu
         raise error(f"{roles[0]} holds {buffer.numel()} bytes but {roles[1]} needs {needed} ({shapes})")
     ends = [0, *itertools.accumulate(t.numel() for t in tensors)]
     return [(t, buffer[start:end]) for t, start, end in zip(tensors, ends, ends[1:])]
+
+
+def _castable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or of a dtype the kernels do not take, ``t`` in float32: torch casts every
+    real dtype to fp8 by way of float32 (float64 rounded twice), so the codes are the
+    same. A complex tensor is refused, as it has no one real value per element."""
+    if t.dtype in DTYPES:
+        return t
+    if t.is_complex():
+        raise TypeError(f"src tensor has unsupported dtype {t.dtype}: a KV cache is real")
+    return t.to(torch.float32)
 
 
 class _Fp8Serde:
@@ -63,8 +76,7 @@ class Fp8QuantizationSerializer(_Fp8Serde):
     def serialize_tensors(self, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> int:
         """Write ``tensors`` as fp8 bytes, one after the other, to the start of
         ``buffer`` (a contiguous tensor of 1-byte elements); returns the bytes written."""
-        for t in tensors:
-            check_dtype(t)
+        tensors = [_castable(t) for t in tensors]
         spans = _code_spans(byte_view(buffer, "dst"), tensors, ("dst", "src"), BadInputError)
         for t, codes in spans:
             if t.device.type == "cpu" and codes.device.type == "cpu":

@@ -106,6 +106,33 @@ def test_round_trip_through_both():
     assert torch.equal(out, src.to(torch.float8_e4m3fn).to(torch.bfloat16))
 
 
+ONE_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_every_real_dtype_gives_lmcaches_bytes(fmt):
+    """LMCache's fp8 serde casts a source of any dtype (vLLM's fp8 KV cache included: a
+    cast to its own format is the identity); the pair gives the same bytes wherever that
+    cast is finite. They were refused (float64, fp8, integers) before."""
+    fp8 = getattr(torch, fmt)
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(4096, generator=g, dtype=torch.float64) * torch.logspace(-12, 6, 4096, dtype=torch.float64)
+    near = torch.tensor([1.0625 + 2.0**-40, 1.0625 - 2.0**-40, -0.0, 2.0**-10 + 2.0**-60], dtype=torch.float64)
+    sources = [torch.cat([wide, near])]  # float64: rounded to float32 first, as torch does (the near-midpoint pair)
+    sources += [torch.arange(256, dtype=torch.uint8).view(d) for d in ONE_BYTE_FLOATS]
+    sources += [torch.arange(-600, 600, dtype=d) for d in (torch.int8, torch.int16, torch.int32, torch.int64)]
+    sources += [torch.arange(256, dtype=torch.uint8), torch.tensor([True, False])]
+    ser, de = make_fp8_serde({"fp8_dtype": fmt})
+    for src in sources:
+        src = src[src.float().isfinite() & src.to(fp8).float().isfinite()]  # where LMCache's cast is finite
+        buf = torch.empty(src.numel(), dtype=torch.uint8)
+        assert ser.serialize(obj(src), obj(buf)) == src.numel()
+        assert torch.equal(buf, src.to(fp8).view(torch.uint8)), src.dtype
+        out = torch.empty_like(src)
+        de.deserialize(obj(buf), obj(out))  # back into the source's dtype, as LMCache's cast
+        assert torch.equal(out.view(torch.uint8), buf.view(fp8).to(src.dtype).view(torch.uint8)), src.dtype  # NaN too
+
+
 def test_estimate_is_one_byte_per_element():
     layout = MemoryLayoutDesc(shapes=[torch.Size([2, 30, 256, 192]), (3, 5)], dtypes=[torch.bfloat16] * 2)
     assert Fp8QuantizationSerializer().estimate_serialized_size(layout) == 2 * 30 * 256 * 192 + 15
@@ -127,8 +154,8 @@ def test_missing_tensors_and_bad_buffers():
         Fp8QuantizationSerializer().serialize(obj(torch.ones(3)), obj(torch.empty(3)))
     with pytest.raises(ValueError, match="must be contiguous"):
         Fp8QuantizationSerializer().serialize(obj(torch.ones(3)), obj(torch.empty(3, 2, dtype=torch.uint8).t()))
-    with pytest.raises(TypeError, match="unsupported dtype torch.int32"):
-        Fp8QuantizationSerializer().serialize(obj(torch.ones(3, dtype=torch.int32)), obj(torch.empty(3, dtype=torch.uint8)))
+    with pytest.raises(TypeError, match="unsupported dtype torch.complex64: a KV cache is real"):
+        Fp8QuantizationSerializer().serialize(obj(torch.ones(3, dtype=torch.complex64)), obj(torch.empty(3, dtype=torch.uint8)))
     with pytest.raises(ValueError, match="Unknown torch dtype: 'float8_e9m9'"):
         make_fp8_serde({"fp8_dtype": "float8_e9m9"})
 
