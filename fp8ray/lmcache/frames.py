@@ -27,7 +27,7 @@ import torch
 
 from ..codec import frame
 from ..codec.blocks import decode_frames_into, encode_tensors_into
-from ..codec.formats import DTYPE_NAMES
+from ..codec.formats import DTYPE_NAMES, DTYPES
 from ..codec.fp8codec import Fp8Codec
 from ..codec.options import CodecOptions
 from ..errors import BadInputError, CorruptFrameError, InvalidOptionError, MismatchError
@@ -66,8 +66,9 @@ class _FramePair:
         return self._group_size
 
     def _size(self, shape, dtype: torch.dtype) -> int:
-        """The bytes one tensor takes: its frame, or its own bytes when it is 1-byte."""
-        if one_byte(dtype):  # passed through, or refused by serialize: never an estimate error
+        """The bytes one tensor takes: its frame, or its own bytes when it is 1-byte (or
+        of a dtype the codec does not encode, which serialize refuses)."""
+        if one_byte(dtype) or dtype not in DTYPES:  # never an estimate error: LMCache calls it outside any try
             return math.prod(int(d) for d in shape)
         return self.codec.encoded_size(shape, dtype)
 
