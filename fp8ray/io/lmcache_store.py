@@ -28,6 +28,7 @@ The conversion itself is :mod:`fp8ray.lmcache.store_files`, run on the engine
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from dataclasses import dataclass, field
@@ -259,7 +260,10 @@ def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> Non
             scan.skipped.append({"name": name + folder, "reason": "a symbolic link"})
             continue
         if entry.is_dir() and is_hash_folder(entry.name):
-            _scan_folder(root, name + "/", layout, scan)
+            try:
+                _scan_folder(root, name + "/", layout, scan)
+            except OSError as exc:  # this folder's listing; what it held before the error is kept
+                scan.skipped.append({"name": name + "/", "reason": f"unreadable: {exc.strerror or exc}"})
             continue
         if not entry.is_file():
             scan.skipped.append(
@@ -278,13 +282,15 @@ def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> Non
             continue
         size = entry.stat().st_size
         prefix_bytes = b""
-        if size != layout.numel:
-            try:
+        try:
+            if size != layout.numel:
                 with open(entry.path, "rb") as f:
                     prefix_bytes = f.read(HEADER_BYTES)
-            except OSError as exc:
-                scan.skipped.append({"name": name, "reason": f"unreadable: {exc.strerror or exc}"})
-                continue
+            elif not os.access(entry.path, os.R_OK):  # not opened (no header to read), but as unreadable as one that is
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        except OSError as exc:
+            scan.skipped.append({"name": name, "reason": f"unreadable: {exc.strerror or exc}"})
+            continue
         form, reason = form_of(layout, size, prefix_bytes)
         if form is None:
             scan.skipped.append({"name": name, "reason": reason})

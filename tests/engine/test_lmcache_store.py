@@ -297,6 +297,33 @@ def test_skipped_folders_end_in_a_slash(tmp_path):
     assert [s["name"] for s in scan.skipped] == ["9f/", "link/", "notes.txt", "tmp/"]
 
 
+def test_unreadable_files_and_folders_are_skipped_whatever_their_size(tmp_path, monkeypatch):
+    """A chunk file of the fp8 form's size is not opened by the scan (no header to read):
+    unreadable, it was taken, and the whole conversion failed on it later with the
+    system's "Permission denied"; an unreadable hash-prefix folder failed the scan with
+    it. Both are skipped and named now, as an unreadable file of any other size was. As
+    root nothing is unreadable, so the system's answers are stood in for."""
+    x = chunk_tensor(0)
+    names = [format_chunk_name(c) for c in CHUNKS[:2]]
+    (tmp_path / names[0]).write_bytes(fp8_bytes(x))
+    (tmp_path / names[1]).write_bytes(fp8_bytes(x))
+    (tmp_path / "9f").mkdir()
+    access, scandir = os.access, os.scandir
+    locked = {str(tmp_path / names[1]), str(tmp_path / "9f")}
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) not in locked and access(path, mode))
+    monkeypatch.setattr(os, "scandir", lambda path=".": denied(path) if str(path).rstrip("/") in locked else scandir(path))
+    scan = scan_store(str(tmp_path), parse_layout(LAYOUT))
+    assert [(c.name, c.form) for c in scan.chunks] == [(names[0], "fp8")]
+    assert scan.skipped == [
+        {"name": "9f/", "reason": "unreadable: Permission denied"},
+        {"name": names[1], "reason": "unreadable: Permission denied"},
+    ]
+
+
 def test_compress_writes_exactly_the_fp8_serde_files_and_decompress_restores_within_bound(store, tmp_path):
     src, tensors, skipped = store
     before = digests(src)
