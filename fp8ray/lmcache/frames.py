@@ -30,7 +30,7 @@ from ..codec.blocks import decode_frames_into, encode_tensors_into
 from ..codec.formats import DTYPE_NAMES, DTYPES
 from ..codec.fp8codec import Fp8Codec
 from ..codec.options import CodecOptions
-from ..errors import BadInputError, CorruptFrameError, InvalidOptionError, MismatchError
+from ..errors import BadInputError, CorruptFrameError, InvalidOptionError, MismatchError, block_error
 from .objects import Shape, byte_view, check_dtype, check_group, is_group, kv_tensors, layout_pairs, one_byte
 
 FP8_INPUT_POLICIES = ("refuse", "passthrough")  # what the frame pair does with 1-byte sources
@@ -262,16 +262,18 @@ class Fp8FrameDeserializer(_FramePair):
         """Refuse, before anything is written, a sound frame that holds another dtype or
         shape than ``t``, or was written under other codec options (its size then differs
         from the ``size`` these options give: read a store with the options it was written
-        with). A frame whose checksum fails is left to the decoder, which names the damage."""
-        header = frame.parse_header(data[offset : offset + frame.MAX_HEADER_BYTES])
-        if header is None:
-            return
-        same_tensor = (header.dtype, tuple(header.shape)) == (DTYPE_NAMES.get(t.dtype), tuple(t.shape))
-        if same_tensor and header.frame_size == size:
-            return
-        whole = data[offset : offset + header.frame_size]
-        if whole.size != header.frame_size or len(set(frame.checksums(whole))) != 1:
-            return  # damaged (a damaged dtype or shape is reported as damage, not as a mismatch)
+        with), and a damaged one whose header is not this tensor's (no frame there, a
+        damaged dtype or shape: reported as damage, not as a mismatch). A frame whose header
+        is right has the rest of its checksum taken by the decoder, as it decodes."""
+        this = (DTYPE_NAMES.get(t.dtype), tuple(t.shape))
+        try:
+            header = frame.parse_header(data[offset : offset + frame.MAX_HEADER_BYTES])
+            same_tensor = header is not None and (header.dtype, tuple(header.shape)) == this
+            if same_tensor and header.frame_size == size:
+                return
+            frame.parse(data[offset : offset + (header.frame_size if header is not None else size)])  # raises if damaged
+        except CorruptFrameError as exc:
+            raise block_error(where, exc) from None
         if not same_tensor:
             dst = f"{tuple(t.shape)} {t.dtype}"
             raise MismatchError(f"{where}: dst is a {dst} tensor, the frame holds {header.shape} {header.dtype}")

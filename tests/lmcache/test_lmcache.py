@@ -259,6 +259,25 @@ def test_frames_of_several_kernel_groups_lie_end_to_end():
         assert torch.equal(o, fp8ray.decode(buf[start : start + size]))
 
 
+def test_a_later_frame_with_a_damaged_header_is_refused_before_any_tensor_is_written():
+    """The first group's tensor was written, then frame 2's bad magic (or damaged shape)
+    raised: docs/LMCACHE.md promises every frame checked first but for its codes' checksum."""
+    groups = [kv_like((2, 3, 8, 64), torch.bfloat16, seed=1), kv_like((2, 3, 8, 32), torch.float32, seed=2)]
+    ser = Fp8FrameSerializer()
+    first = ser.frame_sizes(MemoryLayoutDesc(shapes=[g.shape for g in groups], dtypes=[g.dtype for g in groups]))[0]
+    buf = torch.empty(
+        ser.estimate_serialized_size(MemoryLayoutDesc([g.shape for g in groups], [g.dtype for g in groups])), dtype=torch.uint8
+    )
+    ser.serialize(MultiObj(groups), obj(buf))
+    for offset, error in ((0, "bad magic"), (17, r"shape \[4098, 3, 8, 32\]")):  # the magic; a byte of the shape
+        bad = buf.clone()
+        bad[first + offset] ^= 0x10
+        out = [torch.zeros_like(g) for g in groups]
+        with pytest.raises(CorruptFrameError, match=f"^block 'frame 2 of 2': .*{error}"):
+            Fp8FrameDeserializer().deserialize(obj(bad), MultiObj(out))
+        assert not any(bool(o.any()) for o in out), offset
+
+
 def test_frame_deserializer_refuses_corrupt_truncated_and_mismatched_frames():
     src = kv_like((2, 4, 16, 64), torch.bfloat16, seed=7)
     ser, de = Fp8FrameSerializer(), Fp8FrameDeserializer()
