@@ -140,7 +140,7 @@ class Fp8Codec:
             "scale_choice": scale_choice,
         }
         given = {name: value for name, value in given.items() if value is not None}
-        self.options: CodecOptions = CodecOptions.parse(given, base=options) if given or options is None else options
+        self.options: CodecOptions = CodecOptions.parse(given, base=options)
         self.fmt: Fp8Format = self.options.fmt
 
     @property
@@ -172,7 +172,7 @@ class Fp8Codec:
 
     def _header(self, shape, dtype: str) -> frame.FrameHeader:
         shape = frame.dimensions(shape)
-        frame.check_shape(shape)  # what the decoder would refuse is never written
+        frame.check_shape(shape, dtype)  # what the decoder would refuse is never written
         scale_dtype = frame.stored_scale_dtype(self.scaling, self.scale_dtype)
         return frame.FrameHeader(self.fmt, self.scaling, dtype, shape, self.block_size, scale_dtype)
 

@@ -35,6 +35,7 @@ from ..errors import BadInputError, CorruptFrameError
 from . import checksum
 from .formats import (
     DTYPE_CODES,
+    DTYPE_ITEMSIZES,
     DTYPE_NAMES_BY_CODE,
     FORMATS_BY_CODE,
     SCALE_BYTES,
@@ -144,8 +145,10 @@ def dimensions(shape) -> tuple[int, ...]:
     return tuple(out)
 
 
-def check_shape(shape: tuple[int, ...]) -> None:
-    """Refuse, with a ``ValueError`` naming the limit, a shape no frame can hold."""
+def check_shape(shape: tuple[int, ...], dtype: str) -> None:
+    """Refuse, with a ``ValueError`` naming the limit, a shape no frame can hold (of
+    ``dtype``, a source dtype's name: an empty tensor's other dimensions times its item
+    size must be a size numpy can make)."""
     if len(shape) > MAX_NDIM:
         raise BadInputError(f"a tensor of {len(shape)} dimensions exceeds the frame's limit of {MAX_NDIM}")
     for i, d in enumerate(shape):
@@ -154,10 +157,11 @@ def check_shape(shape: tuple[int, ...]) -> None:
     if math.prod(shape) > MAX_NUMEL:
         raise BadInputError(f"shape {list(shape)} has {math.prod(shape)} elements, more than the frame's limit of {MAX_NUMEL}")
     spanned = math.prod(d for d in shape if d)
-    if spanned > MAX_NUMEL:  # an empty tensor still: numpy and torch multiply its other dimensions
+    itemsize = DTYPE_ITEMSIZES[dtype]
+    if spanned * itemsize > MAX_NUMEL:  # an empty tensor still: numpy multiplies its other dimensions, in bytes
         raise BadInputError(
-            f"shape {list(shape)}: its non-zero dimensions multiply to {spanned}, more than {MAX_NUMEL} "
-            "(numpy and torch cannot make an array of it, even empty)"
+            f"shape {list(shape)}: its non-zero dimensions multiply to {spanned}, more than {MAX_NUMEL // itemsize} "
+            f"for {dtype} (numpy and torch cannot make an array of it, even empty)"
         )
 
 
@@ -288,7 +292,7 @@ def parse_layout(buf: np.ndarray) -> FrameHeader:
         kind = "truncated" if size < expected else "has trailing bytes"
         raise CorruptFrameError(f"frame {kind}: {size} bytes, but its header (shape {list(header.shape)}) implies {expected}")
     try:  # the encoder's limits; a frame whose size matches its shape is within them
-        check_shape(header.shape)
+        check_shape(header.shape, header.dtype)
     except ValueError as exc:
         raise CorruptFrameError(f"frame header: {exc}") from None
     return header

@@ -107,6 +107,8 @@ class CodecOptions:
         query parameters, a manifest's record); what it leaves out comes from ``base``
         (default: the default mode). An unknown name or a bad value raises
         :class:`InvalidOptionError` naming it."""
+        if base is not None and not isinstance(base, CodecOptions):
+            raise TypeError(f"options must be a CodecOptions (or None), got {type(base).__name__}")
         given = {}
         for name, value in values.items():
             if name not in _FIELDS:
@@ -173,8 +175,11 @@ def _check_choice(name: str, value) -> None:
 def _convert(name: str, value):
     """A value given as a string (query parameter, mode string) in the option's own type."""
     if name == "block_size" and isinstance(value, str):
-        if not (value.isascii() and value.isdigit()):
-            raise InvalidOptionError(f"block_size must be a positive integer, got {value!r}", field=name)
+        if not (value.isascii() and value.isdigit()) or len(value) > len(str(MAX_BLOCK_SIZE)):  # int() of 4300 digits raises
+            shown = value if len(value) <= 40 else f"{value[:40]}... ({len(value)} characters)"
+            raise InvalidOptionError(
+                f"block_size must be a positive integer (at most {MAX_BLOCK_SIZE}), got {shown!r}", field=name
+            )
         return int(value)
     if name == "fp8" and is_torch_dtype(value):
         return value

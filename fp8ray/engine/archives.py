@@ -149,7 +149,7 @@ def _scan_compressible(source: str, codec: CodecOptions, strict: bool = False, l
     for ref in refs:
         if (ref.dtype, ref.shape) not in checked:
             try:
-                frame.check_shape(ref.shape)
+                frame.check_shape(ref.shape, ref.dtype)
                 archive.check_frame_fits(frame.header_for(codec, ref.dtype, ref.shape).frame_size)
             except ValueError as exc:
                 raise block_error(ref.key, exc, f" of {printable(ref.file)}" if ref.file else "") from None

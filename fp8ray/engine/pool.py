@@ -29,9 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from ..codec import CodecOptions, formats
+from ..codec import CodecOptions
 from ..codec.blocks import Block, bytes_to_tensor
 from ..codec.devices import cuda_available, is_tensor
+from ..codec.fp8codec import source_tensor
+from ..codec.frame import as_byte_array
 from ..errors import InvalidOptionError, PoolStartError, WorkerLostError
 from .address import INLINE, default_address
 from .backends import SETTLE_SECONDS, InlineBackend, RayBackend, WorkerDied
@@ -264,11 +266,12 @@ class QuantPool:
         options = CodecOptions.parse(codec_options, base=options)
         tensors = list(tensors)  # taken once: a generator is iterated by the check, then the blocks
         for i, t in enumerate(tensors):
-            if not is_tensor(t) or t.dtype not in formats.DTYPE_NAMES:
-                raise TypeError(
-                    f"tensor {i}: expected a bfloat16, float16 or float32 torch.Tensor, "
-                    f"got {getattr(t, 'dtype', type(t).__name__)}"
-                )
+            if not is_tensor(t):
+                raise TypeError(f"tensor {i}: expected a bfloat16, float16 or float32 torch.Tensor, got {type(t).__name__}")
+            try:
+                source_tensor(t)  # what Fp8Codec.encode refuses (a meta, sparse or nested tensor), refused alike
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"tensor {i}: {exc}") from None
         blocks = [Block.of(str(i), t) for i, t in enumerate(tensors)]
         batches = ((batch, options) for batch in _batches(blocks, batch_size, lambda b: b.nbytes))
         return [f for batch in self.map(QuantWorker.encode_batch, batches) for f, _ in batch]
@@ -280,7 +283,12 @@ class QuantPool:
         objects are immutable; torch cannot mark a tensor so), ``clone()`` one to change
         it in place; each keeps its call's results (about :data:`BATCH_BYTES` of blocks)
         in the store's memory while it lives."""
-        pairs = [(str(i), np.frombuffer(f, dtype=np.uint8)) for i, f in enumerate(frames)]
+        pairs = []
+        for i, f in enumerate(frames):
+            try:
+                pairs.append((str(i), as_byte_array(f)))  # what fp8ray.decode takes
+            except TypeError as exc:
+                raise TypeError(f"frame {i}: {exc}") from None
         batches = ((batch,) for batch in _batches(pairs, batch_size, lambda p: 2 * p[1].size))
         return [
             bytes_to_tensor(raw, meta.dtype, meta.shape)
@@ -405,8 +413,8 @@ REFS_BATCH_BYTES = 64 << 20
 def _batches(items: list, batch_size: int | None, nbytes, batch_bytes: int = BATCH_BYTES) -> Iterator[list]:
     """``items`` in order, ``batch_size`` at a time, or about ``batch_bytes`` at a time."""
     if batch_size is not None:
-        if batch_size < 1:
-            raise InvalidOptionError(f"batch_size must be at least 1, got {batch_size}", field="batch_size")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+            raise InvalidOptionError(f"batch_size must be an integer of at least 1, got {batch_size!r}", field="batch_size")
         yield from (items[i : i + batch_size] for i in range(0, len(items), batch_size))
         return
     batch: list = []

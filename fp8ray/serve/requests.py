@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from ..codec import CodecOptions
 from ..codec.formats import DTYPE_ITEMSIZES
-from ..codec.frame import check_shape
+from ..codec.frame import MAX_DIM, check_shape
 from ..errors import (
     BadInputError,
     BlockError,
@@ -53,9 +53,12 @@ def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[s
         raise RequestError(f"shape {shape!r} has a negative size", 400, "shape")
     if not all(d.isascii() and d.isdigit() for d in parts):  # int() would take "1_6", "+16" and other digits
         raise RequestError(f"shape {shape!r} is not comma-separated integers", 400, "shape")
+    longest = max(map(len, parts), default=0)
+    if longest > len(str(MAX_DIM)):  # int() of over 4300 digits would raise Python's own error
+        raise RequestError(f"shape has a size of {longest} digits; a frame holds sizes of 0 to {MAX_DIM}", 400, "shape")
     dims = tuple(int(d) for d in parts)
     try:
-        check_shape(dims)
+        check_shape(dims, dtype)
     except ValueError as exc:
         raise RequestError(str(exc), 400, "shape") from None
     expected = math.prod(dims) * DTYPE_ITEMSIZES[dtype]

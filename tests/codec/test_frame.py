@@ -126,6 +126,21 @@ def test_huge_shape_in_header_is_refused_before_allocation():
         fp8ray.decode(reseal(bad))
 
 
+@pytest.mark.parametrize("dtype_code, itemsize", [(1, 4), (2, 2), (3, 2)])  # float32, float16, bfloat16
+def test_an_empty_shape_numpy_cannot_make_is_a_corrupt_frame(dtype_code, itemsize):
+    """[2**62, 0] of float32: its non-zero dimensions times 4 bytes pass what numpy can
+    make, even empty. A frame of it (36 bytes, checksum right) raised numpy's own
+    ValueError from decode; the encoder never writes one."""
+    for first, refused in ((2**63 // itemsize, True), ((2**63 - 1) // itemsize, False)):
+        body = struct.pack("<4sBBBBB3sI", b"FP8R", 1, 1, 0, dtype_code, 2, b"\0\0\0", 0) + struct.pack("<2Q", first, 0)
+        data = body + struct.pack("<I", crc32c.crc32c(body))
+        if refused:
+            with pytest.raises(CorruptFrameError, match=f"frame header: shape \\[{first}, 0\\]: its non-zero dimensions"):
+                fp8ray.decode(data)
+        else:
+            assert fp8ray.decode(data).shape == (first, 0)
+
+
 @pytest.mark.parametrize(
     "offset, value, pattern",
     [

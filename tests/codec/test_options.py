@@ -80,6 +80,7 @@ def test_options_are_values():
         ({"scaling": "row"}, "scaling", "unknown scaling 'row'"),
         ({"block_size": "0"}, "block_size", "block_size must be a positive integer"),
         ({"block_size": "1.5"}, "block_size", "block_size must be a positive integer"),
+        ({"block_size": "9" * 5000}, "block_size", r"at most 4294967295\), got '9{40}\.\.\. \(5000 characters\)'"),
         ({"block_size": 2**32}, "block_size", "at most 4294967295"),
         ({"block_size": True}, "block_size", "positive integer"),
         ({"scale_dtype": "float16"}, "scale_dtype", "unknown scale_dtype 'float16'"),
@@ -110,3 +111,12 @@ def test_mode_strings():
     ]:
         with pytest.raises(InvalidOptionError, match=rf"mode '{bad}': .*{pattern}"):
             CodecOptions.from_mode(bad)
+
+
+def test_options_that_are_not_codec_options_are_a_type_error():
+    """Fp8Codec(options="x") said "'str' object has no attribute 'fmt'"."""
+    for options in ("x", {}, {"scaling": "token"}):
+        with pytest.raises(TypeError, match=f"options must be a CodecOptions \\(or None\\), got {type(options).__name__}"):
+            Fp8Codec(options=options)
+        with pytest.raises(TypeError, match="options must be a CodecOptions"):
+            Fp8Codec(scaling="token", options=options)

@@ -100,6 +100,32 @@ def test_settings_are_checked_when_made_and_taken_by_every_operation(tmp_path):
         pool.worker_info()
 
 
+def test_encode_many_and_decode_many_refuse_and_take_what_the_codec_does():
+    """encode_many refuses what Fp8Codec.encode refuses, naming the tensor (a meta tensor
+    gave torch's "Cannot copy out of meta tensor", a sparse one "unsupported memory
+    format"); decode_many takes the frames fp8ray.decode takes (a CPU uint8 tensor, a
+    strided memoryview: they were refused) and refuses a uint16 array (decoded as bytes
+    before); a batch size must be an integer."""
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with QuantPool(num_workers=1, address="inline") as pool:
+        for bad, pattern in (
+            (torch.empty(3, device="meta"), "tensor 1: cannot encode a meta tensor"),
+            (torch.eye(3).to_sparse(), "tensor 1: cannot encode a sparse_coo tensor"),
+            (torch.ones(3, dtype=torch.int64), "tensor 1: .*int64"),
+        ):
+            with pytest.raises((TypeError, ValueError), match=pattern):
+                pool.encode_many([x, bad])
+        [frame] = pool.encode_many([x])
+        doubled = np.repeat(np.asarray(frame), 2)  # every byte twice: [::2] is the frame, strided
+        for given in (torch.from_numpy(np.array(frame)), memoryview(doubled)[::2], bytes(frame)):
+            assert torch.equal(pool.decode_many([given])[0], fp8ray.decode(frame))
+        with pytest.raises(TypeError, match="frame 0: a frame array must have dtype uint8, got uint16"):
+            pool.decode_many([np.zeros(8, np.uint16)])
+        for size in (1.5, "2", True, 0):
+            with pytest.raises(InvalidOptionError, match=f"batch_size must be an integer of at least 1, got {size!r}"):
+                pool.encode_many([x], batch_size=size)
+
+
 def test_encode_many_and_decode_many_take_a_generator_as_a_list():
     """A one-pass iterable is taken once: the same frames and tensors as its list."""
     tensors = [torch.full((4, 64), float(i), dtype=torch.bfloat16) for i in range(3)]

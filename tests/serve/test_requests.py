@@ -54,6 +54,9 @@ def test_raw_layout_is_checked_against_the_body():
         (("float16", "\u0661\u0666", 32), "shape", "not comma-separated integers"),
         (("float16", ",".join(["1"] * 65), 2), "shape", "65 dimensions exceeds the frame's limit of 64"),
         (("float16", "3", 4), "shape", r"shape \[3\] of float16 needs 6 bytes but the body has 4"),
+        (("float32", "9" * 5000, 4), "shape", "^shape has a size of 5000 digits; a frame holds"),  # int() raised: a 500
+        (("float32", f"{2**62},0", 0), "shape", f"multiply to {2**62}, more than {(2**63 - 1) // 4} for float32"),
+        (("bfloat16", f"{2**62},0", 0), "shape", f"more than {(2**63 - 1) // 2} for bfloat16"),
     ]:
         with pytest.raises(RequestError, match=pattern) as exc:
             raw_layout(*args)

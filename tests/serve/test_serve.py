@@ -279,6 +279,13 @@ def test_non_finite_input_and_bad_safetensors_are_refused(service):
     for route in ("/v1/encode", "/v1/decode"):  # a safetensors body with no tensors
         r = client.post(route, content=build_safetensors([]), headers=st)
         assert r.status_code == 400 and "no tensors" in error_of(r)["error"]
+    ok, deep = ("a", "float16", (2,), np.zeros(4, np.uint8)), ("b", "float16", (1,) * 65, np.zeros(2, np.uint8))
+    r = client.post("/v1/encode", content=build_safetensors([ok, deep]), headers=st)  # which tensor: it was not said
+    assert r.status_code == 400 and error_of(r) == {
+        "error": "block 'b': a tensor of 65 dimensions exceeds the frame's limit of 64",
+        "field": "b",
+        "status": 400,
+    }, r.text
 
 
 def expected_answer(route: str, params: dict, body: bytes, safetensors_body: bool) -> bytes | None:
