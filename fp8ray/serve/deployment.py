@@ -36,6 +36,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.serve.config import DeploymentActorConfig
 from ray.util import metrics
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..codec.blocks import Block, bytes_to_tensor, frame_sizes
@@ -92,6 +93,15 @@ def _refusal_response(status: int, message: str, field: str | None) -> JSONRespo
 # decorated, with the module globals that exist by then.
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="fp8ray", description="fp8 encode/decode of LLM KV-cache blocks")
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _routing_refusal(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """An unknown path (404) or method (405), answered in the service's JSON as every
+    other refusal (FastAPI's own is ``{"detail": ...}``), its headers (``Allow``) kept."""
+    response = _refusal_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", None)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 # No access-log line per request (Serve's default writes one to the replica's log):

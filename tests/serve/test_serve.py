@@ -252,6 +252,16 @@ def test_a_query_parameter_given_twice_is_refused_naming_it(service, route):
     assert error_of(r)["error"] == "query parameter 'dtype' is given 2 times; give it once"
 
 
+def test_unknown_paths_and_methods_answer_in_the_services_json(service):
+    """They answered FastAPI's {"detail": "Not Found"}, not the shape every refusal has."""
+    client, _ = service
+    r = client.get("/v1/nope")
+    assert r.status_code == 404 and error_of(r) == {"error": "Not Found: GET /v1/nope", "status": 404}
+    r = client.get("/v1/encode")
+    assert r.status_code == 405 and error_of(r) == {"error": "Method Not Allowed: GET /v1/encode", "status": 405}
+    assert r.headers["allow"] == "POST"
+
+
 def test_corrupt_and_truncated_frames_answer_422(service):
     client, _ = service
     frame = bytearray(Fp8Codec().encode(torch.randn(64, 64)))
