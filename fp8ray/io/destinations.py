@@ -94,27 +94,32 @@ def make_work(dest: ArchiveDestination) -> None:
 
 @contextmanager
 def hold_destination(dest: ArchiveDestination, uri: str) -> Iterator[None]:
-    """This run's hold on the directory its parts go into: an advisory lock on it, which
-    the kernel drops when the process ends, however it ends. A second compress into the
-    same directory at the same time is refused, not let to write the same parts. Object
-    stores have no such lock: there, one compress at a time is the caller's to keep."""
+    """This run's hold on the directory its parts go into, and on the one it replaces
+    (``--overwrite``): an advisory lock on each, which the kernel drops when the process
+    ends, however it ends. A second compress into the same directory at the same time is
+    refused, not let to write the same parts; so is one that would replace it meanwhile
+    (the first would go on writing, by path, into its replacement). Object stores have no
+    such lock: there, one compress at a time is the caller's to keep."""
     if not isinstance(dest.fs, pafs.LocalFileSystem):
         yield
         return
-    fd = os.open(dest.work, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fds = []
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ArchiveExistsError(
-                f"destination {redact(uri)} is being written by another compress right now: not writing it too"
-            ) from None
+        for directory in dict.fromkeys((dest.path, dest.work)):  # the same one unless replacing
+            fds.append(os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+            try:
+                fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ArchiveExistsError(
+                    f"destination {redact(uri)} is being written by another compress right now: not writing it too"
+                ) from None
         # One that held it between this run's look at the directory and now may have finished.
         if not dest.replacing and dest.fs.get_file_info(f"{dest.work}/{archive.MANIFEST_NAME}").type != pafs.FileType.NotFound:
             raise ArchiveExistsError(f"destination {redact(uri)} now holds an archive another compress has just written")
         yield
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 def undo_compress(dest: ArchiveDestination, todo: list[int]) -> None:
