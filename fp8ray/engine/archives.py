@@ -257,6 +257,7 @@ def compress_archive(
     with ``lmcache_form`` gives the store back.
     """
     codec = CodecOptions.parse(codec_options, base=options)  # bad options fail before any work
+    archive.check_block_size_fits(codec)
     made_for = Provenance.parse(provenance)
     source, destination = as_uri(source, "source"), as_uri(destination, "destination")
     check_pool(pool)

@@ -60,6 +60,18 @@ def check_frame_fits(frame_bytes: int) -> None:
         )
 
 
+MAX_BLOCK_SIZE = 2**31 - 1  # the parts' block_size column is an int32 (a frame's is a uint32)
+
+
+def check_block_size_fits(codec: CodecOptions) -> None:
+    """Refuse, naming the limit, a ``block_size`` a part's int32 column cannot record."""
+    if codec.scaling == "block" and codec.block_size > MAX_BLOCK_SIZE:
+        raise InvalidOptionError(
+            f"block_size {codec.block_size}: an archive records it in 32-bit signed integers, at most {MAX_BLOCK_SIZE}",
+            field="block_size",
+        )
+
+
 SCHEMA = pa.schema(
     [
         ("file", pa.string()),

@@ -37,6 +37,19 @@ def test_the_encoder_refuses_what_the_decoder_would(ndim):
         fp8ray.Fp8Codec().encode(torch.ones((1,) * ndim))
 
 
+def test_a_block_size_an_archive_cannot_record_is_refused_before_any_work(tmp_path, capsys):
+    """2**31 to 2**32 - 1 passed the codec's check (a frame's field is a uint32) and then
+    failed on the parts' int32 column with a traceback (OverflowError)."""
+    src = tmp_path / "kv.safetensors"
+    save_file({"kv": torch.randn(4, 64).to(torch.bfloat16)}, str(src))
+    code, out, err = run(capsys, "compress", src, tmp_path / "arch", "--block-size", 2**31, "--address", "inline")
+    assert (code, out) == (1, "") and err == (
+        "fp8ray: error: block_size 2147483648: an archive records it in 32-bit signed integers, at most 2147483647\n"
+    )
+    assert not (tmp_path / "arch").exists()
+    assert run(capsys, "compress", src, tmp_path / "arch", "--block-size", 2**31 - 1, "--address", "inline")[0] == 0
+
+
 def test_a_66_dimension_tensor_is_refused_by_compress(tmp_path, capsys):
     src = raw_safetensors(
         tmp_path / "deep.safetensors", {"deep": {"dtype": "F32", "shape": [1] * 66, "data_offsets": [0, 4]}}, b"\0\0\0\0"
