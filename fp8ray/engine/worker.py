@@ -369,10 +369,7 @@ class QuantWorker:
                         x, y, element_scales(scales, header.scaling, header.shape, header.block_size), bound
                     )
                     if stray is not None:
-                        raise MismatchError(
-                            f"relative error {stray[0]:.3%} against the source, where the codec's derived bound allows "
-                            f"{stray[1]:.3%}: not the data this block was compressed from"
-                        )
+                        raise MismatchError(f"{stray}: not the data this block was compressed from")
             except (ValueError, TypeError, RuntimeError) as exc:
                 block_errors += 1
                 result.errors.append(f"block {_label(ident, name_files)!r} in {part.name}: {exc}")
