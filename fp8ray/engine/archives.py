@@ -177,7 +177,7 @@ def _resumable_parts(
     changed = archive.changed_file(previous.files, plan.files or ())
     if changed:
         raise ArchiveExistsError(f"cannot resume {redact(destination)}: {changed}; pass --overwrite to start again")
-    infos = {i: archive.read_sidecar(fs, work, i) for i in range(len(plan.parts))}
+    infos = {i: archive.resumable_part(fs, work, i, len(blocks)) for i, blocks in enumerate(plan.parts)}
     return {i: info for i, info in infos.items() if info is not None}
 
 

@@ -8,7 +8,8 @@ lossless Parquet codec), so ``pyarrow.parquet.read_table`` and
 readers, like every name starting with ``_`` or ``.``) holds the codec options, counts,
 sizes and each part's CRC-32C; it is renamed into place last, so a directory without
 it is never a complete archive. A part is written under a temporary name and renamed,
-then described by a sidecar ``_part-NNNNN.json``, which ``--resume`` trusts. What the
+then described by a sidecar ``_part-NNNNN.json``, which ``--resume`` checks the part
+against (:func:`resumable_part`). What the
 JSON files hold, and how each is checked, is :mod:`fp8ray.io.records`.
 """
 
@@ -340,6 +341,24 @@ def read_sidecar(fs: pafs.FileSystem, directory: str, index: int) -> Part | None
     if part.type != pafs.FileType.File or part.size != info.file_bytes:
         return None
     return info
+
+
+def resumable_part(fs: pafs.FileSystem, directory: str, index: int, blocks: int) -> Part | None:
+    """The sidecar of a finished part ``--resume`` may keep: its part is there, of its size
+    and its CRC-32C (a part damaged since, say by a crash after its rename, is written
+    again, not taken into an archive ``verify`` would refuse), and holds the ``blocks``
+    the plan gives it."""
+    info = read_sidecar(fs, directory, index)
+    if info is None or info.blocks != blocks:
+        return None
+    try:
+        with fs.open_input_stream(f"{directory}/{info.name}") as f:
+            crc = 0
+            while chunk := f.read(1 << 24):
+                crc = crc32c.crc32c(chunk, crc)
+    except OSError:
+        return None
+    return info if crc == info.crc32c else None
 
 
 def build_manifest(

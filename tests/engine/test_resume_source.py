@@ -84,3 +84,24 @@ def test_a_plan_from_before_the_files_were_recorded_is_not_resumed(tmp_path):
     assert archive.read_plan(pafs.LocalFileSystem(), str(arch)).files is None
     with pytest.raises(ArchiveExistsError, match=r"does not record the source files' sizes and times.*--overwrite"):
         compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE, resume=True)
+
+
+@pytest.mark.parametrize("damage", ["a byte of the part", "the sidecar's block count"])
+def test_a_finished_part_damaged_since_is_written_again_not_reused(tmp_path, damage):
+    """--resume kept a part whose sidecar matched its size, damaged or not: compress exited
+    0 and verify refused the archive. The part's CRC-32C and block count are checked now."""
+    src, arch = tmp_path / "kv.safetensors", tmp_path / "kv.fp8"
+    write_source(src, 1)
+    interrupted(src, arch)
+    sidecar, *others = sorted(arch.glob("_part-*.json"))
+    part = arch / json.loads(sidecar.read_text())["name"]
+    if damage == "a byte of the part":
+        data = bytearray(part.read_bytes())
+        data[len(data) // 2] ^= 1  # the same size
+        part.write_bytes(data)
+    else:
+        info = json.loads(sidecar.read_text())
+        sidecar.write_text(json.dumps({**info, "blocks": info["blocks"] + 1}))
+    report = compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE, resume=True)
+    assert report.parts_reused == len(others)  # the damaged one is written again
+    assert verify_archive(str(arch), against=str(src), pool=INLINE).ok
