@@ -261,7 +261,7 @@ def compress_archive(
     made_for = Provenance.parse(provenance)
     source, destination = as_uri(source, "source"), as_uri(destination, "destination")
     check_pool(pool)
-    archive.parse_lossless(lossless)
+    lossless = archive.canonical_lossless(lossless)  # as the archive records it
     check_apart(source, destination)
     layout, refs = _scan_compressible(source, codec, strict, lmcache_layout)
     compress_part = QuantWorker.compress_part if lmcache_layout is None else QuantWorker.compress_store_part

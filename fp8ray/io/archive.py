@@ -189,16 +189,22 @@ def _stamp(stamp: tuple | None) -> str:
 def parse_lossless(spec: str) -> tuple[str, int | None]:
     """``"zstd:3"`` -> ``("zstd", 3)``; ``"none"`` -> ``("none", None)``. A bad spec raises
     :class:`InvalidOptionError` naming the codecs and levels."""
-    name, _, level = spec.partition(":")
+    name, colon, level = spec.partition(":")
     if name not in LOSSLESS_CODECS:
         raise InvalidOptionError(f"unknown lossless codec {name!r}; expected one of {list(LOSSLESS_CODECS)}", field="lossless")
     levels = LOSSLESS_CODECS[name]
-    if not level:
+    if not colon:
         return name, None
     if levels is None or not (level.isascii() and level.isdigit()) or not levels[0] <= int(level) <= levels[1]:
         allowed = f"levels {levels[0]} to {levels[1]}" if levels else "no level"
         raise InvalidOptionError(f"lossless {spec!r}: {name} takes {allowed}", field="lossless")
     return name, int(level)
+
+
+def canonical_lossless(spec: str) -> str:
+    """``spec`` as an archive records it, checked: ``"zstd:03"`` -> ``"zstd:3"``."""
+    name, level = parse_lossless(spec)
+    return name if level is None else f"{name}:{level}"
 
 
 def read_plan(fs: pafs.FileSystem, directory: str) -> Plan | None:
@@ -352,10 +358,7 @@ def resumable_part(fs: pafs.FileSystem, directory: str, index: int, blocks: int)
     if info is None or info.blocks != blocks:
         return None
     try:
-        with fs.open_input_stream(f"{directory}/{info.name}") as f:
-            crc = 0
-            while chunk := f.read(1 << 24):
-                crc = crc32c.crc32c(chunk, crc)
+        crc, _ = file_crc32c(fs, f"{directory}/{info.name}")
     except OSError:
         return None
     return info if crc == info.crc32c else None

@@ -75,6 +75,7 @@ def test_serve_on_a_port_in_use(address, reuse_port):
         (["compress", "/nonexistent/kv.safetensors", "/tmp/fp8ray-never"], "does not exist"),
         (["compress", "x.safetensors", "y", "--scaling", "tensor", "--scale-choice", "mse"], "needs scaling"),
         (["compress", "x.safetensors", "y", "--lossless", "zstd:99"], "zstd takes levels 1 to 22"),
+        (["compress", "x.safetensors", "y", "--lossless", "zstd:"], "zstd takes levels 1 to 22"),  # was taken as zstd
         (["eval-model", "--modes", "e4m3fn:row"], "unknown scaling 'row'"),
     ],
 )

@@ -163,6 +163,24 @@ def test_flipped_byte_is_named_by_verify_and_refused_by_decompress(kv_source, tm
     assert not report.ok and any(part.name in e for e in report.errors), report.errors
 
 
+def test_the_lossless_stage_is_recorded_as_one_spelling(kv_source, tmp_path):
+    """ "zstd:03" was recorded as given: the same stage under two names."""
+    from fp8ray.io.archive import canonical_lossless
+
+    assert [canonical_lossless(s) for s in ("zstd:03", "zstd:3", "zstd", "none", "lz4")] == [
+        "zstd:3",
+        "zstd:3",
+        "zstd",
+        "none",
+        "lz4",
+    ]
+    src, _ = kv_source
+    compress_archive(
+        str(src), str(tmp_path / "arch"), part_bytes=PART, lossless="zstd:03", pool=fp8ray.PoolSettings(address="inline")
+    )
+    assert read_manifest(*resolve(str(tmp_path / "arch"))).lossless == "zstd:3"
+
+
 def test_a_flipped_byte_in_a_compressed_part_is_caught(kv_source, tmp_path):
     """With the lossless stage (zstd by default) the frames are not in the file as they
     are: damage anywhere is caught by the part's CRC-32C, and decompress leaves nothing."""
