@@ -164,20 +164,14 @@ def test_flipped_byte_is_named_by_verify_and_refused_by_decompress(kv_source, tm
 
 
 def test_the_lossless_stage_is_recorded_as_one_spelling(kv_source, tmp_path):
-    """ "zstd:03" was recorded as given: the same stage under two names."""
+    """'zstd:03' was recorded as given: the same stage under two names."""
     from fp8ray.io.archive import canonical_lossless
 
-    assert [canonical_lossless(s) for s in ("zstd:03", "zstd:3", "zstd", "none", "lz4")] == [
-        "zstd:3",
-        "zstd:3",
-        "zstd",
-        "none",
-        "lz4",
-    ]
+    spellings = {"zstd:03": "zstd:3", "zstd:3": "zstd:3", "zstd": "zstd", "none": "none", "lz4": "lz4"}
+    assert {s: canonical_lossless(s) for s in spellings} == spellings
     src, _ = kv_source
-    compress_archive(
-        str(src), str(tmp_path / "arch"), part_bytes=PART, lossless="zstd:03", pool=fp8ray.PoolSettings(address="inline")
-    )
+    inline = fp8ray.PoolSettings(address="inline")
+    compress_archive(str(src), str(tmp_path / "arch"), part_bytes=PART, lossless="zstd:03", pool=inline)
     assert read_manifest(*resolve(str(tmp_path / "arch"))).lossless == "zstd:3"
 
 
