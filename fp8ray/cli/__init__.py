@@ -40,7 +40,14 @@ def build_parser():
     from .. import __version__
     from . import archives, bench, demo, evaluate, serve, stores
 
-    parser = argparse.ArgumentParser(prog="fp8ray", description="Compress LLM KV caches to fp8.")
+    class OneLineErrors(argparse.ArgumentParser):
+        """argparse, but a mistake in the arguments is one line, as every other refusal
+        (argparse prints the whole usage first): its subcommands' parsers are of this class too."""
+
+        def error(self, message: str):
+            self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    parser = OneLineErrors(prog="fp8ray", description="Compress LLM KV caches to fp8.")
     parser.add_argument("--version", action="version", version=f"fp8ray {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for module in (archives, stores, evaluate, serve, bench, demo):

@@ -64,10 +64,19 @@ def test_user_mistakes_are_one_line_errors(capsys, argv, message):
     assert err.startswith("fp8ray: error: ") and message in err and err.count("\n") == 1
 
 
-def test_bad_option_is_rejected_by_the_parser(capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["compress", "a", "b", "--scaling", "row"])
-    assert exc.value.code == 2 and "invalid choice: 'row'" in capsys.readouterr().err
+def test_bad_option_is_rejected_by_the_parser_in_one_line(capsys):
+    """argparse printed the whole usage (about 12 lines) before its one line."""
+    for argv, message in (
+        (["compress", "a", "b", "--scaling", "row"], "fp8ray compress: error: argument --scaling: invalid choice: 'row'"),
+        (["compress", "a"], "fp8ray compress: error: the following arguments are required: destination"),
+        (["nope"], "fp8ray: error: argument command: invalid choice: 'nope'"),
+        (["verify", "a", "--no-such-flag"], "fp8ray: error: unrecognized arguments: --no-such-flag"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
+        assert err.endswith(" --help)\n")
 
 
 def test_a_missing_optional_extra_is_a_one_line_error(tmp_path):
