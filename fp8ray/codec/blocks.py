@@ -12,7 +12,7 @@ everywhere (its key first in the message, fp8ray's own exception class).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,13 +170,16 @@ def encode_data_into(
     device: str = "cpu",
     threads: int | None = None,
     joined: np.ndarray | None = None,
+    where: Callable[[int], str] | None = None,
 ) -> list[int]:
     """:func:`encode_into` of blocks given as their specs and, apart, their raw bytes
     (``data[i]``: a 1-D uint8 array of ``specs[i].nbytes``, which the caller has checked,
     as a :class:`Block` checks its own): a part's thousands of small blocks need no
     object each. ``joined``: the same bytes, every block's end to end in one array, where
     the caller has them so (a :class:`~fp8ray.io.blocks.BlockReader` does): runs of small
-    blocks are encoded from it, not from a copy of their bytes put end to end."""
+    blocks are encoded from it, not from a copy of their bytes put end to end.
+    ``where(i)``: where block ``i`` comes from, for the error that names it (``" of
+    req2.safetensors"``: keys repeat from file to file), asked only when one fails."""
     sizes = list(sizes) if sizes is not None else frame_sizes(codec, specs)
     if device != "cpu":
         tensors = ((spec.key, bytes_to_tensor(d, spec.dtype, spec.shape).to(device)) for spec, d in zip(specs, data))
@@ -192,7 +195,7 @@ def encode_data_into(
             try:
                 codec.encode_raw(data[i], specs[i].dtype, specs[i].shape, out=out[ends[i] : ends[i + 1]], threads=threads)
             except (ValueError, TypeError, RuntimeError) as exc:
-                raise block_error(specs[i].key, exc) from exc
+                raise block_error(specs[i].key, exc, where(i) if where else "") from exc
 
     runs = runs_of(specs, lambda b: fits_run(codec.scaling, codec.block_size, b.dtype, b.shape))
     raw_ends = np.cumsum([0, *(spec.nbytes for spec in specs)]).tolist() if runs and joined is not None else None

@@ -158,3 +158,16 @@ def test_verify_against_another_source_with_the_same_keys_fails(tmp_path, capsys
     code, out, err = run(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "b.safetensors")
     assert code == 1 and "3 problems" in out
     assert "block 'layer0.k' in part-00000.parquet: " in err and "elements out of their bound; the first, element [" in err
+
+
+def test_a_non_finite_block_is_named_with_its_file(tmp_path, capsys):
+    """Every file of a directory holds 'layer0.k': the error said only "block 'layer0.k'"."""
+    src = tmp_path / "kv"
+    src.mkdir()
+    for i in range(3):
+        x = torch.ones(8, 64, dtype=torch.bfloat16)
+        if i == 2:
+            x[1, 3] = float("nan")
+        save_file({"layer0.k": x}, str(src / f"req{i}.safetensors"))
+    code, _, err = run(capsys, "compress", src, tmp_path / "arch", "--address", "inline")
+    assert code == 1 and err.startswith("fp8ray: error: block 'layer0.k' of req2.safetensors: 1 non-finite value"), err
