@@ -229,7 +229,7 @@ class Manifest:
         layout = field("layout", dict, optional=True)
         provenance = field("provenance", dict, optional=True)
         parts = field("parts", list)
-        return cls(
+        manifest = cls(
             version=obj["version"],
             fp8ray_version=field("fp8ray_version", str),
             codec=codec,
@@ -244,6 +244,10 @@ class Manifest:
             parts=tuple(Part.from_json(entry, f"{where}: part entry {i}") for i, entry in enumerate(parts)),
             provenance=Provenance.from_json(provenance, f"{label}'s provenance") if provenance is not None else None,
         )
+        summed = sum(p.blocks for p in manifest.parts)
+        if manifest.blocks != summed:  # as fp8ray writes it, the parts' sum: a manifest edited by hand is refused
+            raise CorruptArchiveError(f"{label} records {manifest.blocks} blocks, but its parts' entries add up to {summed}")
+        return manifest
 
     def to_json(self) -> dict:
         """The manifest as fp8ray writes it: what a version 1 manifest lacks stays out."""

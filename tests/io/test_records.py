@@ -121,6 +121,16 @@ def test_a_manifest_missing_a_field_names_it(name):
         Manifest.from_json(without(manifest_json(), (name,)), "m.json")
 
 
+def test_a_manifest_whose_block_count_is_not_its_parts_is_refused():
+    """inspect said nothing of "blocks": 21 over no parts (and decompress went by the parts)."""
+    obj = manifest_json()
+    summed = sum(p["blocks"] for p in obj["parts"])
+    for blocks, parts in ((summed + 1, obj["parts"]), (summed, [])):
+        edited = {**obj, "blocks": blocks, "parts": parts}
+        with pytest.raises(CorruptArchiveError, match=rf"^m.json: the manifest records {blocks} blocks, but its parts' entries"):
+            Manifest.from_json(edited, "m.json")
+
+
 @pytest.mark.parametrize("name", PART_FIELDS)
 def test_a_part_entry_missing_a_field_names_it(name):
     with pytest.raises(CorruptArchiveError, match=rf"^m.json: part entry 1's '{name}' is missing$"):
