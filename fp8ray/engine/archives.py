@@ -152,7 +152,7 @@ def _scan_compressible(source: str, codec: CodecOptions, strict: bool = False, l
                 frame.check_shape(ref.shape, ref.dtype)
                 archive.check_frame_fits(frame.header_for(codec, ref.dtype, ref.shape).frame_size)
             except ValueError as exc:
-                raise block_error(ref.key, exc, f" of {printable(ref.file)}" if ref.file else "") from None
+                raise block_error(ref.key, exc, ref.of_file) from None
             checked.add((ref.dtype, ref.shape))
     return layout, refs
 

@@ -17,7 +17,7 @@ import os
 import posixpath
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +40,7 @@ from ..codec.runs import RUN_BYTES
 from ..errors import BlockError, MismatchError
 from ..io import archive, part_checks
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
-from ..io.paths import printable, resolve, uri_for
+from ..io.paths import resolve, uri_for
 from ..io.restore import RestoreTask
 from ..io.safetensors import RangeWriter
 
@@ -212,7 +212,7 @@ class QuantWorker:
         frames = self._frames[: sum(sizes)]  # reused, as the reader's buffer is: the part is written before the next
         # Each block's bytes are checked against its ref's size as they are read: no Block needed.
         data = self._reader.read(refs)
-        joined, where = self._reader.joined, _of_file(refs)
+        joined, where = self._reader.joined, lambda i: refs[i].of_file
         encode_data_into(codec, refs, data, frames, sizes, device=self.device, threads=self.threads, joined=joined, where=where)
         rows = archive.part_rows(refs, options, sizes, archive.frame_column(frames, sizes))
         fs, path = resolve(directory)
@@ -452,12 +452,6 @@ def _label(ident: tuple[str, str], name_files: bool) -> str:
     """A block's name in reports: its key, after its file where a source has several."""
     file, key = ident
     return f"{file}:{key}" if name_files else key
-
-
-def _of_file(refs: list[BlockRef]) -> Callable[[int], str]:
-    """Where block ``i`` of ``refs`` comes from, as a message names it: its source file
-    (a key repeats from file to file)."""
-    return lambda i: f" of {printable(refs[i].file)}" if refs[i].file else ""
 
 
 def _node_id() -> str | None:

@@ -67,6 +67,12 @@ class BlockRef(BlockSpec):
         """What names the block within its source: its file and its key."""
         return self.file, self.key
 
+    @property
+    def of_file(self) -> str:
+        """Its file, as an error names the block after its key (``" of req2.safetensors"``:
+        keys repeat from file to file); empty for a source of one file."""
+        return f" of {printable(self.file)}" if self.file else ""
+
 
 @dataclass(frozen=True)
 class SourceFile:
