@@ -405,7 +405,10 @@ def test_verify_against_names_a_block_of_another_dtype_or_shape(tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda m: m["parts"][0].update(blocks=m["parts"][0]["blocks"] + 1), "the manifest records 3 blocks in part-00000"),
+        (  # the total kept equal to the parts' sum, as a manifest edited with care would
+            lambda m: (m["parts"][0].update(blocks=m["parts"][0]["blocks"] + 1), m.update(blocks=m["blocks"] + 1)),
+            "the manifest records 3 blocks in part-00000",
+        ),
         (
             lambda m: m["layout"]["files"][0].update(name="../evil.safetensors"),
             "names a source file '../evil.safetensors', which is not a plain relative file name",
@@ -440,6 +443,7 @@ def test_decompress_refuses_a_part_whose_entry_counts_other_blocks(tmp_path):
     path = tmp_path / "a" / "_manifest.json"
     manifest = json.loads(path.read_text())
     manifest["parts"][0]["blocks"] -= 1
+    manifest["blocks"] -= 1  # the total kept equal to the parts' sum (else refused as it is read)
     path.write_text(json.dumps(manifest))
     with pytest.raises(CorruptArchiveError, match=r"part part-00000.parquet of .* is damaged: it holds 4 blocks, its entry 3$"):
         decompress_archive(str(tmp_path / "a"), str(tmp_path / "out.safetensors"), pool=inline)
