@@ -100,7 +100,7 @@ def _serve(args, options: dict) -> int:
     import ray
     from ray import serve
 
-    from ..engine.runtime import check_placeable, connect_ray, disconnect_ray
+    from ..engine.runtime import check_placeable, connect_ray, disconnect_ray, started_embedded
     from ..serve import ServiceOptions, build_app
 
     owns_ray = connect_ray(args.address, None)
@@ -109,7 +109,7 @@ def _serve(args, options: dict) -> int:
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     deployed = False
     try:
-        if owns_ray:  # nothing else will join it: QuantWorkers it cannot hold would wait forever
+        if started_embedded():  # nothing else will join it: QuantWorkers it cannot hold would wait forever
             service = ServiceOptions.from_args(options)
             check_placeable(service.workers, service.cpus_per_worker, service.gpus_per_worker, ray.cluster_resources())
         if APP_NAME in serve.status().applications:

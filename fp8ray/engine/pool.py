@@ -133,12 +133,12 @@ class QuantPool:
                 )
             self._backend = InlineBackend(s.num_workers, threads, device)
             return self
-        from .runtime import check_placeable, connect_ray, disconnect_ray
+        from .runtime import check_placeable, connect_ray, disconnect_ray, started_embedded
 
         embedded_cpus = max(int(s.num_workers * s.cpus_per_worker), os.cpu_count() or 1)
         self._owns_ray = connect_ray(self.address, embedded_cpus)
         try:
-            if self._owns_ray:  # a GPU it lacks: said at once, not after the start timeout
+            if started_embedded():  # a GPU it lacks: said at once, not after the start timeout (a cluster may grow)
                 import ray
 
                 check_placeable(s.num_workers, s.cpus_per_worker, s.gpus_per_worker, ray.cluster_resources())

@@ -27,7 +27,9 @@ KILL_SECONDS = 3.0
 
 
 def connect_ray(address: str | None, num_cpus: int | None) -> bool:
-    """Connect to Ray, or start an embedded one. Returns whether this call started it.
+    """Connect to Ray, or start an embedded one. Returns whether this call connected it
+    (started one, or joined a cluster): then the caller disconnects it
+    (:func:`disconnect_ray`). :func:`started_embedded` tells the two apart.
 
     ``address`` ``None`` means ``RAY_ADDRESS`` if set, else an embedded local Ray (for
     what needs Ray whatever runs, as Serve; a pool given no address chooses its own,
@@ -94,6 +96,12 @@ def connect_ray(address: str | None, num_cpus: int | None) -> bool:
         signal.raise_signal(held[0])  # the caller's handler runs now (SIGINT: KeyboardInterrupt)
         raise KeyboardInterrupt  # a handler that returned: still, Ray is not connected
     return True
+
+
+def started_embedded() -> bool:
+    """Whether the Ray this process is connected to is one :func:`connect_ray` started
+    here (``"local"``), which nothing else will join, not a cluster it joined."""
+    return _started_dir is not None
 
 
 def check_placeable(workers: int, cpus_per_worker: float, gpus_per_worker: float, have: dict) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -195,6 +196,24 @@ def test_with_a_local_cluster_running_a_command_joins_it(source, tmp_path, ray_t
     # in its session (an embedded Ray's would be in a session of its own, removed with it).
     logs = glob.glob(os.path.join(ray_tmp, "ray", "session_latest", "logs", f"python-core-driver-*_{pid}.log"))
     assert len(logs) == 2, sorted(os.listdir(os.path.join(ray_tmp, "ray", "session_latest", "logs")))
+
+
+def test_on_a_cluster_workers_it_cannot_hold_yet_wait_for_it_to_grow(ray_tmp, local_cluster):
+    """A cluster's autoscaler may add nodes (cluster.yaml's head has no CPU): QuantWorkers
+    it cannot place now wait, up to the start timeout. They were refused at once, as on
+    an embedded Ray: "3 QuantWorkers need 3 CPU(s), and the Ray this command started has 2"."""
+    code = (
+        "from fp8ray import PoolSettings, QuantPool\n"
+        "from fp8ray.errors import PoolStartError\n"
+        "try:\n"
+        f"    with QuantPool(PoolSettings(num_workers=3, address={local_cluster!r}, start_timeout=3)):\n"
+        "        print('started')\n"
+        "except PoolStartError as exc:\n"
+        "    print(exc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=env_for(ray_tmp), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.match(r"only [0-2] of 3 QuantWorkers started within 3 s: the cluster lacks", result.stdout), result.stdout
 
 
 def compress_at(address: str, given: str, source, out, ray_tmp) -> subprocess.CompletedProcess:
