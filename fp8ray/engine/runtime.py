@@ -75,7 +75,8 @@ def connect_ray(address: str | None, num_cpus: int | None) -> bool:
             # Short, own and removed whole: Ray's socket paths are limited to ~100 bytes.
             _started_dir = tempfile.mkdtemp(prefix="fp8ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
             try:
-                ray.init(
+                _init_holding_sigterm(
+                    held,
                     address="local",
                     num_cpus=num_cpus,
                     include_dashboard=False,
@@ -87,7 +88,7 @@ def connect_ray(address: str | None, num_cpus: int | None) -> bool:
                 disconnect_ray()
                 raise
         else:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+            _init_holding_sigterm(held, address=address, log_to_driver=False, logging_level=logging.WARNING)
         if held:
             disconnect_ray()
     finally:
@@ -96,6 +97,19 @@ def connect_ray(address: str | None, num_cpus: int | None) -> bool:
         signal.raise_signal(held[0])  # the caller's handler runs now (SIGINT: KeyboardInterrupt)
         raise KeyboardInterrupt  # a handler that returned: still, Ray is not connected
     return True
+
+
+def _init_holding_sigterm(held: list[int], **kwargs) -> None:
+    """``ray.init(**kwargs)``. As it starts it puts its own SIGTERM handler in place of
+    the one holding signals (``sys.exit(SIGTERM)``): a SIGTERM then ends the process with
+    exit code 15 and no word. That exit is taken back here and the signal held as any
+    other (``held``)."""
+    try:
+        ray.init(**kwargs)
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM:
+            raise
+        held.append(signal.SIGTERM)
 
 
 def started_embedded() -> bool:

@@ -272,3 +272,28 @@ def test_gpus_the_pools_own_ray_lacks_are_refused_at_once(ray_tmp):
         "or join a cluster with --address"
     ), result.stdout
     assert not processes_with_ray_tmp(ray_tmp)
+
+
+def test_a_sigterm_inside_ray_init_is_held_as_any_other(ray_tmp):
+    """ray.init puts its own SIGTERM handler (sys.exit(15)) in place of the one holding
+    signals as it starts: a SIGTERM then ended the command with exit code 15 and no line
+    (README: 130, and one line). Here ray.init is stood in for by what it does first, then
+    the signal; the pool's caller gets it after Ray is stopped, as its own handler's call."""
+    code = (
+        "import signal, sys\n"
+        "import ray\n"
+        "from fp8ray.engine import runtime\n"
+        "def init(**kwargs):\n"
+        "    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init does first\n"
+        "    signal.raise_signal(signal.SIGTERM)\n"
+        "ray.init = init\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))\n"
+        "try:\n"
+        "    runtime.connect_ray('local', 1)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('held', got, runtime.started_embedded(), ray.is_initialized())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=env_for(ray_tmp), capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (0, f"held [{int(signal.SIGTERM)}] False False\n"), result.stderr[-3000:]
+    assert os.listdir(ray_tmp) == []  # the embedded Ray's own directory went with it
