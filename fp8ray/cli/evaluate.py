@@ -68,9 +68,14 @@ def add_commands(commands) -> None:
 def check_output(option: str, path: str, *reads: str | None) -> None:
     """Refuse, before any work, an output ``path`` that is, holds or lies inside a file or
     directory the command reads (``reads``; None skipped): writing it could destroy what
-    is read. Its directory must exist."""
-    from ..io.paths import check_apart
+    is read; or that is a device or a FIFO (its rename would put a file in its place).
+    Its directory must exist."""
+    from ..io.paths import check_apart, check_not_special, resolve
 
+    try:
+        check_not_special(*resolve(path), path)
+    except DestinationError as exc:
+        raise DestinationError(f"{option}: {exc}") from None
     for read in reads:
         if read is not None:
             try:
@@ -79,6 +84,14 @@ def check_output(option: str, path: str, *reads: str | None) -> None:
                 raise DestinationError(f"{option}: {exc}") from None
     if not Path(path).resolve().parent.is_dir():
         raise DestinationError(f"{option}: directory {Path(path).parent} does not exist")
+
+
+def check_plot(path: str, *reads: str | None) -> None:
+    """:func:`check_output` of a ``--plot`` file, and its format (from its suffix), before any work."""
+    from ..eval.plots import plot_format
+
+    check_output("--plot", path, *reads)
+    plot_format(path)
 
 
 def model_read(model: str | None) -> str | None:
@@ -115,10 +128,10 @@ def run_fidelity(args) -> int:
     from ..eval.fidelity import DEFAULT_KEY_PATTERN, fidelity_report, format_report, plot_layers
 
     key_pattern = DEFAULT_KEY_PATTERN if args.key_pattern is None else args.key_pattern
-    if args.plot:
-        check_output("--plot", args.plot, args.original, args.archive)
+    if args.plot is not None:
+        check_plot(args.plot, args.original, args.archive)
     report = fidelity_report(args.original, args.archive, key_pattern=key_pattern)
-    if args.plot:
+    if args.plot is not None:
         plot_layers(report, args.plot)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1, allow_nan=False))
@@ -137,8 +150,8 @@ def run_eval_model(args) -> int:
         if not all(m.strip() for m in group.split(",")):
             raise InvalidOptionError(f"--modes {group!r} has an empty mode: name each mode, separated by commas", field="modes")
     modes = [m for group in args.modes for m in group.split(",")] if args.modes else list(DEFAULT_MODES)
-    if args.plot:
-        check_output("--plot", args.plot, text, model_read(args.model))
+    if args.plot is not None:
+        check_plot(args.plot, text, model_read(args.model))
     loaded, results = evaluate_text(text, args.prefix, args.continuation, modes, args.model)
     title = (
         f"fp8ray eval-model: {loaded.name} ({str(loaded.dtype).removeprefix('torch.')}), {Path(text).name}, "

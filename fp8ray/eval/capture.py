@@ -22,7 +22,7 @@ from .. import __version__
 from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
 from ..errors import ArchiveExistsError, BadInputError, DestinationError, InvalidOptionError
 from ..io.blocks import tensor_to_bytes
-from ..io.paths import output_error
+from ..io.paths import check_not_special, output_error, resolve
 from ..io.safetensors import SafetensorsWriter
 from .models import LoadedModel, cache_tensors, forward, load_model, read_text, tokenize
 
@@ -90,6 +90,7 @@ def capture(
     out = Path(out)
     if out.suffix != ".safetensors":
         raise DestinationError(f"output {out} must end in .safetensors")
+    check_not_special(*resolve(str(out)), str(out))  # even with overwrite: its rename would put a file in its place
     if out.exists() and not overwrite:
         raise ArchiveExistsError(f"output {out} already exists (pass --overwrite to replace it)")
     if not out.parent.is_dir():

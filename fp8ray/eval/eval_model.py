@@ -29,7 +29,6 @@ cache in 16 bits costs).
 
 from __future__ import annotations
 
-import io
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -41,8 +40,8 @@ from ..codec import CodecOptions, Fp8Codec, decode
 from ..codec.formats import FORMATS, SCALINGS
 from ..codec.metrics import relative_error
 from ..errors import BadInputError
-from ..io.paths import write_output
 from .models import LoadedModel, cache_tensors, forward, load_model, make_cache, read_text, tokenize
+from .plots import save_figure
 
 REFERENCE = "reference"
 CASTS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -223,10 +222,10 @@ def plot(results: list[ModeResult], path: str | os.PathLike, title: str) -> None
     ax.set_title(title, fontsize=9)
     ax.tick_params(axis="y", labelsize=8)
     fig.tight_layout()
-    image = io.BytesIO()
-    fig.savefig(image, format=Path(path).suffix[1:].lower() or "png", dpi=120)  # .svg, .pdf: as matplotlib takes them
-    plt.close(fig)
-    write_output(str(path), image.getvalue())  # whole or not at all, as every output
+    try:
+        save_figure(fig, path, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def evaluate_text(

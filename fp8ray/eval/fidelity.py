@@ -22,7 +22,6 @@ accept it.
 
 from __future__ import annotations
 
-import io
 import re
 from dataclasses import dataclass, field
 
@@ -31,7 +30,8 @@ from ..codec.metrics import ErrorSums, json_safe, row_sums
 from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
 from ..io import archive
 from ..io.blocks import bytes_to_tensor, read_blocks, scan_source
-from ..io.paths import resolve, write_output
+from ..io.paths import resolve
+from .plots import save_figure
 
 DEFAULT_KEY_PATTERN = r"(?:^|[^a-z0-9])layers?[._-]?(?P<layer>\d+)[._/-](?P<kv>k|v|key|value)$"
 KINDS = ("k", "v")
@@ -210,11 +210,9 @@ def plot_layers(report: FidelityReport, output: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        png = io.BytesIO()
-        fig.savefig(png, format="png")
+        save_figure(fig, output)
     finally:
         plt.close(fig)
-    write_output(str(output), png.getvalue())  # whole or not at all, as every output
 
 
 def format_report(report: FidelityReport) -> str:

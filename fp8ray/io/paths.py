@@ -156,9 +156,11 @@ def output_error(uri: str, exc: OSError) -> Fp8rayError:
 
 
 def write_output(uri: str, data: bytes) -> None:
-    """Write a command's output file ``uri`` whole (:func:`write_atomic`); a failure
-    raises :func:`output_error`."""
+    """Write a command's output file ``uri`` whole (:func:`write_atomic`), never in the
+    place of a device or a FIFO (:func:`check_not_special`); a failure raises
+    :func:`output_error`."""
     fs, path = resolve(uri)
+    check_not_special(fs, path, uri)
     try:
         write_atomic(fs, path, data)
     except OSError as exc:

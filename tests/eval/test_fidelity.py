@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 
 import pytest
 import torch
@@ -206,6 +208,26 @@ def test_cli_plot_never_writes_over_what_it_reads(stores, capsys, plot, message)
     out, err = capsys.readouterr()
     assert code == 1 and not out and err.count("\n") == 1 and err.startswith("fp8ray: error: --plot: ") and message in err
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before and not (root / "missing").exists()
+
+
+def test_cli_plot_is_refused_before_any_work_where_it_cannot_be_written(stores, tmp_path, capsys):
+    """A FIFO became a plain PNG file (and /dev/null, for everyone); a .txt or .svg name
+    got PNG bytes; an empty name drew nothing, silently."""
+    root, _ = stores
+    fifo = tmp_path / "layers.png"
+    os.mkfifo(fifo)
+    for plot, message in (
+        (fifo, f"--plot: output {fifo} is a FIFO, not a file"),
+        (tmp_path / "layers.txt", "matplotlib writes no .txt files"),
+        ("", "a path is empty"),
+    ):
+        code = main(["fidelity", str(root / "exact.safetensors"), str(root / "arch"), "--plot", str(plot)])
+        out, err = capsys.readouterr()
+        assert code == 1 and not out and err.count("\n") == 1 and message in err, err
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and sorted(tmp_path.iterdir()) == [fifo]
+    svg = tmp_path / "layers.svg"
+    assert main(["fidelity", str(root / "exact.safetensors"), str(root / "arch"), "--plot", str(svg)]) == 0
+    assert svg.read_bytes().lstrip().startswith(b"<?xml")  # the format its name says
 
 
 def test_cli_plot_on_a_full_disk_names_it_and_leaves_nothing(stores, tmp_path, capsys, monkeypatch):

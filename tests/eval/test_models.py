@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,19 @@ def test_capture_never_writes_over_what_it_reads(tmp_path, capsys, where):
     code, _, err = run(capsys, "capture", "--out", out, "--text", text, "--model", model, "--overwrite")
     assert code == 1 and err.startswith("fp8ray: error: --out: ") and err.count("\n") == 1
     assert text.read_text() == "The lighthouse stood on the rock.\n" and (model / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_capture_never_puts_a_file_in_place_of_a_fifo(tmp_path, capsys):
+    """With --overwrite, the rename made the FIFO a plain file (a device node too)."""
+    text, out = tmp_path / "story.txt", tmp_path / "kv.safetensors"
+    text.write_text("The lighthouse stood on the rock.\n")
+    os.mkfifo(out)
+    code, _, err = run(capsys, "capture", "--out", out, "--text", text, "--model", tmp_path / "none", "--overwrite")
+    assert (code, err) == (
+        1,
+        f"fp8ray: error: --out: output {out} is a FIFO, not a file: fp8ray writes files only, and never replaces one\n",
+    )
+    assert stat.S_ISFIFO(out.stat().st_mode)
 
 
 def test_model_argument_resolution(tmp_path):
@@ -347,7 +362,16 @@ def test_eval_model_refuses_an_empty_mode_before_the_model_loads(capsys, modes):
     assert code == 1 and err.count("\n") == 1 and f"--modes {modes!r} has an empty mode" in err
 
 
-@pytest.mark.parametrize("where, message", [("text", "is the source"), ("model", "inside each other"), ("nowhere", "directory")])
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("text", "is the source"),
+        ("model", "inside each other"),
+        ("nowhere", "directory"),
+        ("fifo", "is a FIFO, not a file"),  # replaced by the plot before, as /dev/null would have been
+        ("txt", "matplotlib writes no .txt files"),  # refused after the whole run before, its results lost
+    ],
+)
 def test_eval_model_plot_never_writes_over_what_it_reads(tmp_path, capsys, where, message):
     """--plot is refused before the model loads (the missing model would be reported else)
     when it is the --text file or lies in the --model directory, or its directory is missing."""
@@ -355,8 +379,13 @@ def test_eval_model_plot_never_writes_over_what_it_reads(tmp_path, capsys, where
     text.write_text("The lighthouse stood on the rock.\n")
     model = tmp_path / "model"
     model.mkdir()
-    plot = {"text": text, "model": model / "kl.png", "nowhere": tmp_path / "missing" / "kl.png"}[where]
-    code, _, err = run(capsys, "eval-model", "--text", text, "--model", model, "--plot", plot)
-    assert code == 1 and err.startswith("fp8ray: error: --plot: ") and message in err and err.count("\n") == 1
-    assert text.read_text() == "The lighthouse stood on the rock.\n" and sorted(tmp_path.iterdir()) == [model, text]
+    fifo = tmp_path / "kl.png"
+    plot = {"text": text, "model": model / "kl.png", "nowhere": tmp_path / "missing" / "kl.png", "fifo": fifo}.get(where)
+    if where == "fifo":
+        os.mkfifo(fifo)
+    code, _, err = run(capsys, "eval-model", "--text", text, "--model", model, "--plot", plot or tmp_path / "kl.txt")
+    assert code == 1 and err.startswith("fp8ray: error: ") and message in err and err.count("\n") == 1
+    assert text.read_text() == "The lighthouse stood on the rock.\n"
+    assert sorted(tmp_path.iterdir()) == sorted([model, text, *([fifo] if where == "fifo" else [])])
+    assert where != "fifo" or stat.S_ISFIFO(fifo.stat().st_mode)
     assert not list(model.iterdir())
