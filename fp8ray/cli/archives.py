@@ -282,7 +282,7 @@ def run_get(args) -> int:
     import pyarrow.fs as pafs
 
     from ..errors import ArchiveExistsError, DestinationError
-    from ..io.paths import check_apart, check_not_special, output_error, prepare_parent, redact, resolve
+    from ..io.paths import check_apart, check_not_special, os_reason, output_error, prepare_parent, redact, resolve
     from ..io.reader import open_archive
     from ..io.safetensors import SafetensorsWriter, build_body
 
@@ -304,8 +304,13 @@ def run_get(args) -> int:
     block = reader.block(args.key, file)  # a missing key is refused, naming the key and file
     metadata = reader.metadata(file) or None
     if to_stdout:
-        sys.stdout.buffer.write(build_body([(args.key, block.dtype, block.shape, block.data)], metadata))
-        sys.stdout.buffer.flush()
+        try:
+            sys.stdout.buffer.write(build_body([(args.key, block.dtype, block.shape, block.data)], metadata))
+            sys.stdout.buffer.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:  # a full disk behind a redirection: its Errno said, not what was written
+            raise DestinationError(f"cannot write to standard output (-o -): {os_reason(exc)}") from None
         return 0
     try:
         with SafetensorsWriter(args.output, [(args.key, block.dtype, block.shape)], metadata, replace=args.overwrite) as writer:

@@ -78,6 +78,23 @@ def test_standard_output_closed_is_refused_in_one_line(archive):
     assert closed.returncode == 1 and closed.stderr == "fp8ray: error: -o - writes to standard output, which is closed\n"
 
 
+def test_a_full_standard_output_is_named(archive):
+    """Behind `> /dev/full` the error said only "[Errno 28] No space left on device"."""
+    arch, _ = archive
+    full = subprocess.run(
+        f"{FP8RAY} get {arch} only1 -o - > /dev/full",
+        shell=True,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, RAY_AUTH_MODE="disabled"),
+    )
+    assert (full.returncode, full.stderr) == (
+        1,
+        "fp8ray: error: cannot write to standard output (-o -): No space left on device\n",
+    )
+
+
 def test_missing_and_ambiguous_keys_name_what_to_choose(archive, tmp_path):
     arch, _ = archive
     out = tmp_path / "x.safetensors"
