@@ -6,10 +6,11 @@ The archive format itself is :mod:`fp8ray.io.archive`.
 
 from __future__ import annotations
 
+import os
 import posixpath
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import pyarrow.fs as pafs
 
@@ -163,11 +164,9 @@ def _resumable_parts(
     """The parts an interrupted run of the same plan finished (none without one)."""
     if previous is None:
         return {}
-    if replace(previous, files=plan.files) != plan:
-        raise ArchiveExistsError(
-            f"cannot resume {redact(destination)}: it was started from another source, options or plan "
-            f"({previous.source}, {previous.codec})"
-        )
+    differs = _plan_difference(previous, plan)
+    if differs:
+        raise ArchiveExistsError(f"cannot resume {redact(destination)}: it was started {differs}; --overwrite starts again")
     # Same keys and shapes is not same values: a source rewritten since must not reuse parts.
     if previous.files is None:
         raise ArchiveExistsError(
@@ -179,6 +178,30 @@ def _resumable_parts(
         raise ArchiveExistsError(f"cannot resume {redact(destination)}: {changed}; pass --overwrite to start again")
     infos = {i: archive.resumable_part(fs, work, i, len(blocks)) for i, blocks in enumerate(plan.parts)}
     return {i: info for i, info in infos.items() if info is not None}
+
+
+def _plan_difference(previous: archive.Plan, plan: archive.Plan) -> str:
+    """How an interrupted run's plan differs from this run's (``""``: it does not), as the
+    refusal to resume says it. A local source is the same given as a relative or an
+    absolute path, or with a trailing slash (a job is given absolute paths)."""
+    same_source = previous.source == plan.source or (
+        "://" not in previous.source + plan.source and os.path.realpath(previous.source) == os.path.realpath(plan.source)
+    )
+    if not same_source:
+        return f"from another source, {previous.source} (this run's: {plan.source})"
+    if previous.codec != plan.codec:
+        changed = sorted(k for k in previous.codec.keys() | plan.codec.keys() if previous.codec.get(k) != plan.codec.get(k))
+        return "with other codec options: " + ", ".join(
+            f"{k} {previous.codec.get(k)!r} (this run's: {plan.codec.get(k)!r})" for k in changed
+        )
+    if previous.lossless != plan.lossless:
+        return f"with another lossless stage, {previous.lossless} (this run's: {plan.lossless})"
+    if previous.parts != plan.parts:
+        return (
+            f"with another plan of parts ({len(previous.parts)} parts, this run's {len(plan.parts)}): "
+            "another --part-mb, or other blocks in the source"
+        )
+    return ""
 
 
 def _parts_left(fs: pafs.FileSystem, work: str, total: int) -> str:

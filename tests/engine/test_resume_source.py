@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pyarrow.fs as pafs
 import pytest
@@ -105,3 +106,27 @@ def test_a_finished_part_damaged_since_is_written_again_not_reused(tmp_path, dam
     report = compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE, resume=True)
     assert report.parts_reused == len(others)  # the damaged one is written again
     assert verify_archive(str(arch), against=str(src), pool=INLINE).ok
+
+
+def test_a_refused_resume_says_what_differs_and_takes_the_same_source_spelled_otherwise(tmp_path, monkeypatch):
+    """Every refusal said "started from another source, options or plan (<source>, <codec>)",
+    naming nothing that differed; and a relative path refused a plan an absolute one had
+    written (a job is given absolute paths: resuming its archive from a shell failed)."""
+    src, arch = tmp_path / "kv.safetensors", tmp_path / "kv.fp8"
+    write_source(src, 1)
+    interrupted(src, arch)
+    for given, message in (
+        ({"scaling": "token"}, "with other codec options: scaling 'block' (this run's: 'token'); --overwrite starts again"),
+        ({"lossless": "none"}, "with another lossless stage, zstd:3 (this run's: none)"),
+        ({"part_bytes": PART * 2}, "with another plan of parts ("),
+    ):
+        options = {"part_bytes": PART, **given}
+        with pytest.raises(ArchiveExistsError, match=re.escape(f"it was started {message}")):
+            compress_archive(str(src), str(arch), pool=INLINE, resume=True, **options)
+    other = tmp_path / "other.safetensors"
+    write_source(other, 1)
+    with pytest.raises(ArchiveExistsError, match=re.escape(f"from another source, {src} (this run's: {other})")):
+        compress_archive(str(other), str(arch), part_bytes=PART, pool=INLINE, resume=True)
+    monkeypatch.chdir(tmp_path)
+    report = compress_archive("./kv.safetensors", str(arch), part_bytes=PART, pool=INLINE, resume=True)
+    assert report.parts_reused >= 1 and verify_archive(str(arch), against=str(src), pool=INLINE).ok
