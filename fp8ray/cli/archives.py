@@ -277,6 +277,7 @@ def add_get_command(commands) -> None:
 
 
 def run_get(args) -> int:
+    import os
     import sys
 
     import pyarrow.fs as pafs
@@ -296,7 +297,8 @@ def run_get(args) -> int:
         kind = fs.get_file_info(path).type
         if kind == pafs.FileType.Directory:
             raise DestinationError(f"output {redact(args.output)} is a directory; name the .safetensors file to write")
-        if kind != pafs.FileType.NotFound and not args.overwrite:
+        dangling = isinstance(fs, pafs.LocalFileSystem) and os.path.lexists(path)  # a link to nothing is there too
+        if (kind != pafs.FileType.NotFound or dangling) and not args.overwrite:
             raise ArchiveExistsError(f"output {redact(args.output)} exists (pass --overwrite to replace it)")
         prepare_parent(fs, path, args.output, args.parents)
     reader = open_archive(args.archive)

@@ -37,7 +37,11 @@ def add_commands(commands) -> None:
         "(default: names such as layer07.k, model.layer_7-v, layer7/value)",
     )
     json_argument(fidelity)
-    fidelity.add_argument("--plot", metavar="PNG", help="write relative error per layer for K and V to this PNG")
+    fidelity.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="write relative error per layer for K and V to this image (.png, .svg, .pdf: from its suffix)",
+    )
     fidelity.set_defaults(handler=run_fidelity)
 
     evaluate = commands.add_parser(
@@ -61,7 +65,9 @@ def add_commands(commands) -> None:
     output = evaluate.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print the rows as JSON")
     output.add_argument("--markdown", action="store_true", help="print a Markdown table (default: an aligned text table)")
-    evaluate.add_argument("--plot", metavar="PNG", help="also save a bar chart of KL per mode")
+    evaluate.add_argument(
+        "--plot", metavar="FILE", help="also save a bar chart of KL per mode (format from its suffix: .png, .svg, .pdf)"
+    )
     evaluate.set_defaults(handler=run_eval_model)
 
 

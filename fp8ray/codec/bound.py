@@ -102,7 +102,8 @@ def check_within_bound(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, co
     i = int(wrong.nonzero()[0, 0])
     index = [int(n) for n in np.unravel_index(i, tuple(x.shape))] if x.dim() else []
     source, decoded = float(x.reshape(-1)[i]), float(y64[i])
-    count = f"{int(wrong.sum())} of {wrong.numel()} elements out of their bound; the first, element {index}"
+    first = f"the first, element {index}" if index else "the only one"
+    count = f"{int(wrong.sum())} of {wrong.numel()} elements out of their bound; {first}"
     if bool(finite[i]) and bool(y_finite[i]):
         return (
             f"{count}, decodes to {decoded!r} where the source holds {source!r}: an error of {abs(float(diff[i])):.6g}, "

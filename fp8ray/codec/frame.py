@@ -161,7 +161,7 @@ def check_shape(shape: tuple[int, ...], dtype: str) -> None:
     if spanned * itemsize > MAX_NUMEL:  # an empty tensor still: numpy multiplies its other dimensions, in bytes
         raise BadInputError(
             f"shape {list(shape)}: its non-zero dimensions multiply to {spanned}, more than {MAX_NUMEL // itemsize} "
-            f"for {dtype} (numpy and torch cannot make an array of it, even empty)"
+            f"for {dtype} (numpy and torch cannot make an array of it{', even empty' if 0 in shape else ''})"
         )
 
 

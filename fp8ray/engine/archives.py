@@ -48,6 +48,7 @@ from ..io.paths import (
     name_list,
     os_reason,
     output_error,
+    output_exists,
     printable,
     redact,
     remove_quietly,
@@ -194,7 +195,7 @@ def _plan_difference(previous: archive.Plan, plan: archive.Plan) -> str:
         return "with other codec options: " + ", ".join(
             f"{k} {previous.codec.get(k)!r} (this run's: {plan.codec.get(k)!r})" for k in changed
         )
-    if previous.lossless != plan.lossless:
+    if _spelled_alike(previous.lossless) != plan.lossless:
         return f"with another lossless stage, {previous.lossless} (this run's: {plan.lossless})"
     if previous.parts != plan.parts:
         return (
@@ -202,6 +203,15 @@ def _plan_difference(previous: archive.Plan, plan: archive.Plan) -> str:
             "another --part-mb, or other blocks in the source"
         )
     return ""
+
+
+def _spelled_alike(lossless: str) -> str:
+    """An earlier plan's lossless stage as this fp8ray records it (``zstd:03`` as ``zstd:3``),
+    or as it is where this fp8ray would refuse it."""
+    try:
+        return archive.canonical_lossless(lossless)
+    except InvalidOptionError:
+        return lossless
 
 
 def _parts_left(fs: pafs.FileSystem, work: str, total: int) -> str:
@@ -453,6 +463,8 @@ def decompress_archive(
     ranged = isinstance(out_fs, pafs.LocalFileSystem) and lmcache_form is None
     plan = plan_restore(manifest, columns, single_name, ranged)
     foreign = check_output(out_fs, out_path, output, plan, overwrite or force_replace, force_replace, parents)
+    # What is replaced at the end: only an output there now (one made meanwhile is kept).
+    replace = (overwrite or force_replace) and output_exists(out_fs, out_path)
     if foreign and announce:
         announce(
             f"--force-replace: replacing {redact(output)} deletes {entries(len(foreign))} "
@@ -488,11 +500,11 @@ def decompress_archive(
             report.nodes = len(nodes - {None})
         clean_temporaries(out_fs, scratch)  # of workers killed mid-file; their files were rewritten
         if plan.container == "directory":
-            replace_directory(out_fs, scratch, out_path, output, replace=overwrite or force_replace)
+            replace_directory(out_fs, scratch, out_path, output, replace=replace)
         else:
             (only,) = plan.files
             # Replaces an old file (--overwrite) in one step; else keeps one made meanwhile.
-            move_into_place(out_fs, f"{scratch}/{only.name}", out_path, output, replace=overwrite or force_replace)
+            move_into_place(out_fs, f"{scratch}/{only.name}", out_path, output, replace=replace)
             out_fs.delete_dir(scratch)
     except OSError as exc:
         remove_quietly(out_fs, scratch)

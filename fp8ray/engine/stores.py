@@ -227,6 +227,7 @@ def convert_store(
     check_pool(pool)
     layout = parse_layout(layout) if isinstance(layout, str) else layout
     src, dst = _check_paths(source, destination, overwrite, parents)
+    replace = overwrite and os.path.lexists(dst)  # only a store there now: one made meanwhile is kept
     scan = scan_store(src, layout)
     _check_models(scan, expect_model, source)
     wanted = header_for(options, layout.dtype, layout.shape)  # a frame in other options is converted: the serde would refuse it
@@ -260,7 +261,7 @@ def convert_store(
                 raise DestinationError(f"{cannot_write} ({exc})") from None
             seconds = time.perf_counter() - start
         try:
-            replace_directory(LocalFileSystem(), scratch, dst, destination, replace=overwrite)  # the old store goes only now
+            replace_directory(LocalFileSystem(), scratch, dst, destination, replace=replace)  # the old store goes only now
         except ArchiveExistsError:
             raise
         except OSError as exc:

@@ -91,7 +91,7 @@ def capture(
     if out.suffix != ".safetensors":
         raise DestinationError(f"output {out} must end in .safetensors")
     check_not_special(*resolve(str(out)), str(out))  # even with overwrite: its rename would put a file in its place
-    if out.exists() and not overwrite:
+    if os.path.lexists(out) and not overwrite:  # a link to nothing too: the output's rename would replace it
         raise ArchiveExistsError(f"output {out} already exists (pass --overwrite to replace it)")
     if not out.parent.is_dir():
         raise DestinationError(f"output directory {out.parent} does not exist")

@@ -184,7 +184,8 @@ def fidelity_report(original: str, archive_uri: str, key_pattern: str = DEFAULT_
 
 
 def plot_layers(report: FidelityReport, output: str) -> None:
-    """A PNG of rel_fro per layer for K and V, log y (matplotlib's Agg backend)."""
+    """A plot of rel_fro per layer for K and V, log y (matplotlib's Agg backend), in the format of
+    ``output``'s suffix (:mod:`.plots`)."""
     if not report.layers["k"] and not report.layers["v"]:
         raise MismatchError(
             "nothing to plot: no key matches the layer pattern and no tensor is a [2, layers, tokens, hidden] block"

@@ -249,8 +249,14 @@ def scan_store(directory: str, layout: Layout) -> StoreScan:
 
 def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> None:
     """Scan the folder ``prefix`` (``""``, or hash-prefix folders ending in ``/``) of ``root``."""
-    with os.scandir(os.path.join(root, prefix) if prefix else root) as it:
-        entries = sorted(it, key=lambda e: e.name)
+    try:
+        with os.scandir(os.path.join(root, prefix) if prefix else root) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as exc:
+        if not prefix:  # the store itself: the caller's to report
+            raise
+        scan.skipped.append({"name": prefix, "reason": f"unreadable: {exc.strerror or exc}"})
+        return
     if not entries and prefix:
         scan.skipped.append({"name": prefix, "reason": "an empty hash-prefix folder"})
     for entry in entries:
@@ -260,10 +266,7 @@ def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> Non
             scan.skipped.append({"name": name + folder, "reason": "a symbolic link"})
             continue
         if entry.is_dir() and is_hash_folder(entry.name):
-            try:
-                _scan_folder(root, name + "/", layout, scan)
-            except OSError as exc:  # this folder's listing; what it held before the error is kept
-                scan.skipped.append({"name": name + "/", "reason": f"unreadable: {exc.strerror or exc}"})
+            _scan_folder(root, name + "/", layout, scan)
             continue
         if not entry.is_file():
             scan.skipped.append(
@@ -280,9 +283,9 @@ def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> Non
                 {"name": name, "reason": f"in folder {prefix}, not its hash's prefix folder: LMCache would not find it there"}
             )
             continue
-        size = entry.stat().st_size
         prefix_bytes = b""
         try:
+            size = entry.stat().st_size  # a file LMCache evicted since the listing: named, the rest go on
             if size != layout.numel:
                 with open(entry.path, "rb") as f:
                     prefix_bytes = f.read(HEADER_BYTES)

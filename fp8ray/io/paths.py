@@ -131,7 +131,7 @@ def move_into_place(fs: pafs.FileSystem, tmp: str, path: str, uri: str, replace:
         except FileExistsError:
             raise _appeared(uri) from None
         except OSError as exc:
-            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
                 raise
         else:
             os.unlink(tmp)
@@ -142,7 +142,7 @@ def move_into_place(fs: pafs.FileSystem, tmp: str, path: str, uri: str, replace:
 
 
 def _appeared(uri: str) -> ArchiveExistsError:
-    return ArchiveExistsError(f"output {redact(uri)} appeared while this command ran: not replacing it (--overwrite would)")
+    return ArchiveExistsError(f"output {redact(uri)} appeared while this command ran: not replacing it")
 
 
 def output_error(uri: str, exc: OSError) -> Fp8rayError:
@@ -266,6 +266,14 @@ def check_not_special(fs: pafs.FileSystem, path: str, uri: str) -> None:
     kind = next((name for test, name in kinds.items() if test(mode)), None)
     if kind is not None:
         raise DestinationError(f"output {redact(uri)} is {kind}, not a file: fp8ray writes files only, and never replaces one")
+
+
+def output_exists(fs: pafs.FileSystem, path: str) -> bool:
+    """Whether anything is at ``path`` (locally a link to nothing too: a rename there
+    replaces it)."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        return os.path.lexists(path)
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
 
 
 def replace_directory(fs: pafs.FileSystem, new: str, old: str, uri: str | None = None, *, replace: bool) -> None:

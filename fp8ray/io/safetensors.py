@@ -471,7 +471,11 @@ class SafetensorsWriter(CompleteOrNothing):
         self.written = end
 
     def close(self) -> None:
-        self.stream.close()
+        try:
+            self.stream.close()  # its last bytes go now: a full disk can fail it
+        except BaseException:
+            delete_quietly(self.fs, self.tmp)
+            raise
         if self.written != len(self.tensors):
             self.fs.delete_file(self.tmp)
             raise MismatchError(f"only {self.written} of {len(self.tensors)} tensors were written")

@@ -45,6 +45,9 @@ def _castable(t: torch.Tensor) -> torch.Tensor:
         return t
     if t.is_complex():
         raise TypeError(f"src tensor has unsupported dtype {t.dtype}: a KV cache is real")
+    if t.dtype == torch.float64:  # a finite value past float32's range saturates, as in range: it must not become inf
+        top = torch.finfo(torch.float32).max
+        t = torch.where(t.isfinite(), t.clamp(-top, top), t)
     return t.to(torch.float32)
 
 

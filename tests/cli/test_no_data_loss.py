@@ -170,7 +170,7 @@ def test_a_full_disk_mid_compress_names_the_destination_and_what_resume_keeps(tm
 
 
 def appeared(output) -> str:
-    return f"fp8ray: error: output {output} appeared while this command ran: not replacing it (--overwrite would)\n"
+    return f"fp8ray: error: output {output} appeared while this command ran: not replacing it\n"
 
 
 def one_chunk_store(tmp_path) -> tuple[Path, str]:
@@ -220,14 +220,20 @@ def test_missing_parent_directories_are_named_not_created(kv_source, tmp_path, c
 
 
 def test_a_symbolic_link_to_nothing_at_the_output_is_replaced_only_with_overwrite(kvdir, tmp_path, capsys):
+    """get took a link to nothing for no output, ran, and then said the output "appeared
+    while this command ran"; decompress refused it up front, as get does now."""
+    from fp8ray import open_archive
+
     arch = tmp_path / "arch"
     assert run(capsys, "compress", kvdir / "a.safetensors", arch, "--address", "inline")[0] == 0
-    out = tmp_path / "out.safetensors"
-    out.symlink_to(tmp_path / "nowhere")
-    code, err = run(capsys, "decompress", arch, out, "--address", "inline")
-    assert code == 1 and "exists (pass --overwrite" in err and out.is_symlink()
-    assert run(capsys, "decompress", arch, out, "--address", "inline", "--overwrite")[0] == 0
-    assert not out.is_symlink() and out.stat().st_size > 0
+    key = next(iter(open_archive(str(arch)).keys()))
+    for name, argv in (("out.safetensors", ("decompress", arch)), ("got.safetensors", ("get", arch, key, "-o"))):
+        out = tmp_path / name
+        out.symlink_to(tmp_path / "nowhere")
+        code, err = run(capsys, *argv, out, *(("--address", "inline") if argv[0] == "decompress" else ()))
+        assert code == 1 and "exists (pass --overwrite" in err and out.is_symlink(), err
+        assert run(capsys, *argv, out, "--overwrite", *(("--address", "inline") if argv[0] == "decompress" else ()))[0] == 0
+        assert not out.is_symlink() and out.stat().st_size > 0
 
 
 def test_overwrite_never_puts_a_file_in_place_of_a_fifo_or_a_device(kvdir, tmp_path, capsys):
@@ -254,16 +260,20 @@ def test_overwrite_never_puts_a_file_in_place_of_a_fifo_or_a_device(kvdir, tmp_p
 
 def test_an_output_made_while_a_command_runs_is_never_replaced(kvdir, tmp_path, capsys, monkeypatch):
     """Another command (or the user) puts a file or a directory at the output after this
-    one checked it: without --overwrite it stays as it is, and the refusal says why."""
+    one checked it: it stays as it is, and the refusal says why; with --overwrite too,
+    which replaces only an output there when the command checked it (decompress
+    --overwrite deleted a directory of the user's made meanwhile, past --force-replace)."""
     from fp8ray import PoolSettings, decompress_archive, open_archive
     from fp8ray.errors import ArchiveExistsError
 
     arch = tmp_path / "arch"
     assert run(capsys, "compress", kvdir, arch, "--address", "inline")[0] == 0
     inline = PoolSettings(address="inline")
-    for output, single_file, make in (
-        (tmp_path / "one.safetensors", True, lambda p: p.write_bytes(b"theirs")),
-        (tmp_path / "tree", False, lambda p: (p.mkdir(), (p / "a.safetensors").write_bytes(b"theirs"))),
+    for output, single_file, make, overwrite in (
+        (tmp_path / "one.safetensors", True, lambda p: p.write_bytes(b"theirs"), False),
+        (tmp_path / "tree", False, lambda p: (p.mkdir(), (p / "a.safetensors").write_bytes(b"theirs")), False),
+        (tmp_path / "two.safetensors", True, lambda p: p.write_bytes(b"theirs"), True),
+        (tmp_path / "docs", False, lambda p: (p.mkdir(), (p / "a.safetensors").write_bytes(b"theirs")), True),
     ):
 
         def meanwhile(_blocks, output=output, make=make):
@@ -271,7 +281,9 @@ def test_an_output_made_while_a_command_runs_is_never_replaced(kvdir, tmp_path, 
                 make(output)
 
         with pytest.raises(ArchiveExistsError, match=f"output {output} appeared while this command ran: not replacing it"):
-            decompress_archive(str(arch), str(output), single_file=single_file, progress=meanwhile, pool=inline)
+            decompress_archive(
+                str(arch), str(output), single_file=single_file, overwrite=overwrite, progress=meanwhile, pool=inline
+            )
         theirs = output if single_file else output / "a.safetensors"
         assert theirs.read_bytes() == b"theirs"
         assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name], "a temporary left behind"

@@ -67,3 +67,10 @@ def test_a_non_finite_value_where_the_source_is_finite_fails_with_an_infinite_er
         f"1 of 4096 elements out of their bound; the first, element [3, 5], decodes to {value!r} "
         f"where the source holds {float(x[3, 5])!r}"
     )
+
+
+def test_a_0d_block_past_its_bound_is_the_only_one():
+    x = torch.tensor(1.0)
+    scales = element_scales(torch.ones(1), "none", (), 0)
+    message = check_within_bound(x, torch.tensor(2.0), scales, bound_constants(OPTIONS.fmt, "none"))
+    assert message.startswith("1 of 1 elements out of their bound; the only one, decodes to 2.0 where the source holds 1.0")

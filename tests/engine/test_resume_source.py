@@ -130,3 +130,15 @@ def test_a_refused_resume_says_what_differs_and_takes_the_same_source_spelled_ot
     monkeypatch.chdir(tmp_path)
     report = compress_archive("./kv.safetensors", str(arch), part_bytes=PART, pool=INLINE, resume=True)
     assert report.parts_reused >= 1 and verify_archive(str(arch), against=str(src), pool=INLINE).ok
+
+
+def test_a_plan_spelling_its_lossless_stage_otherwise_is_resumed(tmp_path):
+    """An earlier fp8ray recorded --lossless as typed ('zstd:03'); this one records
+    'zstd:3', and must not refuse that run's archive for the spelling."""
+    src, arch = tmp_path / "kv.safetensors", tmp_path / "kv.fp8"
+    write_source(src, 1)
+    interrupted(src, arch)
+    plan = json.loads((arch / archive.PLAN_NAME).read_text())
+    (arch / archive.PLAN_NAME).write_text(json.dumps({**plan, "lossless": "zstd:03"}, sort_keys=True))
+    report = compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE, resume=True)
+    assert report.parts_reused >= 1

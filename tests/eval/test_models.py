@@ -170,6 +170,10 @@ def test_capture_never_puts_a_file_in_place_of_a_fifo(tmp_path, capsys):
         f"fp8ray: error: --out: output {out} is a FIFO, not a file: fp8ray writes files only, and never replaces one\n",
     )
     assert stat.S_ISFIFO(out.stat().st_mode)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(tmp_path / "nowhere")  # there, though it leads nowhere: replaced only with --overwrite
+    code, _, err = run(capsys, "capture", "--out", link, "--text", text, "--model", tmp_path / "none")
+    assert code == 1 and "already exists (pass --overwrite" in err and link.is_symlink()
 
 
 def test_model_argument_resolution(tmp_path):

@@ -117,14 +117,14 @@ def test_every_real_dtype_gives_lmcaches_bytes(fmt):
     fp8 = getattr(torch, fmt)
     g = torch.Generator().manual_seed(7)
     wide = torch.randn(4096, generator=g, dtype=torch.float64) * torch.logspace(-12, 6, 4096, dtype=torch.float64)
-    near = torch.tensor([1.0625 + 2.0**-40, 1.0625 - 2.0**-40, -0.0, 2.0**-10 + 2.0**-60], dtype=torch.float64)
+    near = torch.tensor([1.0625 + 2.0**-40, 1.0625 - 2.0**-40, -0.0, 2.0**-10 + 2.0**-60, 1e39, -1e300], dtype=torch.float64)
     sources = [torch.cat([wide, near])]  # float64: rounded to float32 first, as torch does (the near-midpoint pair)
     sources += [torch.arange(256, dtype=torch.uint8).view(d) for d in ONE_BYTE_FLOATS]
     sources += [torch.arange(-600, 600, dtype=d) for d in (torch.int8, torch.int16, torch.int32, torch.int64)]
     sources += [torch.arange(256, dtype=torch.uint8), torch.tensor([True, False])]
     ser, de = make_fp8_serde({"fp8_dtype": fmt})
     for src in sources:
-        src = src[src.float().isfinite() & src.to(fp8).float().isfinite()]  # where LMCache's cast is finite
+        src = src[src.double().isfinite() & src.to(fp8).float().isfinite()]  # where LMCache's cast is finite
         buf = torch.empty(src.numel(), dtype=torch.uint8)
         assert ser.serialize(obj(src), obj(buf)) == src.numel()
         assert torch.equal(buf, src.to(fp8).view(torch.uint8)), src.dtype
