@@ -91,6 +91,8 @@ def capture(
     if out.suffix != ".safetensors":
         raise DestinationError(f"output {out} must end in .safetensors")
     check_not_special(*resolve(str(out)), str(out))  # even with overwrite: its rename would put a file in its place
+    if out.is_dir():  # refused now, not after the model has run
+        raise DestinationError(f"output {out} is a directory; name the .safetensors file to write")
     if os.path.lexists(out) and not overwrite:  # a link to nothing too: the output's rename would replace it
         raise ArchiveExistsError(f"output {out} already exists (pass --overwrite to replace it)")
     if not out.parent.is_dir():

@@ -174,6 +174,10 @@ def test_capture_never_puts_a_file_in_place_of_a_fifo(tmp_path, capsys):
     link.symlink_to(tmp_path / "nowhere")  # there, though it leads nowhere: replaced only with --overwrite
     code, _, err = run(capsys, "capture", "--out", link, "--text", text, "--model", tmp_path / "none")
     assert code == 1 and "already exists (pass --overwrite" in err and link.is_symlink()
+    folder = tmp_path / "d.safetensors"
+    folder.mkdir()  # refused after the model had run ("Is a directory"); a missing model would be said first
+    code, _, err = run(capsys, "capture", "--out", folder, "--text", text, "--model", tmp_path / "none", "--overwrite")
+    assert (code, err) == (1, f"fp8ray: error: output {folder} is a directory; name the .safetensors file to write\n")
 
 
 def test_model_argument_resolution(tmp_path):
