@@ -165,44 +165,41 @@ def _resumable_parts(
     """The parts an interrupted run of the same plan finished (none without one)."""
     if previous is None:
         return {}
-    differs = _plan_difference(previous, plan)
-    if differs:
-        raise ArchiveExistsError(f"cannot resume {redact(destination)}: it was started {differs}; --overwrite starts again")
-    # Same keys and shapes is not same values: a source rewritten since must not reuse parts.
-    if previous.files is None:
-        raise ArchiveExistsError(
-            f"cannot resume {redact(destination)}: its plan, written by an earlier fp8ray, does not record the "
-            "source files' sizes and times, so a source rewritten since cannot be told; pass --overwrite to start again"
-        )
-    changed = archive.changed_file(previous.files, plan.files or ())
-    if changed:
-        raise ArchiveExistsError(f"cannot resume {redact(destination)}: {changed}; pass --overwrite to start again")
+    why = _why_not_resumable(previous, plan)
+    if why:
+        raise ArchiveExistsError(f"cannot resume {redact(destination)}: {why}; pass --overwrite to start again")
     infos = {i: archive.resumable_part(fs, work, i, len(blocks)) for i, blocks in enumerate(plan.parts)}
     return {i: info for i, info in infos.items() if info is not None}
 
 
-def _plan_difference(previous: archive.Plan, plan: archive.Plan) -> str:
-    """How an interrupted run's plan differs from this run's (``""``: it does not), as the
-    refusal to resume says it. A local source is the same given as a relative or an
-    absolute path, or with a trailing slash (a job is given absolute paths)."""
+def _why_not_resumable(previous: archive.Plan, plan: archive.Plan) -> str:
+    """Why an interrupted run's plan cannot be continued by this run (``""``: it can), as
+    the refusal says it. A local source is the same given as a relative or an absolute
+    path, or with a trailing slash (a job is given absolute paths)."""
     same_source = previous.source == plan.source or (
         "://" not in previous.source + plan.source and os.path.realpath(previous.source) == os.path.realpath(plan.source)
     )
     if not same_source:
-        return f"from another source, {previous.source} (this run's: {plan.source})"
+        return f"it was started from another source, {previous.source} (this run's: {plan.source})"
     if previous.codec != plan.codec:
         changed = sorted(k for k in previous.codec.keys() | plan.codec.keys() if previous.codec.get(k) != plan.codec.get(k))
-        return "with other codec options: " + ", ".join(
+        return "it was started with other codec options: " + ", ".join(
             f"{k} {previous.codec.get(k)!r} (this run's: {plan.codec.get(k)!r})" for k in changed
         )
     if _spelled_alike(previous.lossless) != plan.lossless:
-        return f"with another lossless stage, {previous.lossless} (this run's: {plan.lossless})"
+        return f"it was started with another lossless stage, {previous.lossless} (this run's: {plan.lossless})"
     if previous.parts != plan.parts:
         return (
-            f"with another plan of parts ({len(previous.parts)} parts, this run's {len(plan.parts)}): "
+            f"it was started with another plan of parts ({len(previous.parts)} parts, this run's {len(plan.parts)}): "
             "another --part-mb, or other blocks in the source"
         )
-    return ""
+    # Same keys and shapes is not same values: a source rewritten since must not reuse parts.
+    if previous.files is None:
+        return (
+            "its plan, written by an earlier fp8ray, does not record the source files' sizes and times, "
+            "so a source rewritten since cannot be told"
+        )
+    return archive.changed_file(previous.files, plan.files or ()) or ""
 
 
 def _spelled_alike(lossless: str) -> str:
@@ -508,9 +505,7 @@ def decompress_archive(
             out_fs.delete_dir(scratch)
     except OSError as exc:
         remove_quietly(out_fs, scratch)
-        if isinstance(exc, Fp8rayError):
-            raise
-        raise output_error(output, exc) from None  # pyarrow's text names the scratch directory
+        raise output_error(output, exc) from None  # pyarrow's text names the scratch directory; fp8ray's own pass
     except BaseException:
         remove_quietly(out_fs, scratch)
         raise

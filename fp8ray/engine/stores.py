@@ -36,6 +36,7 @@ from ..errors import (
     ArchiveExistsError,
     BadInputError,
     DestinationError,
+    Fp8rayError,
     InvalidOptionError,
     MismatchError,
     SourceError,
@@ -262,7 +263,7 @@ def convert_store(
             seconds = time.perf_counter() - start
         try:
             replace_directory(LocalFileSystem(), scratch, dst, destination, replace=replace)  # the old store goes only now
-        except ArchiveExistsError:
+        except Fp8rayError:  # its own, named already (an output made meanwhile, an old store it could not delete)
             raise
         except OSError as exc:
             raise DestinationError(f"{cannot_write}: {os_reason(exc)}") from None

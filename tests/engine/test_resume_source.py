@@ -116,7 +116,10 @@ def test_a_refused_resume_says_what_differs_and_takes_the_same_source_spelled_ot
     write_source(src, 1)
     interrupted(src, arch)
     for given, message in (
-        ({"scaling": "token"}, "with other codec options: scaling 'block' (this run's: 'token'); --overwrite starts again"),
+        (
+            {"scaling": "token"},
+            "with other codec options: scaling 'block' (this run's: 'token'); pass --overwrite to start again",
+        ),
         ({"lossless": "none"}, "with another lossless stage, zstd:3 (this run's: none)"),
         ({"part_bytes": PART * 2}, "with another plan of parts ("),
     ):
