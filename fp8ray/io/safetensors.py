@@ -473,15 +473,10 @@ class SafetensorsWriter(CompleteOrNothing):
     def close(self) -> None:
         try:
             self.stream.close()  # its last bytes go now: a full disk can fail it
-        except BaseException:
-            delete_quietly(self.fs, self.tmp)
-            raise
-        if self.written != len(self.tensors):
-            self.fs.delete_file(self.tmp)
-            raise MismatchError(f"only {self.written} of {len(self.tensors)} tensors were written")
-        try:
+            if self.written != len(self.tensors):
+                raise MismatchError(f"only {self.written} of {len(self.tensors)} tensors were written")
             move_into_place(self.fs, self.tmp, self.path, self.uri, self.replace)
-        except BaseException:
+        except BaseException:  # nothing of it left behind
             delete_quietly(self.fs, self.tmp)
             raise
 
