@@ -247,6 +247,11 @@ def scan_store(directory: str, layout: Layout) -> StoreScan:
     return scan
 
 
+def _unreadable(name: str, exc: OSError) -> dict:
+    """The skipped entry of a file or folder that cannot be read."""
+    return {"name": name, "reason": f"unreadable: {exc.strerror or exc}"}
+
+
 def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> None:
     """Scan the folder ``prefix`` (``""``, or hash-prefix folders ending in ``/``) of ``root``."""
     try:
@@ -255,7 +260,7 @@ def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> Non
     except OSError as exc:
         if not prefix:  # the store itself: the caller's to report
             raise
-        scan.skipped.append({"name": prefix, "reason": f"unreadable: {exc.strerror or exc}"})
+        scan.skipped.append(_unreadable(prefix, exc))
         return
     if not entries and prefix:
         scan.skipped.append({"name": prefix, "reason": "an empty hash-prefix folder"})
@@ -292,7 +297,7 @@ def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> Non
             elif not os.access(entry.path, os.R_OK):  # not opened (no header to read), but as unreadable as one that is
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
         except OSError as exc:
-            scan.skipped.append({"name": name, "reason": f"unreadable: {exc.strerror or exc}"})
+            scan.skipped.append(_unreadable(name, exc))
             continue
         form, reason = form_of(layout, size, prefix_bytes)
         if form is None:
