@@ -202,18 +202,25 @@ def test_on_a_cluster_workers_it_cannot_hold_yet_wait_for_it_to_grow(ray_tmp, lo
     """A cluster's autoscaler may add nodes (cluster.yaml's head has no CPU): QuantWorkers
     it cannot place now wait, up to the start timeout. They were refused at once, as on
     an embedded Ray: "3 QuantWorkers need 3 CPU(s), and the Ray this command started has 2"."""
+    said = pool_start(ray_tmp, f"num_workers=3, address={local_cluster!r}, start_timeout=3")
+    assert re.match(r"only [0-2] of 3 QuantWorkers started within 3 s: the cluster lacks", said), said
+
+
+def pool_start(ray_tmp: str, settings: str) -> str:
+    """What a QuantPool of ``PoolSettings(<settings>)`` says as it starts, in a fresh
+    Python with ``RAY_TMPDIR=ray_tmp``: 'started', or its PoolStartError."""
     code = (
         "from fp8ray import PoolSettings, QuantPool\n"
         "from fp8ray.errors import PoolStartError\n"
         "try:\n"
-        f"    with QuantPool(PoolSettings(num_workers=3, address={local_cluster!r}, start_timeout=3)):\n"
+        f"    with QuantPool(PoolSettings({settings})):\n"
         "        print('started')\n"
         "except PoolStartError as exc:\n"
         "    print(exc)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], env=env_for(ray_tmp), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.match(r"only [0-2] of 3 QuantWorkers started within 3 s: the cluster lacks", result.stdout), result.stdout
+    return result.stdout.strip()
 
 
 def compress_at(address: str, given: str, source, out, ray_tmp) -> subprocess.CompletedProcess:
@@ -256,21 +263,11 @@ def test_gpus_the_pools_own_ray_lacks_are_refused_at_once(ray_tmp):
     """An embedded Ray (``address="local"``) gets no more GPUs than this machine has, and
     nothing else joins it: workers asking for one are refused at once, naming the GPUs,
     not after the start timeout (600 s here) with a message blaming the CPUs too."""
-    code = (
-        "from fp8ray import PoolSettings, QuantPool\n"
-        "from fp8ray.errors import PoolStartError\n"
-        "try:\n"
-        "    with QuantPool(PoolSettings(num_workers=1, gpus_per_worker=1, address='local', start_timeout=600)):\n"
-        "        print('started')\n"
-        "except PoolStartError as exc:\n"
-        "    print(exc)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], env=env_for(ray_tmp), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == (
+    said = pool_start(ray_tmp, "num_workers=1, gpus_per_worker=1, address='local', start_timeout=600")
+    assert said == (
         "1 QuantWorkers need 1 GPU(s), and the Ray this command started has 0: lower --workers or --gpus-per-worker, "
         "or join a cluster with --address"
-    ), result.stdout
+    ), said
     assert not processes_with_ray_tmp(ray_tmp)
 
 
