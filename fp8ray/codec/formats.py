@@ -38,7 +38,16 @@ from functools import cache
 import numpy as np
 
 from ..errors import InvalidOptionError
-from .names import DTYPE_CODES, FP8_CODES, NONFINITE_POLICIES, SCALE_CHOICES, SCALE_DTYPES, SCALINGS, SEARCHED_SCALINGS  # noqa: F401 (re-exported: the formats module names them all)
+from .names import (  # noqa: F401 (re-exported: the formats module names them all)
+    DTYPE_CODES,
+    FP8_CODES,
+    NONFINITE_POLICIES,
+    SCALE_CHOICES,
+    SCALE_DTYPES,
+    SCALINGS,
+    SEARCHED_SCALINGS,
+    STORED_DTYPE_CODES,
+)
 
 SMALLEST_NORMAL_SCALE = 2.0**-126
 
@@ -99,19 +108,39 @@ FORMATS_BY_CODE = {f.code: f for f in FORMATS.values()}
 # Scaling modes (names.SCALINGS, with their wire codes).
 SCALINGS_BY_CODE = {v: k for k, v in SCALINGS.items()}
 
-# Source dtypes by name (names.DTYPE_CODES, torch's names): their wire codes, bytes per
-# element, and the numpy type the kernels see their elements as (bfloat16 as uint16
-# bits, float16 as int16 bits: see fp8ray.codec.kernels).
-DTYPE_NAMES_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
-DTYPE_ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Every dtype a block or a frame holds, by name (torch's): those fp8 encodes
+# (names.DTYPE_CODES) and those a frame stores as they are (names.STORED_DTYPE_CODES),
+# with their wire codes and bytes per element; and the numpy type the kernels see an
+# encoded dtype's elements as (bfloat16 as uint16 bits, float16 as int16 bits: see
+# fp8ray.codec.kernels).
+FRAME_DTYPE_CODES = {**DTYPE_CODES, **STORED_DTYPE_CODES}
+DTYPE_NAMES_BY_CODE = {v: k for k, v in FRAME_DTYPE_CODES.items()}
+DTYPE_ITEMSIZES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 KERNEL_TYPES = {"float32": np.float32, "float16": np.int16, "bfloat16": np.uint16}
 
 
 def __getattr__(name: str):
     """The tables keyed by torch dtypes, built on first use (loading torch takes about a
     second, which the CPU path from raw bytes does without): ``DTYPES_BY_NAME`` (name ->
-    torch dtype), ``DTYPE_NAMES`` (torch dtype -> name), ``DTYPES`` (torch dtype -> wire
-    code) and ``FORMATS_BY_DTYPE`` (torch fp8 dtype -> format)."""
+    torch dtype) and ``DTYPE_NAMES`` (torch dtype -> name) of every dtype a frame holds,
+    ``DTYPES`` (torch dtype -> wire code) of those fp8 encodes, and ``FORMATS_BY_DTYPE``
+    (torch fp8 dtype -> format)."""
     if name in TORCH_TABLES:
         return _torch_tables()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -124,11 +153,11 @@ TORCH_TABLES = ("DTYPES_BY_NAME", "DTYPE_NAMES", "DTYPES", "FORMATS_BY_DTYPE")
 def _torch_tables() -> dict:
     import torch
 
-    by_name = {name: getattr(torch, name) for name in DTYPE_CODES}
+    by_name = {name: getattr(torch, name) for name in DTYPE_ITEMSIZES}
     return {
         "DTYPES_BY_NAME": by_name,
         "DTYPE_NAMES": {dtype: name for name, dtype in by_name.items()},
-        "DTYPES": {dtype: DTYPE_CODES[name] for name, dtype in by_name.items()},
+        "DTYPES": {by_name[name]: code for name, code in DTYPE_CODES.items()},
         "FORMATS_BY_DTYPE": {f.dtype: f for f in FORMATS.values()},
     }
 
@@ -140,21 +169,33 @@ def is_torch_dtype(value) -> bool:
 
 
 def dtype_name(dtype) -> str:
-    """The name of a source dtype given by name (``"bfloat16"``), as a torch dtype or as
-    numpy's float16 or float32 (the arrays ``encode`` takes); ``TypeError`` for any other."""
+    """The name of a dtype a frame holds (:data:`DTYPE_ITEMSIZES`), given by name
+    (``"bfloat16"``), as a torch dtype or as a numpy one (the arrays ``encode`` takes);
+    ``TypeError`` for any other."""
     if is_torch_dtype(dtype):
         name = str(dtype).removeprefix("torch.")
     elif isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
-        # the two encode takes as arrays, in this machine's byte order (numpy has no
-        # bfloat16 of its own); str() names another as numpy does: int32, >f4
-        if np.dtype(dtype) not in (np.dtype(np.float16), np.dtype(np.float32)):
-            raise TypeError(f"unsupported numpy dtype {np.dtype(dtype)}; expected float16 or float32 (or a torch bfloat16)")
-        name = np.dtype(dtype).name
+        # numpy names the dtypes it shares with torch as torch does (it has no bfloat16 or
+        # fp8 of its own); one not in this machine's byte order would be misread: str()
+        # names it as numpy does (>f4)
+        given = np.dtype(dtype)
+        if given.name not in DTYPE_ITEMSIZES or not given.isnative:
+            numpy_names = sorted(n for n in DTYPE_ITEMSIZES if n not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"))
+            raise TypeError(
+                f"unsupported numpy dtype {given}; expected one of {numpy_names} in this machine's byte order "
+                "(or a torch bfloat16)"
+            )
+        name = given.name
     else:
         name = dtype
-    if not isinstance(name, str) or name not in DTYPE_CODES:
-        raise TypeError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPE_CODES)}")
+    if not isinstance(name, str) or name not in DTYPE_ITEMSIZES:
+        raise TypeError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPE_ITEMSIZES)}")
     return name
+
+
+def is_stored(dtype: str) -> bool:
+    """Whether a frame holds a tensor of ``dtype`` (a name) as its bytes are, not in fp8."""
+    return dtype in STORED_DTYPE_CODES
 
 
 # Scale dtypes (names.SCALE_DTYPES, with their wire codes): bytes per scale, and the mask

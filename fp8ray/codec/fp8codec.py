@@ -1,4 +1,6 @@
-"""``Fp8Codec``: encode a bf16/fp16/fp32 tensor into a checked fp8 frame, and back.
+"""``Fp8Codec``: encode a bf16/fp16/fp32 tensor into a checked fp8 frame, and back; a
+tensor of a dtype fp8 does not encode (integers, booleans, float64, fp8) into a stored
+frame, its bytes as they are.
 
 >>> import torch
 >>> codec = Fp8Codec(fp8="e4m3fn", scaling="token")
@@ -29,8 +31,8 @@ _NONFINITE_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
 
 
 def source_tensor(tensor):
-    """What :meth:`Fp8Codec.encode` takes (a dense bf16/fp16/fp32 tensor, or a float16 or
-    float32 numpy array or scalar) as a torch tensor, or the error naming what is wrong."""
+    """What :meth:`Fp8Codec.encode` takes (a dense tensor of a dtype a frame holds, or a
+    numpy array or scalar of one) as a torch tensor, or the error naming what is wrong."""
     import torch  # a tensor was given (or a numpy array, made one here)
 
     if isinstance(tensor, np.generic):  # a numpy scalar: a 0-d array
@@ -38,13 +40,12 @@ def source_tensor(tensor):
     if isinstance(tensor, np.ma.MaskedArray):
         raise BlockError("cannot encode a masked array: its mask would be lost; fill it first (array.filled(value))")
     if isinstance(tensor, np.ndarray):
-        if tensor.dtype.kind == "f" and not tensor.dtype.isnative:
+        if not tensor.dtype.isnative:
             raise TypeError(
                 f"array dtype {tensor.dtype} is not in this machine's byte order; "
                 "convert it first (array.astype(array.dtype.newbyteorder('=')))"
             )
-        if tensor.dtype not in (np.float16, np.float32):
-            raise TypeError(f"unsupported array dtype {tensor.dtype}; expected float16 or float32 (or a bfloat16 tensor)")
+        dtype_name(tensor.dtype)  # a TypeError naming the dtypes there are
         # ascontiguousarray would make a 0-d array 1-d: its rank is kept
         tensor = torch.from_numpy(np.ascontiguousarray(tensor).reshape(tensor.shape))
     if not isinstance(tensor, torch.Tensor):
@@ -173,12 +174,11 @@ class Fp8Codec:
     def _header(self, shape, dtype: str) -> frame.FrameHeader:
         shape = frame.dimensions(shape)
         frame.check_shape(shape, dtype)  # what the decoder would refuse is never written
-        scale_dtype = frame.stored_scale_dtype(self.scaling, self.scale_dtype)
-        return frame.FrameHeader(self.fmt, self.scaling, dtype, shape, self.block_size, scale_dtype)
+        return frame.header_for(self.options, dtype, shape)
 
     def encoded_size(self, shape, dtype) -> int:
         """Exact size in bytes of the frame of a ``shape`` tensor of ``dtype`` (a torch
-        dtype or its name, ``"bfloat16"``, or numpy's float16 or float32)."""
+        dtype or its name, ``"bfloat16"``, or a numpy dtype)."""
         return self._header(shape, dtype_name(dtype)).frame_size
 
     def encode(self, tensor, out: np.ndarray | None = None, *, threads: int | None = None) -> memoryview:
@@ -191,11 +191,19 @@ class Fp8Codec:
         reused from call to call is the fast way: :func:`fp8ray.codec.devices.host_buffer`).
         ``threads``: how many threads the CPU kernels (for a CUDA tensor, the checksum) may
         use for this call (default ``FP8RAY_NUM_THREADS``, else every CPU this process may use).
+
+        A tensor of a dtype fp8 does not encode (integers, booleans, float64, fp8: see
+        :data:`~fp8ray.codec.formats.DTYPE_ITEMSIZES`) makes a stored frame: its bytes as
+        they are, which decode gives back bit for bit.
         """
         x = source_tensor(tensor)
         header = self._header(x.shape, dtype_name(x.dtype))
         buf = _byte_buffer(out, header.frame_size)
-        if x.device.type == "cpu":
+        if header.stored:
+            import torch  # loaded already: x is a tensor
+
+            frame.store_into(buf, header, x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        elif x.device.type == "cpu":
             self._encode_host(cpu.kernel_array(x.contiguous()), header, buf, threads)
         else:
             self._encode_on_device(x, header, buf, threads)
@@ -215,8 +223,11 @@ class Fp8Codec:
         if data.size != nbytes:
             raise BadInputError(f"data holds {data.size} bytes, a {list(header.shape)} {dtype} tensor has {nbytes}")
         buf = _byte_buffer(out, header.frame_size)
-        x = np.ascontiguousarray(data).view(KERNEL_TYPES[dtype]).reshape(header.shape)
-        self._encode_host(x, header, buf, threads)
+        if header.stored:
+            frame.store_into(buf, header, data)
+        else:
+            x = np.ascontiguousarray(data).view(KERNEL_TYPES[dtype]).reshape(header.shape)
+            self._encode_host(x, header, buf, threads)
         return memoryview(buf)
 
     def _encode_host(self, x: np.ndarray, header: frame.FrameHeader, buf: np.ndarray, threads: int | None) -> None:
@@ -296,7 +307,11 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
         target = asked if asked is not None else torch.device("cpu")
     if target.type == "cuda" and not torch.cuda.is_available():  # torch's own error is an AssertionError
         raise InvalidOptionError(f"device {str(target)!r} was asked for, but torch sees no CUDA device", field="device")
-    if target.type == "cpu":
+    if header.stored:
+        host = torch.empty(header.shape, dtype=dtype)
+        _copy_stored(buf, header, codes, host.reshape(-1).view(torch.uint8).numpy(), threads)
+        result = host if target.type == "cpu" else host.to(target)
+    elif target.type == "cpu":
         result = out if out is not None and out.is_contiguous() else torch.empty(header.shape, dtype=dtype)
         _decode_host(buf, header, scales, codes, cpu.kernel_array(result), threads)
     else:
@@ -349,7 +364,10 @@ def decode_raw(data, dtype: str, shape, out: np.ndarray | None = None, *, thread
     if (header.dtype, header.shape) != (dtype, shape):
         _refuse(buf, header, f"expected a {shape} {dtype} tensor", "shape" if header.dtype == dtype else "dtype")
     out = _byte_buffer(out, header.numel * DTYPE_ITEMSIZES[dtype])
-    _decode_host(buf, header, scales, codes, out.view(KERNEL_TYPES[dtype]).reshape(shape), threads)
+    if header.stored:
+        _copy_stored(buf, header, codes, out, threads)
+    else:
+        _decode_host(buf, header, scales, codes, out.view(KERNEL_TYPES[dtype]).reshape(shape), threads)
     return out
 
 
@@ -377,6 +395,13 @@ def _decode_host(buf, header: frame.FrameHeader, scales, codes, target: np.ndarr
     the frame's checksum verified with the CRC of the codes they read."""
     layout = (header.fmt, header.scaling, header.shape, header.block_size)
     frame.verify(buf, header, cpu.dequantize_checksummed(codes, scales, *layout, target, threads))
+
+
+def _copy_stored(buf, header: frame.FrameHeader, stored: np.ndarray, target: np.ndarray, threads: int | None) -> None:
+    """A stored frame's bytes (``stored``) into ``target`` (a uint8 array of as many), its
+    checksum verified first."""
+    frame.verify(buf, header, cpu.crc32c(stored, threads))
+    target[:] = stored
 
 
 def _scale_bytes(scales, scale_dtype: str):

@@ -4,9 +4,9 @@ Specified byte by byte in docs/FORMAT.md; in short (all integers little-endian):
 
     0   4        magic b"FP8R"
     4   1        version (1)
-    5   1        fp8 format code        (1 e4m3fn, 2 e5m2)
+    5   1        fp8 format code        (1 e4m3fn, 2 e5m2; 0: stored, below)
     6   1        scaling code           (0 none, 1 tensor, 2 channel, 3 token, 4 block)
-    7   1        original dtype code    (1 float32, 2 float16, 3 bfloat16)
+    7   1        original dtype code    (1 float32, 2 float16, 3 bfloat16; 4.. stored dtypes)
     8   1        ndim (0..64)
     9   1        scale dtype code       (0 float32, 1 bfloat16; 0 under scaling none)
     10  2        reserved, zero
@@ -19,6 +19,10 @@ Specified byte by byte in docs/FORMAT.md; in short (all integers little-endian):
 
 Byte 9 was reserved (zero) before scale dtypes existed, so every older frame reads as
 float32 scales, unchanged.
+
+A stored frame (format code 0) holds a tensor fp8 does not encode (integers, booleans,
+float64, fp8) as its own bytes: scaling none, no scales, then ``N * itemsize`` bytes of
+the tensor in place of the codes. Decoding gives the tensor back bit for bit.
 """
 
 from __future__ import annotations
@@ -34,21 +38,23 @@ import numpy as np
 from ..errors import BadInputError, CorruptFrameError
 from . import checksum
 from .formats import (
-    DTYPE_CODES,
     DTYPE_ITEMSIZES,
     DTYPE_NAMES_BY_CODE,
     FORMATS_BY_CODE,
+    FRAME_DTYPE_CODES,
     SCALE_BYTES,
     SCALE_DTYPES,
     SCALE_DTYPES_BY_CODE,
     SCALINGS,
     SCALINGS_BY_CODE,
     Fp8Format,
+    is_stored,
     num_scales,
 )
 
 MAGIC = b"FP8R"
 VERSION = 1
+STORED_CODE = 0  # the fp8 format code of a stored frame: the tensor's own bytes, no fp8
 # The limits of what a frame can hold, for the encoder and the decoder alike: the rank
 # fits in one byte but is capped at 64 (torch's own limit is 64 too); each dimension is a
 # uint64, and the element count must index a numpy array (int64).
@@ -64,9 +70,9 @@ CHECKSUM_BYTES = 4
 class FrameHeader:
     """The parsed header of a frame, and where its parts lie."""
 
-    fmt: Fp8Format
+    fmt: Fp8Format | None  # None: a stored frame (the tensor's own bytes)
     scaling: str
-    dtype: str  # the source dtype's name: "float32" | "float16" | "bfloat16"
+    dtype: str  # the source dtype's name: "float32" | "float16" | "bfloat16", or a stored one
     shape: tuple[int, ...]
     block_size: int
     scale_dtype: str = "float32"  # as stored: always "float32" under scaling none
@@ -83,6 +89,11 @@ class FrameHeader:
         return math.prod(self.shape)
 
     @property
+    def stored(self) -> bool:
+        """Whether the frame holds the tensor's own bytes, not fp8 codes."""
+        return self.fmt is None
+
+    @property
     def num_scales(self) -> int:
         return num_scales(self.scaling, self.shape, self.block_size)
 
@@ -95,15 +106,18 @@ class FrameHeader:
         return self.scales_offset + SCALE_BYTES[self.scale_dtype] * self.num_scales
 
     @property
+    def payload_bytes(self) -> int:
+        """The bytes of the codes (one per element), or of a stored frame's tensor."""
+        return self.numel * (DTYPE_ITEMSIZES[self.dtype] if self.stored else 1)
+
+    @property
     def frame_size(self) -> int:
-        return self.codes_offset + self.numel + CHECKSUM_BYTES
+        return self.codes_offset + self.payload_bytes + CHECKSUM_BYTES
 
 
-def frame_size(
-    fmt: Fp8Format, scaling: str, dtype: str, shape: tuple[int, ...], block_size: int, scale_dtype: str = "float32"
-) -> int:
-    """Exact size in bytes of the frame of a tensor with this shape and these options."""
-    return FrameHeader(fmt, scaling, dtype, tuple(shape), block_size, stored_scale_dtype(scaling, scale_dtype)).frame_size
+def stored_header(dtype: str, shape: tuple[int, ...]) -> FrameHeader:
+    """The header of the stored frame of a ``dtype`` tensor (a stored dtype's name) of ``shape``."""
+    return FrameHeader(None, "none", dtype, tuple(shape), 0, "float32")
 
 
 def stored_scale_dtype(scaling: str, scale_dtype: str) -> str:
@@ -114,7 +128,10 @@ def stored_scale_dtype(scaling: str, scale_dtype: str) -> str:
 def header_for(options, dtype: str, shape: tuple[int, ...]) -> FrameHeader:
     """The header of the frame the codec options ``options`` (a
     :class:`~fp8ray.codec.CodecOptions`) make of a ``dtype`` tensor of ``shape``: a frame
-    with another header was written in other options."""
+    with another header was written in other options. Every option makes the same stored
+    frame of a dtype fp8 does not encode."""
+    if is_stored(dtype):
+        return stored_header(dtype, shape)
     block_size = options.block_size if options.scaling == "block" else 0
     scale_dtype = stored_scale_dtype(options.scaling, options.scale_dtype)
     return FrameHeader(options.fmt, options.scaling, dtype, tuple(shape), block_size, scale_dtype)
@@ -123,7 +140,10 @@ def header_for(options, dtype: str, shape: tuple[int, ...]) -> FrameHeader:
 def layout_label(options) -> str:
     """What a frame records of its options (a :class:`FrameHeader`, or the
     :class:`~fp8ray.codec.CodecOptions` that make one), as messages show it: ``e4m3fn,
-    block 32, bfloat16 scales`` (a frame does not record how its scales were chosen)."""
+    block 32, bfloat16 scales`` (a frame does not record how its scales were chosen);
+    ``stored as is`` for a stored frame."""
+    if options.fmt is None:
+        return "stored as is"
     scaling = f"block {options.block_size}" if options.scaling == "block" else options.scaling
     scales = "" if options.scaling == "none" else f", {options.scale_dtype} scales"
     return f"{options.fmt.name}, {scaling}{scales}"
@@ -171,9 +191,9 @@ def write_header(buf: np.ndarray, header: FrameHeader) -> None:
     fixed = FIXED_HEADER.pack(
         MAGIC,
         VERSION,
-        header.fmt.code,
+        STORED_CODE if header.stored else header.fmt.code,
         SCALINGS[header.scaling],
-        DTYPE_CODES[header.dtype],
+        FRAME_DTYPE_CODES[header.dtype],
         len(header.shape),
         SCALE_DTYPES[header.scale_dtype],
         b"\0\0",
@@ -235,12 +255,18 @@ def parse_header(prefix) -> FrameHeader | None:
     )
     if version != VERSION:
         raise CorruptFrameError(f"unsupported frame version {version}; this fp8ray reads version {VERSION}")
-    if fmt_code not in FORMATS_BY_CODE:
+    if fmt_code not in FORMATS_BY_CODE and fmt_code != STORED_CODE:
         raise CorruptFrameError(f"unknown fp8 format code {fmt_code} in frame header")
     if scaling_code not in SCALINGS_BY_CODE:
         raise CorruptFrameError(f"unknown scaling code {scaling_code} in frame header")
     if dtype_code not in DTYPE_NAMES_BY_CODE:
         raise CorruptFrameError(f"unknown dtype code {dtype_code} in frame header")
+    dtype = DTYPE_NAMES_BY_CODE[dtype_code]
+    if (fmt_code == STORED_CODE) != is_stored(dtype):
+        kind = "a stored frame" if fmt_code == STORED_CODE else "an fp8 frame"
+        raise CorruptFrameError(f"dtype {dtype} (code {dtype_code}) is invalid for {kind}")
+    if fmt_code == STORED_CODE and scaling_code != SCALINGS["none"]:
+        raise CorruptFrameError(f"scaling code {scaling_code} is invalid for a stored frame, which has no scales")
     if ndim > MAX_NDIM:
         raise CorruptFrameError(f"ndim {ndim} in frame header exceeds {MAX_NDIM}")
     if scale_dtype_code not in SCALE_DTYPES_BY_CODE:
@@ -257,7 +283,7 @@ def parse_header(prefix) -> FrameHeader | None:
     if len(buf) < shape_end:
         return None
     shape = struct.unpack(f"<{ndim}Q", buf[FIXED_HEADER.size : shape_end])
-    return FrameHeader(FORMATS_BY_CODE[fmt_code], scaling, DTYPE_NAMES_BY_CODE[dtype_code], shape, block_size, scale_dtype)
+    return FrameHeader(FORMATS_BY_CODE.get(fmt_code), scaling, dtype, shape, block_size, scale_dtype)
 
 
 def parse(buf: np.ndarray) -> FrameHeader:
@@ -306,7 +332,7 @@ def verify(buf: np.ndarray, header: FrameHeader, codes_crc: int | None = None) -
         stored, actual = checksums(buf)
     else:
         stored = _stored_checksum(buf)
-        actual = checksum.combine(checksum.crc32c(buf[: header.codes_offset]), codes_crc, header.numel)
+        actual = checksum.combine(checksum.crc32c(buf[: header.codes_offset]), codes_crc, header.payload_bytes)
     if stored != actual:
         raise CorruptFrameError(f"frame checksum mismatch: stored crc32c {stored:#010x}, computed {actual:#010x}")
 
@@ -364,4 +390,13 @@ def scales_valid(scales: np.ndarray) -> bool:
 
 
 def codes_of(buf: np.ndarray, header: FrameHeader) -> np.ndarray:
-    return buf[header.codes_offset : header.codes_offset + header.numel]
+    """The frame's codes (a stored frame's: the tensor's bytes)."""
+    return buf[header.codes_offset : header.codes_offset + header.payload_bytes]
+
+
+def store_into(buf: np.ndarray, header: FrameHeader, data: np.ndarray) -> None:
+    """The stored frame of ``header`` holding ``data`` (the tensor's bytes, a 1-D uint8
+    array of ``header.payload_bytes``) into ``buf``, sealed."""
+    write_header(buf, header)
+    codes_of(buf, header)[:] = data
+    seal(buf)

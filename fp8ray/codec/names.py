@@ -14,8 +14,26 @@ FP8_CODES = {"e4m3fn": 1, "e5m2": 2}
 # Scaling modes and their wire codes.
 SCALINGS = {"none": 0, "tensor": 1, "channel": 2, "token": 3, "block": 4}
 
-# Source dtypes, by torch's name for them, and their wire codes.
+# Source dtypes fp8 encodes, by torch's name for them, and their wire codes.
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
+
+# The dtypes fp8 cannot hold or gains nothing on (integers, booleans, float64, fp8
+# itself), by torch's name, and their wire codes: a frame stores such a tensor's bytes
+# as they are (docs/FORMAT.md, "Stored frames"), so a file that holds one is archived whole.
+STORED_DTYPE_CODES = {
+    "float64": 4,
+    "int8": 5,
+    "uint8": 6,
+    "int16": 7,
+    "uint16": 8,
+    "int32": 9,
+    "uint32": 10,
+    "int64": 11,
+    "uint64": 12,
+    "bool": 13,
+    "float8_e4m3fn": 14,
+    "float8_e5m2": 15,
+}
 
 # Scale dtypes and their wire codes.
 SCALE_DTYPES = {"float32": 0, "bfloat16": 1}

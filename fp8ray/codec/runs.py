@@ -72,9 +72,10 @@ def fits_run(scaling: str, block_size: int, dtype: str, shape: tuple[int, ...]) 
 
 
 def small(dtype: str, shape: tuple[int, ...]) -> bool:
-    """Whether a block is small enough to gain from a run (and not empty)."""
+    """Whether a block is small enough to gain from a run (and not empty), and encoded in
+    fp8 (a stored frame's bytes are copied, one frame at a time)."""
     numel = math.prod(shape)
-    return 0 < numel * DTYPE_ITEMSIZES[dtype] <= RUN_BLOCK_BYTES
+    return dtype in KERNEL_TYPES and 0 < numel * DTYPE_ITEMSIZES[dtype] <= RUN_BLOCK_BYTES
 
 
 def encode_run(codec: Fp8Codec, dtype: str, shape: tuple[int, ...], source: np.ndarray, frames: np.ndarray, threads=None) -> bool:
