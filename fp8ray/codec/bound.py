@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .formats import Fp8Format, dtype_name
+from .formats import DTYPE_ITEMSIZES, Fp8Format, dtype_name
 
 if TYPE_CHECKING:
     import torch
@@ -110,3 +110,26 @@ def check_within_bound(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, co
             f"where the codec's derived bound allows {float(bound[i]):.6g}"
         )
     return f"{count}, decodes to {decoded!r} where the source holds {source!r}"
+
+
+def check_identical(source: np.ndarray, stored: np.ndarray, dtype: str, shape: tuple[int, ...]) -> str | None:
+    """``None`` when a stored frame's bytes (``stored``) are the source's (``source``, both
+    uint8 arrays of a ``shape`` tensor of ``dtype``): a stored frame's bound is exactness;
+    else how many elements differ and the first, by its bits."""
+    if np.array_equal(source, stored):
+        return None
+    itemsize = DTYPE_ITEMSIZES[dtype]
+    words = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
+    differs = source.view(words) != stored.view(words)
+    i = int(np.flatnonzero(differs)[0])
+    index = [int(n) for n in np.unravel_index(i, shape)] if shape else []
+    first = f"the first, element {index}" if index else "the only one"
+    digits = 2 * itemsize + 2  # 0x and two hex digits a byte
+
+    def bits(array: np.ndarray) -> str:
+        return f"{int(array.view(words)[i]):#0{digits}x}"
+
+    return (
+        f"{int(differs.sum())} of {differs.size} {dtype} elements differ from the source, which the stored frame holds "
+        f"exactly; {first}: bits {bits(stored)}, the source's {bits(source)}"
+    )

@@ -332,8 +332,8 @@ class QuantWorker:
         if against is not None:  # one read of the source for the whole part
             import torch  # the error metrics and the bound are taken on tensors
 
-            from ..codec.bound import check_within_bound, element_scales
-            from ..codec.metrics import error_metrics
+            from ..codec.bound import check_identical, check_within_bound, element_scales
+            from ..codec.metrics import ErrorSums, error_metrics
 
             present = [against[i] for i in result.idents if i in against]
             originals = {
@@ -363,12 +363,17 @@ class QuantWorker:
                         raise MismatchError(
                             f"the source holds {list(ref.shape)} {ref.dtype}, the archive {list(header.shape)} {header.dtype}"
                         )
-                    x, y = bytes_to_tensor(data, ref.dtype, ref.shape), decode(buf)
-                    result.metrics[_label(ident, name_files)] = error_metrics(x, y)
-                    scales = torch.from_numpy(frame.scales_of(buf, header).copy())
-                    stray = check_within_bound(
-                        x, y, element_scales(scales, header.scaling, header.shape, header.block_size), bound
-                    )
+                    if header.stored:
+                        stray = check_identical(data, frame.codes_of(buf, header), header.dtype, header.shape)
+                        metrics = ErrorSums(header.numel).metrics()  # an exact round trip's, checked just above
+                    else:
+                        x, y = bytes_to_tensor(data, ref.dtype, ref.shape), decode(buf)
+                        metrics = error_metrics(x, y)
+                        scales = torch.from_numpy(frame.scales_of(buf, header).copy())
+                        stray = check_within_bound(
+                            x, y, element_scales(scales, header.scaling, header.shape, header.block_size), bound
+                        )
+                    result.metrics[_label(ident, name_files)] = metrics
                     if stray is not None:
                         raise MismatchError(f"{stray}: not the data this block was compressed from")
             except (ValueError, TypeError, RuntimeError) as exc:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..codec.formats import DTYPE_NAMES, DTYPES_BY_NAME
+from ..codec.formats import DTYPE_CODES, DTYPE_NAMES, DTYPES_BY_NAME
 from ..errors import ArchiveExistsError, BadInputError, DestinationError, InvalidOptionError
 from ..io.blocks import tensor_to_bytes
 from ..io.paths import check_not_special, output_error, resolve
@@ -85,8 +85,8 @@ def capture(
 ) -> CaptureReport:
     """Capture ``model``'s KV cache over the first ``tokens`` tokens of a text file
     (all of them if None) into the safetensors file ``out``."""
-    if dtype not in DTYPES_BY_NAME:
-        raise InvalidOptionError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}", field="dtype")
+    if dtype not in DTYPE_CODES:  # a KV cache's dtype: one fp8 encodes
+        raise InvalidOptionError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPE_CODES)}", field="dtype")
     out = Path(out)
     if out.suffix != ".safetensors":
         raise DestinationError(f"output {out} must end in .safetensors")

@@ -26,6 +26,9 @@ import re
 from dataclasses import dataclass, field
 
 from ..codec import decode
+from ..codec.blocks import tensor_to_bytes
+from ..codec.bound import check_identical
+from ..codec.formats import is_stored
 from ..codec.metrics import ErrorSums, json_safe, row_sums
 from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
 from ..io import archive
@@ -69,6 +72,7 @@ class FidelityReport:
     kv: dict[str, dict] = field(default_factory=dict)  # "k"/"v" -> metrics over all layers
     total: dict = field(default_factory=dict)
     unsplit: list[str] = field(default_factory=list)  # keys in the total only
+    stored: list[str] = field(default_factory=list)  # keys of stored frames: checked identical, not measured
 
     def as_dict(self) -> dict:
         return json_safe(
@@ -81,6 +85,7 @@ class FidelityReport:
                 "kv": self.kv,
                 "layers": {kind: {str(layer): m for layer, m in sorted(by.items())} for kind, by in self.layers.items()},
                 "unsplit": self.unsplit,
+                "stored": self.stored,
                 "keys": self.keys,
             }
         )
@@ -149,6 +154,12 @@ def fidelity_report(original: str, archive_uri: str, key_pattern: str = DEFAULT_
                     f"key {ref.key!r}: the archive holds {list(y.shape)} {str(y.dtype).removeprefix('torch.')}, "
                     f"{original} {list(x.shape)} {ref.dtype}"
                 )
+            if is_stored(ref.dtype):  # not fp8: its bytes as they are, so no error to measure, only equality
+                differs = check_identical(data, tensor_to_bytes(y), ref.dtype, ref.shape)
+                if differs is not None:
+                    raise MismatchError(f"key {ref.key!r}: {differs}: {original} is not what the archive was made from")
+                report.stored.append(label(ident))
+                continue
             what, kind, layer = classify(ref.key, tuple(x.shape), pattern)
             x64, y64 = x.double(), y.double()
             if what == "block":
@@ -230,6 +241,8 @@ def format_report(report: FidelityReport) -> str:
     lines.append(row("total", report.total))
     if report.unsplit:
         lines.append(f"{len(report.unsplit)} key(s) in the total only (no layer/K/V split): {report.unsplit[:3]}")
+    if report.stored:
+        lines.append(f"{len(report.stored)} key(s) stored as they are (not fp8), identical to the original: {report.stored[:3]}")
     if report.keys:
         worst = max(report.keys.items(), key=lambda kv: kv[1]["rel_fro"])
         lines.append(f"worst key: {worst[0]!r} rel_fro {worst[1]['rel_fro']:.3e}")

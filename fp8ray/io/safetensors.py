@@ -36,27 +36,28 @@ from .paths import CompleteOrNothing, delete_quietly, move_into_place, os_reason
 
 MAX_HEADER = 100_000_000  # the safetensors package's limit on the JSON header
 MAX_USIZE = 2**64 - 1
-# Every dtype of the format, with its size: a header naming another is malformed.
-ITEMSIZES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "F64": 8,
-    "I64": 8,
-    "U64": 8,
+# Every dtype of the format, by its safetensors name, and fp8ray's (torch's) name of it:
+# fp8 encodes the floats and stores the rest as they are (fp8ray.codec.frame). A header
+# naming another is malformed.
+SOURCE_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
 }
-# The dtypes fp8ray encodes, by their safetensors names, and back.
-SOURCE_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 SAFETENSORS_NAMES = {name: st for st, name in SOURCE_DTYPES.items()}
+ITEMSIZES = {st: DTYPE_ITEMSIZES[name] for st, name in SOURCE_DTYPES.items()}
 FRAME_DTYPE = "U8"  # frames travel in safetensors bodies as 1-D U8 tensors
 
 

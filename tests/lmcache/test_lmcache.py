@@ -319,8 +319,8 @@ def test_read_frame_header_gives_the_header_without_the_checksum():
     header = read_frame_header(data[:40])  # 16 + 8 * 3 bytes suffice
     assert header == frame.parse(np.frombuffer(data, np.uint8)) and header.frame_size == len(data)
     assert read_frame_header(data[:30]) is None and read_frame_header(b"\0" * 64) is None
-    with pytest.raises(CorruptFrameError, match="unknown dtype code 9"):
-        read_frame_header(data[:7] + b"\x09" + data[8:])
+    with pytest.raises(CorruptFrameError, match="unknown dtype code 99"):
+        read_frame_header(data[:7] + b"\x63" + data[8:])
 
 
 def test_both_pairs_take_tensors_and_a_buffer_as_they_take_lmcaches_objects():
