@@ -141,7 +141,9 @@ def run_compress(args) -> int:
         bar,
         report,
         (
-            f"compressed {counted(report.blocks, 'block')} into {counted(report.parts, 'part')} ({report.parts_reused} reused): "
+            f"compressed {counted(report.blocks, 'block')}"
+            + (f" ({report.stored} of them stored as they are: not a dtype fp8 encodes)" if report.stored else "")
+            + f" into {counted(report.parts, 'part')} ({report.parts_reused} reused): "
             f"{report.raw_bytes / 2**20:.1f} MiB -> {report.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x), "
             f"{report.input_gbps:.2f} GB/s of input on {counted(report.workers, 'worker')} "
             f"({', '.join(report.devices) or 'no new parts'})" + skipped_summary(report.skipped)

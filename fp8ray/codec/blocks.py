@@ -29,7 +29,7 @@ class BlockSpec:
     """What a block is, without its bytes: enough to size its frame."""
 
     key: str
-    dtype: str  # "bfloat16" | "float16" | "float32"
+    dtype: str  # "bfloat16" | "float16" | "float32", or a stored frame's ("int64", "bool", ...)
     shape: tuple[int, ...]
 
     @property
@@ -68,7 +68,7 @@ class Block(BlockSpec):
 
     @classmethod
     def of(cls, key: str, tensor) -> Block:
-        """The block of a bf16/fp16/fp32 tensor (its bytes copied to the CPU if needed)."""
+        """The block of a tensor (its bytes copied to the CPU if needed)."""
         if tensor.dtype not in formats.DTYPE_NAMES:  # refused by its key, as __post_init__ refuses a dtype name
             raise BlockError(
                 f"block {key!r}: unsupported dtype {tensor.dtype}; expected one of {sorted(DTYPE_ITEMSIZES)}", field=key
@@ -100,7 +100,7 @@ def tensor_to_bytes(t) -> np.ndarray:
 
 
 def dtype_name(t) -> str:
-    """fp8ray's name of a tensor's dtype (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
+    """fp8ray's name of a tensor's dtype (``"bfloat16"``, ``"int64"``: torch's)."""
     return formats.DTYPE_NAMES[t.dtype]
 
 

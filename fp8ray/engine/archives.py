@@ -17,6 +17,7 @@ import pyarrow.fs as pafs
 from .. import __version__
 from ..codec import CodecOptions, frame
 from ..codec.bound import bound_constants
+from ..codec.formats import is_stored
 from ..errors import (
     ArchiveExistsError,
     CorruptArchiveError,
@@ -83,6 +84,7 @@ class CompressReport:
     devices: list[str]
     nodes: int  # distinct Ray nodes that wrote parts in this run
     skipped: list[dict] = field(default_factory=list)  # what a source tree holds that was not taken: name, reason
+    stored: int = 0  # blocks of a dtype fp8 does not encode (integers, bool, ...), kept in stored frames
 
     @property
     def ratio(self) -> float:
@@ -366,6 +368,7 @@ def compress_archive(
         devices=sorted(run.devices),
         nodes=len(run.nodes - {None}),
         skipped=[asdict(entry) for entry in layout.skipped],
+        stored=sum(is_stored(ref.dtype) for ref in refs),
     )
 
 

@@ -267,7 +267,7 @@ class QuantPool:
         tensors = list(tensors)  # taken once: a generator is iterated by the check, then the blocks
         for i, t in enumerate(tensors):
             if not is_tensor(t):
-                raise TypeError(f"tensor {i}: expected a bfloat16, float16 or float32 torch.Tensor, got {type(t).__name__}")
+                raise TypeError(f"tensor {i}: expected a torch.Tensor, got {type(t).__name__}")
             try:
                 source_tensor(t)  # what Fp8Codec.encode refuses (a meta, sparse or nested tensor), refused alike
             except (TypeError, ValueError) as exc:

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from ..codec.formats import is_stored
 from ..codec.options import CodecOptions
 from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError, MismatchError, SourceError, WriteError
 from . import columns as arrow_columns
@@ -246,17 +247,18 @@ def frame_column(frames: np.ndarray, sizes: list[int]) -> pa.LargeBinaryArray:
 
 def part_rows(refs: list[BlockRef], codec: CodecOptions, frame_sizes: list[int], frames) -> dict[str, list]:
     """The columns of a part holding ``refs`` encoded under ``codec`` (``frames``: a
-    :func:`frame_column`, or a list of byte buffers)."""
+    :func:`frame_column`, or a list of byte buffers). A block of a dtype fp8 does not
+    encode is a stored frame: ``stored``, scaling ``none``, block size 0."""
     block_size = codec.block_size if codec.scaling == "block" else 0
-    n = len(refs)
+    stored = [is_stored(r.dtype) for r in refs]
     return {
         "file": [r.file for r in refs],
         "key": [r.key for r in refs],
         "dtype": [r.dtype for r in refs],
         "shape": [list(r.shape) for r in refs],
-        "fp8": [codec.fp8] * n,
-        "scaling": [codec.scaling] * n,
-        "block_size": [block_size] * n,
+        "fp8": ["stored" if s else codec.fp8 for s in stored],
+        "scaling": ["none" if s else codec.scaling for s in stored],
+        "block_size": [0 if s else block_size for s in stored],
         "raw_bytes": [r.nbytes for r in refs],
         "frame_bytes": list(frame_sizes),
         "frame": frames,

@@ -271,7 +271,7 @@ def bad(table: pa.Table, column: str, row: int, value) -> pa.Table:
             r"needs columns \['key', 'dtype', 'shape', 'data'\]; the batch lacks \['data'\]",
             "data",
         ),
-        (lambda t: bad(t, "dtype", 1, "int8"), BadInputError, r"block 'b01': column 'dtype' holds 'int8'", "b01"),
+        (lambda t: bad(t, "dtype", 1, "complex64"), BadInputError, r"block 'b01': column 'dtype' holds 'complex64'", "b01"),
         (lambda t: bad(t, "dtype", 1, None), BadInputError, r"block 'b01': column 'dtype' holds None", "b01"),
         (
             lambda t: bad(t, "shape", 2, [1, 34]),

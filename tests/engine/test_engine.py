@@ -49,6 +49,21 @@ def test_encode_many_and_decode_many_keep_order_and_bytes():
     assert {i.device for i in info} == {"cpu"} and len({i.pid for i in info}) == 2
 
 
+def test_the_pool_stores_tensors_fp8_does_not_encode_and_gives_them_back():
+    tensors = [
+        torch.arange(40) * 7,
+        torch.randn(4, 64, dtype=torch.bfloat16),
+        torch.tensor([[True, False]]),
+        torch.randn(5).double(),
+    ]
+    with QuantPool(num_workers=2) as pool:
+        frames = pool.encode_many(tensors, batch_size=1)
+        assert [bytes(f) for f in frames] == [bytes(Fp8Codec().encode(t)) for t in tensors]
+        back = pool.decode_many(frames, batch_size=2)
+    assert [b.dtype for b in back] == [t.dtype for t in tensors]
+    assert all(torch.equal(b, t) for b, t in zip(back, tensors) if t.dtype != torch.bfloat16)
+
+
 def test_bad_block_fails_with_its_key():
     tensors = [torch.ones(4, 8), torch.tensor([[1.0, float("nan")]])]
     with QuantPool(num_workers=1) as pool, pytest.raises(ValueError, match=r"block '1': 1 non-finite value"):

@@ -25,8 +25,8 @@ from fp8ray import Fp8Codec, decode
 from fp8ray.codec import CodecOptions
 from fp8ray.eval.sample import sample_kv_chunk
 from fp8ray.io.blocks import tensor_to_bytes
+from fp8ray.io.safetensors import SOURCE_DTYPES, parse_body
 from fp8ray.io.safetensors import build_body as build_safetensors
-from fp8ray.io.safetensors import parse_body
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_BODY_MB = 32
@@ -150,6 +150,37 @@ def test_safetensors_bodies_carry_many_blocks(service):
         assert digest(data) == digest(tensor_to_bytes(expected)), key
 
 
+def test_tensors_fp8_does_not_encode_travel_in_stored_frames(service):
+    """A body holding positions and a mask beside the cache: every tensor comes back, the
+    stored ones bit for bit, as from a raw body with their dtype."""
+    client, _ = service
+    blocks = {
+        "layer0.k": sample_kv_chunk(layers=1, tokens=16, seed=1),
+        "positions": torch.arange(16, dtype=torch.int64) - 3,
+        "mask": torch.tensor([True, False, True]),
+        "rope": torch.tensor([float("nan"), -0.0, 1e300], dtype=torch.float64),
+    }
+    body = build_safetensors(
+        [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_to_bytes(t)) for k, t in blocks.items()]
+    )
+    st = {"Content-Type": "application/x-safetensors"}
+    r = client.post("/v1/encode", content=body, headers=st)
+    assert r.status_code == 200, r.text
+    frames = dict((k, data) for k, _, _, data in parse_safetensors(r.content, ("U8",))[0])
+    assert digest(frames["positions"]) == digest(service_codec().encode(blocks["positions"]))
+    back = client.post("/v1/decode", content=r.content, headers=st)
+    assert back.status_code == 200, back.text
+    tensors = {k: (dtype, shape, data) for k, dtype, shape, data in parse_safetensors(back.content, tuple(SOURCE_DTYPES))[0]}
+    for key in ("positions", "mask", "rope"):
+        t = blocks[key]
+        assert tensors[key][:2] == (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        assert digest(tensors[key][2]) == digest(tensor_to_bytes(t)), key
+    raw = client.post(
+        "/v1/encode", params=encode_params(blocks["positions"]), content=tensor_to_bytes(blocks["positions"]).tobytes()
+    )
+    assert raw.status_code == 200 and digest(raw.content) == digest(frames["positions"])
+
+
 def test_python_handle_returns_what_the_codec_returns(service):
     _, handle = service
     t = sample_kv_chunk(layers=1, tokens=16, seed=5)
@@ -166,10 +197,10 @@ def test_python_handle_returns_what_the_codec_returns(service):
     assert digest(as_array) == digest(service_codec().encode(t.float()))
     with pytest.raises(Exception, match="unknown scaling"):
         handle.encode.remote(t, scaling="sideways").result()
-    # Refused as Fp8Codec.encode refuses them ("got torch.float64" for an array; torch's
+    # Refused as Fp8Codec.encode refuses them ("got torch.complex128" for an array; torch's
     # NotImplementedError for a meta tensor, before).
     for given, message in [
-        (np.zeros(4), r"unsupported array dtype float64; expected float16 or float32"),
+        (np.zeros(4, np.complex128), r"unsupported numpy dtype complex128; expected one of"),
         (torch.empty(4, device="meta"), r"cannot encode a meta tensor: it has no data"),
     ]:
         with pytest.raises(Exception, match=message):
