@@ -214,9 +214,12 @@ def run_verify(args) -> int:
     report = verify_archive(args.archive, against=args.against, pool=pool_settings(args), progress=update)
     summary = f"{counted(report.blocks, 'block')} in {counted(report.parts, 'part')}: "
     summary += "ok" if report.ok else counted(len(report.errors), "problem")
-    if report.metrics:
-        worst = max(report.metrics.items(), key=lambda kv: kv[1]["rel_fro"])
+    measured = {label: m for label, m in report.metrics.items() if label not in report.stored}
+    if measured:
+        worst = max(measured.items(), key=lambda kv: kv[1]["rel_fro"])
         summary += f"; worst relative error {worst[1]['rel_fro']:.3%} ({worst[0]!r})"
+    if report.stored:
+        summary += f"; {counted(len(report.stored), 'stored block')} identical to the source"
     _finish(args, bar, report, summary)
     if not report.ok:
         for error in report.errors:

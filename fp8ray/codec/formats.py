@@ -131,6 +131,9 @@ DTYPE_ITEMSIZES = {
     "bool": 1,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "complex64": 8,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
 }
 KERNEL_TYPES = {"float32": np.float32, "float16": np.int16, "bfloat16": np.uint16}
 
@@ -180,7 +183,7 @@ def dtype_name(dtype) -> str:
         # names it as numpy does (>f4)
         given = np.dtype(dtype)
         if given.name not in DTYPE_ITEMSIZES or not given.isnative:
-            numpy_names = sorted(n for n in DTYPE_ITEMSIZES if n not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"))
+            numpy_names = sorted(n for n in DTYPE_ITEMSIZES if n != "bfloat16" and not n.startswith("float8"))
             raise TypeError(
                 f"unsupported numpy dtype {given}; expected one of {numpy_names} in this machine's byte order "
                 "(or a torch bfloat16)"

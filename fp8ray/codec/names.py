@@ -17,9 +17,10 @@ SCALINGS = {"none": 0, "tensor": 1, "channel": 2, "token": 3, "block": 4}
 # Source dtypes fp8 encodes, by torch's name for them, and their wire codes.
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
 
-# The dtypes fp8 cannot hold or gains nothing on (integers, booleans, float64, fp8
-# itself), by torch's name, and their wire codes: a frame stores such a tensor's bytes
-# as they are (docs/FORMAT.md, "Stored frames"), so a file that holds one is archived whole.
+# The dtypes fp8 cannot hold or gains nothing on (integers, booleans, float64, complex,
+# fp8 itself: every other dtype torch and safetensors share), by torch's name, and their
+# wire codes: a frame stores such a tensor's bytes as they are (docs/FORMAT.md, "Stored
+# frames"), so a file that holds one is archived whole.
 STORED_DTYPE_CODES = {
     "float64": 4,
     "int8": 5,
@@ -33,6 +34,9 @@ STORED_DTYPE_CODES = {
     "bool": 13,
     "float8_e4m3fn": 14,
     "float8_e5m2": 15,
+    "complex64": 16,
+    "float8_e4m3fnuz": 17,
+    "float8_e5m2fnuz": 18,
 }
 
 # Scale dtypes and their wire codes.

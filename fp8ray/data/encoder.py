@@ -20,7 +20,8 @@ COLUMNS = ("key", "dtype", "shape", "data")
 class Fp8Encoder:
     """Encode raw blocks to fp8 frames, as a callable class for ``Dataset.map_batches``.
 
-    Rows in: ``key`` (string), ``dtype`` (``"bfloat16"``, ``"float16"`` or ``"float32"``),
+    Rows in: ``key`` (string), ``dtype`` (``"bfloat16"``, ``"float16"`` or ``"float32"``,
+    encoded in fp8, or a dtype a stored frame holds as it is: ``"int64"``, ``"bool"``, ...),
     ``shape`` (list of ints) and ``data`` (the block's raw little-endian bytes), the
     raw-block layout fp8ray reads as a source, and optionally ``file`` (the name of the
     source file the block belongs to); other columns are dropped. Rows out: the archive

@@ -125,6 +125,7 @@ class VerifyReport:
     parts: int
     errors: list[str] = field(default_factory=list)
     metrics: dict[str, dict] = field(default_factory=dict)
+    stored: list[str] = field(default_factory=list)  # with against: stored blocks, identical to the source
 
     @property
     def ok(self) -> bool:
@@ -560,6 +561,7 @@ def verify_archive(
                 recorded = counted(part.blocks, "block")
                 report.errors.append(f"the manifest records {recorded} in {part.name}, it holds {part_result.blocks}")
             report.metrics.update(part_result.metrics)
+            report.stored += part_result.stored
             seen.update(part_result.idents)
             if progress:
                 progress(part_result.blocks)

@@ -84,6 +84,7 @@ class VerifyResult:
     idents: list[tuple[str, str]] = field(default_factory=list)  # (file, key) of each block
     errors: list[str] = field(default_factory=list)
     metrics: dict[str, dict] = field(default_factory=dict)  # block label -> error metrics, with --against
+    stored: list[str] = field(default_factory=list)  # labels of stored blocks found identical to the source
 
 
 @dataclass
@@ -366,6 +367,8 @@ class QuantWorker:
                     if header.stored:
                         stray = check_identical(data, frame.codes_of(buf, header), header.dtype, header.shape)
                         metrics = ErrorSums(header.numel).metrics()  # an exact round trip's, checked just above
+                        if stray is None:
+                            result.stored.append(_label(ident, name_files))
                     else:
                         x, y = bytes_to_tensor(data, ref.dtype, ref.shape), decode(buf)
                         metrics = error_metrics(x, y)

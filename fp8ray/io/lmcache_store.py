@@ -33,7 +33,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..codec.formats import DTYPE_ITEMSIZES
+from ..codec.formats import DTYPE_CODES, DTYPE_ITEMSIZES
 from ..codec.frame import MAX_HEADER_BYTES, FrameHeader, parse_header
 from ..errors import BadInputError, CorruptFrameError
 
@@ -42,7 +42,10 @@ SLASH_REPLACEMENT = "-SEP-"
 EXTENSION = ".data"
 SALT_FORBIDDEN = frozenset("@/\\\x00")
 SALT_MAX_LEN = 128
-LAYOUT_DTYPES = DTYPE_ITEMSIZES  # the dtypes a layout may name (fp8ray's source dtypes), and their sizes
+# The dtypes a layout may name, and their sizes: a KV cache's, those fp8 encodes (LMCache's
+# serdes take no other; and a store's forms are told apart by size, which a 1-byte dtype's
+# raw chunk would share with the fp8 form).
+LAYOUT_DTYPES = {name: DTYPE_ITEMSIZES[name] for name in DTYPE_CODES}
 RAW, FP8, FRAMES = "raw", "fp8", "fp8ray"
 FORMS = (RAW, FP8, FRAMES)  # the forms a chunk file takes (module docstring)
 HEADER_BYTES = MAX_HEADER_BYTES  # enough of a file to read any frame header

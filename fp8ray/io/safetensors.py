@@ -55,6 +55,9 @@ SOURCE_DTYPES = {
     "F64": "float64",
     "I64": "int64",
     "U64": "uint64",
+    "C64": "complex64",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }
 SAFETENSORS_NAMES = {name: st for st, name in SOURCE_DTYPES.items()}
 ITEMSIZES = {st: DTYPE_ITEMSIZES[name] for st, name in SOURCE_DTYPES.items()}
@@ -236,7 +239,9 @@ def _entry(key: str, value, what: str) -> Entry:
         raise SafetensorsFormatError(f"{what}: key {key!r} needs an object with dtype, shape and data_offsets", key)
     dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
     if not isinstance(dtype, str) or dtype not in ITEMSIZES:
-        raise SafetensorsFormatError(f"{what}: key {key!r} has unknown dtype {dtype!r}", key)
+        raise SafetensorsFormatError(
+            f"{what}: key {key!r} has dtype {dtype!r}, which fp8ray does not read; it reads {list(ITEMSIZES)}", key
+        )
     if not isinstance(shape, list) or not all(_is_usize(d) for d in shape):
         raise SafetensorsFormatError(
             f"{what}: key {key!r} has shape {json.dumps(shape)}; expected a list of integers from 0 to {MAX_USIZE}", key

@@ -240,6 +240,10 @@ class Fp8FrameDeserializer(_FramePair):
                     f"{where}: dst tensor is {t.dtype}, one byte per element; the fp8ray serde decodes into "
                     f'bfloat16, float16 or float32 unless "fp8_input" is "passthrough"'
                 )
+            if not one_byte(t.dtype) and t.dtype not in DTYPES:  # as serialize refuses such a source
+                raise MismatchError(
+                    f"{where}: dst tensor is {t.dtype}; the fp8ray serde decodes into bfloat16, float16 or float32"
+                )
             size = self._size(t.shape, t.dtype)
             if not one_byte(t.dtype):
                 self._check_written_alike(data, offset, t, size, where)

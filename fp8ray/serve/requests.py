@@ -71,7 +71,8 @@ def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[s
 # and query string, plus RESPONSE_SLACK, plus (encode) the frames' own bytes, which the
 # request's shapes give before any work (an empty tensor still has a scale per channel or
 # row: [0, 10**6] under channel scaling is a 4 MB frame of a 0-byte body). Derived:
-# decoding turns each 1-byte code into at most 4 bytes (float32), and a frame's shape
+# decoding turns each 1-byte code into at most 4 bytes (float32), a stored frame's bytes
+# into as many (its header and checksum, 20 bytes and more, are dropped), and a frame's shape
 # bytes (8 per dimension) into at most 21 characters of JSON; each dimension of a shape,
 # at least 2 characters of query or JSON, becomes 8 bytes of frame header; what is left
 # (JSON per tensor, a frame's 20 fixed bytes) is below 5x the request's own JSON per

@@ -58,10 +58,10 @@ def test_thread_count_does_not_change_a_frame():
 def test_a_bad_block_is_refused_where_it_is_made_naming_its_key():
     with pytest.raises(BlockError, match=r"block 'k': 6 bytes of data, its shape \[2, 2\] bfloat16 needs 8"):
         Block("k", "bfloat16", (2, 2), np.zeros(6, np.uint8))
-    with pytest.raises(BlockError, match=r"block 'k': unsupported dtype 'complex64'"):
-        Block("k", "complex64", (2,), np.zeros(16, np.uint8))
-    with pytest.raises(BlockError, match=r"block 'k': unsupported dtype torch.complex64"):
-        Block.of("k", torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(BlockError, match=r"block 'k': unsupported dtype 'complex128'"):
+        Block("k", "complex128", (2,), np.zeros(16, np.uint8))
+    with pytest.raises(BlockError, match=r"block 'k': unsupported dtype torch.complex128"):
+        Block.of("k", torch.zeros(2, dtype=torch.complex128))
     with pytest.raises(BlockError, match=r"block 'k': data must be a 1-D uint8 array"):
         Block("k", "float32", (1,), b"\0\0\0\0")
 
@@ -91,4 +91,4 @@ def test_frame_sizes_take_a_shape_given_as_a_list():
         == [codec.encoded_size((2, 32), torch.float32)] * 2
     )
     with pytest.raises(BlockError, match="^block 'bad'"):
-        frame_sizes(codec, [BlockSpec("bad", "complex64", [2])])
+        frame_sizes(codec, [BlockSpec("bad", "complex128", [2])])

@@ -147,7 +147,8 @@ def test_chunk_names_follow_lmcache():
 def test_layout_parsing():
     assert parse_layout("bfloat16:2,30,256,192").shape == (2, 30, 256, 192)
     assert parse_layout("float32:4").raw_bytes == 16
-    for text in ("bf16:2,3", "bfloat16", "bfloat16:2,x", "float16:2,0"):
+    # int64 and the 1-byte dtypes frames store: not a KV layout (a raw int8 chunk is as long as its fp8 form)
+    for text in ("bf16:2,3", "bfloat16", "bfloat16:2,x", "float16:2,0", "int64:2,4", "int8:4", "bool:4", "float8_e4m3fn:4"):
         with pytest.raises(ValueError, match="layout"):
             parse_layout(text)
 

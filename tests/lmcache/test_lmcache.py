@@ -467,6 +467,19 @@ def test_frame_pair_takes_k_and_v_groups_and_skips_a_none_destination_slot():
         multi.serialize(obj(k), obj(buf))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.int16])
+def test_the_serde_keeps_refusing_what_a_kv_cache_is_not_though_frames_can_store_it(dtype):
+    """Fp8Codec stores such tensors in stored frames; the LMCache serde, for KV caches,
+    refuses them both ways: a stored frame read into an int64 dst was "written with other
+    serde options", which no option could fix."""
+    t = torch.arange(2 * 64).reshape(2, 64).to(dtype)
+    with pytest.raises(TypeError, match=f"src tensor has unsupported dtype {dtype}"):
+        Fp8FrameSerializer().serialize(obj(t), ByteBuffer(4096), KEY)
+    stored = torch.frombuffer(bytearray(Fp8Codec().encode(t)), dtype=torch.uint8)
+    with pytest.raises(MismatchError, match=rf"^frame: dst tensor is {dtype}; the fp8ray serde decodes into bfloat16, float16"):
+        Fp8FrameDeserializer().deserialize(obj(stored), obj(torch.empty_like(t)))
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_a_one_byte_source_is_refused_naming_its_dtype_unless_passed_through(dtype):
     codes = torch.randint(0, 120, (1, 3, 16, 128), dtype=torch.uint8).view(dtype)  # vLLM's fp8 KV, fused
