@@ -578,11 +578,13 @@ def verify_archive(
 
 
 def _compare_files(layout, source_layout, refs: dict, seen: set, against: str) -> list[str]:
-    """What a source holds that the archive does not, by file: a whole file, or blocks of
-    one; and the archive's files the source lacks."""
+    """What a source holds that the archive does not, by file: a whole file, blocks of
+    one, or a safetensors file's ``__metadata__`` (decompress gives the archive's back);
+    and the archive's files the source lacks."""
     errors = []
     file_of = archive.source_file_names(layout, source_layout)
-    in_archive = {f.name for f in layout.files} if layout is not None else None
+    archived = {f.name: f for f in layout.files} if layout is not None else None
+    in_archive = set(archived) if archived is not None else None
     missing: dict[str, list[str]] = {}
     for ident in sorted(set(refs) - seen):
         missing.setdefault(refs[ident].file, []).append(ident[1])
@@ -590,15 +592,31 @@ def _compare_files(layout, source_layout, refs: dict, seen: set, against: str) -
         name = printable(f.name)
         if in_archive is not None and file_of[f.name] not in in_archive:
             errors.append(f"source file {name} ({counted(f.blocks, 'block')}) is not in the archive")
-        elif f.name in missing:
+            continue
+        if f.name in missing:
             keys = missing[f.name]
             errors.append(f"{len(keys)} block(s) of source file {name} are not in the archive, e.g. {keys[0]!r}")
+        if archived is not None and layout.kind == "safetensors" and f.metadata != archived[file_of[f.name]].metadata:
+            errors.append(f"source file {name}: {_metadata_difference(f.metadata, archived[file_of[f.name]].metadata)}")
     if in_archive is not None:
         errors += [
             f"file {printable(name)} of the archive is not in {redact(against)}"
             for name in sorted(in_archive - set(file_of.values()))
         ]
     return errors
+
+
+def _metadata_difference(source: dict[str, str], archived: dict[str, str]) -> str:
+    """How two ``__metadata__`` differ, by the first key (in sorted order) that does."""
+    key = next(k for k in sorted(set(source) | set(archived)) if source.get(k) != archived.get(k))
+
+    def value(metadata: dict[str, str]) -> str:
+        return repr(printable(metadata[key])) if key in metadata else "absent"
+
+    return (
+        f"its __metadata__ differs from the archive's: {printable(key)!r} is {value(archived)} in the archive, "
+        f"{value(source)} in the source"
+    )
 
 
 @dataclass

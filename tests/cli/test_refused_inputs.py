@@ -160,6 +160,24 @@ def test_verify_against_another_source_with_the_same_keys_fails(tmp_path, capsys
     assert "block 'layer0.k' in part-00000.parquet: " in err and "elements out of their bound; the first, element [" in err
 
 
+def test_verify_against_a_source_whose_metadata_differs_fails(tmp_path, capsys):
+    """decompress gives the archive's __metadata__ back: a source with other metadata (the
+    same tensors) is not what the archive holds. It passed before, naming nothing."""
+    tensors = {"layer0.k": torch.ones(4, 64, dtype=torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "a.safetensors"), metadata={"model": "x", "step": "1"})
+    save_file(tensors, str(tmp_path / "b.safetensors"), metadata={"model": "y", "step": "1"})
+    save_file(tensors, str(tmp_path / "c.safetensors"))
+    assert run(capsys, "compress", tmp_path / "a.safetensors", tmp_path / "arch", "--address", "inline")[0] == 0
+    assert run(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "a.safetensors")[0] == 0
+    for other, says in (
+        ("b", "'model' is 'x' in the archive, 'y' in the source"),
+        ("c", "'model' is 'x' in the archive, absent"),
+    ):
+        code, out, err = run(capsys, "verify", tmp_path / "arch", "--against", tmp_path / f"{other}.safetensors")
+        assert code == 1 and "1 problem" in out, out
+        assert f"source file {other}.safetensors: its __metadata__ differs from the archive's: {says}" in err, err
+
+
 def test_a_non_finite_block_is_named_with_its_file(tmp_path, capsys):
     """Every file of a directory holds 'layer0.k': the error said only "block 'layer0.k'"."""
     src = tmp_path / "kv"
