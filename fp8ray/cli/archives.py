@@ -142,7 +142,7 @@ def run_compress(args) -> int:
         report,
         (
             f"compressed {counted(report.blocks, 'block')}"
-            + (f" ({report.stored} of them stored as they are: not a dtype fp8 encodes)" if report.stored else "")
+            + (f" ({report.stored} stored as they are, not in fp8)" if report.stored else "")
             + f" into {counted(report.parts, 'part')} ({report.parts_reused} reused): "
             f"{report.raw_bytes / 2**20:.1f} MiB -> {report.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x), "
             f"{report.input_gbps:.2f} GB/s of input on {counted(report.workers, 'worker')} "
@@ -214,9 +214,8 @@ def run_verify(args) -> int:
     report = verify_archive(args.archive, against=args.against, pool=pool_settings(args), progress=update)
     summary = f"{counted(report.blocks, 'block')} in {counted(report.parts, 'part')}: "
     summary += "ok" if report.ok else counted(len(report.errors), "problem")
-    measured = {label: m for label, m in report.metrics.items() if label not in report.stored}
-    if measured:
-        worst = max(measured.items(), key=lambda kv: kv[1]["rel_fro"])
+    if report.metrics:  # the fp8 blocks' (stored ones are exact, or an error)
+        worst = max(report.metrics.items(), key=lambda kv: kv[1]["rel_fro"])
         summary += f"; worst relative error {worst[1]['rel_fro']:.3%} ({worst[0]!r})"
     if report.stored:
         summary += f"; {counted(len(report.stored), 'stored block')} identical to the source"

@@ -96,7 +96,7 @@ def tensor_to_bytes(t) -> np.ndarray:
     """The raw little-endian bytes of a contiguous CPU tensor, as a uint8 array view."""
     import torch  # loaded already: the caller has a tensor
 
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy()  # a conjugate view's values
 
 
 def dtype_name(t) -> str:

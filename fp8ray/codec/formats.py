@@ -134,6 +134,7 @@ DTYPE_ITEMSIZES = {
     "complex64": 8,
     "float8_e4m3fnuz": 1,
     "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
 }
 KERNEL_TYPES = {"float32": np.float32, "float16": np.int16, "bfloat16": np.uint16}
 

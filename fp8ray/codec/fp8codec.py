@@ -16,6 +16,8 @@ the scale convention is in :mod:`fp8ray.codec.formats`; the frame layout in
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..errors import BadInputError, BlockError, CorruptFrameError, InvalidOptionError, MismatchError, NonFiniteError
@@ -28,6 +30,10 @@ DEFAULT_BLOCK_SIZE = DEFAULT_OPTIONS.block_size
 # The exponent bits of float16 and bfloat16, as the kernels see their elements: all set
 # is inf or NaN.
 _NONFINITE_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
+FLOAT64_STORED = (
+    "a float64 tensor is stored as it is (8 bytes per element), not encoded in fp8: "
+    "cast it to float32 first (x.float(), array.astype(numpy.float32)) to compress it"
+)
 
 
 def source_tensor(tensor):
@@ -56,6 +62,8 @@ def source_tensor(tensor):
     dtype_name(tensor.dtype)  # a TypeError naming the dtypes there are
     if tensor.device.type == "meta":
         raise BlockError("cannot encode a meta tensor: it has no data")
+    if tensor.dtype == torch.float64:  # numpy's default: more likely a cache to cast than one to keep
+        warnings.warn(FLOAT64_STORED, stacklevel=3)  # at the caller of encode (or encode_many)
     return tensor
 
 
@@ -192,9 +200,10 @@ class Fp8Codec:
         ``threads``: how many threads the CPU kernels (for a CUDA tensor, the checksum) may
         use for this call (default ``FP8RAY_NUM_THREADS``, else every CPU this process may use).
 
-        A tensor of a dtype fp8 does not encode (integers, booleans, float64, fp8: see
-        :data:`~fp8ray.codec.formats.DTYPE_ITEMSIZES`) makes a stored frame: its bytes as
-        they are, which decode gives back bit for bit.
+        A tensor of a dtype fp8 does not encode (integers, booleans, float64, complex64,
+        fp8: :data:`~fp8ray.codec.names.STORED_DTYPE_CODES`) makes a stored frame: its
+        bytes as they are, which decode gives back bit for bit; float64 warns, as it is
+        more likely a cache to cast to float32 first than a tensor to keep at 8 bytes each.
         """
         x = source_tensor(tensor)
         header = self._header(x.shape, dtype_name(x.dtype))
@@ -202,7 +211,8 @@ class Fp8Codec:
         if header.stored:
             import torch  # loaded already: x is a tensor
 
-            frame.store_into(buf, header, x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            own = x.detach().resolve_conj().resolve_neg().cpu().contiguous()  # a conjugate view's values, not its bits
+            frame.store_into(buf, header, own.reshape(-1).view(torch.uint8).numpy())
         elif x.device.type == "cpu":
             self._encode_host(cpu.kernel_array(x.contiguous()), header, buf, threads)
         else:
@@ -211,8 +221,9 @@ class Fp8Codec:
 
     def encode_raw(self, data: np.ndarray, dtype: str, shape, out: np.ndarray | None = None, *, threads: int | None = None):
         """:meth:`encode` of a tensor given as its raw little-endian bytes (``data``: a 1-D
-        uint8 array), its dtype's name (``"bfloat16"``, ``"float16"``, ``"float32"``) and
-        its shape: the same frame, on the CPU, without torch (``fp8ray compress`` reads
+        uint8 array), its dtype's name (``"bfloat16"``, ``"float16"``, ``"float32"``, or a
+        stored dtype's: ``"int64"``...; no float64 warning: a file's tensors are as they
+        are) and its shape: the same frame, on the CPU, without torch (``fp8ray compress`` reads
         files as bytes, and loading torch takes it about a second)."""
         dtype = dtype_name(dtype)
         header = self._header(shape, dtype)

@@ -37,6 +37,7 @@ STORED_DTYPE_CODES = {
     "complex64": 16,
     "float8_e4m3fnuz": 17,
     "float8_e5m2fnuz": 18,
+    "float8_e8m0fnu": 19,
 }
 
 # Scale dtypes and their wire codes.

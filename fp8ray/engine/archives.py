@@ -58,8 +58,8 @@ from ..io.paths import (
     temporary_name,
     uri_for,
 )
-from ..io.provenance import Provenance, check_provenance
-from ..io.restore import RESTORE_COLUMNS, plan_restore
+from ..io.provenance import Provenance, check_provenance, short_repr
+from ..io.restore import RESTORE_COLUMNS, SINGLE_FILE_METADATA_KEY, plan_restore
 from ..io.store_source import scan_store_source
 from .pool import PoolSettings, QuantPool, check_pool, use_pool
 from .stores import check_store_restore, restored_serde
@@ -125,7 +125,7 @@ class VerifyReport:
     parts: int
     errors: list[str] = field(default_factory=list)
     metrics: dict[str, dict] = field(default_factory=dict)
-    stored: list[str] = field(default_factory=list)  # with against: stored blocks, identical to the source
+    stored: list[str] = field(default_factory=list)  # with against: stored blocks found identical (not in metrics)
 
     @property
     def ok(self) -> bool:
@@ -332,9 +332,10 @@ def compress_archive(
                 left = _parts_left(fs, work, len(parts)) if kept else ""
                 raise _destination_error(exc, destination, left) from None
             bound = bound_constants(codec.fmt, codec.scaling)
+            stored = sum(is_stored(ref.dtype) for ref in refs)
             part_infos = [run.infos[i] for i in range(len(parts))]
             manifest = archive.build_manifest(
-                source, layout, codec.as_dict(), lossless, bound, len(refs), part_infos, __version__, made_for
+                source, layout, codec.as_dict(), lossless, bound, len(refs), part_infos, __version__, made_for, stored > 0
             )
             try:
                 archive.write_manifest(fs, work, manifest)
@@ -369,7 +370,7 @@ def compress_archive(
         devices=sorted(run.devices),
         nodes=len(run.nodes - {None}),
         skipped=[asdict(entry) for entry in layout.skipped],
-        stored=sum(is_stored(ref.dtype) for ref in refs),
+        stored=stored,
     )
 
 
@@ -596,8 +597,10 @@ def _compare_files(layout, source_layout, refs: dict, seen: set, against: str) -
         if f.name in missing:
             keys = missing[f.name]
             errors.append(f"{len(keys)} block(s) of source file {name} are not in the archive, e.g. {keys[0]!r}")
-        if archived is not None and layout.kind == "safetensors" and f.metadata != archived[file_of[f.name]].metadata:
-            errors.append(f"source file {name}: {_metadata_difference(f.metadata, archived[file_of[f.name]].metadata)}")
+        if archived is not None and layout.kind == source_layout.kind == "safetensors":
+            difference = _metadata_difference(f.metadata, archived[file_of[f.name]].metadata)
+            if difference:
+                errors.append(f"source file {name}: {difference}")
     if in_archive is not None:
         errors += [
             f"file {printable(name)} of the archive is not in {redact(against)}"
@@ -607,14 +610,21 @@ def _compare_files(layout, source_layout, refs: dict, seen: set, against: str) -
 
 
 def _metadata_difference(source: dict[str, str], archived: dict[str, str]) -> str:
-    """How two ``__metadata__`` differ, by the first key (in sorted order) that does."""
-    key = next(k for k in sorted(set(source) | set(archived)) if source.get(k) != archived.get(k))
+    """How a source file's ``__metadata__`` differs from the archive's record of it, by the
+    first key (in sorted order) that does; ``""`` where they agree. The key
+    ``decompress --single-file`` adds (the archive's codec options) is not the source's
+    own: a file it wrote verifies against its archive."""
+    if SINGLE_FILE_METADATA_KEY not in archived:
+        source = {k: v for k, v in source.items() if k != SINGLE_FILE_METADATA_KEY}
+    key = next((k for k in sorted(set(source) | set(archived)) if source.get(k) != archived.get(k)), None)
+    if key is None:
+        return ""
 
     def value(metadata: dict[str, str]) -> str:
-        return repr(printable(metadata[key])) if key in metadata else "absent"
+        return short_repr(metadata[key]) if key in metadata else "absent"
 
     return (
-        f"its __metadata__ differs from the archive's: {printable(key)!r} is {value(archived)} in the archive, "
+        f"its __metadata__ differs from the archive's: {short_repr(key)} is {value(archived)} in the archive, "
         f"{value(source)} in the source"
     )
 

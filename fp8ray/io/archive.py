@@ -34,7 +34,7 @@ from .blocks import BlockRef, SourceLayout
 from .lossless import DEFAULT_LOSSLESS, LOSSLESS_CODECS  # noqa: F401 (DEFAULT_LOSSLESS re-exported)
 from .paths import is_temporary, os_reason, printable, redact, resolve, write_atomic
 from .provenance import Provenance
-from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, Manifest, Part, Plan
+from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, STORED_FRAMES_VERSION, Manifest, Part, Plan
 
 MANIFEST_NAME = "_manifest.json"
 PLAN_NAME = "_plan.json"
@@ -376,12 +376,14 @@ def build_manifest(
     parts: list[Part],
     fp8ray_version: str,
     provenance: Provenance | None = None,
+    stored_frames: bool = False,
 ) -> Manifest:
     """The manifest of a finished archive: what it holds, the source's layout (to give it
     back), the codec's error bound (to verify against), each part's size and CRC-32C, and
-    what the cache was made for (recorded only where a field of ``provenance`` is given)."""
+    what the cache was made for (recorded only where a field of ``provenance`` is given).
+    ``stored_frames``: whether any block is in a stored frame (its version says so)."""
     return Manifest(
-        version=ARCHIVE_VERSION,
+        version=STORED_FRAMES_VERSION if stored_frames else ARCHIVE_VERSION,
         fp8ray_version=fp8ray_version,
         codec=codec,
         lossless=lossless,

@@ -26,7 +26,10 @@ ARCHIVE_FORMAT = "fp8ray-archive"
 # Version 2 added the source's layout to the manifest and the "file" column to parts;
 # version 1 archives read as before (one safetensors file back).
 ARCHIVE_VERSION = 2
-READ_VERSIONS = (1, 2)
+# An archive holding stored frames (docs/FORMAT.md) is version 3, which fp8ray before them
+# refuses by its version instead of failing on the frames; every other archive stays 2.
+STORED_FRAMES_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 # What a manifest written before an option existed leaves out, and what it was then.
 LEGACY_CODEC = {"scale_dtype": "float32", "scale_choice": "amax", "nonfinite": "error"}

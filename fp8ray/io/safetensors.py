@@ -6,11 +6,12 @@ naming each tensor's dtype, shape and byte range in the data that follows, then 
 data. Nothing here unpickles anything. A header is accepted exactly when the
 ``safetensors`` package accepts it (its ``Metadata::validate``): at most 100,000,000
 bytes of UTF-8 JSON; an object whose optional ``__metadata__`` maps strings to strings
-and whose other members are tensors with a known dtype, a shape of non-negative
+and whose other members are tensors with a dtype of SOURCE_DTYPES, a shape of non-negative
 integers and two integer offsets; the tensors, sorted by offsets, lying end to end from
-0 and covering the data exactly, each of exactly its shape's size. One deliberate
-difference: a key given twice anywhere in the header is refused (the package silently
-keeps the last one, which would lose a tensor without a word).
+0 and covering the data exactly, each of exactly its shape's size. Two deliberate
+differences: a key given twice anywhere in the header is refused (the package silently
+keeps the last one, which would lose a tensor without a word), and so are the format's
+sub-byte dtypes (F4, F6), which safetensors.torch does not read either.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from .paths import CompleteOrNothing, delete_quietly, move_into_place, os_reason
 
 MAX_HEADER = 100_000_000  # the safetensors package's limit on the JSON header
 MAX_USIZE = 2**64 - 1
-# Every dtype of the format, by its safetensors name, and fp8ray's (torch's) name of it:
-# fp8 encodes the floats and stores the rest as they are (fp8ray.codec.frame). A header
-# naming another is malformed.
+# Every dtype safetensors.torch reads, by its safetensors name, and fp8ray's (torch's) name
+# of it: fp8 encodes the floats and stores the rest as they are (fp8ray.codec.frame). A
+# header naming another (the format's sub-byte F4 and F6 among them) is refused.
 SOURCE_DTYPES = {
     "BOOL": "bool",
     "U8": "uint8",
@@ -58,6 +59,7 @@ SOURCE_DTYPES = {
     "C64": "complex64",
     "F8_E4M3FNUZ": "float8_e4m3fnuz",
     "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
 }
 SAFETENSORS_NAMES = {name: st for st, name in SOURCE_DTYPES.items()}
 ITEMSIZES = {st: DTYPE_ITEMSIZES[name] for st, name in SOURCE_DTYPES.items()}

@@ -169,13 +169,21 @@ def test_verify_against_a_source_whose_metadata_differs_fails(tmp_path, capsys):
     save_file(tensors, str(tmp_path / "c.safetensors"))
     assert run(capsys, "compress", tmp_path / "a.safetensors", tmp_path / "arch", "--address", "inline")[0] == 0
     assert run(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "a.safetensors")[0] == 0
+    save_file(tensors, str(tmp_path / "d.safetensors"), metadata={"model": "x", "step": "1\n" + "9" * 100})
     for other, says in (
         ("b", "'model' is 'x' in the archive, 'y' in the source"),
-        ("c", "'model' is 'x' in the archive, absent"),
+        ("c", "'model' is 'x' in the archive, absent in the source"),
+        ("d", "'step' is '1' in the archive, '1\\n" + "9" * 53 + "... in the source"),  # escaped once, cut at 60
     ):
         code, out, err = run(capsys, "verify", tmp_path / "arch", "--against", tmp_path / f"{other}.safetensors")
         assert code == 1 and "1 problem" in out, out
         assert f"source file {other}.safetensors: its __metadata__ differs from the archive's: {says}" in err, err
+    # What decompress --single-file writes adds the archive's options to its metadata: still the archive's own
+    single = tmp_path / "single.safetensors"
+    assert run(capsys, "decompress", tmp_path / "arch", single, "--single-file", "--address", "inline")[0] == 0
+    header = single.read_bytes()[8 : 8 + struct.unpack("<Q", single.read_bytes()[:8])[0]]
+    assert "fp8ray_archive" in json.loads(header)["__metadata__"]
+    assert run(capsys, "verify", tmp_path / "arch", "--against", single)[0] == 0
 
 
 def test_a_non_finite_block_is_named_with_its_file(tmp_path, capsys):

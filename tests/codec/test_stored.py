@@ -13,11 +13,14 @@ import torch
 import fp8ray
 from fp8ray import CorruptFrameError, Fp8Codec
 from fp8ray.codec import frame
+from fp8ray.codec.blocks import Block
 from fp8ray.codec.fp8codec import decode_raw
 from fp8ray.codec.names import STORED_DTYPE_CODES
 from fp8ray.errors import MismatchError
 
 STORED = sorted(STORED_DTYPE_CODES)
+# float64 warns that it is stored, not compressed: tested once below, quiet elsewhere.
+pytestmark = pytest.mark.filterwarnings("ignore:a float64 tensor is stored")
 
 
 def sample(dtype: str, shape=(3, 5), seed=0) -> torch.Tensor:
@@ -85,6 +88,36 @@ def test_floats_fp8_does_not_encode_keep_every_bit():
     x[0:1].view(torch.int64)[0] = 0x7FF0_0000_0000_1234  # a NaN with a payload
     y = fp8ray.decode(Fp8Codec(nonfinite="error").encode(x))
     assert same_bits(y, x)
+
+
+def test_the_dtype_tables_agree_with_each_other_and_with_torch():
+    """The dtypes a frame holds are written in three tables (wire codes, item sizes,
+    safetensors names): each names the same dtypes, at torch's own item size."""
+    from fp8ray.codec.formats import DTYPE_ITEMSIZES, FRAME_DTYPE_CODES
+    from fp8ray.io.safetensors import SOURCE_DTYPES
+
+    assert set(DTYPE_ITEMSIZES) == set(FRAME_DTYPE_CODES) == set(SOURCE_DTYPES.values())
+    assert len(set(FRAME_DTYPE_CODES.values())) == len(FRAME_DTYPE_CODES)
+    assert {name: getattr(torch, name).itemsize for name in DTYPE_ITEMSIZES} == DTYPE_ITEMSIZES
+
+
+def test_float64_warns_that_it_is_stored_not_compressed_and_nothing_else_does():
+    with pytest.warns(UserWarning, match=r"a float64 tensor is stored as it is \(8 bytes per element\).*x.float\(\)"):
+        Fp8Codec().encode(np.zeros(4))  # numpy's default dtype
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Fp8Codec().encode(torch.arange(4))
+        Fp8Codec().encode_raw(np.zeros(32, np.uint8), "float64", (4,))  # a file's tensor, as it is
+
+
+def test_conjugate_and_negative_views_are_stored_by_their_values():
+    """torch keeps .conj() and ._neg_view() lazily, as a bit: its bytes are not the values."""
+    z = torch.randn(3, 4, dtype=torch.complex64)
+    for view, values in ((z.conj(), z.conj().resolve_conj()), (torch.arange(6)._neg_view(), -torch.arange(6))):
+        assert torch.equal(fp8ray.decode(Fp8Codec().encode(view)), values)
+        assert Block.of("k", view).data.tobytes() == tensor_bytes(values)
 
 
 def test_numpy_arrays_and_strided_tensors_are_stored():
