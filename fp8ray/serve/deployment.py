@@ -33,7 +33,7 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.config import DeploymentActorConfig
 from ray.util import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -269,7 +269,8 @@ class Fp8Service:
             body = await self._read_body(request) if request.method == "POST" else b""
             bytes_in = len(body)
             response = await handler(request, body)
-        except ClientDisconnect:  # the client hung up mid-body: not a failure of the service
+        except (ClientDisconnect, TaskCancelledError):  # the client hung up mid-body: not a failure of the service
+            # (Serve's proxy may cancel the body's read instead: a TaskCancelledError out of request.stream())
             response = Response(status_code=CLIENT_CLOSED)
         except asyncio.CancelledError:  # the proxy dropped the request (its client hung up): count it, then end
             self._count(route, CLIENT_CLOSED, bytes_in, 0, start)
