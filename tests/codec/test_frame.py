@@ -148,7 +148,7 @@ def test_an_empty_shape_numpy_cannot_make_is_a_corrupt_frame(dtype_code, itemsiz
         (4, b"\x02", "unsupported frame version 2"),
         (5, b"\x09", "unknown fp8 format code 9"),
         (6, b"\x07", "unknown scaling code 7"),
-        (7, b"\x10", "unknown dtype code 16"),
+        (7, b"\x63", "unknown dtype code 99"),
         (7, b"\x08", r"dtype uint16 \(code 8\) is invalid for an fp8 frame"),
         (8, b"\xc8", "ndim 200 in frame header exceeds 64"),
         (9, b"\x07", "unknown scale dtype code 7"),
