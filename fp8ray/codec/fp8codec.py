@@ -1,6 +1,6 @@
 """``Fp8Codec``: encode a bf16/fp16/fp32 tensor into a checked fp8 frame, and back; a
-tensor of a dtype fp8 does not encode (integers, booleans, float64, fp8) into a stored
-frame, its bytes as they are.
+tensor of a dtype fp8 does not encode (integers, booleans, float64, complex64, fp8) into
+a stored frame, its bytes as they are.
 
 >>> import torch
 >>> codec = Fp8Codec(fp8="e4m3fn", scaling="token")

@@ -21,7 +21,7 @@ Byte 9 was reserved (zero) before scale dtypes existed, so every older frame rea
 float32 scales, unchanged.
 
 A stored frame (format code 0) holds a tensor fp8 does not encode (integers, booleans,
-float64, fp8) as its own bytes: scaling none, no scales, then ``N * itemsize`` bytes of
+float64, complex64, fp8) as its own bytes: scaling none, no scales, then ``N * itemsize`` bytes of
 the tensor in place of the codes. Decoding gives the tensor back bit for bit.
 """
 
