@@ -281,13 +281,21 @@ def add_get_command(commands) -> None:
 
 
 def run_get(args) -> int:
-    import os
     import sys
 
     import pyarrow.fs as pafs
 
     from ..errors import ArchiveExistsError, DestinationError
-    from ..io.paths import check_apart, check_not_special, os_reason, output_error, prepare_parent, redact, resolve
+    from ..io.paths import (
+        check_apart,
+        check_not_special,
+        os_reason,
+        output_error,
+        output_exists,
+        prepare_parent,
+        redact,
+        resolve,
+    )
     from ..io.reader import open_archive
     from ..io.safetensors import SafetensorsWriter, build_body
 
@@ -298,11 +306,9 @@ def run_get(args) -> int:
         check_apart(args.archive, args.output)
         fs, path = resolve(args.output)
         check_not_special(fs, path, args.output)  # '-' is the way to write to standard output
-        kind = fs.get_file_info(path).type
-        if kind == pafs.FileType.Directory:
+        if fs.get_file_info(path).type == pafs.FileType.Directory:
             raise DestinationError(f"output {redact(args.output)} is a directory; name the .safetensors file to write")
-        dangling = isinstance(fs, pafs.LocalFileSystem) and os.path.lexists(path)  # a link to nothing is there too
-        if (kind != pafs.FileType.NotFound or dangling) and not args.overwrite:
+        if output_exists(fs, path) and not args.overwrite:  # a link to nothing too
             raise ArchiveExistsError(f"output {redact(args.output)} exists (pass --overwrite to replace it)")
         prepare_parent(fs, path, args.output, args.parents)
     reader = open_archive(args.archive)
