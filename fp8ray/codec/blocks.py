@@ -19,6 +19,7 @@ import numpy as np
 
 from ..errors import BadInputError, BlockError, CorruptFrameError, MismatchError, block_error
 from . import formats, frame
+from .cpu import tensor_to_bytes
 from .formats import DTYPE_ITEMSIZES
 from .fp8codec import Fp8Codec, decode, decode_raw
 from .runs import decode_run, encode_run, fits_run, runs_of, small
@@ -90,13 +91,6 @@ def bytes_to_tensor(data: np.ndarray, dtype: str, shape):
     if data.size == 0:  # torch cannot view an empty array of another itemsize
         return torch.empty(tuple(shape), dtype=formats.DTYPES_BY_NAME[dtype])
     return host_tensor(data.view(np.uint8)).view(formats.DTYPES_BY_NAME[dtype]).reshape(tuple(shape))
-
-
-def tensor_to_bytes(t) -> np.ndarray:
-    """The raw little-endian bytes of a contiguous CPU tensor, as a uint8 array view."""
-    import torch  # loaded already: the caller has a tensor
-
-    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy()  # a conjugate view's values
 
 
 def dtype_name(t) -> str:

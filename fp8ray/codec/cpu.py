@@ -115,6 +115,14 @@ def _spans(count: int, per_task: int, threads: int | None) -> list[tuple[int, in
     return list(zip(bounds, bounds[1:]))
 
 
+def tensor_to_bytes(t) -> np.ndarray:
+    """The raw little-endian bytes of a CPU tensor, as a uint8 array (a view where the
+    tensor is contiguous; a conjugate or negative view's values, not its stored bits)."""
+    import torch  # loaded already: the caller has a tensor
+
+    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
 def kernel_array(t) -> np.ndarray:
     """A numpy view of a contiguous CPU bf16/fp16/fp32 tensor, its shape kept, holding its
     elements as the kernels take them (:data:`~fp8ray.codec.formats.KERNEL_TYPES`)."""

@@ -209,10 +209,7 @@ class Fp8Codec:
         header = self._header(x.shape, dtype_name(x.dtype))
         buf = _byte_buffer(out, header.frame_size)
         if header.stored:
-            import torch  # loaded already: x is a tensor
-
-            own = x.detach().resolve_conj().resolve_neg().cpu().contiguous()  # a conjugate view's values, not its bits
-            frame.store_into(buf, header, own.reshape(-1).view(torch.uint8).numpy())
+            frame.store_into(buf, header, cpu.tensor_to_bytes(x.detach().cpu()))
         elif x.device.type == "cpu":
             self._encode_host(cpu.kernel_array(x.contiguous()), header, buf, threads)
         else:
@@ -320,7 +317,7 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
         raise InvalidOptionError(f"device {str(target)!r} was asked for, but torch sees no CUDA device", field="device")
     if header.stored:
         host = torch.empty(header.shape, dtype=dtype)
-        _copy_stored(buf, header, codes, host.reshape(-1).view(torch.uint8).numpy(), threads)
+        _copy_stored(buf, header, codes, cpu.tensor_to_bytes(host), threads)
         result = host if target.type == "cpu" else host.to(target)
     elif target.type == "cpu":
         result = out if out is not None and out.is_contiguous() else torch.empty(header.shape, dtype=dtype)
