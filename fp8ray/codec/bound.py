@@ -100,10 +100,8 @@ def check_within_bound(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, co
         return None
     wrong = ~within | (y_finite != finite)
     i = int(wrong.nonzero()[0, 0])
-    index = [int(n) for n in np.unravel_index(i, tuple(x.shape))] if x.dim() else []
     source, decoded = float(x.reshape(-1)[i]), float(y64[i])
-    first = f"the first, element {index}" if index else "the only one"
-    count = f"{int(wrong.sum())} of {wrong.numel()} elements out of their bound; {first}"
+    count = f"{int(wrong.sum())} of {wrong.numel()} elements out of their bound; {_first(i, tuple(x.shape))}"
     if bool(finite[i]) and bool(y_finite[i]):
         return (
             f"{count}, decodes to {decoded!r} where the source holds {source!r}: an error of {abs(float(diff[i])):.6g}, "
@@ -122,8 +120,7 @@ def check_identical(source: np.ndarray, stored: np.ndarray, dtype: str, shape: t
     words = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
     differs = source.view(words) != stored.view(words)
     i = int(np.flatnonzero(differs)[0])
-    index = [int(n) for n in np.unravel_index(i, shape)] if shape else []
-    first = f"the first, element {index}" if index else "the only one"
+    first = _first(i, shape)
     digits = 2 * itemsize + 2  # 0x and two hex digits a byte
 
     def bits(array: np.ndarray) -> str:
@@ -133,3 +130,8 @@ def check_identical(source: np.ndarray, stored: np.ndarray, dtype: str, shape: t
         f"{int(differs.sum())} of {differs.size} {dtype} elements differ from the source, which the stored frame holds "
         f"exactly; {first}: bits {bits(stored)}, the source's {bits(source)}"
     )
+
+
+def _first(i: int, shape: tuple[int, ...]) -> str:
+    """The first wrong element, flat index ``i`` of a ``shape`` tensor, as the messages name it."""
+    return f"the first, element {[int(n) for n in np.unravel_index(i, shape)]}" if shape else "the only one"
