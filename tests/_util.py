@@ -18,6 +18,29 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALINGS = ("none", "tensor", "channel", "token", "block")
 
 
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """``fp8ray ARGV...`` in this process (each argument as its string): exit code, stdout, stderr."""
+    from fp8ray.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def random_bits(dtype: str, shape=(3, 5), seed: int = 0) -> torch.Tensor:
+    """A tensor of ``dtype`` (torch's name) holding random bytes: any bit pattern (NaN,
+    inf and negative zero of the floats among them), a bool's byte 0 or 1."""
+    t = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * t.itemsize,), dtype=torch.uint8, generator=g)
+    return (raw & 1 if dtype == "bool" else raw).view(t).reshape(shape)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's raw little-endian bytes, whatever its dtype (0-d included)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def bits(t: torch.Tensor) -> np.ndarray:
     """The raw bits of a tensor, for bit-exact comparison."""
     t = t.contiguous().reshape(-1)

@@ -5,31 +5,26 @@ from __future__ import annotations
 import json
 
 import pytest
+from _util import run_cli
 
 from fp8ray.cli import main
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.usefixtures("ray_session")
 def test_compress_inspect_verify_decompress(kv_source, tmp_path, capsys):
     src, tensors = kv_source
     arch = tmp_path / "arch"
-    code, out, err = run(capsys, "compress", str(src), str(arch), "--scaling", "block", "--block-size", "64", "--json")
+    code, out, err = run_cli(capsys, "compress", str(src), str(arch), "--scaling", "block", "--block-size", "64", "--json")
     assert code == 0, err
     report = json.loads(out)
     assert report["blocks"] == len(tensors) and report["ratio"] > 1.7
-    code, out, _ = run(capsys, "inspect", str(arch))
+    code, out, _ = run_cli(capsys, "inspect", str(arch))
     assert code == 0 and f"{len(tensors)} blocks" in out and "e4m3fn, block 64" in out
-    code, out, _ = run(capsys, "verify", str(arch), "--against", str(src))
+    code, out, _ = run_cli(capsys, "verify", str(arch), "--against", str(src))
     assert code == 0 and "ok; worst relative error" in out
-    code, out, err = run(capsys, "compress", str(src), str(arch))
+    code, out, err = run_cli(capsys, "compress", str(src), str(arch))
     assert code == 1 and err.count("\n") == 1 and "already holds an archive" in err
-    code, out, _ = run(capsys, "decompress", str(arch), str(tmp_path / "out.safetensors"))
+    code, out, _ = run_cli(capsys, "decompress", str(arch), str(tmp_path / "out.safetensors"))
     assert code == 0 and (tmp_path / "out.safetensors").exists()
 
 
@@ -39,14 +34,14 @@ def test_verify_of_a_damaged_archive_exits_non_zero_naming_the_block(kv_source, 
 
     src, _ = kv_source
     arch = tmp_path / "arch"
-    assert run(capsys, "compress", str(src), str(arch), "--lossless", "none")[0] == 0  # frames as they are
+    assert run_cli(capsys, "compress", str(src), str(arch), "--lossless", "none")[0] == 0  # frames as they are
     part = sorted(arch.glob("part-*.parquet"))[0]
     table = pq.read_table(part)
     key, victim = table.column("key")[0].as_py(), table.column("frame")[0].as_py()
     data = bytearray(part.read_bytes())
     data[data.index(victim) + 40] ^= 0xFF
     part.write_bytes(bytes(data))
-    code, _, err = run(capsys, "verify", str(arch))
+    code, _, err = run_cli(capsys, "verify", str(arch))
     assert code == 1 and f"block {key!r}" in err and "failed verification" in err.splitlines()[-1]
 
 
@@ -59,7 +54,7 @@ def test_verify_of_a_damaged_archive_exits_non_zero_naming_the_block(kv_source, 
     ],
 )
 def test_user_mistakes_are_one_line_errors(capsys, argv, message):
-    code, _, err = run(capsys, *argv)
+    code, _, err = run_cli(capsys, *argv)
     assert code == 1
     assert err.startswith("fp8ray: error: ") and message in err and err.count("\n") == 1
 

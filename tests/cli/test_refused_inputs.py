@@ -10,19 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _util import run_cli
 from safetensors.torch import save_file
 
 import fp8ray
-from fp8ray.cli import main
 from fp8ray.io import archive
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
@@ -42,19 +36,19 @@ def test_a_block_size_an_archive_cannot_record_is_refused_before_any_work(tmp_pa
     failed on the parts' int32 column with a traceback (OverflowError)."""
     src = tmp_path / "kv.safetensors"
     save_file({"kv": torch.randn(4, 64).to(torch.bfloat16)}, str(src))
-    code, out, err = run(capsys, "compress", src, tmp_path / "arch", "--block-size", 2**31, "--address", "inline")
+    code, out, err = run_cli(capsys, "compress", src, tmp_path / "arch", "--block-size", 2**31, "--address", "inline")
     assert (code, out) == (1, "") and err == (
         "fp8ray: error: block_size 2147483648: an archive records it in 32-bit signed integers, at most 2147483647\n"
     )
     assert not (tmp_path / "arch").exists()
-    assert run(capsys, "compress", src, tmp_path / "arch", "--block-size", 2**31 - 1, "--address", "inline")[0] == 0
+    assert run_cli(capsys, "compress", src, tmp_path / "arch", "--block-size", 2**31 - 1, "--address", "inline")[0] == 0
 
 
 def test_a_66_dimension_tensor_is_refused_by_compress(tmp_path, capsys):
     src = raw_safetensors(
         tmp_path / "deep.safetensors", {"deep": {"dtype": "F32", "shape": [1] * 66, "data_offsets": [0, 4]}}, b"\0\0\0\0"
     )
-    code, _, err = run(capsys, "compress", src, tmp_path / "arch")
+    code, _, err = run_cli(capsys, "compress", src, tmp_path / "arch")
     assert code == 1 and err.count("\n") == 1 and "block 'deep'" in err and "limit of 64" in err
     assert not (tmp_path / "arch").exists()
 
@@ -64,7 +58,7 @@ def test_an_empty_tensor_numpy_cannot_shape_is_refused_naming_its_dimensions(tmp
     src = raw_safetensors(
         tmp_path / "h.safetensors", {"big": big, "k": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}, bytes(8)
     )
-    code, _, err = run(capsys, "compress", src, tmp_path / "arch", "--address", "inline")
+    code, _, err = run_cli(capsys, "compress", src, tmp_path / "arch", "--address", "inline")
     assert code == 1 and err.count("\n") == 1, err
     shape = "shape [4294967296, 4294967296, 0]"
     assert f"block 'big' of h.safetensors: {shape}: its non-zero dimensions multiply to 18446744073709551616" in err
@@ -90,7 +84,7 @@ def test_a_tensor_whose_frame_no_part_can_hold_is_refused_before_any_work(tmp_pa
     with open(src, "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header)
         f.truncate(8 + len(header) + 2 * rows * n)
-    code, _, err = run(capsys, "compress", src, tmp_path / "arch", "--address", "inline", *options)
+    code, _, err = run_cli(capsys, "compress", src, tmp_path / "arch", "--address", "inline", *options)
     assert code == 1 and err.count("\n") == 1, err
     assert f"block 'kv' of big.safetensors: its frame would be {size(n)} bytes, more than an archive's part" in err
     assert not (tmp_path / "arch").exists()
@@ -107,7 +101,7 @@ def test_the_frame_limit_is_pyarrows_less_a_margin():
 def test_a_source_without_tensors_is_an_error_not_an_empty_archive(tmp_path, capsys):
     src = tmp_path / "meta.safetensors"
     save_file({}, str(src), {"only": "metadata"})
-    code, _, err = run(capsys, "compress", src, tmp_path / "arch")
+    code, _, err = run_cli(capsys, "compress", src, tmp_path / "arch")
     assert code == 1 and "holds no tensors" in err and not (tmp_path / "arch").exists()
 
 
@@ -143,7 +137,7 @@ def test_a_source_without_tensors_is_an_error_not_an_empty_archive(tmp_path, cap
 )
 def test_malformed_safetensors_are_refused_in_one_line(tmp_path, capsys, header, data, message):
     src = raw_safetensors(tmp_path / "bad.safetensors", header, data)
-    code, _, err = run(capsys, "compress", src, tmp_path / "arch")
+    code, _, err = run_cli(capsys, "compress", src, tmp_path / "arch")
     assert code == 1 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "arch").exists()
 
@@ -153,9 +147,9 @@ def test_verify_against_another_source_with_the_same_keys_fails(tmp_path, capsys
     same_keys = lambda: {f"layer{i}.k": torch.randn(4, 32, 64, generator=g).to(torch.bfloat16) for i in range(3)}  # noqa: E731
     save_file(same_keys(), str(tmp_path / "a.safetensors"))
     save_file(same_keys(), str(tmp_path / "b.safetensors"))  # same keys and shapes, other values
-    assert run(capsys, "compress", tmp_path / "a.safetensors", tmp_path / "arch")[0] == 0
-    assert run(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "a.safetensors")[0] == 0
-    code, out, err = run(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "b.safetensors")
+    assert run_cli(capsys, "compress", tmp_path / "a.safetensors", tmp_path / "arch")[0] == 0
+    assert run_cli(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "a.safetensors")[0] == 0
+    code, out, err = run_cli(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "b.safetensors")
     assert code == 1 and "3 problems" in out
     assert "block 'layer0.k' in part-00000.parquet: " in err and "elements out of their bound; the first, element [" in err
 
@@ -167,23 +161,23 @@ def test_verify_against_a_source_whose_metadata_differs_fails(tmp_path, capsys):
     save_file(tensors, str(tmp_path / "a.safetensors"), metadata={"model": "x", "step": "1"})
     save_file(tensors, str(tmp_path / "b.safetensors"), metadata={"model": "y", "step": "1"})
     save_file(tensors, str(tmp_path / "c.safetensors"))
-    assert run(capsys, "compress", tmp_path / "a.safetensors", tmp_path / "arch", "--address", "inline")[0] == 0
-    assert run(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "a.safetensors")[0] == 0
+    assert run_cli(capsys, "compress", tmp_path / "a.safetensors", tmp_path / "arch", "--address", "inline")[0] == 0
+    assert run_cli(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "a.safetensors")[0] == 0
     save_file(tensors, str(tmp_path / "d.safetensors"), metadata={"model": "x", "step": "1\n" + "9" * 100})
     for other, says in (
         ("b", "'model' is 'x' in the archive, 'y' in the source"),
         ("c", "'model' is 'x' in the archive, absent in the source"),
         ("d", "'step' is '1' in the archive, '1\\n" + "9" * 53 + "... in the source"),  # escaped once, cut at 60
     ):
-        code, out, err = run(capsys, "verify", tmp_path / "arch", "--against", tmp_path / f"{other}.safetensors")
+        code, out, err = run_cli(capsys, "verify", tmp_path / "arch", "--against", tmp_path / f"{other}.safetensors")
         assert code == 1 and "1 problem" in out, out
         assert f"source file {other}.safetensors: its __metadata__ differs from the archive's: {says}" in err, err
     # What decompress --single-file writes adds the archive's options to its metadata: still the archive's own
     single = tmp_path / "single.safetensors"
-    assert run(capsys, "decompress", tmp_path / "arch", single, "--single-file", "--address", "inline")[0] == 0
+    assert run_cli(capsys, "decompress", tmp_path / "arch", single, "--single-file", "--address", "inline")[0] == 0
     header = single.read_bytes()[8 : 8 + struct.unpack("<Q", single.read_bytes()[:8])[0]]
     assert "fp8ray_archive" in json.loads(header)["__metadata__"]
-    assert run(capsys, "verify", tmp_path / "arch", "--against", single)[0] == 0
+    assert run_cli(capsys, "verify", tmp_path / "arch", "--against", single)[0] == 0
 
 
 def test_a_non_finite_block_is_named_with_its_file(tmp_path, capsys):
@@ -195,5 +189,5 @@ def test_a_non_finite_block_is_named_with_its_file(tmp_path, capsys):
         if i == 2:
             x[1, 3] = float("nan")
         save_file({"layer0.k": x}, str(src / f"req{i}.safetensors"))
-    code, _, err = run(capsys, "compress", src, tmp_path / "arch", "--address", "inline")
+    code, _, err = run_cli(capsys, "compress", src, tmp_path / "arch", "--address", "inline")
     assert code == 1 and err.startswith("fp8ray: error: block 'layer0.k' of req2.safetensors: 1 non-finite value"), err

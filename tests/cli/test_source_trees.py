@@ -13,19 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _util import run_cli
 from safetensors.torch import save_file
-
-from fp8ray.cli import main
 
 INLINE = ("--address", "inline")
 # Values exact in e4m3fn, so that scaling "none" gives the bytes back as they were.
 EXACT = ("--scaling", "none")
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def digests(root: Path) -> dict[str, str]:
@@ -64,7 +57,7 @@ def taken(root: Path) -> dict[str, str]:
 
 def test_a_tree_comes_back_byte_for_byte_and_the_skipped_files_are_named(tree, tmp_path, capsys):
     arch, out = tmp_path / "arch", tmp_path / "out"
-    code, stdout, err = run(capsys, "compress", tree, arch, *EXACT, *INLINE)
+    code, stdout, err = run_cli(capsys, "compress", tree, arch, *EXACT, *INLINE)
     assert code == 0, err
     assert stdout.startswith("compressed 80 blocks ")
     assert stdout.rstrip("\n").endswith("; skipped 2 files: README.txt, tenant_b/index.json")
@@ -74,10 +67,10 @@ def test_a_tree_comes_back_byte_for_byte_and_the_skipped_files_are_named(tree, t
         {"name": "tenant_b/index.json", "reason": "not a .safetensors file"},
     ]
     assert len(manifest["layout"]["files"]) == 20
-    code, _, err = run(capsys, "decompress", arch, out, *INLINE)
+    code, _, err = run_cli(capsys, "decompress", arch, out, *INLINE)
     assert code == 0, err
     assert digests(out) == taken(tree) and len(digests(out)) == 20  # every file the command did not name
-    code, stdout, _ = run(capsys, "inspect", arch)
+    code, stdout, _ = run_cli(capsys, "inspect", arch)
     assert code == 0 and "the source's tree skipped 2 files: README.txt, tenant_b/index.json" in stdout
 
 
@@ -88,7 +81,7 @@ def test_what_a_tree_holds_besides_is_named_in_json_and_strict_refuses_it(tree, 
     (tree / "empty" / "inner").mkdir(parents=True)
     (tree / "to_tenant").symlink_to(tree / "tenant_b")  # a link to a folder: not followed
     (tree / "alias.safetensors").symlink_to(tree / "req00.safetensors")  # a link to a file: the file
-    code, stdout, err = run(capsys, "compress", tree, tmp_path / "arch", *INLINE, "--json")
+    code, stdout, err = run_cli(capsys, "compress", tree, tmp_path / "arch", *INLINE, "--json")
     assert code == 0, err
     report = json.loads(stdout)
     assert report["blocks"] == 84 and report["skipped"] == [
@@ -99,11 +92,11 @@ def test_what_a_tree_holds_besides_is_named_in_json_and_strict_refuses_it(tree, 
         {"name": "tenant_b/index.json", "reason": "not a .safetensors file"},
         {"name": "to_tenant/", "reason": "symbolic link to a folder, not followed"},
     ]
-    code, stdout, err = run(capsys, "compress", tree, tmp_path / "arch2", *INLINE)
+    code, stdout, err = run_cli(capsys, "compress", tree, tmp_path / "arch2", *INLINE)
     assert code == 0 and stdout.rstrip("\n").endswith(
         "; skipped 3 files and 3 folders: .cache/, .hidden.safetensors, README.txt, empty/inner/, tenant_b/index.json, to_tenant/"
     )
-    code, stdout, err = run(capsys, "compress", tree, tmp_path / "strict", *INLINE, "--strict")
+    code, stdout, err = run_cli(capsys, "compress", tree, tmp_path / "strict", *INLINE, "--strict")
     assert code == 1 and stdout == "" and err.count("\n") == 1
     assert err == (
         f"fp8ray: error: source {tree} holds 6 entries compress does not take (--strict): .cache/ (hidden folder), "
@@ -116,17 +109,17 @@ def test_what_a_tree_holds_besides_is_named_in_json_and_strict_refuses_it(tree, 
 def test_strict_takes_a_clean_tree(tree, tmp_path, capsys):
     (tree / "README.txt").unlink()
     (tree / "tenant_b" / "index.json").unlink()
-    code, stdout, err = run(capsys, "compress", tree, tmp_path / "arch", *INLINE, "--strict")
+    code, stdout, err = run_cli(capsys, "compress", tree, tmp_path / "arch", *INLINE, "--strict")
     assert code == 0 and "skipped" not in stdout, err
 
 
 def test_verify_against_names_the_source_file_the_archive_lacks(tree, tmp_path, capsys):
     arch = tmp_path / "arch"
-    assert run(capsys, "compress", tree, arch, *INLINE)[0] == 0
-    code, stdout, _ = run(capsys, "verify", arch, "--against", tree, *INLINE)
+    assert run_cli(capsys, "compress", tree, arch, *INLINE)[0] == 0
+    code, stdout, _ = run_cli(capsys, "verify", arch, "--against", tree, *INLINE)
     assert code == 0 and "ok" in stdout
     shutil.copy(tree / "req00.safetensors", tree / "tenant_b" / "extra.safetensors")  # every key is one the archive has
-    code, stdout, err = run(capsys, "verify", arch, "--against", tree, *INLINE)
+    code, stdout, err = run_cli(capsys, "verify", arch, "--against", tree, *INLINE)
     assert code == 1 and "1 problem" in stdout
     assert err.splitlines() == [
         "fp8ray: source file tenant_b/extra.safetensors (4 blocks) is not in the archive",
@@ -136,31 +129,31 @@ def test_verify_against_names_the_source_file_the_archive_lacks(tree, tmp_path, 
     save_file(
         {**small(3), "layer9.k": torch.zeros(2, 64, dtype=torch.bfloat16)}, str(tree / "req03.safetensors"), {"request": "3"}
     )
-    code, _, err = run(capsys, "verify", arch, "--against", tree, *INLINE)
+    code, _, err = run_cli(capsys, "verify", arch, "--against", tree, *INLINE)
     assert code == 1
     assert "fp8ray: 1 block(s) of source file req03.safetensors are not in the archive, e.g. 'layer9.k'" in err.splitlines()
     (tree / "req03.safetensors").unlink()
-    code, _, err = run(capsys, "verify", arch, "--against", tree, *INLINE)
+    code, _, err = run_cli(capsys, "verify", arch, "--against", tree, *INLINE)
     assert code == 1 and f"fp8ray: file req03.safetensors of the archive is not in {tree}" in err.splitlines()
 
 
 def test_decompress_never_removes_what_it_did_not_write(tree, tmp_path, capsys):
     arch, out = tmp_path / "arch", tmp_path / "out"
-    assert run(capsys, "compress", tree, arch, *EXACT, *INLINE)[0] == 0
-    assert run(capsys, "decompress", arch, out, *INLINE)[0] == 0
-    code, _, err = run(capsys, "decompress", arch, out, "--overwrite", *INLINE)  # its own output: replaced
+    assert run_cli(capsys, "compress", tree, arch, *EXACT, *INLINE)[0] == 0
+    assert run_cli(capsys, "decompress", arch, out, *INLINE)[0] == 0
+    code, _, err = run_cli(capsys, "decompress", arch, out, "--overwrite", *INLINE)  # its own output: replaced
     assert code == 0 and err == "", err
     (out / "notes.txt").write_text("mine")
     (out / "tenant_b" / "mine").mkdir()
     (out / "tenant_b" / "mine" / "x.bin").write_bytes(b"mine")
     before = digests(out)
-    code, _, err = run(capsys, "decompress", arch, out, "--overwrite", *INLINE)
+    code, _, err = run_cli(capsys, "decompress", arch, out, "--overwrite", *INLINE)
     assert code == 1 and err == (
         f"fp8ray: error: output {out} holds 2 entries the archive does not describe (notes.txt, tenant_b/mine/x.bin): "
         "--overwrite replaces only the archive's own files; pass --force-replace to delete them too\n"
     )
     assert digests(out) == before
-    code, stdout, err = run(capsys, "decompress", arch, out, "--force-replace", *INLINE, "--json")
+    code, stdout, err = run_cli(capsys, "decompress", arch, out, "--force-replace", *INLINE, "--json")
     assert code == 0 and err == (
         f"fp8ray: --force-replace: replacing {out} deletes 2 entries the archive does not describe: "
         f"notes.txt, tenant_b/mine/x.bin\n"
@@ -172,7 +165,7 @@ def test_decompress_never_removes_what_it_did_not_write(tree, tmp_path, capsys):
 @pytest.fixture
 def two_parts(tree, tmp_path, capsys) -> Path:
     arch = tmp_path / "arch"
-    assert run(capsys, "compress", tree, arch, "--part-mb", "0.005", *INLINE)[0] == 0
+    assert run_cli(capsys, "compress", tree, arch, "--part-mb", "0.005", *INLINE)[0] == 0
     assert len(list(arch.glob("part-*.parquet"))) > 2
     return arch
 
@@ -183,14 +176,14 @@ def test_a_missing_part_is_missing_everywhere(two_parts, tmp_path, capsys):
     size = part.stat().st_size
     part.unlink()
     missing = f"part part-00001.parquet is missing from {arch} (the manifest records it, {size} bytes)"
-    code, stdout, err = run(capsys, "inspect", arch)
+    code, stdout, err = run_cli(capsys, "inspect", arch)
     assert code == 1 and stdout.startswith(f"{arch}: ")
     assert err.splitlines() == [f"fp8ray: {missing}", f"fp8ray: error: archive {arch} failed inspection (1 problem)"]
-    code, stdout, _ = run(capsys, "inspect", arch, "--json")
+    code, stdout, _ = run_cli(capsys, "inspect", arch, "--json")
     assert code == 1 and json.loads(stdout)["problems"] == [missing]
-    code, _, err = run(capsys, "verify", arch, *INLINE)
+    code, _, err = run_cli(capsys, "verify", arch, *INLINE)
     assert code == 1 and err.splitlines()[0] == f"fp8ray: {missing}"
-    code, _, err = run(capsys, "decompress", arch, tmp_path / "out", *INLINE)
+    code, _, err = run_cli(capsys, "decompress", arch, tmp_path / "out", *INLINE)
     assert code == 1 and err == f"fp8ray: error: {missing}\n"
     assert not (tmp_path / "out").exists()
 
@@ -201,29 +194,29 @@ def test_a_damaged_part_is_damaged_not_missing(two_parts, tmp_path, capsys):
     recorded = part.stat().st_size
     with open(part, "ab") as f:
         f.write(b"junk")
-    code, _, err = run(capsys, "inspect", arch)
+    code, _, err = run_cli(capsys, "inspect", arch)
     assert code == 1 and err.splitlines()[0] == (
         f"fp8ray: part part-00001.parquet of {arch} is damaged: {recorded + 4} bytes, the manifest records {recorded}"
     )
-    code, _, err = run(capsys, "decompress", arch, tmp_path / "out", *INLINE)
+    code, _, err = run_cli(capsys, "decompress", arch, tmp_path / "out", *INLINE)
     assert code == 1 and err.startswith(f"fp8ray: error: part part-00001.parquet of {arch} is damaged") and "missing" not in err
     data = bytearray(part.read_bytes()[:recorded])
     data[recorded // 2] ^= 0xFF  # the recorded size, other bytes: only the CRC can tell
     part.write_bytes(bytes(data))
-    assert run(capsys, "inspect", arch)[0] == 0  # no part is read
-    code, _, err = run(capsys, "verify", arch, *INLINE)
+    assert run_cli(capsys, "inspect", arch)[0] == 0  # no part is read
+    code, _, err = run_cli(capsys, "verify", arch, *INLINE)
     assert code == 1 and f"part part-00001.parquet of {arch} is damaged: {recorded} bytes with crc32c" in err
 
 
 def test_old_manifests_without_skipped_still_read(tree, tmp_path, capsys):
     arch = tmp_path / "arch"
-    assert run(capsys, "compress", tree, arch, *EXACT, *INLINE)[0] == 0
+    assert run_cli(capsys, "compress", tree, arch, *EXACT, *INLINE)[0] == 0
     manifest = json.loads((arch / "_manifest.json").read_text())
     del manifest["layout"]["skipped"]  # as version 2 archives written before it was recorded
     (arch / "_manifest.json").write_text(json.dumps(manifest))
-    code, stdout, _ = run(capsys, "inspect", arch)
+    code, stdout, _ = run_cli(capsys, "inspect", arch)
     assert code == 0 and "skipped" not in stdout
-    assert run(capsys, "decompress", arch, tmp_path / "out", *INLINE)[0] == 0
+    assert run_cli(capsys, "decompress", arch, tmp_path / "out", *INLINE)[0] == 0
     assert digests(tmp_path / "out") == taken(tree)
 
 
@@ -234,9 +227,9 @@ def test_a_source_file_with_tmp_in_its_name_comes_back(tmp_path, capsys):
     src.mkdir()
     save_file(small(1), str(src / "run.tmp-2.safetensors"))
     save_file(small(2), str(src / "a.safetensors"))
-    assert run(capsys, "compress", src, arch, *EXACT, *INLINE)[0] == 0
-    assert run(capsys, "verify", arch, "--against", src, *INLINE)[0] == 0
-    assert run(capsys, "decompress", arch, out, *INLINE)[0] == 0
+    assert run_cli(capsys, "compress", src, arch, *EXACT, *INLINE)[0] == 0
+    assert run_cli(capsys, "verify", arch, "--against", src, *INLINE)[0] == 0
+    assert run_cli(capsys, "decompress", arch, out, *INLINE)[0] == 0
     assert digests(out) == digests(src)
 
 
@@ -265,9 +258,9 @@ def test_a_file_inside_a_hidden_or_escaping_folder_is_refused_from_a_manifest():
 @pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs a /sys nobody may write in")
 def test_a_permission_error_names_the_output_typed_once(tree, tmp_path, capsys):
     arch = tmp_path / "arch"
-    assert run(capsys, "compress", tree / "req00.safetensors", arch, *INLINE)[0] == 0
+    assert run_cli(capsys, "compress", tree / "req00.safetensors", arch, *INLINE)[0] == 0
     out = "/sys/kernel/fp8ray-restored.safetensors"  # not writable, even by root
-    code, _, err = run(capsys, "decompress", arch, out, *INLINE)
+    code, _, err = run_cli(capsys, "decompress", arch, out, *INLINE)
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith(f"fp8ray: error: cannot write output {out}: ") and ".tmp-" not in err
     reason = err.rstrip("\n").rpartition(": ")[2]
@@ -277,7 +270,7 @@ def test_a_permission_error_names_the_output_typed_once(tree, tmp_path, capsys):
 @pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs a /sys nobody may write in")
 def test_a_destination_it_may_not_create_is_named_once(tree, tmp_path, capsys):
     dst = "/sys/kernel/fp8ray-arch"
-    code, _, err = run(capsys, "compress", tree, dst, *INLINE)
+    code, _, err = run_cli(capsys, "compress", tree, dst, *INLINE)
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith(f"fp8ray: error: cannot write destination {dst}: ") and err.count(dst) == 1
     reason = err.rstrip("\n").rpartition(": ")[2]

@@ -14,27 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from _util import random_bits, run_cli, tensor_bytes
 from safetensors.torch import load_file, save_file
 
-from fp8ray.cli import main
 from fp8ray.codec.names import STORED_DTYPE_CODES
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def random_bits(dtype: str, shape, seed: int) -> torch.Tensor:
-    """Any bit pattern of the dtype (NaN and inf of the floats among them), bool as 0 or 1."""
-    t = getattr(torch, dtype)
-    raw = torch.randint(
-        0, 256, (int(np.prod(shape)) * t.itemsize,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
-    )
-    return (raw & 1 if dtype == "bool" else raw).view(t).reshape(shape)
 
 
 def mixed_tensors() -> dict[str, torch.Tensor]:
@@ -52,10 +37,6 @@ def mixed_tensors() -> dict[str, torch.Tensor]:
     tensors["empty_mask"] = torch.zeros(0, 5, dtype=torch.bool)
     tensors["step"] = torch.tensor(7, dtype=torch.int32)
     return tensors
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def safetensors_header(path: Path) -> bytes:
@@ -82,15 +63,15 @@ def test_a_file_of_every_dtype_is_archived_whole_and_comes_back(tmp_path, capsys
     tensors = mixed_tensors()
     save_file(tensors, str(src), metadata={"model": "m"})
     where = [] if address == "default" else ["--address", address]
-    code, out, err = run(capsys, "compress", src, tmp_path / "arch", *where)
+    code, out, err = run_cli(capsys, "compress", src, tmp_path / "arch", *where)
     assert code == 0, err
     stored = len(tensors) - 3
     assert out.startswith(f"compressed {len(tensors)} blocks ({stored} stored as they are, not in fp8) into 1 part")
-    assert run(capsys, "decompress", tmp_path / "arch", tmp_path / "out.safetensors", *where)[0] == 0
+    assert run_cli(capsys, "decompress", tmp_path / "arch", tmp_path / "out.safetensors", *where)[0] == 0
     assert safetensors_header(tmp_path / "out.safetensors") == safetensors_header(src)
     assert_stored_ones_identical(tensors, tmp_path / "out.safetensors")
     assert json.loads((tmp_path / "arch" / "_manifest.json").read_text())["version"] == 3  # older fp8ray refuses it by this
-    code, out, err = run(capsys, "verify", tmp_path / "arch", "--against", src)
+    code, out, err = run_cli(capsys, "verify", tmp_path / "arch", "--against", src)
     assert code == 0 and out.startswith(f"{len(tensors)} blocks in 1 part: ok; worst relative error "), (out, err)
     assert out.rstrip().endswith(f"'); {stored} stored blocks identical to the source"), out
     table = pq.read_table(tmp_path / "arch" / "part-00000.parquet", columns=["key", "dtype", "fp8", "scaling", "block_size"])
@@ -107,9 +88,9 @@ def test_many_small_stored_blocks_in_a_row_come_back(tmp_path, capsys):
     tensors = {f"slots.{i:03d}": torch.arange(64, dtype=torch.int64) + i for i in range(300)}
     tensors |= {f"layer{i}.k": torch.ones(8, 64, dtype=torch.bfloat16) for i in range(4)}
     save_file(tensors, str(tmp_path / "a.safetensors"))
-    code, _, err = run(capsys, "compress", tmp_path / "a.safetensors", tmp_path / "arch", "--address", "inline")
+    code, _, err = run_cli(capsys, "compress", tmp_path / "a.safetensors", tmp_path / "arch", "--address", "inline")
     assert code == 0, err
-    code, _, err = run(capsys, "decompress", tmp_path / "arch", tmp_path / "back.safetensors", "--address", "inline")
+    code, _, err = run_cli(capsys, "decompress", tmp_path / "arch", tmp_path / "back.safetensors", "--address", "inline")
     assert code == 0, err
     assert (tmp_path / "back.safetensors").read_bytes() == (tmp_path / "a.safetensors").read_bytes()  # ones: exact in fp8
 
@@ -120,12 +101,14 @@ def test_single_file_decompress_and_get_give_stored_tensors_back(tmp_path, capsy
     first, second = mixed_tensors(), {"layer2.k": torch.ones(4, 64, dtype=torch.bfloat16), "slots": torch.arange(9) * 3}
     save_file(first, str(src / "a.safetensors"))
     save_file(second, str(src / "b.safetensors"))
-    assert run(capsys, "compress", src, tmp_path / "arch", "--address", "inline")[0] == 0
+    assert run_cli(capsys, "compress", src, tmp_path / "arch", "--address", "inline")[0] == 0
     out = tmp_path / "one.safetensors"
-    code, _, err = run(capsys, "decompress", tmp_path / "arch", out, "--single-file", "--address", "inline")
+    code, _, err = run_cli(capsys, "decompress", tmp_path / "arch", out, "--single-file", "--address", "inline")
     assert code == 0, err
     assert_stored_ones_identical({**first, **second}, out)
-    code, _, err = run(capsys, "get", tmp_path / "arch", "slots", "--file", "b.safetensors", "-o", tmp_path / "slots.safetensors")
+    code, _, err = run_cli(
+        capsys, "get", tmp_path / "arch", "slots", "--file", "b.safetensors", "-o", tmp_path / "slots.safetensors"
+    )
     assert code == 0, err
     assert torch.equal(load_file(str(tmp_path / "slots.safetensors"))["slots"], second["slots"])
 
@@ -134,10 +117,10 @@ def test_verify_against_names_the_first_stored_element_that_differs(tmp_path, ca
     src = tmp_path / "a.safetensors"
     tensors = {"layer0.k": torch.ones(4, 64, dtype=torch.bfloat16), "positions": torch.arange(32, dtype=torch.int64)}
     save_file(tensors, str(src))
-    assert run(capsys, "compress", src, tmp_path / "arch", "--address", "inline")[0] == 0
+    assert run_cli(capsys, "compress", src, tmp_path / "arch", "--address", "inline")[0] == 0
     tensors["positions"][5] = -1
     save_file(tensors, str(tmp_path / "b.safetensors"))
-    code, out, err = run(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "b.safetensors", "--json")
+    code, out, err = run_cli(capsys, "verify", tmp_path / "arch", "--against", tmp_path / "b.safetensors", "--json")
     report = json.loads(out)
     assert code == 1 and len(report["errors"]) == 1 and report["stored"] == []
     assert list(report["metrics"]) == ["layer0.k"]  # the differing block is an error, never an exact figure
@@ -152,18 +135,18 @@ def test_fidelity_lists_stored_tensors_apart_and_measures_only_the_cache(tmp_pat
     cache = {f"layer{i}.{kv}": torch.randn(4, 64).to(torch.bfloat16) for i in range(2) for kv in "kv"}
     save_file({**cache, "positions": torch.arange(4096, dtype=torch.int64) * 10**6}, str(src))
     save_file(cache, str(tmp_path / "cache_only.safetensors"))
-    assert run(capsys, "compress", src, tmp_path / "arch", "--address", "inline")[0] == 0
-    assert run(capsys, "compress", tmp_path / "cache_only.safetensors", tmp_path / "arch2", "--address", "inline")[0] == 0
-    code, out, err = run(capsys, "fidelity", src, tmp_path / "arch", "--json")
+    assert run_cli(capsys, "compress", src, tmp_path / "arch", "--address", "inline")[0] == 0
+    assert run_cli(capsys, "compress", tmp_path / "cache_only.safetensors", tmp_path / "arch2", "--address", "inline")[0] == 0
+    code, out, err = run_cli(capsys, "fidelity", src, tmp_path / "arch", "--json")
     assert code == 0, err
     with_positions = json.loads(out)
-    code, out, _ = run(capsys, "fidelity", tmp_path / "cache_only.safetensors", tmp_path / "arch2", "--json")
+    code, out, _ = run_cli(capsys, "fidelity", tmp_path / "cache_only.safetensors", tmp_path / "arch2", "--json")
     without = json.loads(out)
     assert with_positions["stored"] == ["positions"] and "positions" not in with_positions["keys"]
     assert with_positions["total"] == without["total"]  # huge exact integers do not dilute the error
     assert (
         "1 key(s) stored as they are (not fp8), identical to the original: ['positions']"
-        in run(capsys, "fidelity", src, tmp_path / "arch")[1]
+        in run_cli(capsys, "fidelity", src, tmp_path / "arch")[1]
     )
 
 
@@ -184,8 +167,8 @@ def test_a_parquet_source_with_stored_dtypes_round_trips(tmp_path, capsys):
         }
     )
     pq.write_table(table, tmp_path / "blocks.parquet")
-    assert run(capsys, "compress", tmp_path / "blocks.parquet", tmp_path / "arch", "--address", "inline")[0] == 0
-    code, _, err = run(capsys, "decompress", tmp_path / "arch", tmp_path / "back.parquet", "--address", "inline")
+    assert run_cli(capsys, "compress", tmp_path / "blocks.parquet", tmp_path / "arch", "--address", "inline")[0] == 0
+    code, _, err = run_cli(capsys, "decompress", tmp_path / "arch", tmp_path / "back.parquet", "--address", "inline")
     assert code == 0, err
     back = pq.read_table(tmp_path / "back.parquet")
     assert back["key"].to_pylist() == [r[0] for r in rows] and back["dtype"].to_pylist() == [r[1] for r in rows]

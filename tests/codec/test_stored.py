@@ -9,6 +9,7 @@ import crc32c
 import numpy as np
 import pytest
 import torch
+from _util import random_bits, tensor_bytes
 
 import fp8ray
 from fp8ray import CorruptFrameError, Fp8Codec
@@ -23,21 +24,6 @@ STORED = sorted(STORED_DTYPE_CODES)
 pytestmark = pytest.mark.filterwarnings("ignore:a float64 tensor is stored")
 
 
-def sample(dtype: str, shape=(3, 5), seed=0) -> torch.Tensor:
-    """Values spanning the dtype's whole bit patterns (NaN, inf and negative zero of the
-    floats among them): random bytes viewed as the dtype."""
-    g = torch.Generator().manual_seed(seed)
-    t = getattr(torch, dtype)
-    raw = torch.randint(0, 256, (int(np.prod(shape)) * t.itemsize,), dtype=torch.uint8, generator=g)
-    if dtype == "bool":  # a bool byte is 0 or 1
-        raw &= 1
-    return raw.view(t).reshape(shape)
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and tensor_bytes(a) == tensor_bytes(b)
 
@@ -45,7 +31,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("dtype", STORED)
 @pytest.mark.parametrize("shape", [(3, 5), (), (0, 4), (2, 1, 7)], ids=str)
 def test_every_stored_dtype_comes_back_bit_for_bit(dtype, shape):
-    x = sample(dtype, shape)
+    x = random_bits(dtype, shape)
     codec = Fp8Codec()
     f = codec.encode(x)
     itemsize = getattr(torch, dtype).itemsize
@@ -58,7 +44,7 @@ def test_every_stored_dtype_comes_back_bit_for_bit(dtype, shape):
 
 @pytest.mark.parametrize("dtype", STORED)
 def test_every_codec_option_makes_the_same_stored_frame(dtype):
-    x = sample(dtype, (4, 64), seed=1)
+    x = random_bits(dtype, (4, 64), seed=1)
     frames = {
         bytes(Fp8Codec(fp8, scaling, 16, scale_dtype=sd).encode(x))
         for fp8 in ("e4m3fn", "e5m2")
@@ -130,7 +116,7 @@ def test_numpy_arrays_and_strided_tensors_are_stored():
 
 
 def test_decoding_into_out_and_refusing_another_tensor():
-    x = sample("int32", (2, 8))
+    x = random_bits("int32", (2, 8))
     f = Fp8Codec().encode(x)
     out = torch.empty(2, 8, dtype=torch.int32)
     assert fp8ray.decode(f, out=out) is out and torch.equal(out, x)
@@ -141,7 +127,7 @@ def test_decoding_into_out_and_refusing_another_tensor():
 
 
 def test_every_corrupted_byte_of_a_stored_frame_is_caught():
-    f = bytes(Fp8Codec().encode(sample("int64", (3, 4), seed=2)))
+    f = bytes(Fp8Codec().encode(random_bits("int64", (3, 4), seed=2)))
     for i in range(len(f)):
         bad = bytearray(f)
         bad[i] ^= 0x40
@@ -166,7 +152,7 @@ def reseal(data: bytearray) -> bytearray:
 def test_a_stored_frame_header_that_contradicts_itself_is_refused(source, offset, value, pattern):
     """Even with a valid checksum: a reader never takes a stored frame's bytes for codes,
     nor codes for a tensor's bytes."""
-    x = sample(source, (2, 4)) if source != "bfloat16" else torch.ones(2, 4, dtype=torch.bfloat16)
+    x = random_bits(source, (2, 4)) if source != "bfloat16" else torch.ones(2, 4, dtype=torch.bfloat16)
     bad = bytearray(Fp8Codec(scaling="none").encode(x))
     bad[offset] = value
     if offset == 6 and value == 4:

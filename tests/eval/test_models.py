@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from _util import assert_same_bits, no_space
+from _util import assert_same_bits, no_space, run_cli
 
 import fp8ray.io.safetensors
-from fp8ray.cli import main
 from fp8ray.codec import Fp8Codec, decode
 from fp8ray.codec.formats import E4M3FN
 from fp8ray.codec.metrics import ErrorSums, error_sums, relative_error
@@ -36,12 +35,6 @@ def loaded():
 @pytest.fixture(scope="module")
 def text_ids(loaded):
     return tokenize(loaded, read_text(TEXT))
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # --- capture ---------------------------------------------------------------------------
@@ -101,22 +94,22 @@ def test_capture_is_a_source_fp8ray_reads(captured):
 @pytest.mark.usefixtures("ray_session")
 def test_capture_compresses_and_verifies(captured, tmp_path, capsys):
     path, report = captured
-    code, out, err = run(capsys, "compress", path, tmp_path / "arch", "--scaling", "token", "--json")
+    code, out, err = run_cli(capsys, "compress", path, tmp_path / "arch", "--scaling", "token", "--json")
     assert code == 0, err
     assert json.loads(out)["blocks"] == 2 * report.layers
-    code, out, err = run(capsys, "verify", tmp_path / "arch", "--against", path)
+    code, out, err = run_cli(capsys, "verify", tmp_path / "arch", "--against", path)
     assert code == 0 and " ok;" in out, err
 
 
 def test_capture_command(loaded, tmp_path, capsys):
     out = tmp_path / "kv.safetensors"
-    code, stdout, err = run(capsys, "capture", "--out", out, "--text", TEXT, "--tokens", 24, "--dtype", "float32", "--json")
+    code, stdout, err = run_cli(capsys, "capture", "--out", out, "--text", TEXT, "--tokens", 24, "--dtype", "float32", "--json")
     assert code == 0, err
     report = json.loads(stdout)
     assert report["tokens"] == 24 and report["dtype"] == "float32" and out.is_file()
     assert report["bytes"] > 2 * report["layers"] * report["kv_heads"] * 24 * report["head_dim"] * 4
 
-    code, _, err = run(capsys, "capture", "--out", out, "--text", TEXT)
+    code, _, err = run_cli(capsys, "capture", "--out", out, "--text", TEXT)
     assert code == 1 and "already exists" in err and err.count("\n") == 1
 
 
@@ -124,7 +117,7 @@ def test_capture_on_a_full_disk_names_the_output(loaded, tmp_path, capsys, monke
     """It said pyarrow's "[Errno 28] Error writing bytes to file. Detail: ...", naming no file."""
     monkeypatch.setattr(fp8ray.io.safetensors.SafetensorsWriter, "write", no_space)
     out = tmp_path / "kv.safetensors"
-    code, _, err = run(capsys, "capture", "--out", out, "--text", TEXT, "--tokens", 8)
+    code, _, err = run_cli(capsys, "capture", "--out", out, "--text", TEXT, "--tokens", 8)
     assert (code, err) == (1, f"fp8ray: error: cannot write output {out}: No space left on device\n")
     assert list(tmp_path.iterdir()) == []  # the writer's temporary removed
 
@@ -139,7 +132,7 @@ def test_capture_on_a_full_disk_names_the_output(loaded, tmp_path, capsys, monke
 )
 def test_capture_mistakes_are_one_line_errors(loaded, tmp_path, capsys, args, message):
     out = tmp_path / "kv.safetensors"
-    code, _, err = run(capsys, "capture", "--out", out, *args)
+    code, _, err = run_cli(capsys, "capture", "--out", out, *args)
     assert code == 1 and err.startswith("fp8ray: error: ") and message in err and err.count("\n") == 1
     assert not out.exists() and not list(tmp_path.iterdir())  # no file, not even a temporary one
 
@@ -154,7 +147,7 @@ def test_capture_never_writes_over_what_it_reads(tmp_path, capsys, where):
     model.mkdir()
     (model / "model.safetensors").write_bytes(b"weights")
     out = text if where == "text" else model / "model.safetensors"
-    code, _, err = run(capsys, "capture", "--out", out, "--text", text, "--model", model, "--overwrite")
+    code, _, err = run_cli(capsys, "capture", "--out", out, "--text", text, "--model", model, "--overwrite")
     assert code == 1 and err.startswith("fp8ray: error: --out: ") and err.count("\n") == 1
     assert text.read_text() == "The lighthouse stood on the rock.\n" and (model / "model.safetensors").read_bytes() == b"weights"
 
@@ -164,7 +157,7 @@ def test_capture_never_puts_a_file_in_place_of_a_fifo(tmp_path, capsys):
     text, out = tmp_path / "story.txt", tmp_path / "kv.safetensors"
     text.write_text("The lighthouse stood on the rock.\n")
     os.mkfifo(out)
-    code, _, err = run(capsys, "capture", "--out", out, "--text", text, "--model", tmp_path / "none", "--overwrite")
+    code, _, err = run_cli(capsys, "capture", "--out", out, "--text", text, "--model", tmp_path / "none", "--overwrite")
     assert (code, err) == (
         1,
         f"fp8ray: error: --out: output {out} is a FIFO, not a file: fp8ray writes files only, and never replaces one\n",
@@ -172,11 +165,11 @@ def test_capture_never_puts_a_file_in_place_of_a_fifo(tmp_path, capsys):
     assert stat.S_ISFIFO(out.stat().st_mode)
     link = tmp_path / "link.safetensors"
     link.symlink_to(tmp_path / "nowhere")  # there, though it leads nowhere: replaced only with --overwrite
-    code, _, err = run(capsys, "capture", "--out", link, "--text", text, "--model", tmp_path / "none")
+    code, _, err = run_cli(capsys, "capture", "--out", link, "--text", text, "--model", tmp_path / "none")
     assert code == 1 and "already exists (pass --overwrite" in err and link.is_symlink()
     folder = tmp_path / "d.safetensors"
     folder.mkdir()  # refused after the model had run ("Is a directory"); a missing model would be said first
-    code, _, err = run(capsys, "capture", "--out", folder, "--text", text, "--model", tmp_path / "none", "--overwrite")
+    code, _, err = run_cli(capsys, "capture", "--out", folder, "--text", text, "--model", tmp_path / "none", "--overwrite")
     assert (code, err) == (1, f"fp8ray: error: output {folder} is a directory; name the .safetensors file to write\n")
 
 
@@ -328,7 +321,7 @@ def test_eval_model_command(results, tmp_path, capsys):
     (each gets a fresh cache from the untouched prefix): e4m3fn:token alone equals its row
     in the fixture's run, where e5m2:none ran first."""
     png = tmp_path / "kl.png"
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys,
         "eval-model",
         "--text",
@@ -359,14 +352,14 @@ def test_eval_model_command(results, tmp_path, capsys):
     ],
 )
 def test_eval_model_mistakes_are_one_line_errors(loaded, capsys, args, message):
-    code, _, err = run(capsys, "eval-model", "--text", TEXT, *args)
+    code, _, err = run_cli(capsys, "eval-model", "--text", TEXT, *args)
     assert code == 1 and err.startswith("fp8ray: error: ") and message in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("modes", [",", "", "e4m3fn:token,", "e4m3fn:token,,e5m2:none"])
 def test_eval_model_refuses_an_empty_mode_before_the_model_loads(capsys, modes):
     """A missing model would be reported if it were loaded: the empty mode is refused first."""
-    code, _, err = run(capsys, "eval-model", "--text", TEXT, "--model", "/nonexistent/model.gguf", "--modes", modes)
+    code, _, err = run_cli(capsys, "eval-model", "--text", TEXT, "--model", "/nonexistent/model.gguf", "--modes", modes)
     assert code == 1 and err.count("\n") == 1 and f"--modes {modes!r} has an empty mode" in err
 
 
@@ -391,7 +384,7 @@ def test_eval_model_plot_never_writes_over_what_it_reads(tmp_path, capsys, where
     plot = {"text": text, "model": model / "kl.png", "nowhere": tmp_path / "missing" / "kl.png", "fifo": fifo}.get(where)
     if where == "fifo":
         os.mkfifo(fifo)
-    code, _, err = run(capsys, "eval-model", "--text", text, "--model", model, "--plot", plot or tmp_path / "kl.txt")
+    code, _, err = run_cli(capsys, "eval-model", "--text", text, "--model", model, "--plot", plot or tmp_path / "kl.txt")
     assert code == 1 and err.startswith("fp8ray: error: ") and message in err and err.count("\n") == 1
     assert text.read_text() == "The lighthouse stood on the rock.\n"
     assert sorted(tmp_path.iterdir()) == sorted([model, text, *([fifo] if where == "fifo" else [])])
