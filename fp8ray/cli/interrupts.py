@@ -23,10 +23,17 @@ class interrupts:
     left ignored: the process only ends after it). Elsewhere than in the main thread,
     nothing changes.
 
-    A signal that comes while another package than fp8ray is being imported waits until
-    that import is done (it is delivered again every :attr:`RETRY_S`): an import cut
-    short leaves its package half loaded, and torch half loaded crashes the process
-    (SIGSEGV, no message) when it is loaded again or at exit."""
+    A signal waits (it is delivered again every :attr:`RETRY_S`) while the main thread
+    runs code that an exception would leave broken (:func:`_unsafe_to_interrupt`):
+    - the import of another package than fp8ray: an import cut short leaves its package
+      half loaded, and torch half loaded crashes the process (SIGSEGV, no message) when
+      it is loaded again or at exit;
+    - numba's or llvmlite's code (loading or compiling a kernel, freeing an LLVM object):
+      llvmlite takes its lock in Python (``_LLVMLock.__enter__``); cut short there, the
+      main thread keeps it, and a worker thread's next LLVM call waits for ever (an
+      inline decompress hung so in CI, after a SIGINT);
+    - a destructor (``__del__``): Python drops an exception raised there ("Exception
+      ignored in ..."), and with it the interrupt."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     RETRY_S = 0.02
@@ -49,7 +56,7 @@ class interrupts:
     def _on_signal(self, signum, frame) -> None:
         if self.fired:
             return
-        if _importing(frame):
+        if _unsafe_to_interrupt(frame):
             if not self.retrying:
                 self.retrying = True
                 threading.Timer(self.RETRY_S, self._deliver_again, (signum,)).start()
@@ -89,10 +96,19 @@ def quiet_teardown() -> None:
     sys.unraisablehook = lambda unraisable: None
 
 
-def _importing(frame) -> bool:
-    """Whether ``frame`` runs inside the import of a module other than fp8ray's own (whose
-    modules, plain Python, load again cleanly after an interrupted import)."""
+# Packages whose Python code holds locks and native state (LLVM's) between two calls.
+NATIVE_STATE_PACKAGES = ("numba", "llvmlite")
+
+
+def _unsafe_to_interrupt(frame) -> bool:
+    """Whether ``frame`` or a frame that called it runs the import of a module other than
+    fp8ray's own (whose modules load again cleanly after an interrupted import), code of
+    :data:`NATIVE_STATE_PACKAGES`, or a destructor."""
     while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        if frame.f_globals.get("__name__", "").split(".")[0] in NATIVE_STATE_PACKAGES:
+            return True
         loaded_by_import = frame.f_back is not None and frame.f_back.f_code.co_filename.startswith("<frozen importlib")
         if (
             frame.f_code.co_name == "<module>"

@@ -346,3 +346,90 @@ def test_an_interrupt_as_overwrite_swaps_the_archives_leaves_one_whole_archive(r
     assert _interrupted_line(capsys) == f"fp8ray: interrupted: {dest} {said}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.fp8"]
     assert _tree(dest) == _tree(reference / "ref.fp8")
+
+
+# Run in a fresh process: SIGINT to itself while the main thread is somewhere an exception
+# would leave broken, under fp8ray's handlers; what it prints is where the interrupt landed.
+UNSAFE_MOMENT = """
+import os, signal, sys, threading, time
+from fp8ray.cli.interrupts import interrupts
+
+def interrupt_here():  # the handler runs at one of these bytecodes, not after them
+    os.kill(os.getpid(), signal.SIGINT)
+    end = time.monotonic() + 0.2
+    while time.monotonic() < end:
+        pass
+
+with interrupts():
+    done = []
+    try:
+{body}
+        time.sleep(5)  # the signal, delivered again, lands here
+        print("never interrupted")
+    except KeyboardInterrupt:
+        print("interrupted after", *done)
+{after}
+sys.stdout.flush()
+os._exit(0)  # not waiting for a thread stuck on a lock
+"""
+LLVM_LOCK = """
+        import llvmlite.binding as llvm
+        from llvmlite.binding import ffi
+        def on_acquire():  # llvmlite calls it inside _LLVMLock.__enter__, the lock held
+            ffi.unregister_lock_callback(on_acquire, on_release)
+            interrupt_here()
+        def on_release():
+            pass
+        ffi.register_lock_callback(on_acquire, on_release)
+        llvm.get_process_triple()
+        done.append("the LLVM call")
+"""
+# Whether another thread can still call LLVM (llvmlite's lock was released).
+LLVM_FROM_ANOTHER_THREAD = """
+import llvmlite.binding as llvm
+other = threading.Thread(target=llvm.get_process_triple, daemon=True)
+other.start()
+other.join(10)
+print("LLVM free" if not other.is_alive() else "LLVM locked")
+"""
+DESTRUCTOR = """
+        class Resource:
+            def __del__(self):
+                interrupt_here()
+                done.append("the destructor")
+        resource = Resource()
+        del resource
+"""
+IMPORT = """
+        import interrupted_module
+        done.append(interrupted_module.LOADED)
+"""
+
+
+@pytest.mark.parametrize(
+    "body, after, said",
+    [
+        (LLVM_LOCK, LLVM_FROM_ANOTHER_THREAD, ["interrupted after the LLVM call", "LLVM free"]),
+        (DESTRUCTOR, "", ["interrupted after the destructor"]),
+        (IMPORT, "", ["interrupted after the whole module"]),
+    ],
+    ids=["llvmlite-lock", "destructor", "import"],
+)
+def test_a_signal_waits_until_the_main_thread_leaves_code_an_exception_would_break(tmp_path, body, after, said):
+    """Inside llvmlite's lock (taken in Python: cut short there, the main thread kept it
+    and an inline worker's next LLVM call waited for ever, a CI hang), a destructor (the
+    exception, and the interrupt, would be dropped) or another package's import (left half
+    loaded), the interrupt waits and lands once that code has returned."""
+    (tmp_path / "interrupted_module.py").write_text(
+        "from __main__ import interrupt_here\ninterrupt_here()\nLOADED = 'the whole module'\n"
+    )
+    script = UNSAFE_MOMENT.format(body=body, after=after)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), str(tmp_path)])),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert result.stdout.strip().splitlines() == said, result.stdout + result.stderr[-2000:]
