@@ -137,6 +137,10 @@ DTYPE_ITEMSIZES = {
     "float8_e8m0fnu": 1,
 }
 KERNEL_TYPES = {"float32": np.float32, "float16": np.int16, "bfloat16": np.uint16}
+# The largest finite value of each dtype fp8 encodes (torch.finfo(dtype).max).
+LARGEST = {"float32": 3.4028234663852886e38, "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
+# The bits of +inf of each, as the kernels hold their elements (KERNEL_TYPES).
+INFINITY_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
 
 
 def __getattr__(name: str):

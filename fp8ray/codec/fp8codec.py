@@ -336,6 +336,8 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
             dtype,
             header.block_size,
         )
+        if frame.may_overflow(header, scales):  # checked on the CPU: only such rare frames travel back
+            frame.refuse_overflow(header, scales, codes, cpu.kernel_array(result.cpu()))
     if out is not None and result is not out:
         out.copy_(result)
         return out
@@ -403,6 +405,7 @@ def _decode_host(buf, header: frame.FrameHeader, scales, codes, target: np.ndarr
     the frame's checksum verified with the CRC of the codes they read."""
     layout = (header.fmt, header.scaling, header.shape, header.block_size)
     frame.verify(buf, header, cpu.dequantize_checksummed(codes, scales, *layout, target, threads))
+    frame.refuse_overflow(header, scales, codes, target)
 
 
 def _copy_stored(buf, header: frame.FrameHeader, stored: np.ndarray, target: np.ndarray, threads: int | None) -> None:

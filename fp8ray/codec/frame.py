@@ -42,6 +42,8 @@ from .formats import (
     DTYPE_NAMES_BY_CODE,
     FORMATS_BY_CODE,
     FRAME_DTYPE_CODES,
+    INFINITY_BITS,
+    LARGEST,
     SCALE_BYTES,
     SCALE_DTYPES,
     SCALE_DTYPES_BY_CODE,
@@ -387,6 +389,34 @@ def scales_valid(scales: np.ndarray) -> bool:
     the largest finite one (a least and a greatest of the bits, not four array passes)."""
     bits = scales.view(np.uint32)
     return bits.size == 0 or bool(bits.min() >= 1 and bits.max() <= 0x7F7FFFFF)
+
+
+def may_overflow(header: FrameHeader, scales: np.ndarray) -> bool:
+    """Whether a finite code times one of ``scales`` could pass the largest value of the
+    frame's dtype. Never so in a frame fp8ray writes (a group's codes decode to at most
+    its amax) but for ``mse`` scales near the dtype's range (``amax / c``, ``c`` down to
+    half of finfo.max); then :func:`refuse_overflow` looks at what was decoded."""
+    return bool(scales.size) and float(scales.max()) * header.fmt.max > LARGEST[header.dtype]
+
+
+def refuse_overflow(header: FrameHeader, scales: np.ndarray, codes: np.ndarray, decoded: np.ndarray) -> None:
+    """Raise :class:`CorruptFrameError` where a finite code of the frame decoded to an
+    infinity (``decoded``: its elements as the kernels write them): a scale too large for
+    its codes, which fp8ray never writes (altered, its checksum made to match, or written
+    by another encoder); an infinity the source never held is not handed back."""
+    if not may_overflow(header, scales):
+        return
+    flat = decoded.reshape(-1)
+    infinite = np.isinf(flat) if header.dtype == "float32" else (flat & 0x7FFF) == INFINITY_BITS[header.dtype]
+    overflowed = infinite & (codes != header.fmt.posinf_code) & (codes != header.fmt.neginf_code)
+    if overflowed.any():
+        first = int(np.flatnonzero(overflowed)[0])
+        index = [int(i) for i in np.unravel_index(first, header.shape)] if header.shape else []
+        raise CorruptFrameError(
+            f"{int(overflowed.sum())} finite code(s) decode to inf in {header.dtype}, the first (code "
+            f"{int(codes[first]):#04x}) at index {index}: its scale is too large for its codes, which fp8ray "
+            "never writes (a scale altered and the checksum made to match, or another encoder's frame)"
+        )
 
 
 def codes_of(buf: np.ndarray, header: FrameHeader) -> np.ndarray:

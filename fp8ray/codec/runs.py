@@ -121,8 +121,8 @@ def decode_run(run: np.ndarray, header: frame.FrameHeader, out: np.ndarray, thre
     if not (run[:, :start] == expected).all() or not frame.checksums_hold(run):  # each check one numpy call
         return False
     scales = frame.widen_scales(run[:, start:codes_at].reshape(-1), header.scale_dtype)
-    if scales.size and not frame.scales_valid(scales):
-        return False
+    if (scales.size and not frame.scales_valid(scales)) or frame.may_overflow(header, scales):
+        return False  # one at a time, each frame's overflow is checked and a refused one named
     codes = run[:, codes_at : codes_at + numel].reshape(-1)
     scaling, grouped = _grouping(header, count)
     target = out[: count * numel * DTYPE_ITEMSIZES[header.dtype]].view(KERNEL_TYPES[header.dtype]).reshape(grouped)

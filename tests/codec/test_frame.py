@@ -8,7 +8,7 @@ import crc32c
 import numpy as np
 import pytest
 import torch
-from _util import SCALINGS, kv_like
+from _util import SCALINGS, assert_same_bits, kv_like
 
 import fp8ray
 from fp8ray import CorruptFrameError, Fp8Codec
@@ -222,3 +222,99 @@ def test_parse_header_reads_a_prefix_with_parses_checks():
     bad[12:16] = struct.pack("<I", 4)  # a block size under token scaling
     with pytest.raises(CorruptFrameError, match="block_size 4 is invalid for scaling 'token'"):
         frame.parse_header(bytes(bad[: whole.scales_offset]))
+
+
+def _with_scale(good: bytes, index: int, value: float, scale_dtype: str) -> bytes:
+    """``good`` with scale ``index`` set to ``value`` (as the frame stores it), resealed."""
+    header = frame.parse(np.frombuffer(good, np.uint8))
+    width = 4 if scale_dtype == "float32" else 2
+    at = header.scales_offset + index * width
+    bad = bytearray(good)
+    bad[at : at + width] = struct.pack("<f", value)[4 - width :]
+    return bytes(reseal(bad))
+
+
+# A scale each dtype's largest code of a group cannot be multiplied by without passing the
+# dtype's largest value (bfloat16's 3e38 is bfloat16-exact enough: truncated, still > 1e38).
+TOO_LARGE = {torch.float16: 1e5, torch.bfloat16: 3e38, torch.float32: 3e38}
+
+
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_scale_too_large_for_its_codes_is_refused_not_decoded_to_inf(dtype, scale_dtype):
+    """A frame whose checksum holds but one of whose scales makes finite codes decode past
+    the dtype's range (fp8ray never writes one: a group decodes to at most its amax) is
+    refused naming the first such element, by every CPU decode path, not handed back
+    holding infinities the source never had."""
+    from fp8ray.codec.blocks import decode_rows_into
+    from fp8ray.codec.runs import decode_run
+
+    x = kv_like((2, 3, 8), dtype, seed=5)
+    good = bytes(Fp8Codec("e4m3fn", "token", scale_dtype=scale_dtype).encode(x))
+    bad = _with_scale(good, 1, TOO_LARGE[dtype], scale_dtype)
+    header = frame.parse(np.frombuffer(bad, np.uint8))
+    scale = float(frame.scales_of(np.frombuffer(bad, np.uint8), header)[1])
+    codes = frame.codes_of(np.frombuffer(bad, np.uint8), header)
+    # Token scaling: scale 1 covers elements 8..15 (the second row of 8); the first of them
+    # whose fp8 value times the scale, in fp32, rounds to inf in the dtype.
+    products = (torch.from_numpy(codes[8:16].copy()).view(torch.float8_e4m3fn).float() * scale).to(dtype)
+    first = 8 + int(torch.nonzero(torch.isinf(products))[0, 0])
+    said = f"decode to inf in {header.dtype}, the first \\(code {int(codes[first]):#04x}\\) at index \\[0, 1, {first - 8}\\]"
+    with pytest.raises(CorruptFrameError, match=said):
+        fp8ray.decode(bad)
+    with pytest.raises(CorruptFrameError, match=said):
+        fp8ray.decode_raw(bad, header.dtype, header.shape)
+    out = np.empty(2 * x.numel() * x.element_size(), np.uint8)
+    run = np.stack([np.frombuffer(good, np.uint8)] * 2)
+    assert decode_run(run, header, out)  # two such frames are decoded as one run
+    run[1] = np.frombuffer(bad, np.uint8)
+    with pytest.raises(CorruptFrameError, match=f"block 'b'.*{said}"):
+        decode_rows_into(["a", "b"], run, out, header.dtype, header.shape)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("scaling", ["token", "block"])
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
+def test_mse_frames_near_float16s_range_decode_as_the_reference(fmt, scaling, scale_dtype):
+    """``mse`` scales can be as large as amax / (finfo.max / 2): for float16 groups near
+    65504 a finite code times the scale may pass the range, so their decoded values are
+    looked at; none of fp8ray's own frames is refused, each decodes bit for bit as the
+    reference does, and the infinities ``nonfinite='keep'`` stored (e5m2's own codes;
+    NaN in e4m3fn) are not taken for an overflow."""
+    codec = Fp8Codec(fmt, scaling, block_size=32, scale_dtype=scale_dtype, scale_choice="mse", nonfinite="keep")
+    g = torch.Generator().manual_seed(11)
+    looked_at = 0
+    for _ in range(40):
+        x = ((torch.rand(16, 64, generator=g) * 2 - 1) * 65504).to(torch.float16)
+        x[3, 7], x[9, 40] = float("inf"), float("-inf")
+        f = codec.encode(x)
+        buf = np.frombuffer(bytes(f), np.uint8)
+        header = frame.parse(buf)
+        scales = frame.scales_of(buf, header)
+        looked_at += frame.may_overflow(header, scales)
+        y = fp8ray.decode(f)
+        expected = reference.dequantize(
+            torch.from_numpy(frame.codes_of(buf, header).copy()),
+            torch.from_numpy(scales.copy()),
+            header.fmt,
+            scaling,
+            header.shape,
+            torch.float16,
+            32,
+        )
+        assert_same_bits(y, expected)
+        assert torch.isfinite(y).sum() == x.numel() - 2
+        if fmt == "e5m2":
+            assert torch.equal(torch.isinf(y), torch.isinf(x)) and torch.equal(y[torch.isinf(y)], x[torch.isinf(x)])
+    assert looked_at > 0  # the check on decoded values ran
+
+
+def test_the_range_tables_are_torchs():
+    """The largest value and the bits of +inf of each dtype fp8 encodes, as torch has them."""
+    from fp8ray.codec.formats import INFINITY_BITS, KERNEL_TYPES, LARGEST
+
+    assert set(LARGEST) == set(KERNEL_TYPES)
+    assert LARGEST == {name: torch.finfo(getattr(torch, name)).max for name in KERNEL_TYPES}
+    assert INFINITY_BITS == {
+        name: int(torch.tensor(float("inf"), dtype=getattr(torch, name)).view(torch.int16)) for name in INFINITY_BITS
+    }
