@@ -314,7 +314,7 @@ def test_the_range_tables_are_torchs():
     from fp8ray.codec.formats import INFINITY_BITS, KERNEL_TYPES, LARGEST
 
     assert set(LARGEST) == set(KERNEL_TYPES)
-    assert LARGEST == {name: torch.finfo(getattr(torch, name)).max for name in KERNEL_TYPES}
-    assert INFINITY_BITS == {
+    assert {name: torch.finfo(getattr(torch, name)).max for name in KERNEL_TYPES} == LARGEST
+    assert {
         name: int(torch.tensor(float("inf"), dtype=getattr(torch, name)).view(torch.int16)) for name in INFINITY_BITS
-    }
+    } == INFINITY_BITS
