@@ -64,6 +64,9 @@ SOURCE_DTYPES = {
 SAFETENSORS_NAMES = {name: st for st, name in SOURCE_DTYPES.items()}
 ITEMSIZES = {st: DTYPE_ITEMSIZES[name] for st, name in SOURCE_DTYPES.items()}
 FRAME_DTYPE = "U8"  # frames travel in safetensors bodies as 1-D U8 tensors
+# The __metadata__ member that marks a body of frames (the service's encode response),
+# beside the body's own keys: {FRAMES_MARK: FRAMES_BODY}.
+FRAMES_MARK, FRAMES_BODY = "fp8ray", "frames"
 
 
 @dataclass(frozen=True)

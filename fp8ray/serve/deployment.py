@@ -44,7 +44,7 @@ from ..codec.fp8codec import Fp8Codec, source_tensor
 from ..engine.backends import worker_exception
 from ..engine.worker import QuantWorker
 from ..errors import BadInputError, CorruptDataError, RequestError, WorkersUnavailableError
-from ..io.safetensors import FRAME_DTYPE, SOURCE_DTYPES, build_body, parse_body
+from ..io.safetensors import FRAME_DTYPE, FRAMES_BODY, FRAMES_MARK, SOURCE_DTYPES, build_body, parse_body
 from .archives import ArchiveRoot
 from .options import ServiceOptions
 from .requests import (
@@ -64,8 +64,6 @@ from .stats import REPORT_INTERVAL_S, ReplicaCounts, ServiceStats
 WORKER_PREFIX = "quant-worker-"
 STATS_ACTOR = "service-stats"
 HEALTH_TIMEOUT_S = 10.0
-# The __metadata__ key that marks a safetensors body of frames, beside the body's own keys.
-FRAMES_MARK = "fp8ray"
 BLOCK_PARAMS = ("archive", "key", "file")  # the query of GET /v1/archive/block
 CLIENT_CLOSED = 499  # the status recorded for a request whose client hung up (nginx's)
 BATCH_BLOCKS = 16  # raw requests answered by one round of QuantWorker calls, at most
@@ -347,7 +345,7 @@ class Fp8Service:
             results = await self._map(QuantWorker.encode_batch, blocks, options)
             frames = [(meta.key, "uint8", (len(f),), f) for f, meta in results]
             # The body's own __metadata__ travels with its frames, and comes back on decode.
-            return Response(build_body(frames, {**metadata, FRAMES_MARK: "frames"}), media_type=SAFETENSORS)
+            return Response(build_body(frames, {**metadata, FRAMES_MARK: FRAMES_BODY}), media_type=SAFETENSORS)
         options = codec_options(params, ignore=("dtype", "shape"))
         dtype, shape = raw_layout(params.get("dtype"), params.get("shape"), len(body))
         block = Block("body", dtype, shape, np.frombuffer(body, dtype=np.uint8))

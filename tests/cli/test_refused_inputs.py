@@ -191,3 +191,25 @@ def test_a_non_finite_block_is_named_with_its_file(tmp_path, capsys):
         save_file({"layer0.k": x}, str(src / f"req{i}.safetensors"))
     code, _, err = run_cli(capsys, "compress", src, tmp_path / "arch", "--address", "inline")
     assert code == 1 and err.startswith("fp8ray: error: block 'layer0.k' of req2.safetensors: 1 non-finite value"), err
+
+
+def test_a_file_of_service_frames_is_refused_not_archived_as_opaque_bytes(tmp_path, capsys):
+    """The service's safetensors encode response saved as a file (U8 frames, marked in
+    __metadata__) is fp8 already: compressing it would archive the frames as stored
+    bytes, larger than they are. compress refuses it naming the file and what to do;
+    the frames, decoded, compress as any tensors do."""
+    from fp8ray.io.safetensors import FRAMES_BODY, FRAMES_MARK, build_body
+
+    tensors = {"k": torch.randn(4, 64).to(torch.bfloat16), "v": torch.randn(4, 64).to(torch.bfloat16)}
+    frames = [(key, "uint8", (len(f),), f) for key, f in ((k, bytes(fp8ray.Fp8Codec().encode(t))) for k, t in tensors.items())]
+    src = tmp_path / "frames.safetensors"
+    src.write_bytes(build_body(frames, {"model": "m", FRAMES_MARK: FRAMES_BODY}))
+    code, out, err = run_cli(capsys, "compress", src, tmp_path / "arch", "--address", "inline")
+    assert (code, out) == (1, "") and err.count("\n") == 1
+    assert f"{src} holds fp8ray frames already" in err and "POST /v1/decode" in err
+    assert not (tmp_path / "arch").exists()
+    from safetensors.torch import load_file
+
+    decoded = {key: fp8ray.decode(t.numpy()) for key, t in load_file(str(src)).items()}
+    save_file(decoded, str(tmp_path / "kv.safetensors"))
+    assert run_cli(capsys, "compress", tmp_path / "kv.safetensors", tmp_path / "arch", "--address", "inline")[0] == 0
