@@ -142,7 +142,7 @@ def run_compress(args) -> int:
         report,
         (
             f"compressed {counted(report.blocks, 'block')}"
-            + (f" ({report.stored} stored as they are, not in fp8)" if report.stored else "")
+            + _stored_note(report.stored)
             + f" into {counted(report.parts, 'part')} ({report.parts_reused} reused): "
             f"{report.raw_bytes / 2**20:.1f} MiB -> {report.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x), "
             f"{report.input_gbps:.2f} GB/s of input on {counted(report.workers, 'worker')} "
@@ -228,6 +228,11 @@ def run_verify(args) -> int:
     return 0
 
 
+def _stored_note(stored: int) -> str:
+    """How many blocks are in stored frames, where any are: for a summary line."""
+    return f" ({stored} stored as they are, not in fp8)" if stored else ""
+
+
 def run_inspect(args) -> int:
     from dataclasses import asdict
 
@@ -242,7 +247,7 @@ def run_inspect(args) -> int:
         skipped = [asdict(s) for s in manifest.layout.skipped] if manifest.layout else []
         print(
             f"{redact(args.archive)}: {counted(manifest.blocks, 'block')} in {counted(len(manifest.parts), 'part')}, "
-            f"{manifest.options.label()}; "
+            f"{manifest.options.label()}" + _stored_note(manifest.stored_blocks) + "; "
             f"{manifest.raw_bytes / 2**20:.1f} MiB -> {manifest.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x); "
             f"fp8ray {manifest.fp8ray_version}"
             + (f"; made for {manifest.provenance.describe()}" if manifest.provenance else "")

@@ -335,7 +335,7 @@ def compress_archive(
             stored = sum(is_stored(ref.dtype) for ref in refs)
             part_infos = [run.infos[i] for i in range(len(parts))]
             manifest = archive.build_manifest(
-                source, layout, codec.as_dict(), lossless, bound, len(refs), part_infos, __version__, made_for, stored > 0
+                source, layout, codec.as_dict(), lossless, bound, len(refs), part_infos, __version__, made_for, stored
             )
             try:
                 archive.write_manifest(fs, work, manifest)
@@ -551,6 +551,7 @@ def verify_archive(
     bound = manifest.error_bound or bound_constants(codec.fmt, codec.scaling)
     report = VerifyReport(redact(archive_uri), 0, len(manifest.parts))
     seen: set[tuple[str, str]] = set()
+    stored_frames = 0
     with use_pool(pool) as running:
         # The source's block map goes to the object store once, not with every part.
         shared_refs = running.share(refs)
@@ -563,11 +564,16 @@ def verify_archive(
                 report.errors.append(f"the manifest records {recorded} in {part.name}, it holds {part_result.blocks}")
             report.metrics.update(part_result.metrics)
             report.stored += part_result.stored
+            stored_frames += part_result.stored_frames
             seen.update(part_result.idents)
             if progress:
                 progress(part_result.blocks)
     if report.blocks != manifest.blocks and not report.errors:
         report.errors.append(f"the manifest records {counted(manifest.blocks, 'block')}, the parts hold {report.blocks}")
+    if stored_frames != manifest.stored_blocks and not report.errors:
+        report.errors.append(
+            f"the manifest records {counted(manifest.stored_blocks, 'stored block')}, the parts hold {stored_frames}"
+        )
     if not report.errors:  # every part checks: what decompress would make of them must too
         try:
             plan_restore(manifest, archive.read_metadata_columns(fs, path, manifest, RESTORE_COLUMNS, archive_uri))

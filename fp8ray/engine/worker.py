@@ -85,6 +85,7 @@ class VerifyResult:
     errors: list[str] = field(default_factory=list)
     metrics: dict[str, dict] = field(default_factory=dict)  # block label -> error metrics, with --against
     stored: list[str] = field(default_factory=list)  # labels of stored blocks found identical to the source
+    stored_frames: int = 0  # blocks in stored frames, with or without --against
 
 
 @dataclass
@@ -348,6 +349,7 @@ class QuantWorker:
             try:
                 buf = frame.as_byte_array(f)
                 header = frame.parse(buf)
+                result.stored_frames += header.stored
                 if list(header.shape) != columns["shape"][row] or header.dtype != columns["dtype"][row]:
                     raise MismatchError(
                         f"columns say {columns['shape'][row]} {columns['dtype'][row]}, "

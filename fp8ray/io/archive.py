@@ -376,14 +376,14 @@ def build_manifest(
     parts: list[Part],
     fp8ray_version: str,
     provenance: Provenance | None = None,
-    stored_frames: bool = False,
+    stored_blocks: int = 0,
 ) -> Manifest:
     """The manifest of a finished archive: what it holds, the source's layout (to give it
     back), the codec's error bound (to verify against), each part's size and CRC-32C, and
     what the cache was made for (recorded only where a field of ``provenance`` is given).
-    ``stored_frames``: whether any block is in a stored frame (its version says so)."""
+    ``stored_blocks``: how many blocks are in stored frames (any makes it version 3)."""
     return Manifest(
-        version=STORED_FRAMES_VERSION if stored_frames else ARCHIVE_VERSION,
+        version=STORED_FRAMES_VERSION if stored_blocks else ARCHIVE_VERSION,
         fp8ray_version=fp8ray_version,
         codec=codec,
         lossless=lossless,
@@ -396,6 +396,7 @@ def build_manifest(
         archive_bytes=sum(p.file_bytes for p in parts),
         parts=tuple(parts),
         provenance=provenance if provenance is not None and provenance.recorded() else None,
+        stored_blocks=stored_blocks,
     )
 
 

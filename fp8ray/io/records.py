@@ -200,6 +200,7 @@ class Manifest:
     archive_bytes: int
     parts: tuple[Part, ...]
     provenance: Provenance | None = None  # None: none given (and every manifest from before it)
+    stored_blocks: int = 0  # blocks in stored frames (fp8 does not encode their dtype); > 0 only in version 3
 
     @property
     def options(self) -> CodecOptions:
@@ -246,7 +247,13 @@ class Manifest:
             archive_bytes=field("archive_bytes", int),
             parts=tuple(Part.from_json(entry, f"{where}: part entry {i}") for i, entry in enumerate(parts)),
             provenance=Provenance.from_json(provenance, f"{label}'s provenance") if provenance is not None else None,
+            stored_blocks=field("stored_blocks", int, optional=True) or 0,
         )
+        if (manifest.version == STORED_FRAMES_VERSION) != (0 < manifest.stored_blocks <= manifest.blocks):
+            raise CorruptArchiveError(
+                f"{label} is version {manifest.version} with 'stored_blocks' {manifest.stored_blocks} of "
+                f"{manifest.blocks} blocks: version {STORED_FRAMES_VERSION} and only it holds stored blocks, at least one"
+            )
         summed = sum(p.blocks for p in manifest.parts)
         if manifest.blocks != summed:  # as fp8ray writes it, the parts' sum: a manifest edited by hand is refused
             raise CorruptArchiveError(f"{label} records {manifest.blocks} blocks, but its parts' entries add up to {summed}")
@@ -276,6 +283,8 @@ class Manifest:
         )
         if self.provenance is not None:  # only where given: archives without keep their JSON
             out["provenance"] = self.provenance.to_json()
+        if self.stored_blocks:
+            out["stored_blocks"] = self.stored_blocks
         return out
 
 

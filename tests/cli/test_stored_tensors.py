@@ -70,7 +70,10 @@ def test_a_file_of_every_dtype_is_archived_whole_and_comes_back(tmp_path, capsys
     assert run_cli(capsys, "decompress", tmp_path / "arch", tmp_path / "out.safetensors", *where)[0] == 0
     assert safetensors_header(tmp_path / "out.safetensors") == safetensors_header(src)
     assert_stored_ones_identical(tensors, tmp_path / "out.safetensors")
-    assert json.loads((tmp_path / "arch" / "_manifest.json").read_text())["version"] == 3  # older fp8ray refuses it by this
+    manifest = json.loads((tmp_path / "arch" / "_manifest.json").read_text())
+    assert (manifest["version"], manifest["stored_blocks"]) == (3, stored)  # older fp8ray refuses it by its version
+    code, out, _ = run_cli(capsys, "inspect", tmp_path / "arch")
+    assert code == 0 and f"{len(tensors)} blocks in 1 part, " in out and f" ({stored} stored as they are, not in fp8); " in out
     code, out, err = run_cli(capsys, "verify", tmp_path / "arch", "--against", src)
     assert code == 0 and out.startswith(f"{len(tensors)} blocks in 1 part: ok; worst relative error "), (out, err)
     assert out.rstrip().endswith(f"'); {stored} stored blocks identical to the source"), out
@@ -175,3 +178,24 @@ def test_a_parquet_source_with_stored_dtypes_round_trips(tmp_path, capsys):
     for (key, dtype, _, data), got in zip(rows, back["data"].to_pylist()):
         if dtype != "float32":
             assert got == data, key
+
+
+def test_verify_finds_a_manifest_whose_stored_count_is_not_the_parts(tmp_path, capsys):
+    """The manifest's stored_blocks is what the parts hold: one edited (within what a
+    manifest may say) fails verify; one removed from a version 3 manifest, or added to a
+    version 2 one, fails reading it."""
+    save_file(mixed_tensors(), str(tmp_path / "mixed.safetensors"))
+    assert run_cli(capsys, "compress", tmp_path / "mixed.safetensors", tmp_path / "arch", "--address", "inline")[0] == 0
+    path = tmp_path / "arch" / "_manifest.json"
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "stored_blocks": manifest["stored_blocks"] - 1}))
+    code, out, err = run_cli(capsys, "verify", tmp_path / "arch", "--address", "inline")
+    assert (
+        code == 1
+        and (f"the manifest records {manifest['stored_blocks'] - 1} stored blocks, the parts hold {manifest['stored_blocks']}")
+        in err
+    )
+    for edited in ({k: v for k, v in manifest.items() if k != "stored_blocks"}, {**manifest, "version": 2}):
+        path.write_text(json.dumps(edited))
+        code, out, err = run_cli(capsys, "inspect", tmp_path / "arch")
+        assert code == 1 and "version 3 and only it holds stored blocks, at least one" in err, err
