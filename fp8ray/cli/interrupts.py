@@ -105,16 +105,12 @@ def _unsafe_to_interrupt(frame) -> bool:
     fp8ray's own (whose modules load again cleanly after an interrupted import), code of
     :data:`NATIVE_STATE_PACKAGES`, or a destructor."""
     while frame is not None:
-        if frame.f_code.co_name == "__del__":
-            return True
-        if frame.f_globals.get("__name__", "").split(".")[0] in NATIVE_STATE_PACKAGES:
+        module = frame.f_globals.get("__name__")
+        module = module if isinstance(module, str) else ""  # code run from a string may set anything
+        if frame.f_code.co_name == "__del__" or module.split(".")[0] in NATIVE_STATE_PACKAGES:
             return True
         loaded_by_import = frame.f_back is not None and frame.f_back.f_code.co_filename.startswith("<frozen importlib")
-        if (
-            frame.f_code.co_name == "<module>"
-            and loaded_by_import
-            and not frame.f_globals.get("__name__", "").startswith("fp8ray")
-        ):
+        if frame.f_code.co_name == "<module>" and loaded_by_import and not module.startswith("fp8ray"):
             return True
         frame = frame.f_back
     return False
