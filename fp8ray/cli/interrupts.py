@@ -33,7 +33,12 @@ class interrupts:
       main thread keeps it, and a worker thread's next LLVM call waits for ever (an
       inline decompress hung so in CI, after a SIGINT);
     - a destructor (``__del__``): Python drops an exception raised there ("Exception
-      ignored in ..."), and with it the interrupt."""
+      ignored in ..."), and with it the interrupt;
+    - another package's ``__enter__`` or ``__exit__``, called by fp8ray's code: cut short
+      between taking a lock and returning, or before releasing it, they keep it (the
+      futures' conditions ``concurrent.futures.wait`` takes one by one, in Python; a
+      worker thread then waits for ever to set its result). fp8ray's own context
+      managers, and what runs inside them, are interrupted as ever."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     RETRY_S = 0.02
@@ -103,11 +108,16 @@ NATIVE_STATE_PACKAGES = ("numba", "llvmlite")
 def _unsafe_to_interrupt(frame) -> bool:
     """Whether ``frame`` or a frame that called it runs the import of a module other than
     fp8ray's own (whose modules load again cleanly after an interrupted import), code of
-    :data:`NATIVE_STATE_PACKAGES`, or a destructor."""
+    :data:`NATIVE_STATE_PACKAGES`, or a destructor; or whether, below fp8ray's innermost
+    frame, another package's code is entering or leaving a context."""
+    in_fp8ray = False  # whether a frame between here and ``frame`` is fp8ray's
     while frame is not None:
         module = frame.f_globals.get("__name__")
         module = module if isinstance(module, str) else ""  # code run from a string may set anything
+        in_fp8ray = in_fp8ray or module.split(".")[0] == "fp8ray"
         if frame.f_code.co_name == "__del__" or module.split(".")[0] in NATIVE_STATE_PACKAGES:
+            return True
+        if not in_fp8ray and frame.f_code.co_name in ("__enter__", "__exit__"):
             return True
         loaded_by_import = frame.f_back is not None and frame.f_back.f_code.co_filename.startswith("<frozen importlib")
         if frame.f_code.co_name == "<module>" and loaded_by_import and not module.startswith("fp8ray"):

@@ -400,6 +400,23 @@ DESTRUCTOR = """
         resource = Resource()
         del resource
 """
+CONTEXT_ENTERED = """
+        lock = threading.Lock()
+        class Locked:  # as concurrent.futures' _AcquireFutures: takes locks in Python
+            def __enter__(self):
+                lock.acquire()
+                interrupt_here()
+            def __exit__(self, *exc):
+                lock.release()
+        with Locked():
+            done.append("the context")
+"""
+LOCK_FROM_ANOTHER_THREAD = """
+other = threading.Thread(target=lambda: lock.acquire() and lock.release(), daemon=True)
+other.start()
+other.join(10)
+print("lock free" if not other.is_alive() else "lock held")
+"""
 IMPORT = """
         import interrupted_module
         done.append(interrupted_module.LOADED)
@@ -411,15 +428,17 @@ IMPORT = """
     [
         (LLVM_LOCK, LLVM_FROM_ANOTHER_THREAD, ["interrupted after the LLVM call", "LLVM free"]),
         (DESTRUCTOR, "", ["interrupted after the destructor"]),
+        (CONTEXT_ENTERED, LOCK_FROM_ANOTHER_THREAD, ["interrupted after the context", "lock free"]),
         (IMPORT, "", ["interrupted after the whole module"]),
     ],
-    ids=["llvmlite-lock", "destructor", "import"],
+    ids=["llvmlite-lock", "destructor", "context-entered", "import"],
 )
 def test_a_signal_waits_until_the_main_thread_leaves_code_an_exception_would_break(tmp_path, body, after, said):
     """Inside llvmlite's lock (taken in Python: cut short there, the main thread kept it
     and an inline worker's next LLVM call waited for ever, a CI hang), a destructor (the
-    exception, and the interrupt, would be dropped) or another package's import (left half
-    loaded), the interrupt waits and lands once that code has returned."""
+    exception, and the interrupt, would be dropped), another package's ``__enter__`` that
+    has taken a lock (kept for ever) or another package's import (left half loaded), the
+    interrupt waits and lands once that code has returned."""
     (tmp_path / "interrupted_module.py").write_text(
         "from __main__ import interrupt_here\ninterrupt_here()\nLOADED = 'the whole module'\n"
     )
