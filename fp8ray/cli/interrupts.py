@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 
 class interrupts:
@@ -38,10 +39,14 @@ class interrupts:
       between taking a lock and returning, or before releasing it, they keep it (the
       futures' conditions ``concurrent.futures.wait`` takes one by one, in Python; a
       worker thread then waits for ever to set its result). fp8ray's own context
-      managers, and what runs inside them, are interrupted as ever."""
+      managers, and what runs inside them, are interrupted as ever.
+    A signal waits :attr:`MAX_WAIT_S` at most, then lands where the main thread is: such
+    code blocked for longer (another process's file lock) must not keep Ctrl-C or a
+    SIGTERM from ending the command."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     RETRY_S = 0.02
+    MAX_WAIT_S = 10.0  # a cold numba compile of every kernel takes about 3 s here
 
     def __init__(self, exiting: bool = False):
         self.exiting = exiting  # the process ends next: leave the signals ignored instead
@@ -51,6 +56,7 @@ class interrupts:
         self.saved = None
         self.active = True
         self.retrying = False
+        self.waiting_since = None  # when the signal now waiting first came
         if threading.current_thread() is threading.main_thread():
             # A signal ignored when the process started (a background job's SIGINT) stays so.
             self.saved = {sig: signal.getsignal(sig) for sig in self.SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
@@ -61,7 +67,9 @@ class interrupts:
     def _on_signal(self, signum, frame) -> None:
         if self.fired:
             return
-        if _unsafe_to_interrupt(frame):
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
+        if _unsafe_to_interrupt(frame) and time.monotonic() - self.waiting_since < self.MAX_WAIT_S:
             if not self.retrying:
                 self.retrying = True
                 threading.Timer(self.RETRY_S, self._deliver_again, (signum,)).start()

@@ -294,7 +294,8 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
         threads: how many threads the CPU kernels may use (as for :meth:`Fp8Codec.encode`).
 
     Raises:
-        CorruptFrameError: the frame is truncated, malformed or fails its checksum.
+        CorruptFrameError: the frame is truncated, malformed or fails its checksum, or a
+            finite code of it decodes to an infinity (a scale too large for its codes).
     """
     import torch
 

@@ -111,7 +111,8 @@ def decode_run(run: np.ndarray, header: frame.FrameHeader, out: np.ndarray, thre
     """Decode the frames held one a row of ``run`` (a ``[frames, frame_size]`` uint8 array)
     whose headers are all ``header`` into ``out`` (their raw bytes end to end); ``False``,
     with ``out`` untouched, where any frame's header bytes, size or checksum differ from
-    what ``header`` says (the caller decodes them one at a time to name the damaged one)."""
+    what ``header`` says, or a scale could make a finite code overflow (the caller decodes
+    them one at a time, to name the damaged one)."""
     count = len(run)
     if run.shape[1] != header.frame_size:
         return False

@@ -60,6 +60,7 @@ from ..io.paths import (
 )
 from ..io.provenance import Provenance, check_provenance, short_repr
 from ..io.restore import RESTORE_COLUMNS, SINGLE_FILE_METADATA_KEY, plan_restore
+from ..io.safetensors import FRAMES_BODY, FRAMES_MARK
 from ..io.store_source import scan_store_source
 from .pool import PoolSettings, QuantPool, check_pool, use_pool
 from .stores import check_store_restore, restored_serde
@@ -150,6 +151,14 @@ def _scan_compressible(source: str, codec: CodecOptions, strict: bool = False, l
         )
     if not refs:
         raise SourceError(f"source {redact(source)} holds no tensors: there is nothing to compress")
+    marked = [f.name for f in layout.files if f.metadata.get(FRAMES_MARK) == FRAMES_BODY]
+    if marked:  # its U8 tensors would be archived as opaque stored bytes, larger than the tensors' fp8
+        where = redact(source) if layout.container == "file" else f"{redact(source).rstrip('/')}/{marked[0]}"
+        raise SourceError(
+            f"{where} holds fp8ray frames already (the service's encode response, "
+            f"__metadata__ {FRAMES_MARK!r}: {FRAMES_BODY!r}): decode it (POST /v1/decode, or fp8ray.decode of each "
+            "tensor) and compress the tensors"
+        )
     checked = set()  # blocks share a few shapes: each is checked once, named by its first block
     for ref in refs:
         if (ref.dtype, ref.shape) not in checked:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from pyarrow.fs import LocalFileSystem
 
-from ..codec import CodecOptions, Fp8Codec, checksum, decode, frame
+from ..codec import CodecOptions, Fp8Codec, checksum, decode, decode_raw, frame
 from ..codec.blocks import (
     Block,
     BlockSpec,
@@ -350,6 +350,8 @@ class QuantWorker:
                 buf = frame.as_byte_array(f)
                 header = frame.parse(buf)
                 result.stored_frames += header.stored
+                if not header.stored and frame.may_overflow(header, frame.scales_of(buf, header)):
+                    decode_raw(buf, header.dtype, header.shape)  # a scale too large for its codes: refused
                 if list(header.shape) != columns["shape"][row] or header.dtype != columns["dtype"][row]:
                     raise MismatchError(
                         f"columns say {columns['shape'][row]} {columns['dtype'][row]}, "

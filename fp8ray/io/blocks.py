@@ -46,7 +46,7 @@ from .paths import (
     temporary_name,
     uri_for,
 )
-from .safetensors import FRAMES_BODY, FRAMES_MARK, SOURCE_DTYPES, read_file_header
+from .safetensors import SOURCE_DTYPES, read_file_header
 
 RAW_COLUMNS = ("key", "dtype", "shape", "data")
 
@@ -207,12 +207,6 @@ def _check_unique(refs: list[BlockRef], uri: str) -> None:
 
 def _safetensors_blocks(fs: pafs.FileSystem, path: str, uri: str, name: str) -> tuple[SourceFile, list[BlockRef]]:
     tensors, metadata, data_start = read_file_header(fs, path, uri, tuple(SOURCE_DTYPES))
-    if metadata.get(FRAMES_MARK) == FRAMES_BODY:  # its U8 tensors would be archived as opaque bytes
-        raise SourceError(
-            f"{redact(uri)} holds fp8ray frames already (the service's encode response, __metadata__ "
-            f"{FRAMES_MARK!r}: {FRAMES_BODY!r}): decode it (POST /v1/decode, or fp8ray.decode of each tensor) "
-            "to get the tensors back to compress"
-        )
     refs = [
         BlockRef(key, SOURCE_DTYPES[dtype], shape, "safetensors", uri, data_start + begin, name)
         for key, dtype, shape, begin in zip(tensors.keys, tensors.dtypes, tensors.shapes, tensors.begins)  # file order

@@ -249,10 +249,12 @@ class Manifest:
             provenance=Provenance.from_json(provenance, f"{label}'s provenance") if provenance is not None else None,
             stored_blocks=field("stored_blocks", int, optional=True) or 0,
         )
-        if (manifest.version == STORED_FRAMES_VERSION) != (0 < manifest.stored_blocks <= manifest.blocks):
+        stored = manifest.stored_blocks
+        if stored > manifest.blocks or (manifest.version == STORED_FRAMES_VERSION) != (stored > 0):
             raise CorruptArchiveError(
-                f"{label} is version {manifest.version} with 'stored_blocks' {manifest.stored_blocks} of "
-                f"{manifest.blocks} blocks: version {STORED_FRAMES_VERSION} and only it holds stored blocks, at least one"
+                f"{label} is version {manifest.version} with 'stored_blocks' {stored} of "
+                f"{manifest.blocks} blocks: version {STORED_FRAMES_VERSION} and only it holds stored blocks, at least "
+                "one and at most every block"
             )
         summed = sum(p.blocks for p in manifest.parts)
         if manifest.blocks != summed:  # as fp8ray writes it, the parts' sum: a manifest edited by hand is refused

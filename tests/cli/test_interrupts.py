@@ -417,6 +417,38 @@ other.start()
 other.join(10)
 print("lock free" if not other.is_alive() else "lock held")
 """
+FP8RAY_SETUP = """
+        import contextlib
+        fp8ray_like = {"__name__": "fp8ray.stand_in", "contextlib": contextlib, "interrupt_here": interrupt_here}
+        exec(\'\'\'
+@contextlib.contextmanager
+def setting_up(done):  # fp8ray's own, entered by contextlib's __enter__
+    try:
+        interrupt_here()
+    except KeyboardInterrupt:
+        done.append("inside fp8ray's own setup")
+        raise
+    yield
+\'\'\', fp8ray_like)
+        with fp8ray_like["setting_up"](done):
+            done.append("never")
+"""
+BLOCKED_FOR_LONG = """
+        interrupts.MAX_WAIT_S = 0.5
+        numba_like = {"__name__": "numba.core.stand_in", "time": time, "interrupt_here": interrupt_here}
+        exec(\'\'\'
+def compile_for_ever(done):
+    start = time.monotonic()
+    interrupt_here()
+    try:
+        while time.monotonic() < start + 10:
+            pass
+    except KeyboardInterrupt:
+        done.append("inside numba's code" if time.monotonic() < start + 3 else "late")
+        raise
+\'\'\', numba_like)
+        numba_like["compile_for_ever"](done)
+"""
 IMPORT = """
         import interrupted_module
         done.append(interrupted_module.LOADED)
@@ -430,15 +462,19 @@ IMPORT = """
         (DESTRUCTOR, "", ["interrupted after the destructor"]),
         (CONTEXT_ENTERED, LOCK_FROM_ANOTHER_THREAD, ["interrupted after the context", "lock free"]),
         (IMPORT, "", ["interrupted after the whole module"]),
+        (FP8RAY_SETUP, "", ["interrupted after inside fp8ray's own setup"]),
+        (BLOCKED_FOR_LONG, "", ["interrupted after inside numba's code"]),
     ],
-    ids=["llvmlite-lock", "destructor", "context-entered", "import"],
+    ids=["llvmlite-lock", "destructor", "context-entered", "import", "fp8ray-setup", "blocked-for-long"],
 )
 def test_a_signal_waits_until_the_main_thread_leaves_code_an_exception_would_break(tmp_path, body, after, said):
     """Inside llvmlite's lock (taken in Python: cut short there, the main thread kept it
     and an inline worker's next LLVM call waited for ever, a CI hang), a destructor (the
     exception, and the interrupt, would be dropped), another package's ``__enter__`` that
     has taken a lock (kept for ever) or another package's import (left half loaded), the
-    interrupt waits and lands once that code has returned."""
+    interrupt waits and lands once that code has returned. Inside fp8ray's own context
+    manager's setup it lands at once; in such code blocked for longer than MAX_WAIT_S,
+    it lands there."""
     (tmp_path / "interrupted_module.py").write_text(
         "from __main__ import interrupt_here\ninterrupt_here()\nLOADED = 'the whole module'\n"
     )

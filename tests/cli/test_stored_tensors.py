@@ -182,8 +182,8 @@ def test_a_parquet_source_with_stored_dtypes_round_trips(tmp_path, capsys):
 
 def test_verify_finds_a_manifest_whose_stored_count_is_not_the_parts(tmp_path, capsys):
     """The manifest's stored_blocks is what the parts hold: one edited (within what a
-    manifest may say) fails verify; one removed from a version 3 manifest, or added to a
-    version 2 one, fails reading it."""
+    manifest may say) fails verify; one removed from a version 3 manifest, added to a
+    version 2 one, or above the block count, fails reading it."""
     save_file(mixed_tensors(), str(tmp_path / "mixed.safetensors"))
     assert run_cli(capsys, "compress", tmp_path / "mixed.safetensors", tmp_path / "arch", "--address", "inline")[0] == 0
     path = tmp_path / "arch" / "_manifest.json"
@@ -195,7 +195,11 @@ def test_verify_finds_a_manifest_whose_stored_count_is_not_the_parts(tmp_path, c
         and (f"the manifest records {manifest['stored_blocks'] - 1} stored blocks, the parts hold {manifest['stored_blocks']}")
         in err
     )
-    for edited in ({k: v for k, v in manifest.items() if k != "stored_blocks"}, {**manifest, "version": 2}):
+    for edited in (
+        {k: v for k, v in manifest.items() if k != "stored_blocks"},
+        {**manifest, "version": 2},
+        {**manifest, "stored_blocks": manifest["blocks"] + 1},
+    ):
         path.write_text(json.dumps(edited))
         code, out, err = run_cli(capsys, "inspect", tmp_path / "arch")
         assert code == 1 and "version 3 and only it holds stored blocks, at least one" in err, err

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -453,3 +454,42 @@ def test_an_older_archive_repeating_a_key_or_other_first_key_is_refused(small, t
     _as_written_before(tmp_path / "before")
     reader = fp8ray.open_archive(str(tmp_path / "before"))
     assert {key: _block(reader, key) for key in good} == good
+
+
+def test_a_scale_too_large_for_its_codes_fails_verify_and_every_read(small, tmp_path):
+    """A frame whose scale was made too large for its codes, its own CRC and the part's
+    made to match: verify (without a source to compare with) names the block, and get and
+    decompress refuse it rather than hand back infinities the source never held."""
+    import struct
+
+    import crc32c
+
+    from fp8ray.codec import frame
+    from fp8ray.engine.archives import verify_archive
+    from fp8ray.errors import CorruptFrameError
+
+    arch, good = small
+    shutil.copytree(arch, tmp_path / "arch")
+    part = _widest(arch)
+    path = tmp_path / "arch" / part.name
+    table = pq.read_table(path, columns=["key", "frame"])
+    keys, frames = table.column("key").to_pylist(), table.column("frame").to_pylist()
+    row = next(i for i, key in enumerate(keys) if key != "zeros")  # zeros decode to zero under any scale
+    crafted = bytearray(frames[row])
+    header = frame.parse(np.frombuffer(bytes(crafted), np.uint8))
+    width = 4 if header.scale_dtype == "float32" else 2
+    crafted[header.scales_offset : header.scales_offset + width] = struct.pack("<f", 3e38)[4 - width :]
+    crafted[-4:] = struct.pack("<I", crc32c.crc32c(bytes(crafted[:-4])))
+    frames[row] = bytes(crafted)
+    entry = _rewrite(path, "frame", frames)
+    _record(tmp_path / "arch", entry, "crc32c", "file_bytes", "footer_crc32c", "columns_crc32c", "frames_crc32c")
+    said = f"finite code\\(s\\) decode to inf in {good[keys[row]][0]}"
+    report = verify_archive(str(tmp_path / "arch"), **INLINE)
+    assert len(report.errors) == 1 and re.search(f"^block '{keys[row]}' in {part.name}: .*{said}", report.errors[0]), (
+        report.errors
+    )
+    with pytest.raises(CorruptArchiveError, match=f"block '{keys[row]}' in part {part.name} of .* is damaged: .*{said}"):
+        fp8ray.open_archive(str(tmp_path / "arch")).get(keys[row])
+    with pytest.raises(CorruptFrameError, match=f"block '{keys[row]}' in {part.name}: .*{said}"):
+        decompress_archive(str(tmp_path / "arch"), str(tmp_path / "out.safetensors"), **INLINE)
+    assert not (tmp_path / "out.safetensors").exists()
