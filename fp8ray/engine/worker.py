@@ -236,14 +236,15 @@ class QuantWorker:
         frames: dict[int, list] = {}
         result = RestoreResult(node_id=_node_id())
 
-        def decoded(batch: list[tuple]) -> np.ndarray:
+        def decoded(batch: list[tuple], file: str = "") -> np.ndarray:
             """Decode a batch of blocks of one part, end to end (together, so that small
             blocks of one shape go in runs), into the start of the reused buffer; the
-            decoded bytes (a view of it)."""
+            decoded bytes (a view of it). ``file``: the source file they are of, named
+            in errors (a key may be in several files)."""
             part, first_row, _, dtype, shape = batch[0]
             if part not in frames:
                 frames[part] = archive.PartFrames(archive.read_part(fs, path, parts[part], columns=["frame"], uri=archive_uri))
-            where = f" in {parts[part].name}"
+            where = f"{f' of {file}' if file else ''} in {parts[part].name}"
             # Small blocks of one dtype and shape in consecutive rows (the usual batch) lie
             # end to end in the part: decoded as one array, no Python object per block.
             uniform = all(row == first_row + i and (d, s) == (dtype, shape) for i, (_, row, _, d, s) in enumerate(batch))
@@ -284,7 +285,7 @@ class QuantWorker:
                 out_fs.create_dir(posixpath.dirname(f"{out_dir}/{f.name}"), recursive=True)
             with f.writer(uri_for(directory, f"{out_dir}/{f.name}")) as writer:
                 for batch in _batches(f.blocks):
-                    data = decoded(batch)
+                    data = decoded(batch, f.name)
                     writer.write_blocks([(key, dtype, shape) for _, _, key, dtype, shape in batch], keep(data))
             result.files += 1
         return result

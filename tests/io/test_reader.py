@@ -459,7 +459,8 @@ def test_an_older_archive_repeating_a_key_or_other_first_key_is_refused(small, t
 def test_a_scale_too_large_for_its_codes_fails_verify_and_every_read(small, tmp_path):
     """A frame whose scale was made too large for its codes, its own CRC and the part's
     made to match: verify (without a source to compare with) names the block, and get and
-    decompress refuse it rather than hand back infinities the source never held."""
+    decompress refuse it (naming its source file too: a key may be in several) rather
+    than hand back infinities the source never held."""
     import struct
 
     import crc32c
@@ -490,6 +491,31 @@ def test_a_scale_too_large_for_its_codes_fails_verify_and_every_read(small, tmp_
     )
     with pytest.raises(CorruptArchiveError, match=f"block '{keys[row]}' in part {part.name} of .* is damaged: .*{said}"):
         fp8ray.open_archive(str(tmp_path / "arch")).get(keys[row])
-    with pytest.raises(CorruptFrameError, match=f"block '{keys[row]}' in {part.name}: .*{said}"):
+    with pytest.raises(CorruptFrameError, match=f"block '{keys[row]}' of src.safetensors in {part.name}: .*{said}"):
         decompress_archive(str(tmp_path / "arch"), str(tmp_path / "out.safetensors"), **INLINE)
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_decompress_names_the_source_file_of_a_damaged_block(tmp_path):
+    """Two files holding the same key: a frame of one fails its checksum (the part's CRCs
+    made to match), and decompress names which file's block it is, not the key alone."""
+    from fp8ray.errors import CorruptFrameError
+
+    src = tmp_path / "kv"
+    src.mkdir()
+    g = torch.Generator().manual_seed(9)
+    for name in ("a", "b"):
+        save_file({"layer0.k": torch.randn(4, 64, generator=g).to(torch.bfloat16)}, str(src / f"{name}.safetensors"))
+    compress_archive(str(src), str(tmp_path / "arch"), lossless="none", **INLINE)
+    (part,) = fp8ray.open_archive(str(tmp_path / "arch")).manifest.parts
+    path = tmp_path / "arch" / part.name
+    table = pq.read_table(path, columns=["file", "frame"])
+    row = table.column("file").to_pylist().index("b.safetensors")
+    frames = table.column("frame").to_pylist()
+    damaged = bytearray(frames[row])
+    damaged[-10] ^= 0x01  # a code: the frame's own CRC no longer holds
+    frames[row] = bytes(damaged)
+    _record(tmp_path / "arch", _rewrite(path, "frame", frames), "crc32c", "file_bytes", "footer_crc32c", "frames_crc32c")
+    with pytest.raises(CorruptFrameError, match=f"^block 'layer0.k' of b.safetensors in {part.name}: .*checksum"):
+        decompress_archive(str(tmp_path / "arch"), str(tmp_path / "out"), **INLINE)
+    assert not (tmp_path / "out").exists()
