@@ -322,12 +322,13 @@ class QuantWorker:
             shown = archive.redact(directory)
             result.errors.append(part_error or f"part {part.name} of {shown} is damaged: it has no {lacking[0]!r} column")
             return result
+        columns = {name: table.column(name).to_pylist() for name in archive.METADATA_COLUMNS if name in names}
         if part_error is None:  # each frame may check and still sit in another block's row
             try:
                 part_checks.check_frames(table, part, archive.redact(directory))
+                part_checks.check_key_range(columns["key"], part, archive.redact(directory))  # as a reader of one block does
             except archive.CorruptArchiveError as exc:
                 result.errors.append(str(exc))
-        columns = {name: table.column(name).to_pylist() for name in archive.METADATA_COLUMNS if name in names}
         files = columns.get("file") or [""] * table.num_rows  # version 1 parts have no file column
         result.keys = columns["key"]
         result.idents = list(zip(files, columns["key"]))

@@ -33,7 +33,7 @@ from ..codec.metrics import ErrorSums, json_safe, row_sums
 from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
 from ..io import archive
 from ..io.blocks import bytes_to_tensor, read_blocks, scan_source
-from ..io.paths import resolve
+from ..io.paths import name_list, resolve
 from .plots import save_figure
 
 DEFAULT_KEY_PATTERN = r"(?:^|[^a-z0-9])layers?[._-]?(?P<layer>\d+)[._/-](?P<kv>k|v|key|value)$"
@@ -240,9 +240,11 @@ def format_report(report: FidelityReport) -> str:
         lines.append(row(f"{kind.upper()} all", m))
     lines.append(row("total", report.total))
     if report.unsplit:
-        lines.append(f"{len(report.unsplit)} key(s) in the total only (no layer/K/V split): {report.unsplit[:3]}")
+        lines.append(f"{len(report.unsplit)} key(s) in the total only (no layer/K/V split): {name_list(report.unsplit, 3)}")
     if report.stored:
-        lines.append(f"{len(report.stored)} key(s) stored as they are (not fp8), identical to the original: {report.stored[:3]}")
+        lines.append(
+            f"{len(report.stored)} key(s) stored as they are (not fp8), identical to the original: {name_list(report.stored, 3)}"
+        )
     if report.keys:
         worst = max(report.keys.items(), key=lambda kv: kv[1]["rel_fro"])
         lines.append(f"worst key: {worst[0]!r} rel_fro {worst[1]['rel_fro']:.3e}")

@@ -168,10 +168,12 @@ def check_output(
         prepare_parent(fs, path, uri, parents)
         return []
     have = "directory" if kind == pafs.FileType.Directory else "file"
+    if have != wanted:  # whatever --overwrite says: name another output
+        raise DestinationError(
+            f"output {redact(uri)} is a {have}, and the archive gives back a {wanted}: not replacing it; name another output"
+        )
     if not overwrite:
         raise ArchiveExistsError(f"output {redact(uri)} exists (pass --overwrite to replace it with the archive's {wanted})")
-    if have != wanted:
-        raise DestinationError(f"output {redact(uri)} is a {have}, and the archive gives back a {wanted}: not replacing it")
     if have == "file":
         return []
     described = {f.name for f in plan.files}

@@ -83,6 +83,17 @@ def check_rows(rows: int, info: Part, shown: str) -> None:
         raise _damaged(info, shown, f"it holds {rows} blocks, its entry {info.blocks}")
 
 
+def check_key_range(keys: list, info: Part, shown: str) -> None:
+    """Refuse a part whose first and last keys are not those its entry records."""
+    if keys and (keys[0], keys[-1]) != (info.first_key, info.last_key):
+        raise _damaged(
+            info,
+            shown,
+            f"its keys run from {str(keys[0])!r} to {str(keys[-1])!r}, "
+            f"its entry records {str(info.first_key)!r} to {str(info.last_key)!r}",
+        )
+
+
 def _damaged(info: Part, shown: str, why: str) -> CorruptArchiveError:
     return CorruptArchiveError(f"part {info.name} of {shown} is damaged: {why}")
 

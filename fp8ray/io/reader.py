@@ -311,12 +311,8 @@ class ArchiveReader:
                 part_checks.check_columns(columns, part, shown)
                 keys = columns["key"]
         part_checks.check_rows(len(keys), part, shown)
+        part_checks.check_key_range(keys, part, shown)
         damaged = f"part {part.name} of {shown} is damaged"
-        if keys and (keys[0], keys[-1]) != (part.first_key, part.last_key):
-            raise CorruptArchiveError(
-                f"{damaged}: its keys run from {str(keys[0])!r} to {str(keys[-1])!r}, "
-                f"its entry records {str(part.first_key)!r} to {str(part.last_key)!r}"
-            )
         idents = list(zip(self._files_of_rows(first_row, len(keys)), keys))
         rows = {ident: r for r, ident in enumerate(idents)}
         if len(rows) != len(idents):

@@ -20,6 +20,7 @@ from ..codec.options import CodecOptions
 from ..errors import CorruptArchiveError, InvalidOptionError
 from .blocks import SUFFIXES, SourceLayout, parquet_schema, raw_schema_problem
 from .lmcache_store import STORE_KIND
+from .paths import is_temporary
 from .provenance import Provenance, short_repr
 
 ARCHIVE_FORMAT = "fp8ray-archive"
@@ -149,7 +150,7 @@ def _layout(obj: object, label: str) -> SourceLayout:
         raise CorruptArchiveError(f"{label}'s 'container' is {container!r}, not one of {list(CONTAINERS)}")
     for i, entry in enumerate(field("files", list)):
         file = _Fields(entry, f"{label}, file {i}")
-        file("name", str)
+        checked_file_name(file("name", str), f"{label}, file {i}")  # no name writes outside an output
         file("blocks", int)
         _schema(file("schema", str, null=True, optional=True), kind, f"{label}, file {i}")
         metadata = file("metadata", dict, optional=True)
@@ -163,6 +164,25 @@ def _layout(obj: object, label: str) -> SourceLayout:
         return SourceLayout.from_dict(obj)
     except TypeError as exc:  # a field this reader does not know
         raise CorruptArchiveError(f"{label}: {exc}") from None
+
+
+def checked_file_name(name, where: str = "the archive") -> str:
+    """A file name from a manifest, refused unless it is a plain relative path (parts
+    separated by ``/``, as a source tree's files are named): never one that would write
+    outside the output directory, into a hidden folder, or under a temporary's name. (A
+    file's own name may start with ``.``: an LMCache store's chunk of a model served from
+    a relative path, ``./models/x``, is named ``.-SEP-models-SEP-x@...``.) ``where``: what
+    names it, for the message."""
+    parts = name.split("/") if isinstance(name, str) else []
+    if (
+        not parts
+        or "\\" in name
+        or "\0" in name
+        or any(not part or part in (".", "..") or is_temporary(part) for part in parts)
+        or any(folder.startswith(".") for folder in parts[:-1])
+    ):
+        raise CorruptArchiveError(f"{where} names a source file {str(name)!r}, which is not a plain relative file name")
+    return name
 
 
 def _schema(schema: str | None, kind: str, label: str) -> None:
@@ -230,6 +250,10 @@ class Manifest:
             terms = bound_constants(options.fmt, options.scaling)
             if set(bound) != set(terms) or not all(_is(v, float) for v in bound.values()):
                 raise CorruptArchiveError(f"{label}'s 'error_bound' is {short_repr(bound)}, not numbers for {sorted(terms)}")
+            if bound != terms:  # verify --against holds blocks to it: a loosened one would pass another source
+                raise CorruptArchiveError(
+                    f"{label}'s 'error_bound' is {short_repr(bound)}, not its codec's ({options.label()}): {terms}"
+                )
         layout = field("layout", dict, optional=True)
         provenance = field("provenance", dict, optional=True)
         parts = field("parts", list)
@@ -256,9 +280,18 @@ class Manifest:
                 f"{manifest.blocks} blocks: version {STORED_FRAMES_VERSION} and only it holds stored blocks, at least "
                 "one and at most every block"
             )
-        summed = sum(p.blocks for p in manifest.parts)
-        if manifest.blocks != summed:  # as fp8ray writes it, the parts' sum: a manifest edited by hand is refused
-            raise CorruptArchiveError(f"{label} records {manifest.blocks} blocks, but its parts' entries add up to {summed}")
+        # Each total as fp8ray writes it, the parts' sum: a manifest edited by hand is refused.
+        for total, of_part in (
+            ("blocks", "blocks"),
+            ("raw_bytes", "raw_bytes"),
+            ("frame_bytes", "frame_bytes"),
+            ("archive_bytes", "file_bytes"),
+        ):
+            recorded, summed = getattr(manifest, total), sum(getattr(p, of_part) for p in manifest.parts)
+            if recorded != summed:
+                raise CorruptArchiveError(
+                    f"{label} records {total} {recorded}, but its parts' entries' {of_part} add up to {summed}"
+                )
         return manifest
 
     def to_json(self) -> dict:

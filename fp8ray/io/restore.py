@@ -26,8 +26,8 @@ from itertools import accumulate, groupby
 
 from ..errors import CorruptArchiveError, DestinationError
 from .blocks import RawBlockParquetWriter, SourceLayout, parquet_schema
-from .paths import is_temporary, printable
-from .records import Manifest
+from .paths import printable
+from .records import Manifest, checked_file_name
 from .safetensors import SafetensorsLayout, SafetensorsWriter, create_presized
 
 SINGLE_FILE_METADATA_KEY = "fp8ray_archive"
@@ -148,26 +148,8 @@ def _common_items(dicts: list[dict]) -> dict:
     return {k: v for k, v in dicts[0].items() if all(d.get(k) == v for d in dicts[1:])}
 
 
-def _checked_name(name) -> str:
-    """A file name from a manifest, refused unless it is a plain relative path (parts
-    separated by ``/``, as a source tree's files are named): never one that would write
-    outside the output directory, into a hidden folder, or under a temporary's name. (A
-    file's own name may start with ``.``: an LMCache store's chunk of a model served from
-    a relative path, ``./models/x``, is named ``.-SEP-models-SEP-x@...``.)"""
-    parts = name.split("/") if isinstance(name, str) else []
-    if (
-        not parts
-        or "\\" in name
-        or "\0" in name
-        or any(not part or part in (".", "..") or is_temporary(part) for part in parts)
-        or any(folder.startswith(".") for folder in parts[:-1])
-    ):
-        raise CorruptArchiveError(f"the archive names a source file {str(name)!r}, which is not a plain relative file name")
-    return name
-
-
 def _layout_files(layout: SourceLayout, rows: list) -> list[RestoreFile]:
-    by_file: dict[str, list] = {_checked_name(f.name): [] for f in layout.files}
+    by_file: dict[str, list] = {checked_file_name(f.name): [] for f in layout.files}
     for part, row, file, key, dtype, shape in rows:
         if file not in by_file:
             raise CorruptArchiveError(f"a block of part {part} names the file {str(file)!r}, which the manifest does not list")

@@ -197,6 +197,7 @@ def test_verify_names_a_damaged_part_without_its_columns_in_one_line(archive, tm
     for entry in manifest["parts"]:
         entry.pop("footer_crc32c"), entry.pop("columns_crc32c")
     manifest["parts"][0]["file_bytes"] = part.stat().st_size
+    manifest["archive_bytes"] = sum(entry["file_bytes"] for entry in manifest["parts"])
     (damaged / "_manifest.json").write_text(json.dumps(manifest))
     result = fp8ray("verify", damaged)
     problems = [line for line in result.stderr.splitlines() if "part-00000.parquet" in line]

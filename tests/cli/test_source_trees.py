@@ -235,12 +235,12 @@ def test_a_source_file_with_tmp_in_its_name_comes_back(tmp_path, capsys):
 
 def test_a_file_inside_a_hidden_or_escaping_folder_is_refused_from_a_manifest():
     from fp8ray.errors import CorruptArchiveError
-    from fp8ray.io.restore import _checked_name
+    from fp8ray.io.records import checked_file_name
 
-    assert _checked_name("tenant_b/deep/t5.safetensors") == "tenant_b/deep/t5.safetensors"
+    assert checked_file_name("tenant_b/deep/t5.safetensors") == "tenant_b/deep/t5.safetensors"
     # Names a source may have: a store's chunk of a model served from ./models/x, ".tmp-" inside a name.
     for good in (".-SEP-models-SEP-x@0x01@0@ab01.data", "ab/.-SEP-m@0x01@0@ab01.data", "run.tmp-2.safetensors"):
-        assert _checked_name(good) == good
+        assert checked_file_name(good) == good
     temporary = ".t5.safetensors.tmp-" + "0123456789abcdef" * 2  # what fp8ray's writers name their files
     for bad in (
         "a/../../x.safetensors",
@@ -252,7 +252,7 @@ def test_a_file_inside_a_hidden_or_escaping_folder_is_refused_from_a_manifest():
         temporary,
     ):
         with pytest.raises(CorruptArchiveError, match="not a plain relative file name"):
-            _checked_name(bad)
+            checked_file_name(bad)
 
 
 @pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs a /sys nobody may write in")

@@ -6,6 +6,7 @@ them identical."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -148,9 +149,14 @@ def test_fidelity_lists_stored_tensors_apart_and_measures_only_the_cache(tmp_pat
     assert with_positions["stored"] == ["positions"] and "positions" not in with_positions["keys"]
     assert with_positions["total"] == without["total"]  # huge exact integers do not dilute the error
     assert (
-        "1 key(s) stored as they are (not fp8), identical to the original: ['positions']"
+        "1 key(s) stored as they are (not fp8), identical to the original: positions"
         in run_cli(capsys, "fidelity", src, tmp_path / "arch")[1]
     )
+    many = {**cache, **{f"slot{i}": torch.arange(4) + i for i in range(5)}}
+    save_file(many, str(tmp_path / "many.safetensors"))
+    assert run_cli(capsys, "compress", tmp_path / "many.safetensors", tmp_path / "arch3", "--address", "inline")[0] == 0
+    out = run_cli(capsys, "fidelity", tmp_path / "many.safetensors", tmp_path / "arch3")[1]
+    assert re.search(r"5 key\(s\) stored as they are \(not fp8\), identical to the original: (slot\d, ){2}slot\d and 2 more", out)
 
 
 def test_a_parquet_source_with_stored_dtypes_round_trips(tmp_path, capsys):

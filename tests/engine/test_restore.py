@@ -160,10 +160,12 @@ def test_destinations_are_checked_before_any_work(request_dir, kv_source, tmp_pa
     arch = tmp_path / "arch"
     compress_archive(str(src), str(arch), options=OPTIONS)
     (tmp_path / "file").write_bytes(b"keep")
-    with pytest.raises(ArchiveExistsError, match="exists"):
-        decompress_archive(str(arch), str(tmp_path / "file"))
-    with pytest.raises(DestinationError, match="is a file, and the archive gives back a directory"):
-        decompress_archive(str(arch), str(tmp_path / "file"), overwrite=True)
+    for overwrite in (False, True):  # not "pass --overwrite", which would not help
+        with pytest.raises(DestinationError, match="is a file, and the archive gives back a directory: not replacing it; name"):
+            decompress_archive(str(arch), str(tmp_path / "file"), overwrite=overwrite)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(ArchiveExistsError, match=r"exists \(pass --overwrite to replace it with the archive's directory\)"):
+        decompress_archive(str(arch), str(tmp_path / "dir"))
     assert (tmp_path / "file").read_bytes() == b"keep"
     with pytest.raises(DestinationError, match=r"directory .*missing does not exist"):
         decompress_archive(str(arch), str(tmp_path / "missing" / "out"))

@@ -392,6 +392,7 @@ def _record(arch: Path, entry: archive.Part, *fields: str) -> None:
     manifest = json.loads(path.read_text())
     (written,) = [e for e in manifest["parts"] if e["name"] == entry.name]
     written.update({name: getattr(entry, name) for name in fields})
+    manifest["archive_bytes"] = sum(e["file_bytes"] for e in manifest["parts"])  # the total follows its parts
     path.write_text(json.dumps(manifest))
 
 

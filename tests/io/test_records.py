@@ -121,13 +121,22 @@ def test_a_manifest_missing_a_field_names_it(name):
         Manifest.from_json(without(manifest_json(), (name,)), "m.json")
 
 
-def test_a_manifest_whose_block_count_is_not_its_parts_is_refused():
-    """inspect said nothing of "blocks": 21 over no parts (and decompress went by the parts)."""
+@pytest.mark.parametrize(
+    "total, of_part",
+    [("blocks", "blocks"), ("raw_bytes", "raw_bytes"), ("frame_bytes", "frame_bytes"), ("archive_bytes", "file_bytes")],
+)
+def test_a_manifest_whose_totals_are_not_its_parts_is_refused(total, of_part):
+    """inspect said nothing of "blocks": 21 over no parts (and decompress went by the
+    parts), nor of sizes edited by hand, which it printed as the archive's."""
     obj = manifest_json()
-    summed = sum(p["blocks"] for p in obj["parts"])
-    for blocks, parts in ((summed + 1, obj["parts"]), (summed, [])):
-        edited = {**obj, "blocks": blocks, "parts": parts}
-        with pytest.raises(CorruptArchiveError, match=rf"^m.json: the manifest records {blocks} blocks, but its parts' entries"):
+    summed = sum(p[of_part] for p in obj["parts"])
+    assert obj[total] == summed  # as fp8ray writes it
+    for recorded, parts in ((summed + 1, obj["parts"]), (summed, [])):
+        edited = {**obj, total: recorded, "parts": parts}
+        if not parts:
+            edited |= {t: 0 for t in ("blocks", "raw_bytes", "frame_bytes", "archive_bytes") if t != total}
+        said = rf"^m.json: the manifest records {total} {recorded}, but its parts' entries' {of_part} add up to"
+        with pytest.raises(CorruptArchiveError, match=said):
             Manifest.from_json(edited, "m.json")
 
 
@@ -149,6 +158,9 @@ def test_a_part_entry_missing_a_field_names_it(name):
         (("lossless",), 3, r"the manifest's 'lossless' is 3, not a string"),
         (("error_bound",), {"relative": 0.1}, r"'error_bound' is .*, not numbers for \['clamp', 'per_scale', 'relative'\]"),
         (("error_bound", "clamp"), "0", r"'error_bound' is .*, not numbers for"),
+        (("error_bound", "relative"), 1e6, r"'error_bound' is .*, not its codec's \(e4m3fn, "),
+        (("error_bound", "clamp"), -1.0, r"'error_bound' is .*, not its codec's"),
+        (("layout", "files", 1, "name"), "../x.safetensors", r"'../x.safetensors', which is not a plain relative file name"),
         (("parts",), {}, r"the manifest's 'parts' is \{\}, not a list"),
         (("parts", 0), [], r"part entry 0 is a JSON list, not an object"),
         (("parts", 0, "crc32c"), 1 << 32, r"part entry 0's 'crc32c' is 4294967296, more than 32 bits"),
