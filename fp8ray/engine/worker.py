@@ -236,11 +236,11 @@ class QuantWorker:
         frames: dict[int, list] = {}
         result = RestoreResult(node_id=_node_id())
 
-        def decoded(batch: list[tuple], file: str = "") -> np.ndarray:
+        def decoded(batch: list[tuple], file: str | None) -> np.ndarray:
             """Decode a batch of blocks of one part, end to end (together, so that small
             blocks of one shape go in runs), into the start of the reused buffer; the
             decoded bytes (a view of it). ``file``: the source file they are of, named
-            in errors (a key may be in several files)."""
+            in errors (a key may be in several files); None where that is not known."""
             part, first_row, _, dtype, shape = batch[0]
             if part not in frames:
                 frames[part] = archive.PartFrames(archive.read_part(fs, path, parts[part], columns=["frame"], uri=archive_uri))
@@ -277,7 +277,7 @@ class QuantWorker:
             with RangeWriter(f"{out_dir}/{r.name}") as writer:
                 offset = r.offset
                 for batch in _batches(r.blocks):
-                    data = decoded(batch)
+                    data = decoded(batch, r.source)
                     writer.write_at(offset, data)  # a batch's blocks lie end to end in the file too
                     offset += data.size
         for f in task.files:
@@ -285,7 +285,7 @@ class QuantWorker:
                 out_fs.create_dir(posixpath.dirname(f"{out_dir}/{f.name}"), recursive=True)
             with f.writer(uri_for(directory, f"{out_dir}/{f.name}")) as writer:
                 for batch in _batches(f.blocks):
-                    data = decoded(batch, f.name)
+                    data = decoded(batch, f.source)
                     writer.write_blocks([(key, dtype, shape) for _, _, key, dtype, shape in batch], keep(data))
             result.files += 1
         return result

@@ -133,6 +133,11 @@ _NOT_TAKEN = {
 }
 
 
+# A name decompress does not write (a path separator elsewhere; docs/FORMAT.md), so not archived.
+BACKSLASH = "\\"
+BACKSLASH_REASON = "a backslash in its name, which decompress does not write"
+
+
 def select_files(entries: list[TreeEntry], uri: str) -> tuple[str, list[str], list[SkippedEntry]]:
     """From everything under a source directory: its kind, the files compress takes (every
     ``.safetensors``, or every ``.parquet``, file in any folder, by relative name, sorted;
@@ -147,6 +152,8 @@ def select_files(entries: list[TreeEntry], uri: str) -> tuple[str, list[str], li
             skipped.append(SkippedEntry(e.name, _NOT_TAKEN[e.kind]))
         elif any(part.startswith(".") for part in e.name.split("/")):
             skipped.append(SkippedEntry(e.name, "hidden file"))
+        elif BACKSLASH in e.name:
+            skipped.append(SkippedEntry(e.name, BACKSLASH_REASON))
         elif os.path.splitext(e.name)[1] in SUFFIXES:
             candidates[SUFFIXES[os.path.splitext(e.name)[1]]].append(e.name)
         else:
@@ -184,6 +191,8 @@ def scan_source(uri: str) -> tuple[SourceLayout, list[BlockRef]]:
         kind, names, skipped = select_files(entries, uri)
         files = [(f"{path.rstrip('/')}/{name}", name) for name in names]
     elif path.endswith((".safetensors", ".parquet")):
+        if BACKSLASH in os.path.basename(path):
+            raise SourceError(f"source {redact(uri)}: {BACKSLASH_REASON}; rename it")
         container, files = "file", [(path, os.path.basename(path))]
         kind = "safetensors" if path.endswith(".safetensors") else "parquet"
     else:

@@ -44,6 +44,7 @@ class RestoreFile:
     blocks: tuple[tuple[int, int, str, str, tuple[int, ...]], ...]
     metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__
     schema: str | None = None  # parquet: the source file's Arrow schema
+    source: str | None = None  # the source file its blocks are of (None: of several, --single-file)
 
     @property
     def tensors(self) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -72,6 +73,7 @@ class RestoreRange:
     name: str  # the file's, in the output directory
     offset: int
     blocks: tuple[tuple[int, int, str, str, tuple[int, ...]], ...]
+    source: str | None = None  # as its file's
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ def _layout_files(layout: SourceLayout, rows: list) -> list[RestoreFile]:
             raise CorruptArchiveError(
                 f"the manifest records {f.blocks} blocks of {printable(f.name)}, the parts hold {len(by_file[f.name])}"
             )
-        out.append(RestoreFile(f.name, layout.kind, tuple(by_file[f.name]), dict(f.metadata), f.schema))
+        out.append(RestoreFile(f.name, layout.kind, tuple(by_file[f.name]), dict(f.metadata), f.schema, f.name))
     return out
 
 
@@ -171,7 +173,7 @@ def _ranges(f: RestoreFile) -> list[RestoreRange]:
     out, first = [], 0
     for _, blocks in groupby(f.blocks, key=lambda block: block[0]):
         blocks = tuple(blocks)
-        out.append(RestoreRange(f.name, starts[first], blocks))
+        out.append(RestoreRange(f.name, starts[first], blocks, f.source))
         first += len(blocks)
     return out
 

@@ -233,6 +233,28 @@ def test_a_source_file_with_tmp_in_its_name_comes_back(tmp_path, capsys):
     assert digests(out) == digests(src)
 
 
+def test_a_source_file_named_with_a_backslash_is_left_out_and_named(tmp_path, capsys):
+    """A backslash is a plain character of a POSIX name, but decompress writes no such
+    name (and every reader refuses a manifest listing one): compress leaves the file out
+    of a tree, naming it as skipped (--strict refuses), and refuses it as a source of its own."""
+    src, arch, out = tmp_path / "kv", tmp_path / "arch", tmp_path / "out"
+    src.mkdir()
+    save_file(small(1), str(src / "a\\b.safetensors"))
+    save_file(small(2), str(src / "c.safetensors"))
+    code, stdout, err = run_cli(capsys, "compress", src, arch, *EXACT, *INLINE, "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["skipped"] == [
+        {"name": "a\\b.safetensors", "reason": "a backslash in its name, which decompress does not write"}
+    ]
+    assert run_cli(capsys, "inspect", arch)[0] == 0
+    assert run_cli(capsys, "decompress", arch, out, *INLINE)[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["c.safetensors"]
+    code, _, err = run_cli(capsys, "compress", src, tmp_path / "strict", "--strict", *INLINE)
+    assert code == 1 and "a\\b.safetensors (a backslash in its name, which decompress does not write)" in err
+    code, _, err = run_cli(capsys, "compress", src / "a\\b.safetensors", tmp_path / "one", *INLINE)
+    assert (code, err.count("\n")) == (1, 1) and "a backslash in its name, which decompress does not write; rename it" in err
+
+
 def test_a_file_inside_a_hidden_or_escaping_folder_is_refused_from_a_manifest():
     from fp8ray.errors import CorruptArchiveError
     from fp8ray.io.records import checked_file_name

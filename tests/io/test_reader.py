@@ -497,26 +497,35 @@ def test_a_scale_too_large_for_its_codes_fails_verify_and_every_read(small, tmp_
     assert not (tmp_path / "out.safetensors").exists()
 
 
-def test_decompress_names_the_source_file_of_a_damaged_block(tmp_path):
-    """Two files holding the same key: a frame of one fails its checksum (the part's CRCs
-    made to match), and decompress names which file's block it is, not the key alone."""
+@pytest.mark.parametrize("part_bytes", [None, 1024], ids=["one-part", "a-part-a-block"])
+def test_decompress_names_the_source_file_of_a_damaged_block(tmp_path, part_bytes):
+    """Two files holding the same keys: a frame of one fails its checksum (the part's CRCs
+    made to match), and decompress names which file's block it is, not the key alone,
+    whether each file is written whole or, spanning several parts, in ranges."""
     from fp8ray.errors import CorruptFrameError
 
     src = tmp_path / "kv"
     src.mkdir()
     g = torch.Generator().manual_seed(9)
     for name in ("a", "b"):
-        save_file({"layer0.k": torch.randn(4, 64, generator=g).to(torch.bfloat16)}, str(src / f"{name}.safetensors"))
-    compress_archive(str(src), str(tmp_path / "arch"), lossless="none", **INLINE)
-    (part,) = fp8ray.open_archive(str(tmp_path / "arch")).manifest.parts
+        tensors = {f"layer{i}.k": torch.randn(4, 64, generator=g).to(torch.bfloat16) for i in range(3)}
+        save_file(tensors, str(src / f"{name}.safetensors"))
+    options = {} if part_bytes is None else {"part_bytes": part_bytes}
+    compress_archive(str(src), str(tmp_path / "arch"), lossless="none", **options, **INLINE)
+    parts = fp8ray.open_archive(str(tmp_path / "arch")).manifest.parts
+    assert (len(parts) > 1) == (part_bytes is not None)  # small parts: each file spans several
+    part = next(
+        p for p in parts if "b.safetensors" in pq.read_table(tmp_path / "arch" / p.name, columns=["file"]).column(0).to_pylist()
+    )
     path = tmp_path / "arch" / part.name
-    table = pq.read_table(path, columns=["file", "frame"])
+    table = pq.read_table(path, columns=["file", "key", "frame"])
     row = table.column("file").to_pylist().index("b.safetensors")
+    key = table.column("key")[row].as_py()
     frames = table.column("frame").to_pylist()
     damaged = bytearray(frames[row])
     damaged[-10] ^= 0x01  # a code: the frame's own CRC no longer holds
     frames[row] = bytes(damaged)
     _record(tmp_path / "arch", _rewrite(path, "frame", frames), "crc32c", "file_bytes", "footer_crc32c", "frames_crc32c")
-    with pytest.raises(CorruptFrameError, match=f"^block 'layer0.k' of b.safetensors in {part.name}: .*checksum"):
+    with pytest.raises(CorruptFrameError, match=f"^block '{key}' of b.safetensors in {part.name}: .*checksum"):
         decompress_archive(str(tmp_path / "arch"), str(tmp_path / "out"), **INLINE)
     assert not (tmp_path / "out").exists()
