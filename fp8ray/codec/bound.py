@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .formats import DTYPE_ITEMSIZES, Fp8Format, dtype_name
+from .frame import element_index
 
 if TYPE_CHECKING:
     import torch
@@ -134,4 +135,4 @@ def check_identical(source: np.ndarray, stored: np.ndarray, dtype: str, shape: t
 
 def _first(i: int, shape: tuple[int, ...]) -> str:
     """The first wrong element, flat index ``i`` of a ``shape`` tensor, as the messages name it."""
-    return f"the first, element {[int(n) for n in np.unravel_index(i, shape)]}" if shape else "the only one"
+    return f"the first, element {element_index(i, shape)}" if shape else "the only one"

@@ -111,10 +111,10 @@ def _raise_nonfinite(x: np.ndarray, dtype: str, count: int) -> None:
 
 
 def _raise_nonfinite_at(shape: tuple[int, ...], dtype: str, count: int, first: int, value: float) -> None:
-    index = [int(i) for i in np.unravel_index(first, shape)] if shape else []
     raise NonFiniteError(
         f"{count} non-finite value(s) in a {tuple(shape)} {dtype} tensor; "
-        f"the first is {value} at index {index} (nonfinite='keep', or --nonfinite keep, stores them)"
+        f"the first is {value} at index {frame.element_index(first, shape)} "
+        "(nonfinite='keep', or --nonfinite keep, stores them)"
     )
 
 

@@ -392,11 +392,34 @@ def scales_valid(scales: np.ndarray) -> bool:
 
 
 def may_overflow(header: FrameHeader, scales: np.ndarray) -> bool:
-    """Whether a finite code times one of ``scales`` could pass the largest value of the
-    frame's dtype. Never so in a frame fp8ray writes (a group's codes decode to at most
-    its amax) but for ``mse`` scales near the dtype's range (``amax / c``, ``c`` down to
-    half of finfo.max); then :func:`refuse_overflow` looks at what was decoded."""
-    return bool(scales.size) and float(scales.max()) * header.fmt.max > LARGEST[header.dtype]
+    """Whether a finite code times one of ``scales`` (fp32, checked finite and positive)
+    could pass the largest value of the frame's dtype. Never so in a frame fp8ray writes
+    (a group's codes decode to at most its amax) but for ``mse`` scales near the dtype's
+    range (``amax / c``, ``c`` down to half of finfo.max); then :func:`refuse_overflow`
+    looks at what was decoded. Positive floats order as their bits do."""
+    return bool(scales.size) and int(scales.view(np.uint32).max()) > _overflow_bits(header)
+
+
+def suspect_scales(buf: np.ndarray, header: FrameHeader) -> bool:
+    """Whether the frame's scales, as stored, are not all finite and positive or
+    :func:`may_overflow`: a look at their bits, without widening them, for a reader that
+    checks frames without decoding them (``verify``); such a frame is then decoded."""
+    raw = buf[header.scales_offset : header.codes_offset]
+    if not raw.size:
+        return False
+    shift = 16 if header.scale_dtype == "bfloat16" else 0  # a bfloat16 scale is fp32's top half
+    bits = raw.view("<u2" if shift else "<u4")
+    return bool(bits.min() < 1 or int(bits.max()) > _overflow_bits(header) >> shift)
+
+
+def _overflow_bits(header: FrameHeader) -> int:
+    """The bits of the largest fp32 scale that no finite code can take past the dtype's
+    largest value (finfo.max times it stays within): any scale above may overflow."""
+    bound = LARGEST[header.dtype] / header.fmt.max
+    scale = np.float32(bound)
+    if float(scale) > bound:  # rounded up: the fp32 below it
+        scale = np.nextafter(scale, np.float32(0))
+    return int(scale.view(np.uint32))
 
 
 def refuse_overflow(header: FrameHeader, scales: np.ndarray, codes: np.ndarray, decoded: np.ndarray) -> None:
@@ -411,12 +434,16 @@ def refuse_overflow(header: FrameHeader, scales: np.ndarray, codes: np.ndarray, 
     overflowed = infinite & (codes != header.fmt.posinf_code) & (codes != header.fmt.neginf_code)
     if overflowed.any():
         first = int(np.flatnonzero(overflowed)[0])
-        index = [int(i) for i in np.unravel_index(first, header.shape)] if header.shape else []
         raise CorruptFrameError(
             f"{int(overflowed.sum())} finite code(s) decode to inf in {header.dtype}, the first (code "
-            f"{int(codes[first]):#04x}) at index {index}: its scale is too large for its codes, which fp8ray "
-            "never writes (a scale altered and the checksum made to match, or another encoder's frame)"
+            f"{int(codes[first]):#04x}) at index {element_index(first, header.shape)}: its scale is too large for its "
+            "codes, which fp8ray never writes (a scale altered and the checksum made to match, or another encoder's frame)"
         )
+
+
+def element_index(flat: int, shape: tuple[int, ...]) -> list[int]:
+    """The index of element ``flat`` (row-major) of a ``shape`` tensor, as messages name it."""
+    return [int(i) for i in np.unravel_index(flat, shape)] if shape else []
 
 
 def codes_of(buf: np.ndarray, header: FrameHeader) -> np.ndarray:

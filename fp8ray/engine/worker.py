@@ -352,8 +352,8 @@ class QuantWorker:
                 buf = frame.as_byte_array(f)
                 header = frame.parse(buf)
                 result.stored_frames += header.stored
-                if not header.stored and frame.may_overflow(header, frame.scales_of(buf, header)):
-                    decode_raw(buf, header.dtype, header.shape)  # a scale too large for its codes: refused
+                if not header.stored and frame.suspect_scales(buf, header):
+                    decode_raw(buf, header.dtype, header.shape)  # refuses a scale not valid, or too large for its codes
                 if list(header.shape) != columns["shape"][row] or header.dtype != columns["dtype"][row]:
                     raise MismatchError(
                         f"columns say {columns['shape'][row]} {columns['dtype'][row]}, "

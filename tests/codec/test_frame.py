@@ -318,3 +318,27 @@ def test_the_range_tables_are_torchs():
     assert {
         name: int(torch.tensor(float("inf"), dtype=getattr(torch, name)).view(torch.int16)) for name in INFINITY_BITS
     } == INFINITY_BITS
+
+
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_overflow_look_on_bits_is_the_products(dtype, scale_dtype):
+    """may_overflow and suspect_scales (verify's look at the stored bits) say a frame may
+    overflow exactly where its largest scale times finfo.max passes the dtype's largest
+    value, scales on each side of that edge included; suspect_scales also for a scale
+    that is not finite and positive."""
+    from fp8ray.codec.formats import LARGEST
+
+    x = kv_like((2, 3, 8), dtype, seed=3)
+    good = bytes(Fp8Codec("e4m3fn", "token", scale_dtype=scale_dtype).encode(x))
+    header = frame.parse(np.frombuffer(good, np.uint8))
+    edge = np.float32(LARGEST[header.dtype] / header.fmt.max)
+    candidates = [edge, np.nextafter(edge, np.float32(0)), np.nextafter(edge, np.float32(np.inf)), np.float32(1.0)]
+    candidates += [np.float32(v) for v in np.geomspace(edge / 4, edge * 4, 41)]
+    for value in candidates:
+        buf = np.frombuffer(_with_scale(good, 1, float(value), scale_dtype), np.uint8)
+        scales = frame.scales_of(buf, header)
+        expected = float(scales.max()) * header.fmt.max > LARGEST[header.dtype]
+        assert frame.may_overflow(header, scales) == expected == frame.suspect_scales(buf, header), float(value)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        assert frame.suspect_scales(np.frombuffer(_with_scale(good, 1, bad, scale_dtype), np.uint8), header), bad
