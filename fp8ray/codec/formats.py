@@ -139,7 +139,8 @@ DTYPE_ITEMSIZES = {
 KERNEL_TYPES = {"float32": np.float32, "float16": np.int16, "bfloat16": np.uint16}
 # The largest finite value of each dtype fp8 encodes (torch.finfo(dtype).max).
 LARGEST = {"float32": 3.4028234663852886e38, "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
-# The bits of +inf of each, as the kernels hold their elements (KERNEL_TYPES).
+# The bits of +inf of the 16-bit ones, as the kernels hold their elements (KERNEL_TYPES):
+# its exponent, all set (with any other mantissa: NaN).
 INFINITY_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
 
 

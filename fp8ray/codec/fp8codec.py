@@ -22,14 +22,11 @@ import numpy as np
 
 from ..errors import BadInputError, BlockError, CorruptFrameError, InvalidOptionError, MismatchError, NonFiniteError
 from . import cpu, frame
-from .formats import DTYPE_ITEMSIZES, KERNEL_TYPES, Fp8Format, dtype_name
+from .formats import DTYPE_ITEMSIZES, INFINITY_BITS, KERNEL_TYPES, Fp8Format, dtype_name
 from .options import DEFAULT_OPTIONS, CodecOptions
 
 DEFAULT_BLOCK_SIZE = DEFAULT_OPTIONS.block_size
 
-# The exponent bits of float16 and bfloat16, as the kernels see their elements: all set
-# is inf or NaN.
-_NONFINITE_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
 FLOAT64_STORED = (
     "a float64 tensor is stored as it is (8 bytes per element), not encoded in fp8: "
     "cast it to float32 first (x.float(), array.astype(numpy.float32)) to compress it"
@@ -100,7 +97,8 @@ def _raise_nonfinite(x: np.ndarray, dtype: str, count: int) -> None:
     """:func:`raise_nonfinite` for ``x``, the elements as the kernels take them
     (:func:`fp8ray.codec.cpu.kernel_array`)."""
     flat = x.reshape(-1)
-    bad = ~np.isfinite(flat) if dtype == "float32" else (flat & _NONFINITE_BITS[dtype]) == _NONFINITE_BITS[dtype]
+    # +inf's bits are the exponent's: all set is inf or NaN
+    bad = ~np.isfinite(flat) if dtype == "float32" else (flat & INFINITY_BITS[dtype]) == INFINITY_BITS[dtype]
     first = int(np.flatnonzero(bad)[0])
     element = flat[first : first + 1]
     if dtype == "bfloat16":

@@ -18,7 +18,7 @@ import pyarrow as pa
 from ..codec.bound import bound_constants
 from ..codec.options import CodecOptions
 from ..errors import CorruptArchiveError, InvalidOptionError
-from .blocks import SUFFIXES, SourceLayout, parquet_schema, raw_schema_problem
+from .blocks import BACKSLASH, SUFFIXES, SourceLayout, parquet_schema, raw_schema_problem
 from .lmcache_store import STORE_KIND
 from .paths import is_temporary
 from .provenance import Provenance, short_repr
@@ -176,7 +176,7 @@ def checked_file_name(name, where: str = "the archive") -> str:
     parts = name.split("/") if isinstance(name, str) else []
     if (
         not parts
-        or "\\" in name
+        or BACKSLASH in name
         or "\0" in name
         or any(not part or part in (".", "..") or is_temporary(part) for part in parts)
         or any(folder.startswith(".") for folder in parts[:-1])
