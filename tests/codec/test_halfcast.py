@@ -5,6 +5,10 @@ scales that mix both ways of casting within a pair, and pairs with a chunk left 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -45,14 +49,17 @@ def scales_across_the_range(fmt: Fp8Format) -> list[float]:
 
 
 def test_the_half_route_is_taken_where_the_cpu_has_it():
-    """On an x86 CPU with AVX-512 BW, F16C and FMA (this project's CI) the half route is
-    on; the tests below then check it, not the division's fallback."""
+    """On an x86 CPU with F16C, FMA and AVX2 or AVX-512 BW (this project's CI machines
+    have one or the other) the half route is on; the tests below then check it, not the
+    division's fallback."""
     if numba_config.CPU_NAME is not None or numba_config.CPU_FEATURES is not None:
         pytest.skip("numba compiles for a CPU of its settings, not this host's")
     features = llvm_binding.get_host_cpu_features()
-    has_them = all(features.get(name, False) for name in ("avx512f", "avx512bw", "f16c", "fma"))
+    wide = features.get("avx512f", False) and features.get("avx512bw", False)
+    has_them = features.get("f16c", False) and features.get("fma", False) and (wide or features.get("avx2", False))
     x86 = llvm_binding.get_process_triple().startswith("x86_64")
     assert halfcast.HALF_CAST is (has_them and x86)
+    assert halfcast.WIDE is (wide and x86)
 
 
 @pytest.mark.parametrize("fmt_name", FORMATS)
@@ -116,3 +123,40 @@ def test_pairs_with_a_chunk_or_elements_left_over(n):
     codes, bad = uniform_codes(x, 0.21, fmt)
     assert bad == 1
     np.testing.assert_array_equal(codes, expected_codes(x, torch.tensor(0.21), fmt))
+
+
+AVX2_ROUTE_CHECK = """
+import numpy as np, torch
+from fp8ray.codec import cpu, kernels, reference
+from fp8ray.codec.formats import FORMATS
+from fp8ray.codec.kernels import halfcast
+assert halfcast.HALF_CAST and not halfcast.WIDE
+x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+for fmt in FORMATS.values():
+    for scaling, choice in [(s, "amax") for s in ("none", "tensor", "channel", "token", "block")] + [
+        ("token", "mse"), ("block", "mse")
+    ]:
+        expected_codes, expected_scales, _ = reference.quantize(x.reshape(256, 256), fmt, scaling, 32, True, "bfloat16", choice)
+        codes, scales = np.empty(x.numel(), np.uint8), np.empty(expected_scales.numel(), np.float32)
+        cpu.quantize(cpu.kernel_array(x.reshape(256, 256)), fmt, scaling, 32, codes, scales, "bfloat16", choice)
+        assert np.array_equal(codes, expected_codes.numpy()), (fmt.name, scaling, choice)
+        assert np.array_equal(scales, expected_scales.numpy()), (fmt.name, scaling, choice)
+print("avx2 route ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_avx2_route_gives_the_reference_codes(tmp_path):
+    """The route's AVX2 form (two 256-bit conversions a vector; one scale a pair only),
+    compiled for a Haswell in a subprocess wherever the host can run one, so that a CI
+    machine with AVX-512 checks it too: every bf16 value, in every scaling and choice."""
+    features = llvm_binding.get_host_cpu_features()
+    if not llvm_binding.get_process_triple().startswith("x86_64") or not all(
+        features.get(name, False) for name in ("avx2", "f16c", "fma")
+    ):
+        pytest.skip("the host cannot run code compiled for AVX2 with F16C and FMA")
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CACHE_DIR": str(tmp_path)}
+    env.pop("NUMBA_CPU_FEATURES", None)
+    result = subprocess.run([sys.executable, "-c", AVX2_ROUTE_CHECK], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "avx2 route ok" in result.stdout

@@ -1,6 +1,6 @@
-"""The encode's cast by way of IEEE half, for x86 CPUs with AVX-512 (BW), F16C and FMA:
-the same codes as :func:`fp8ray.codec.kernels.bits.emit_fp8_code`, in about half the
-vector operations, 32 elements at a time.
+"""The encode's cast by way of IEEE half, for x86 CPUs with F16C, FMA and AVX-512 (BW) or
+AVX2: the same codes as :func:`fp8ray.codec.kernels.bits.emit_fp8_code`, in about half
+the vector operations, 32 elements at a time.
 
 An fp8 format is IEEE half with a shorter mantissa and, for e4m3fn, a smaller exponent
 bias: under the scale ``s * 2**(15 - bias)`` the quotient's fp16 exponent field *is* the
@@ -39,7 +39,13 @@ from numba.core import cgutils
 
 from .bits import _F32, _FEATURES, _I32, _NATIVE_HALF, emit_f16_bits_to_f32, splat
 
-HALF_CAST = _NATIVE_HALF and all(f"+{name}" in _FEATURES for name in ("avx512f", "avx512bw", "fma"))
+WIDE = all(f"+{name}" in _FEATURES for name in ("avx512f", "avx512bw"))  # 32 16-bit lanes a register
+# On AVX2 a vector here is two registers and each conversion two 256-bit ones. There the
+# reordering of a pair's scales, where they differ per element (a scale per column), cost
+# more than the division it saves (0.66 against 0.54 ns an element on one thread,
+# scripts/plain_kernels.py), so only a pair under one scale takes this route (0.46
+# against 0.54): see ``half_route`` in :func:`fp8ray.codec.kernels.vectors.emit_cast`.
+HALF_CAST = _NATIVE_HALF and "+fma" in _FEATURES and (WIDE or "+avx2" in _FEATURES)
 PAIR = 32  # elements a step: two chunks of 16 fp32 lanes, one vector of 32 16-bit lanes
 SCALE_RANGE = (2.0**-64, 2.0**64)  # the scales s' under which the quotient is exact
 _I16 = ir.IntType(16)
@@ -128,10 +134,20 @@ def pair_loader(context, builder, array_type, array):
 
 
 def _directed_half(builder, v, rounding):
-    """fp32 lanes to fp16 bits rounded down or up (x86 vcvtps2ph with its immediate)."""
-    signature = ir.FunctionType(_HALF_W, [_VF, _I32, _HALF_W, _I16])
-    convert = cgutils.get_or_insert_function(builder.module, signature, "llvm.x86.avx512.mask.vcvtps2ph.512")
-    return builder.call(convert, [v, _I32(rounding), ir.Constant(_HALF_W, None), _I16(0xFFFF)])
+    """fp32 lanes to fp16 bits rounded down or up (x86 vcvtps2ph with its immediate: one
+    512-bit conversion, or two 256-bit ones on AVX2)."""
+    if WIDE:
+        signature = ir.FunctionType(_HALF_W, [_VF, _I32, _HALF_W, _I16])
+        convert = cgutils.get_or_insert_function(builder.module, signature, "llvm.x86.avx512.mask.vcvtps2ph.512")
+        return builder.call(convert, [v, _I32(rounding), ir.Constant(_HALF_W, None), _I16(0xFFFF)])
+    quarter = PAIR // 4
+    signature = ir.FunctionType(ir.VectorType(_I16, quarter), [ir.VectorType(_F32, quarter), _I32])
+    convert = cgutils.get_or_insert_function(builder.module, signature, "llvm.x86.vcvtps2ph.256")
+    halves = [
+        builder.call(convert, [builder.shuffle_vector(v, v, _indices(range(k, k + quarter))), _I32(rounding)])
+        for k in (0, quarter)
+    ]
+    return builder.shuffle_vector(*halves, _indices(range(PAIR // 2)))
 
 
 def _fma(builder, a, b, c):

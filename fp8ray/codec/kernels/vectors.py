@@ -50,7 +50,7 @@ from .bits import (
     emit_prefetch,
     splat,
 )
-from .halfcast import HALF_CAST, PAIR, emit_pair_codes, pair_loader, pair_scales, uniform_pair_scales
+from .halfcast import HALF_CAST, PAIR, WIDE, emit_pair_codes, pair_loader, pair_scales, uniform_pair_scales
 
 LANES = 16  # elements per vector
 VF = ir.VectorType(_F32, LANES)
@@ -340,9 +340,9 @@ def emit_cast(builder, chunks, sources, codes_ptrs, divisors, params):
     ``codes_ptrs[k]`` (16 codes a chunk), ``chunks`` chunks each. Returns the non-finite
     inputs (i64), counted as the codes are made.
 
-    Where the CPU has it (:data:`.halfcast.HALF_CAST`), two chunks at a time go the way
-    of :mod:`.halfcast` where their scales allow it, the others (and the last chunk of an
-    odd count) by the division."""
+    Where the CPU has it (:data:`.halfcast.HALF_CAST`; on AVX2 only under one scale a
+    chunk, see there), two chunks at a time go the way of :mod:`.halfcast` where their
+    scales allow it, the others (and the last chunk of an odd count) by the division."""
     fmax = splat(builder, builder.extract_value(params, 0), VF)
     neg_fmax = builder.fneg(fmax)
     fields = [splat(builder, f, VI) for f in code_fields(builder, params)]
@@ -389,7 +389,8 @@ def emit_cast(builder, chunks, sources, codes_ptrs, divisors, params):
 
     counted = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(64), 0))
     first_single = ir.Constant(chunks.type, 0)
-    if HALF_CAST:
+    half_route = HALF_CAST and (WIDE or all(isinstance(divisor, _EveryChunk) for divisor in divisors))
+    if half_route:
         # Two pairs a step: one 64-byte store of their codes ran 1.3x faster on arrays
         # past the cache than two 32-byte narrowing stores (scripts/plain_kernels.py).
         steps = builder.udiv(chunks, chunks.type(4))
