@@ -17,7 +17,7 @@ import os
 import posixpath
 
 from ..errors import MismatchError, SourceError
-from .blocks import BlockRef, SkippedEntry, SourceFile, SourceLayout
+from .blocks import BACKSLASH, BACKSLASH_REASON, BlockRef, SkippedEntry, SourceFile, SourceLayout
 from .lmcache_store import STORE_KIND, Layout, parse_layout, scan_store
 from .paths import redact
 
@@ -38,6 +38,9 @@ def scan_store_source(uri: str, layout: Layout | str) -> tuple[SourceLayout, lis
         scan = scan_store(root, layout)
     except OSError as exc:
         raise SourceError(f"LMCache store {redact(uri)} cannot be read: {exc.strerror or exc}") from None
+    # A chunk LMCache can name on Linux (a model with a backslash) that no archive may record.
+    scan.skipped += [{"name": c.name, "reason": BACKSLASH_REASON} for c in scan.chunks if BACKSLASH in c.name]
+    scan.chunks = [c for c in scan.chunks if BACKSLASH not in c.name]
     if not scan.chunks:
         reasons = sorted({s["reason"] for s in scan.skipped})[:3]
         raise MismatchError(

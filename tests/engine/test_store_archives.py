@@ -392,6 +392,22 @@ def test_a_store_of_a_model_served_from_a_relative_path_comes_back(tmp_path):
     assert tree(back) == files
 
 
+def test_a_chunk_named_with_a_backslash_is_skipped_and_the_archive_restores(tmp_path):
+    """LMCache on Linux names a chunk of a model ``org/mo\\del`` with a backslash, which no
+    archive records (decompress does not write such a name): compress names it as skipped,
+    ``--strict`` refuses it, and the archive of the rest reads back."""
+    store, arch, back = tmp_path / "store", str(tmp_path / "kv.fp8"), tmp_path / "back"
+    files = write_store(store, "fp8ray", 0)
+    odd = format_chunk_name(ChunkName("org/mo\\del", 0, 0, b"\x05" * 16))
+    (store / odd).write_bytes(stored(chunk_tensor(5), "fp8ray"))
+    report = compress_archive(str(store), arch, lmcache_layout=LAYOUT, pool=INLINE)
+    assert {s["name"]: s["reason"] for s in report.skipped}[odd] == "a backslash in its name, which decompress does not write"
+    decompress_archive(arch, str(back), lmcache_form="fp8ray", pool=INLINE)
+    assert tree(back) == files
+    with pytest.raises(SourceError, match=r"compress does not take \(--strict\)"):
+        compress_archive(str(store), str(tmp_path / "b"), pool=INLINE, lmcache_layout=LAYOUT, strict=True)
+
+
 def test_verify_against_a_store_says_it_compares_only_file_sources(tmp_path):
     """verify --against compares an archive with a .safetensors or .parquet source; an
     archive of a store, given its store, is told so (not that the store holds no
