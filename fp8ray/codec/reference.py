@@ -29,8 +29,11 @@ def _grouped(x: torch.Tensor, scaling: str, shape: tuple[int, ...], block_size: 
     if scaling in ("token", "channel"):
         return x.reshape(rows, last)
     if scaling == "block":
-        pad = (-x.numel()) % block_size
-        return torch.nn.functional.pad(x, (0, pad)).reshape(-1, block_size)
+        # A block past the end is padded only as far as the elements present: zeros change
+        # neither its amax nor its search error, and a block size may be 2**32 - 1.
+        length = min(block_size, x.numel()) or block_size
+        pad = (-x.numel()) % length
+        return torch.nn.functional.pad(x, (0, pad)).reshape(-1, length)
     raise InvalidOptionError(f"unknown scaling {scaling!r}", field="scaling")
 
 
@@ -90,10 +93,12 @@ def lane_square_sums(d: torch.Tensor) -> torch.Tensor:
 
 def square_lanes(d: torch.Tensor) -> torch.Tensor:
     """The ``[rows, SEARCH_LANES]`` lanes of :func:`lane_square_sums` before they are added."""
+    lanes = torch.zeros(d.shape[0], SEARCH_LANES, dtype=torch.float32, device=d.device)
+    if not d.shape[0]:  # no rows: nothing to add, however long a row would be
+        return lanes
     count = -(-d.shape[1] // SEARCH_LANES)
     padded = torch.nn.functional.pad(d, (0, count * SEARCH_LANES - d.shape[1]))
     chunks = padded.reshape(d.shape[0], count, SEARCH_LANES)
-    lanes = torch.zeros(d.shape[0], SEARCH_LANES, dtype=torch.float32, device=d.device)
     for m in range(chunks.shape[1]):
         lanes = fused_square_add(chunks[:, m], lanes)
     return lanes

@@ -226,7 +226,8 @@ def quantize_groups_search(x, codes, scales, group, group_start, group_stop, tag
     p = _encode_params(tag)
     n = x.size
     inf = np.float32(np.inf)
-    magnitudes = np.zeros(-(-group // LANES) * LANES, dtype=np.float32)
+    # As long as the longest group present (a block size may pass the tensor's size).
+    magnitudes = np.zeros(-(-min(group, n) // LANES) * LANES, dtype=np.float32)
     bad = 0
     g = group_start
     while g < group_stop:
@@ -251,7 +252,7 @@ def quantize_groups_search(x, codes, scales, group, group_start, group_stop, tag
         for i in range(xs.size):
             v = abs(_load(xs, i))
             magnitudes[i] = v if v < inf else np.float32(0.0)
-        if xs.size < group:  # the last, short group: zeros add nothing to a sum
+        if xs.size < magnitudes.size:  # a short group: zeros add nothing to a sum
             magnitudes[xs.size :] = 0
         scale = _best_scale(magnitudes, _bits_to_f32(np.int64(_span_key(xs))), divisors, mask, p)
         scales[g] = scale
