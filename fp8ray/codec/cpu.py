@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..errors import BadInputError
+from ..errors import BadInputError, InvalidOptionError
 from . import checksum, kernels
 from .formats import KERNEL_TYPES, SCALE_MASKS, Fp8Format, scale_candidates
 
@@ -32,7 +32,12 @@ def num_threads() -> int:
     """Threads the CPU backend uses: ``FP8RAY_NUM_THREADS``, else the CPUs this process may use."""
     configured = os.environ.get("FP8RAY_NUM_THREADS")
     if configured:
-        return max(1, int(configured))
+        count = configured.strip()
+        if not (count.isascii() and count.isdigit() and len(count) < 10 and int(count) > 0):
+            raise InvalidOptionError(
+                f"FP8RAY_NUM_THREADS must be a whole number of at least 1, got {configured!r}", field="FP8RAY_NUM_THREADS"
+            )
+        return int(count)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 

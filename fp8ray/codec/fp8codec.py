@@ -33,24 +33,37 @@ FLOAT64_STORED = (
 )
 
 
+def is_array(value) -> bool:
+    """Whether ``value`` is a numpy array or scalar (what :func:`source_array` takes)."""
+    return isinstance(value, (np.ndarray, np.generic))
+
+
+def source_array(array) -> np.ndarray:
+    """A numpy array or scalar :meth:`Fp8Codec.encode` takes (of a dtype a frame holds, in
+    this machine's byte order) as a C-contiguous array of its shape, or the error naming
+    what is wrong. No copy where it is contiguous already, read-only ones included."""
+    if isinstance(array, np.generic):  # a numpy scalar: a 0-d array
+        array = np.asarray(array)
+    if isinstance(array, np.ma.MaskedArray):
+        raise BlockError("cannot encode a masked array: its mask would be lost; fill it first (array.filled(value))")
+    if not array.dtype.isnative:
+        raise TypeError(
+            f"array dtype {array.dtype} is not in this machine's byte order; "
+            "convert it first (array.astype(array.dtype.newbyteorder('=')))"
+        )
+    dtype_name(array.dtype)  # a TypeError naming the dtypes there are
+    return np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray would make a 0-d array 1-d
+
+
 def source_tensor(tensor):
     """What :meth:`Fp8Codec.encode` takes (a dense tensor of a dtype a frame holds, or a
     numpy array or scalar of one) as a torch tensor, or the error naming what is wrong."""
     import torch  # a tensor was given (or a numpy array, made one here)
 
-    if isinstance(tensor, np.generic):  # a numpy scalar: a 0-d array
-        tensor = np.asarray(tensor)
-    if isinstance(tensor, np.ma.MaskedArray):
-        raise BlockError("cannot encode a masked array: its mask would be lost; fill it first (array.filled(value))")
-    if isinstance(tensor, np.ndarray):
-        if not tensor.dtype.isnative:
-            raise TypeError(
-                f"array dtype {tensor.dtype} is not in this machine's byte order; "
-                "convert it first (array.astype(array.dtype.newbyteorder('=')))"
-            )
-        dtype_name(tensor.dtype)  # a TypeError naming the dtypes there are
-        # ascontiguousarray would make a 0-d array 1-d: its rank is kept
-        tensor = torch.from_numpy(np.ascontiguousarray(tensor).reshape(tensor.shape))
+    if is_array(tensor):
+        array = source_array(tensor)
+        # torch warns of a read-only array (it could be written through the tensor): a copy
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor or numpy array, got {type(tensor).__name__}")
     if tensor.is_nested or tensor.layout != torch.strided:
@@ -81,6 +94,15 @@ def _byte_buffer(out: np.ndarray | None, nbytes: int) -> np.ndarray:
     ):
         raise BadInputError(f"out must be a writable contiguous 1-D uint8 array of {nbytes} bytes", field="out")
     return out
+
+
+def _apart(out: np.ndarray, source: np.ndarray, given) -> np.ndarray:
+    """``source``, refused where ``out`` (the caller's ``given`` buffer; a fresh one shares
+    nothing) shares its memory: the header is written before the codes are read, so the
+    frame would hold what it overwrote."""
+    if given is not None and np.may_share_memory(out, source):
+        raise BadInputError("out overlaps the tensor being encoded: give a buffer of its own", field="out")
+    return source
 
 
 def raise_nonfinite(tensor, count: int) -> None:
@@ -203,13 +225,18 @@ class Fp8Codec:
         bytes as they are, which decode gives back bit for bit; float64 warns, as it is
         more likely a cache to cast to float32 first than a tensor to keep at 8 bytes each.
         """
+        if is_array(tensor):  # by its bytes, as a file's: no torch
+            array = source_array(tensor)
+            if array.dtype == np.float64:
+                warnings.warn(FLOAT64_STORED, stacklevel=2)
+            return self.encode_raw(array.reshape(-1).view(np.uint8), array.dtype, array.shape, out, threads=threads)
         x = source_tensor(tensor)
         header = self._header(x.shape, dtype_name(x.dtype))
         buf = _byte_buffer(out, header.frame_size)
         if header.stored:
-            frame.store_into(buf, header, cpu.tensor_to_bytes(x.detach().cpu()))
+            frame.store_into(buf, header, _apart(buf, cpu.tensor_to_bytes(x.detach().cpu()), out))
         elif x.device.type == "cpu":
-            self._encode_host(cpu.kernel_array(x.contiguous()), header, buf, threads)
+            self._encode_host(_apart(buf, cpu.kernel_array(x.contiguous()), out), header, buf, threads)
         else:
             self._encode_on_device(x, header, buf, threads)
         return memoryview(buf)
@@ -229,6 +256,7 @@ class Fp8Codec:
         if data.size != nbytes:
             raise BadInputError(f"data holds {data.size} bytes, a {list(header.shape)} {dtype} tensor has {nbytes}")
         buf = _byte_buffer(out, header.frame_size)
+        _apart(buf, data, out)
         if header.stored:
             frame.store_into(buf, header, data)
         else:
@@ -305,8 +333,17 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         if tuple(out.shape) != header.shape or out.dtype != dtype:
             _refuse(buf, header, f"out is a {tuple(out.shape)} {out.dtype} tensor", "out")
-        if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape)):
-            raise BadInputError("out overlaps itself (an expanded view): each element needs memory of its own", field="out")
+        if not _elements_apart(out):
+            raise BadInputError(
+                f"out's strides {out.stride()} let elements of its shape {tuple(out.shape)} share memory "
+                "(an expanded or as_strided view): each element needs memory of its own",
+                field="out",
+            )
+        if out.requires_grad:
+            raise BadInputError(
+                "out requires grad: decode writes it in place, outside autograd; give out.detach() or a tensor without grad",
+                field="out",
+            )
         if asked is not None and asked != out.device:
             raise MismatchError(f"out is on {out.device} but device={device!r} was asked for", field="device")
         target = _decode_device(out.device)
@@ -320,7 +357,10 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
         result = host if target.type == "cpu" else host.to(target)
     elif target.type == "cpu":
         result = out if out is not None and out.is_contiguous() else torch.empty(header.shape, dtype=dtype)
-        _decode_host(buf, header, scales, codes, cpu.kernel_array(result), threads)
+        target_array = cpu.kernel_array(result)
+        if result is out and np.may_share_memory(buf, target_array):
+            raise BadInputError("out overlaps the frame being decoded: give a tensor of its own", field="out")
+        _decode_host(buf, header, scales, codes, target_array, threads)
     else:
         from . import reference
         from .devices import host_tensor
@@ -341,6 +381,20 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
         out.copy_(result)
         return out
     return result
+
+
+def _elements_apart(t) -> bool:
+    """Whether no two elements of ``t`` share memory, as far as its strides show: ordered
+    by stride, each dimension of more than one element steps past the whole span of the
+    ones before it (every layout torch makes without ``as_strided`` or ``expand``)."""
+    if t.numel() == 0:
+        return True
+    span = 1
+    for stride, size in sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride < span:
+            return False
+        span = stride * size
+    return True
 
 
 def _decode_device(device):
@@ -372,7 +426,9 @@ def decode_raw(data, dtype: str, shape, out: np.ndarray | None = None, *, thread
     buf, header, scales, codes = _opened(data)
     if (header.dtype, header.shape) != (dtype, shape):
         _refuse(buf, header, f"expected a {shape} {dtype} tensor", "shape" if header.dtype == dtype else "dtype")
-    out = _byte_buffer(out, header.numel * DTYPE_ITEMSIZES[dtype])
+    given, out = out, _byte_buffer(out, header.numel * DTYPE_ITEMSIZES[dtype])
+    if given is not None and np.may_share_memory(out, buf):
+        raise BadInputError("out overlaps the frame being decoded: give a buffer of its own", field="out")
     if header.stored:
         _copy_stored(buf, header, codes, out, threads)
     else:

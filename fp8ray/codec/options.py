@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 
+import numpy as np
+
 from ..errors import InvalidOptionError
 from .formats import Fp8Format, get_format, is_torch_dtype
 from .names import CHOICES, DEFAULT_MODE, SEARCHED_SCALINGS, default_scale_choice, mode_label
@@ -66,6 +68,9 @@ class CodecOptions:
         for name in ("scaling", "scale_dtype", "nonfinite"):
             _check_choice(name, getattr(self, name))
         block_size = self.block_size
+        if isinstance(block_size, np.integer):  # numpy's ints (np.int64(32)) are ints here
+            block_size = int(block_size)
+            object.__setattr__(self, "block_size", block_size)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size <= MAX_BLOCK_SIZE:
             raise InvalidOptionError(
                 f"block_size must be a positive integer (at most {MAX_BLOCK_SIZE}), got {block_size!r}", field="block_size"
