@@ -79,16 +79,15 @@ class Fp8QuantizationSerializer(_Fp8Serde):
     def serialize_tensors(self, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> int:
         """Write ``tensors`` as fp8 bytes, one after the other, to the start of
         ``buffer`` (a contiguous tensor of 1-byte elements); returns the bytes written."""
-        tensors = [_castable(t) for t in tensors]
-        spans = _code_spans(byte_view(buffer, "dst"), tensors, ("dst", "src"), BadInputError)
-        for t, codes in spans:
+        spans = _code_spans(byte_view(buffer, "dst"), [_castable(t) for t in tensors], ("dst", "src"), BadInputError)
+        for given, (t, codes) in zip(tensors, spans):
             if t.device.type == "cpu" and codes.device.type == "cpu":
                 bad = cpu.quantize(cpu.kernel_array(t.contiguous()), self._fmt, "none", 0, codes.numpy(), None)
             else:
                 ref_codes, _, bad = reference.quantize(t, self._fmt, "none", 0, self._keep_nonfinite)
                 codes.copy_(ref_codes.reshape(-1).to(codes.device))
             if bad and not self._keep_nonfinite:
-                raise_nonfinite(t, bad)
+                raise_nonfinite(given, bad)  # named as given (a float64's, not its float32 cast's)
         return sum(codes.numel() for _, codes in spans)
 
     def estimate_serialized_size(self, layout_desc) -> int:

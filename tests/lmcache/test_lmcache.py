@@ -133,6 +133,13 @@ def test_every_real_dtype_gives_lmcaches_bytes(fmt):
         assert torch.equal(out.view(torch.uint8), buf.view(fp8).to(src.dtype).view(torch.uint8)), src.dtype  # NaN too
 
 
+def test_a_non_finite_value_is_named_in_the_sources_own_dtype():
+    src = torch.tensor([1.0, 2.0, float("inf")], dtype=torch.float64)
+    buf = torch.empty(3, dtype=torch.uint8)
+    with pytest.raises(NonFiniteError, match=r"a \(3,\) float64 tensor"):
+        Fp8QuantizationSerializer().serialize(obj(src), obj(buf))
+
+
 def test_estimate_is_one_byte_per_element():
     layout = MemoryLayoutDesc(shapes=[torch.Size([2, 30, 256, 192]), (3, 5)], dtypes=[torch.bfloat16] * 2)
     assert Fp8QuantizationSerializer().estimate_serialized_size(layout) == 2 * 30 * 256 * 192 + 15
