@@ -32,7 +32,7 @@ def bench_lossless(
 ) -> str:
     options = options or CodecOptions()
     raw = os.path.getsize(source)
-    owns = connect_ray(address, max(workers, os.cpu_count() or 1)) if address != "inline" else False
+    owns = connect_ray(address, max(workers, os.cpu_count() or 1), inline_possible=True) if address != "inline" else False
     tmp = tempfile.mkdtemp(prefix="fp8ray-lossless-")
     rows = {}
     try:

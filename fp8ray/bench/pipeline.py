@@ -120,7 +120,7 @@ def bench_pipeline(
         "| decompress GB/s | I/O bound | / I/O | / codec |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    owns = connect_ray(address, max(max_workers, os.cpu_count() or 1)) if address != "inline" else False
+    owns = connect_ray(address, max(max_workers, os.cpu_count() or 1), inline_possible=True) if address != "inline" else False
     tmp = tempfile.mkdtemp(prefix="fp8ray-bench-", dir=os.environ.get("FP8RAY_BENCH_DIR"))
     try:
         source = _write_source(tmp, tensors, files)

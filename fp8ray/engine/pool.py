@@ -136,7 +136,7 @@ class QuantPool:
         from .runtime import check_placeable, connect_ray, disconnect_ray, started_embedded
 
         embedded_cpus = max(int(s.num_workers * s.cpus_per_worker), os.cpu_count() or 1)
-        self._owns_ray = connect_ray(self.address, embedded_cpus)
+        self._owns_ray = connect_ray(self.address, embedded_cpus, inline_possible=True)
         try:
             if started_embedded():  # a GPU it lacks: said at once, not after the start timeout (a cluster may grow)
                 import ray

@@ -26,10 +26,12 @@ STOP_SECONDS = 0.5
 KILL_SECONDS = 3.0
 
 
-def connect_ray(address: str | None, num_cpus: int | None) -> bool:
+def connect_ray(address: str | None, num_cpus: int | None, *, inline_possible: bool = False) -> bool:
     """Connect to Ray, or start an embedded one. Returns whether this call connected it
     (started one, or joined a cluster): then the caller disconnects it
     (:func:`disconnect_ray`). :func:`started_embedded` tells the two apart.
+    ``inline_possible``: whether the caller could run without Ray (a pool's ``"inline"``),
+    which the messages then offer; otherwise ``"inline"`` is refused as needing no Ray.
 
     ``address`` ``None`` means ``RAY_ADDRESS`` if set, else an embedded local Ray (for
     what needs Ray whatever runs, as Serve; a pool given no address chooses its own,
@@ -48,17 +50,19 @@ def connect_ray(address: str | None, num_cpus: int | None) -> bool:
     address = address or os.environ.get("RAY_ADDRESS") or LOCAL
     where = " (RAY_ADDRESS)" if address == os.environ.get("RAY_ADDRESS") else ""  # a pool's default is it too
     cluster = address not in (LOCAL, "auto")  # auto: Ray finds the cluster ray start runs here
+    forms = "HOST:PORT or ray://HOST:PORT (a cluster), auto (the cluster ray start runs here), local (an embedded Ray)"
+    if address == "inline" and not inline_possible:
+        raise InvalidOptionError(f"address 'inline'{where} runs no Ray, and this needs one: give {forms}", field="address")
     if cluster and endpoint(address) is None:  # Ray's own message names no form
         raise InvalidOptionError(
-            f"address {address!r}{where} is not a Ray address: give HOST:PORT or ray://HOST:PORT (a cluster), "
-            "auto (the cluster ray start runs here), local (an embedded Ray) or inline (no Ray)",
+            f"address {address!r}{where} is not a Ray address: give {forms}" + (" or inline (no Ray)" if inline_possible else ""),
             field="address",
         )
     # Ray retries an address that does not answer for minutes, printing its warnings: say so at once.
     if cluster and not answers(address, CONNECT_SECONDS):
+        instead = "--address inline (no Ray) or --address local" if inline_possible else "--address local"
         raise PoolStartError(
-            f"no Ray cluster answers at {address}{where}: start one "
-            "(ray start --head), or pass --address inline (no Ray) or --address local (an embedded one)"
+            f"no Ray cluster answers at {address}{where}: start one (ray start --head), or pass {instead} (an embedded one)"
         )
     handlers = _signal_handlers()
     # An interrupt inside ray.init leaves a driver half connected that ray.shutdown does

@@ -75,7 +75,10 @@ BATCH_BODY_BYTES = 2 << 20
 def _answer_of(answer):
     """A batched request's own answer, or the exception it raised, raised here."""
     if isinstance(answer, BaseException):
-        raise answer
+        try:
+            raise answer
+        finally:  # the traceback holds this frame: a cycle through it would keep the body until a GC
+            del answer
     return answer
 
 
@@ -157,8 +160,17 @@ class Fp8Service:
                 if attempt == 0:
                     self._record(retries=1)
             except RayTaskError as exc:
-                raise worker_exception(exc) from None
-        raise WorkersUnavailableError(f"no QuantWorker answered {method.__name__} (tried workers {sorted(set(order))})")
+                error = worker_exception(exc)
+                break
+        else:
+            raise WorkersUnavailableError(f"no QuantWorker answered {method.__name__} (tried workers {sorted(set(order))})")
+        # Raised outside the handler (inside, the worker's error and Ray's wrapper, its cause,
+        # would refer to each other) and not kept here (the traceback holds this frame): a
+        # cycle would keep the request's body until a GC.
+        try:
+            raise error
+        finally:
+            del error
 
     async def _map(self, method: Callable, items: list, *extra) -> list:
         """Spread ``items`` over the workers in contiguous groups; results in order."""

@@ -3,10 +3,20 @@ arguments, from ``fp8ray serve``, ``serve run ... key=value`` or a config file).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 from ..errors import InvalidOptionError
+
+# Each number's allowed values (NaN and inf pass a plain comparison: they are refused here).
+_RANGES = {
+    "workers": (lambda n: n >= 1, "at least 1"),
+    "replicas": (lambda n: n >= 0, "0 (Serve's default) or more"),
+    "cpus_per_worker": (lambda x: math.isfinite(x) and x > 0, "a finite number above 0"),
+    "gpus_per_worker": (lambda x: math.isfinite(x) and x >= 0, "a finite number of at least 0"),
+    "max_body_mb": (lambda x: math.isfinite(x) and x * 2**20 >= 1, "a finite number of MiB of at least one byte"),
+}
 
 
 @dataclass(frozen=True)
@@ -33,14 +43,11 @@ class ServiceOptions:
             options = cls(**{k: type(getattr(cls, k))(v) for k, v in args.items()})
         except (TypeError, ValueError) as exc:
             raise InvalidOptionError(f"bad fp8ray.serve option: {exc}") from exc
-        if (
-            options.workers < 1
-            or options.replicas < 0
-            or options.cpus_per_worker <= 0
-            or options.gpus_per_worker < 0
-            or options.max_body_mb <= 0
-        ):
-            raise InvalidOptionError(f"fp8ray.serve options out of range: {options}")
+        for name, (allowed, expected) in _RANGES.items():
+            if not allowed(getattr(options, name)):
+                raise InvalidOptionError(
+                    f"fp8ray.serve option {name} must be {expected}, got {getattr(options, name)!r}", field=name
+                )
         if options.archives and not os.path.isdir(options.archives):
             raise InvalidOptionError(f"archives root {options.archives!r} is not a directory", field="archives")
         return options

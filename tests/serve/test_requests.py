@@ -99,8 +99,26 @@ def test_service_options():
     assert ServiceOptions.from_args({"workers": "4", "max_body_mb": "8"}) == ServiceOptions(workers=4, max_body_mb=8.0)
     with pytest.raises(InvalidOptionError, match="unknown fp8ray.serve option"):
         ServiceOptions.from_args({"wokers": 2})
-    with pytest.raises(InvalidOptionError, match="out of range"):
+    with pytest.raises(InvalidOptionError, match=r"^fp8ray.serve option workers must be at least 1, got 0$"):
         ServiceOptions.from_args({"workers": 0})
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("max_body_mb", "inf"),
+        ("max_body_mb", "nan"),
+        ("max_body_mb", "1e-9"),
+        ("cpus_per_worker", "inf"),
+        ("gpus_per_worker", "nan"),
+    ],
+)
+def test_service_options_that_no_comparison_catches_are_named(name, value):
+    """NaN and inf pass ``<=`` tests (a traceback from int(inf) later, or num_gpus=nan given
+    to Ray), and a body limit under a byte answered every request 413."""
+    with pytest.raises(InvalidOptionError, match=rf"^fp8ray.serve option {name} must be a finite number") as info:
+        ServiceOptions.from_args({name: value})
+    assert info.value.field == name
 
 
 def test_a_block_error_keeps_its_class_and_field():
