@@ -340,6 +340,12 @@ def compress_archive(
                 kept = (run.finished or reused) and not dest.replacing  # else nothing of this run is left (below)
                 left = _parts_left(fs, work, len(parts)) if kept else ""
                 raise _destination_error(exc, destination, left) from None
+            # The workers read each file at the offsets the scan found: a file rewritten
+            # since (a new header moves every tensor) was archived from the wrong bytes.
+            changed = archive.changed_file(stamps, archive.source_stamps(source, layout, gone_ok=True), "while compress read it")
+            if changed:
+                undo_compress(dest, todo)
+                raise SourceError(f"{changed}: its blocks may have been read from the wrong bytes; nothing was archived")
             bound = bound_constants(codec.fmt, codec.scaling)
             stored = sum(is_stored(ref.dtype) for ref in refs)
             part_infos = [run.infos[i] for i in range(len(parts))]

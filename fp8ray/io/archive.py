@@ -155,9 +155,11 @@ def plan_record(source: str, codec: dict, lossless: str, parts: list[list[BlockR
     return Plan(redact(source), codec, lossless, tuple(tuple(r.ident for r in part) for part in parts), files)
 
 
-def source_stamps(source: str, layout: SourceLayout) -> tuple[tuple[str, int, int | None], ...]:
+def source_stamps(source: str, layout: SourceLayout, gone_ok: bool = False) -> tuple[tuple[str, int, int | None], ...]:
     """Each source file's name, size and modification time (ns; None where the filesystem
-    keeps none): what tells a resumed run, without reading the files, that one was rewritten."""
+    keeps none): what tells a resumed run, without reading the files, that one was rewritten.
+    A file no longer there is refused, or (``gone_ok``) left out, for :func:`changed_file`
+    to name as absent."""
     fs, root = resolve(source)
     names = [f.name for f in layout.files]
     paths = [f"{root.rstrip('/')}/{name}" if layout.container == "directory" else root for name in names]
@@ -166,20 +168,19 @@ def source_stamps(source: str, layout: SourceLayout) -> tuple[tuple[str, int, in
     except OSError as exc:
         raise SourceError(f"source {redact(source)} cannot be read: {os_reason(exc)}") from None
     for name, info in zip(names, infos):
-        if info.type != pafs.FileType.File:
+        if info.type != pafs.FileType.File and not gone_ok:
             raise SourceError(f"source file {printable(name)} of {redact(source)} is no longer there")
-    return tuple((name, info.size, info.mtime_ns) for name, info in zip(names, infos))
+    return tuple((name, info.size, info.mtime_ns) for name, info in zip(names, infos) if info.type == pafs.FileType.File)
 
 
-def changed_file(recorded: tuple, now: tuple) -> str | None:
-    """How the first source file that differs from its record differs, or None."""
+def changed_file(recorded: tuple, now: tuple, since: str = "since the interrupted run read it") -> str | None:
+    """How the first source file that differs from its record differs (``since``: when it
+    was recorded, for the message), or None."""
     before, after = {f[0]: tuple(f[1:]) for f in recorded}, {f[0]: tuple(f[1:]) for f in now}
     for name in [*before, *(n for n in after if n not in before)]:
         was, is_ = before.get(name), after.get(name)
         if was != is_:
-            return (
-                f"source file {printable(name)} changed since the interrupted run read it (was {_stamp(was)}; now {_stamp(is_)})"
-            )
+            return f"source file {printable(name)} changed {since} (was {_stamp(was)}; now {_stamp(is_)})"
     return None
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 import fp8ray
 from fp8ray.engine.archives import compress_archive, verify_archive
-from fp8ray.errors import ArchiveExistsError
+from fp8ray.errors import ArchiveExistsError, SourceError
 from fp8ray.io import archive
 
 INLINE = fp8ray.PoolSettings(num_workers=1, address="inline")
@@ -145,3 +145,32 @@ def test_a_plan_spelling_its_lossless_stage_otherwise_is_resumed(tmp_path):
     (arch / archive.PLAN_NAME).write_text(json.dumps({**plan, "lossless": "zstd:03"}, sort_keys=True))
     report = compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE, resume=True)
     assert report.parts_reused >= 1
+
+
+@pytest.mark.parametrize("how", ["rewritten", "removed"])
+def test_a_source_file_changed_while_compress_reads_it_fails_the_run_naming_it(tmp_path, how):
+    """The workers read each file at the offsets the scan found: a file rewritten while a
+    compress ran (a longer ``__metadata__`` moves every tensor) was archived from shifted
+    bytes, and the run said it succeeded."""
+    src, arch = tmp_path / "src", tmp_path / "kv.fp8"
+    src.mkdir()
+    write_source(src / "a.safetensors", 1)
+    write_source(src / "z.safetensors", 2)
+
+    done = []
+
+    def progress(n):
+        done.append(n)
+        if how == "removed" and sum(done) == 12:  # every block read: the file goes before the manifest
+            os.remove(src / "z.safetensors")
+        elif how == "rewritten" and len(done) == 2:  # after the first part: z is read later
+            torch.manual_seed(2)
+            new = tmp_path / "z.new"
+            tensors = {f"layer{i}.k": torch.randn(8, 1024).bfloat16() for i in range(6)}
+            save_file(tensors, str(new), metadata={"note": "x" * 100})
+            os.replace(new, src / "z.safetensors")
+
+    now = r"now absent" if how == "removed" else r"now \d+ bytes"
+    with pytest.raises(SourceError, match=rf"^source file z.safetensors changed while compress read it \(was \d+ bytes.*; {now}"):
+        compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE, progress=progress)
+    assert not arch.exists()
