@@ -76,8 +76,15 @@ def codec_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] = OP
 
 
 def given_codec_options(args: argparse.Namespace) -> dict:
-    """The codec options given on the command line, by name."""
-    return {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name, None) is not None}
+    """The codec options given on the command line, by name; ``--block-size`` refused
+    where it would do nothing (another scaling than block)."""
+    given = {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name, None) is not None}
+    scaling = given.get("scaling", DEFAULT_MODE["scaling"])
+    if "block_size" in given and scaling != "block":
+        from ..errors import InvalidOptionError
+
+        raise InvalidOptionError(f"--block-size applies to --scaling block, not {scaling}", field="block_size")
+    return given
 
 
 def codec_options(args: argparse.Namespace):

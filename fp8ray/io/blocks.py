@@ -130,6 +130,7 @@ _NOT_TAKEN = {
     "empty folder": "empty folder",
     "hidden folder": "hidden folder",
     "special": "not a regular file",
+    "not utf-8": "a name that is not UTF-8, which an archive cannot record",
 }
 
 
@@ -190,6 +191,8 @@ def scan_source(uri: str) -> tuple[SourceLayout, list[BlockRef]]:
         container = "directory"
         kind, names, skipped = select_files(entries, uri)
         files = [(f"{path.rstrip('/')}/{name}", name) for name in names]
+    elif info.type != pafs.FileType.File:  # a FIFO would block its reader for ever
+        raise SourceError(f"source {redact(uri)} is not a regular file (a FIFO, socket or device): give a file or a directory")
     elif path.endswith((".safetensors", ".parquet")):
         if BACKSLASH in os.path.basename(path):
             raise SourceError(f"source {redact(uri)}: {BACKSLASH_REASON}; rename it")

@@ -25,7 +25,10 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
         raise BadInputError("a path is empty: name a file or directory ('.' for the working directory)", field="path")
     if "://" in uri:
         return pafs.FileSystem.from_uri(uri)
-    return pafs.LocalFileSystem(), os.path.abspath(uri)
+    path = os.path.abspath(uri)
+    if not is_utf8(path):  # pyarrow's filesystems take UTF-8 paths only (its own error names no path)
+        raise BadInputError(f"path {printable(path)} is not UTF-8, which fp8ray cannot open: rename it", field="path")
+    return pafs.LocalFileSystem(), path
 
 
 def uri_for(uri: str, path: str) -> str:
@@ -209,6 +212,16 @@ def printable(name: str) -> str:
     return name if name.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in name)
 
 
+def is_utf8(name: str) -> bool:
+    """Whether a file name (as Python decodes the filesystem's bytes) is UTF-8: an archive
+    records names in UTF-8 JSON, and a name that is not cannot be recorded or written back."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def counted(count: int, word: str, plural: str | None = None) -> str:
     """``count`` of ``word``, in words: ``1 part``, ``3 parts`` (``plural`` where it is
     not the word and an s)."""
@@ -359,8 +372,9 @@ class TreeEntry:
     """One thing found under a directory. ``name`` is relative, with ``/`` between its
     parts; a folder's ends in ``/``. ``kind``: ``file``, ``file link`` (a symbolic link
     to a file), ``folder link`` (to a folder: not followed), ``broken link``, ``empty
-    folder``, ``hidden folder`` (its name starts with ``.``: not entered) or ``special``
-    (a socket, a device, a pipe)."""
+    folder``, ``hidden folder`` (its name starts with ``.``: not entered), ``special``
+    (a socket, a device, a pipe) or ``not utf-8`` (a name the filesystem holds as bytes
+    that are not UTF-8, given escaped: not entered)."""
 
     name: str
     kind: str
@@ -383,7 +397,9 @@ def _list_local(root: str, prefix: str) -> list[TreeEntry]:
         return [TreeEntry(prefix, "empty folder")]
     for child in children:
         rel = prefix + child.name
-        if child.is_symlink():
+        if not is_utf8(child.name):  # recorded escaped, never entered: no name under it could be archived
+            out.append(TreeEntry(printable(rel) + ("/" if child.is_dir(follow_symlinks=False) else ""), "not utf-8"))
+        elif child.is_symlink():
             if child.is_dir(follow_symlinks=True):
                 out.append(TreeEntry(rel + "/", "folder link"))
             elif child.is_file(follow_symlinks=True):

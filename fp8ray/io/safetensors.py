@@ -298,8 +298,14 @@ def header_prefix(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata
     """The 8-byte length and the JSON header of a safetensors file or body whose tensors,
     ``(key, safetensors dtype, shape, nbytes)``, follow it end to end in this order."""
     keys = [key for key, *_ in tensors]
-    if len(set(keys)) != len(keys) or (metadata and "__metadata__" in keys):
-        seen = {"__metadata__"} if metadata else set()
+    if "__metadata__" in keys:  # a Parquet source's key may be anything
+        raise SafetensorsFormatError(
+            "key '__metadata__' is the name safetensors gives its header's metadata: no tensor of a .safetensors file "
+            "may have it (decompress such a Parquet source's archive to Parquet)",
+            "__metadata__",
+        )
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
         twice = next(key for key in keys if key in seen or seen.add(key))
         raise SafetensorsFormatError(f"key {twice!r} appears twice; safetensors keys are unique", twice)
     # The text json.dumps(header, separators=(",", ":")) gives, written a tensor at a time:

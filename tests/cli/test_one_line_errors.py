@@ -77,10 +77,19 @@ def test_serve_on_a_port_in_use(address, reuse_port):
         (["compress", "x.safetensors", "y", "--lossless", "zstd:99"], "zstd takes levels 1 to 22"),
         (["compress", "x.safetensors", "y", "--lossless", "zstd:"], "zstd takes levels 1 to 22"),  # was taken as zstd
         (["eval-model", "--modes", "e4m3fn:row"], "unknown scaling 'row'"),
+        (["compress", "x.safetensors", "y", "--scaling", "token", "--block-size", "64"], "--block-size applies to --scaling block"),
     ],
 )
 def test_argument_mistakes(argv, fragment):
     assert_one_line(fp8ray(*argv), fragment)
+
+
+@pytest.mark.parametrize("address", ["inline", "bogus", "127.0.0.1:1"])
+def test_serve_offers_only_the_addresses_it_can_run_on(address):
+    """The service runs on Ray: its refusals offered ``inline`` (no Ray), which it refuses."""
+    result = fp8ray("serve", "--address", address)
+    assert_one_line(result, "(an embedded Ray)" if address != "127.0.0.1:1" else "--address local (an embedded one)")
+    assert "inline (no Ray)" not in result.stderr and "--address inline" not in result.stderr
 
 
 def test_file_names_from_the_outside_world_are_printed_escaped(tmp_path):
@@ -168,3 +177,12 @@ def test_bench_lossless_reads_by_default_what_the_demo_writes():
     parser = build_parser()
     demo_capture = parser.parse_args(["demo"]).out / "kv_smollm2.safetensors"  # cli/demo.py: out_dir / "kv_smollm2.safetensors"
     assert Path(parser.parse_args(["bench", "lossless"]).source) == demo_capture
+
+
+def test_a_fifo_given_as_the_source_is_refused_at_once(tmp_path):
+    """Opening a FIFO blocks until a writer comes: compress hung, deaf to SIGINT and SIGTERM."""
+    fifo = tmp_path / "kv.safetensors"
+    os.mkfifo(fifo)
+    result = fp8ray("compress", fifo, tmp_path / "arch")
+    assert_one_line(result, f"source {fifo} is not a regular file (a FIFO, socket or device)")
+    assert not (tmp_path / "arch").exists()

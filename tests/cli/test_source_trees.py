@@ -255,6 +255,33 @@ def test_a_source_file_named_with_a_backslash_is_left_out_and_named(tmp_path, ca
     assert (code, err.count("\n")) == (1, 1) and "a backslash in its name, which decompress does not write; rename it" in err
 
 
+def test_names_that_are_not_utf8_are_left_out_and_named_escaped(tmp_path, capsys):
+    """A POSIX name is bytes, an archive's manifest UTF-8 JSON: compress stopped on such a
+    name with Python's own "surrogates not allowed", naming no file. A file or folder so
+    named is now skipped, named escaped; a path given so named is refused in one line."""
+    src, arch, out = tmp_path / "kv", tmp_path / "arch", tmp_path / "out"
+    src.mkdir()
+    save_file(small(1), os.fsdecode(bytes(src) + b"/x\xff.safetensors"))
+    os.mkdir(os.fsdecode(bytes(src) + b"/d\xfe"))
+    save_file(small(2), os.fsdecode(bytes(src) + b"/d\xfe/y.safetensors"))
+    save_file(small(3), str(src / "c.safetensors"))
+    code, stdout, err = run_cli(capsys, "compress", src, arch, *EXACT, *INLINE, "--json")
+    assert code == 0, err
+    reason = "a name that is not UTF-8, which an archive cannot record"
+    assert json.loads(stdout)["skipped"] == [
+        {"name": "d\\udcfe/", "reason": reason},
+        {"name": "x\\udcff.safetensors", "reason": reason},
+    ]
+    assert run_cli(capsys, "decompress", arch, out, *INLINE)[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["c.safetensors"]
+    for argv in (
+        ("compress", os.fsdecode(bytes(src) + b"/x\xff.safetensors"), tmp_path / "one"),
+        ("decompress", arch, os.fsdecode(bytes(tmp_path) + b"/o\xfe")),
+    ):
+        code, _, err = run_cli(capsys, *argv, *INLINE)
+        assert (code, err.count("\n")) == (1, 1) and "is not UTF-8, which fp8ray cannot open: rename it" in err, err
+
+
 def test_a_file_inside_a_hidden_or_escaping_folder_is_refused_from_a_manifest():
     from fp8ray.errors import CorruptArchiveError
     from fp8ray.io.records import checked_file_name
