@@ -32,7 +32,7 @@ import numpy as np
 from ..codec import CodecOptions
 from ..codec.blocks import Block, bytes_to_tensor
 from ..codec.devices import cuda_available, is_tensor
-from ..codec.fp8codec import source_tensor
+from ..codec.fp8codec import is_array, source_tensor
 from ..codec.frame import as_byte_array
 from ..errors import InvalidOptionError, PoolStartError, WorkerLostError
 from .address import INLINE, default_address
@@ -259,17 +259,19 @@ class QuantPool:
     def encode_many(
         self, tensors: Iterable, batch_size: int | None = None, options: CodecOptions | None = None, **codec_options
     ) -> list[np.ndarray]:
-        """Encode tensors on the workers, through the object store; frames in input order.
+        """Encode tensors (or numpy arrays, as :meth:`Fp8Codec.encode` takes them) on the
+        workers, through the object store; frames in input order.
         Codec options as :class:`~fp8ray.codec.CodecOptions` (``options``, then keywords
         overriding it; the default mode if none). ``batch_size``: blocks per task
         (default: about :data:`BATCH_BYTES` of input each)."""
         options = CodecOptions.parse(codec_options, base=options)
         tensors = list(tensors)  # taken once: a generator is iterated by the check, then the blocks
         for i, t in enumerate(tensors):
-            if not is_tensor(t):
-                raise TypeError(f"tensor {i}: expected a torch.Tensor, got {type(t).__name__}")
+            if not (is_tensor(t) or is_array(t)):
+                raise TypeError(f"tensor {i}: expected a torch.Tensor or numpy array, got {type(t).__name__}")
             try:
-                source_tensor(t)  # what Fp8Codec.encode refuses (a meta, sparse or nested tensor), refused alike
+                # What Fp8Codec.encode refuses (a meta, sparse or nested tensor), refused alike; an array as a tensor
+                tensors[i] = source_tensor(t)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"tensor {i}: {exc}") from None
         blocks = [Block.of(str(i), t) for i, t in enumerate(tensors)]

@@ -64,6 +64,20 @@ def test_the_pool_stores_tensors_fp8_does_not_encode_and_gives_them_back():
     assert all(torch.equal(b, t) for b, t in zip(back, tensors) if t.dtype != torch.bfloat16)
 
 
+def test_numpy_arrays_are_encoded_as_the_codec_encodes_them():
+    """Fp8Codec.encode takes numpy arrays (read-only ones too); encode_many refused them."""
+    data = np.random.default_rng(1).standard_normal((6, 64)).astype(np.float16)
+    arrays = [data, np.frombuffer(data.tobytes(), np.float16).reshape(6, 64), data[:, ::2], np.arange(7, dtype=np.int32)]
+    with QuantPool(num_workers=2) as pool:
+        frames = pool.encode_many(arrays, batch_size=1)
+    assert [bytes(f) for f in frames] == [bytes(Fp8Codec().encode(a)) for a in arrays]
+    with (
+        QuantPool(num_workers=1, address="inline") as pool,
+        pytest.raises(TypeError, match=r"^tensor 1: expected a torch.Tensor or numpy"),
+    ):
+        pool.encode_many([data, [1.0, 2.0]])
+
+
 def test_bad_block_fails_with_its_key():
     tensors = [torch.ones(4, 8), torch.tensor([[1.0, float("nan")]])]
     with QuantPool(num_workers=1) as pool, pytest.raises(ValueError, match=r"block '1': 1 non-finite value"):
