@@ -219,31 +219,16 @@ class Fp8FrameDeserializer(_FramePair):
 
     def deserialize_tensors(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor | None]) -> None:
         """Decode the frames at the start of ``buffer`` (a contiguous tensor of 1-byte
-        elements, on any device) into ``tensors`` in turn; a ``None`` skips its frame."""
+        elements, on any device) into ``tensors`` in turn; a ``None`` skips a slot's
+        frames (:meth:`_placements`)."""
         src_bytes = byte_view(buffer, "src")
         if src_bytes.device.type != "cpu":  # frames are parsed and checked on the host
             src_bytes = src_bytes.cpu()
         data = src_bytes.numpy()
-        offset = 0
         to_decode: list[tuple[str, np.ndarray, torch.Tensor]] = []  # every frame is checked for room first
         passed: list[tuple[np.ndarray, torch.Tensor]] = []
-        for i, t in enumerate(tensors):
+        for i, offset, t in self._placements(data, tensors):
             where = f"frame {i + 1} of {len(tensors)}" if len(tensors) > 1 else "frame"
-            if t is None:  # a slot the caller does not want: skip its frame by its header
-                header = frame.parse_header(data[offset:])
-                if header is None:
-                    raise CorruptFrameError(f"{where} (a skipped slot) does not start with a frame header at offset {offset}")
-                offset += header.frame_size
-                continue
-            if one_byte(t.dtype) and self.fp8_input != "passthrough":
-                raise MismatchError(
-                    f"{where}: dst tensor is {t.dtype}, one byte per element; the fp8ray serde decodes into "
-                    f'bfloat16, float16 or float32 unless "fp8_input" is "passthrough"'
-                )
-            if not one_byte(t.dtype) and t.dtype not in DTYPES:  # as serialize refuses such a source
-                raise MismatchError(
-                    f"{where}: dst tensor is {t.dtype}; the fp8ray serde decodes into bfloat16, float16 or float32"
-                )
             size = self._size(t.shape, t.dtype)
             if not one_byte(t.dtype):
                 self._check_written_alike(data, offset, t, size, where)
@@ -254,13 +239,104 @@ class Fp8FrameDeserializer(_FramePair):
                 )
             chunk = data[offset : offset + size]
             if one_byte(t.dtype):  # passthrough: the bytes as they were stored, once every frame checks
+                stored = frame.parse_header(chunk[: frame.MAX_HEADER_BYTES])
+                if stored is not None:  # a store written from a bf16 cache, read by an fp8 one
+                    raise MismatchError(
+                        f"{where}: dst tensor is {t.dtype}, for fp8 bytes stored as they are, but src holds the "
+                        f"fp8ray frame of a {stored.dtype} tensor there"
+                    )
                 passed.append((chunk, t))
             else:
                 to_decode.append((where, chunk, t))
-            offset += size
         for chunk, t in passed:
             t.copy_(torch.from_numpy(chunk.copy()).view(t.dtype).reshape(t.shape).to(t.device))
         decode_frames_into([(where, chunk) for where, chunk, _ in to_decode], [t for *_, t in to_decode])
+
+    def _placements(self, data: np.ndarray, tensors: Sequence[torch.Tensor | None]) -> list[tuple[int, int, torch.Tensor]]:
+        """``(index, offset, tensor)`` of each wanted tensor, its dtype checked. In order
+        from the start; past a skipped slot (``None``), whose tensors are unknown (a slot
+        may hold several), the wanted run that follows goes where its frames (by their
+        headers) or its passthrough bytes fit: after some whole number of the frames
+        there, or (the last run) at the end of ``src``. Where that is more than one place
+        and the end does not decide, or none, the read is refused: never another slot's
+        tensor of the same shape."""
+        for i, t in enumerate(tensors):
+            if t is not None:
+                self._check_destination(t, f"frame {i + 1} of {len(tensors)}" if len(tensors) > 1 else "frame")
+        placed: list[tuple[int, int, torch.Tensor]] = []
+        offset, i = 0, 0
+        while i < len(tensors):
+            t = tensors[i]
+            if t is None:
+                start = i
+                while i < len(tensors) and tensors[i] is None:
+                    i += 1
+                end = i
+                while end < len(tensors) and tensors[end] is not None:
+                    end += 1
+                if i == len(tensors):  # nothing wanted after: the rest is left unread
+                    break
+                offset = self._run_start(data, offset, i - start, tensors[i:end], end == len(tensors), i)
+                continue
+            placed.append((i, offset, t))
+            offset += self._size(t.shape, t.dtype)
+            i += 1
+        return placed
+
+    def _run_start(self, data: np.ndarray, offset: int, skipped: int, run: Sequence[torch.Tensor], last: bool, index: int) -> int:
+        """Where the wanted ``run`` starts, past ``skipped`` slots from ``offset`` (see
+        :meth:`_placements`); ``index``: the run's first tensor's, for the messages."""
+        where = f"frame {index + 1}"
+        sizes = [self._size(t.shape, t.dtype) for t in run]
+        places, p, frames = [], offset, 0
+        while p < data.size:  # each place after a whole frame, at least one per skipped slot
+            header = frame.parse_header(data[p : p + frame.MAX_HEADER_BYTES])
+            if header is None:
+                break
+            p, frames = p + header.frame_size, frames + 1
+            if frames >= skipped and self._run_fits(data, p, run, sizes):
+                places.append(p)
+        at_end = data.size - sum(sizes)
+        if last and at_end > offset and at_end not in places and self._run_fits(data, at_end, run, sizes):
+            places.append(at_end)  # past a skipped slot of passthrough bytes, which have no header
+        if len(places) > 1 and last and at_end in places:
+            places = [at_end]  # a group's frames end where src does
+        if len(places) != 1:
+            found = "no place in src fits" if not places else f"{len(places)} places (offsets {places[:4]}) in src fit"
+            raise MismatchError(
+                f"{where} (the first wanted after a skipped slot): {found} the wanted tensors' frames, "
+                "so which bytes are theirs cannot be told; the read is refused rather than risk another slot's tensor"
+            )
+        return places[0]
+
+    def _run_fits(self, data: np.ndarray, p: int, run: Sequence[torch.Tensor], sizes: list[int]) -> bool:
+        """Whether the frames of ``run`` (of ``sizes``) lie at ``p`` by their headers: each
+        one's dtype, shape and size; a passthrough tensor's bytes within ``src`` and not a frame."""
+        for t, size in zip(run, sizes):
+            if p + size > data.size:
+                return False
+            header = frame.parse_header(data[p : p + frame.MAX_HEADER_BYTES])
+            if one_byte(t.dtype):
+                if header is not None:
+                    return False
+            elif header is None or (header.dtype, tuple(header.shape), header.frame_size) != (
+                DTYPE_NAMES.get(t.dtype),
+                tuple(t.shape),
+                size,
+            ):
+                return False
+            p += size
+        return True
+
+    def _check_destination(self, t: torch.Tensor, where: str) -> None:
+        """Refuse a destination tensor of a dtype this serde does not decode into."""
+        if one_byte(t.dtype) and self.fp8_input != "passthrough":
+            raise MismatchError(
+                f"{where}: dst tensor is {t.dtype}, one byte per element; the fp8ray serde decodes into "
+                f'bfloat16, float16 or float32 unless "fp8_input" is "passthrough"'
+            )
+        if not one_byte(t.dtype) and t.dtype not in DTYPES:  # as serialize refuses such a source
+            raise MismatchError(f"{where}: dst tensor is {t.dtype}; the fp8ray serde decodes into bfloat16, float16 or float32")
 
     def _check_written_alike(self, data: np.ndarray, offset: int, t: torch.Tensor, size: int, where: str) -> None:
         """Refuse, before anything is written, a sound frame that holds another dtype or
@@ -275,7 +351,11 @@ class Fp8FrameDeserializer(_FramePair):
             same_tensor = header is not None and (header.dtype, tuple(header.shape)) == this
             if same_tensor and header.frame_size == size:
                 return
-            frame.parse(data[offset : offset + (header.frame_size if header is not None else size)])  # raises if damaged
+            # A longer frame than these options make, cut to their size (LMCache reads as many bytes
+            # as this serde's estimate): its checksum cannot be taken, its header names its options.
+            cut = same_tensor and offset + header.frame_size > data.size
+            if not cut:
+                frame.parse(data[offset : offset + (header.frame_size if header is not None else size)])  # raises if damaged
         except CorruptFrameError as exc:
             raise block_error(where, exc) from None
         if not same_tensor:
@@ -284,6 +364,7 @@ class Fp8FrameDeserializer(_FramePair):
         raise MismatchError(
             f"{where} was written with {frame.layout_label(header)}; "
             f"this deserializer's options are {self.options.label()}: read a store with the serde options it was written with"
+            + (f" (src holds {data.size - offset} of its {header.frame_size} bytes)" if cut else "")
         )
 
 

@@ -77,7 +77,7 @@ def test_serve_on_a_port_in_use(address, reuse_port):
         (["compress", "x.safetensors", "y", "--lossless", "zstd:99"], "zstd takes levels 1 to 22"),
         (["compress", "x.safetensors", "y", "--lossless", "zstd:"], "zstd takes levels 1 to 22"),  # was taken as zstd
         (["eval-model", "--modes", "e4m3fn:row"], "unknown scaling 'row'"),
-        (["compress", "x.safetensors", "y", "--scaling", "token", "--block-size", "64"], "--block-size applies to --scaling block"),
+        (["compress", "x", "y", "--scaling", "token", "--block-size", "64"], "--block-size applies to --scaling block"),
     ],
 )
 def test_argument_mistakes(argv, fragment):

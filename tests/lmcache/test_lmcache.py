@@ -437,6 +437,58 @@ def test_frame_pair_takes_split_and_fused_kv_layouts(shape):
     assert torch.equal(out, fp8ray.decode(buf))
 
 
+def _group_of_kernel_groups(fp8_input: str = "refuse"):
+    """K of two kernel groups ``A`` and ``B`` (bf16, or uint8 ``A`` passed through), V of
+    one ``B``: a V-only read once took K's second group, of V's shape, for V."""
+    from fp8ray.bench.lmcache import byte_obj, memory_obj
+
+    a, b = (1, 3, 4, 64), (1, 2, 4, 32)
+    k_dtypes = [torch.uint8 if fp8_input == "passthrough" else torch.bfloat16, torch.bfloat16]
+    k, v = memory_obj([a, b], k_dtypes), memory_obj([b], [torch.bfloat16])
+    g = torch.Generator().manual_seed(21)
+    for i, t in enumerate([k.get_tensor(0), k.get_tensor(1), v.get_tensor(0)]):
+        t.copy_((torch.randn(t.shape, generator=g) * (10 if i < 2 else 1)).to(t.dtype))
+    ser, de = Fp8FrameMultiSerializer(fp8_input=fp8_input), Fp8FrameMultiDeserializer(fp8_input=fp8_input)
+    size = ser.estimate_serialized_size(
+        (MemoryLayoutDesc([torch.Size(a), torch.Size(b)], k_dtypes), MemoryLayoutDesc([torch.Size(b)], [torch.bfloat16]))
+    )
+    buf = byte_obj(size)
+    ser.serialize((k, v), buf, KEY)
+    return de, buf, v.get_tensor(0), lambda: memory_obj([b], [torch.bfloat16]), byte_obj
+
+
+@pytest.mark.parametrize("fp8_input", ["refuse", "passthrough"])
+def test_a_skipped_slot_of_several_kernel_groups_is_skipped_whole(fp8_input):
+    de, buf, v, empty_v, byte_obj = _group_of_kernel_groups(fp8_input)
+    expected = fp8ray.decode(bytes(Fp8Codec().encode(v)))
+    v_only = empty_v()
+    de.deserialize(buf, (None, v_only), KEY)  # K's frames (or passthrough bytes and a frame) skipped
+    assert torch.equal(v_only.get_tensor(0), expected)
+    # In a buffer longer than the group's frames, K's second group (of V's shape) and V both
+    # fit, and the end does not decide: refused, not guessed
+    frames = buf.tensor.numpy()
+    longer = byte_obj(frames.size + 100)
+    longer.tensor.numpy()[: frames.size] = frames
+    if fp8_input == "refuse":
+        with pytest.raises(MismatchError, match=r"2 places \(offsets .*\) in src fit the wanted tensors' frames"):
+            de.deserialize(longer, (None, empty_v()), KEY)
+    else:  # past K's passthrough bytes (no header) only the end could tell
+        with pytest.raises(MismatchError, match=r"no place in src fits the wanted tensors' frames"):
+            de.deserialize(longer, (None, empty_v()), KEY)
+
+
+def test_passthrough_refuses_a_frame_where_it_wants_stored_bytes():
+    """A store written from a bf16 cache, read by a server with vLLM's fp8 KV cache: its
+    frame's header, scales and codes were handed back as fp8 codes (a hit)."""
+    src = kv_like((2, 4, 16, 64), torch.bfloat16, seed=22)
+    stored = bytes(Fp8Codec().encode(src))
+    buf = torch.frombuffer(bytearray(stored), dtype=torch.uint8)
+    fp8_dst = torch.zeros(src.shape, dtype=torch.uint8)
+    with pytest.raises(MismatchError, match=r"for fp8 bytes stored as they are, but src holds the fp8ray frame of a bfloat16"):
+        Fp8FrameDeserializer(fp8_input="passthrough").deserialize(obj(buf), obj(fp8_dst), KEY)
+    assert not fp8_dst.any()
+
+
 def test_frame_serializer_narrows_dst_to_what_it_wrote():
     src = kv_like((2, 3, 16, 64), torch.float16, seed=12)
     size = Fp8FrameSerializer().estimate_serialized_size(MemoryLayoutDesc([src.shape], [src.dtype]))
@@ -600,6 +652,22 @@ def test_frames_written_under_other_options_are_named_so_not_as_damage(written, 
     damaged[size - 1] ^= 1  # a damaged frame of other options is damage
     with pytest.raises(CorruptFrameError):
         de.deserialize(obj(damaged), obj(out))
+
+
+def test_a_longer_frame_cut_to_the_readers_size_is_named_by_its_options_not_as_damage():
+    """LMCache reads as many bytes as the reader's estimate: a chunk written with more
+    scales (block 16) arrives cut short, and was called truncated (damage)."""
+    src = kv_like((4, 64), torch.bfloat16, seed=3)
+    stored = bytes(Fp8Codec(block_size=16).encode(src))
+    size = Fp8Codec().encoded_size(src.shape, src.dtype)
+    buf = torch.frombuffer(bytearray(stored[:size]), dtype=torch.uint8)
+    out = torch.zeros_like(src)
+    with pytest.raises(
+        MismatchError,
+        match=rf"^frame was written with e4m3fn, block 16, .*: read a store .*\(src holds {size} of its {len(stored)} bytes\)$",
+    ):
+        Fp8FrameDeserializer().deserialize(obj(buf), obj(out))
+    assert not out.any()
 
 
 def test_passthrough_writes_nothing_when_a_later_frame_holds_another_dtype():
