@@ -7,7 +7,16 @@ import json
 
 from ..io.lossless import DEFAULT_LOSSLESS
 from ..io.provenance import Provenance
-from .common import codec_arguments, codec_options, engine_arguments, pool_settings, positive_float, progress, warn
+from .common import (
+    codec_arguments,
+    codec_options,
+    engine_arguments,
+    plain_form_argument,
+    pool_settings,
+    positive_float,
+    progress,
+    warn,
+)
 
 
 def _provenance_flags(parser, prefix: str, text: str) -> None:
@@ -55,6 +64,7 @@ def add_commands(commands) -> None:
         "bfloat16:2,30,256,192: every chunk file (raw, fp8 or fp8ray form; flat or in hash-prefix folders) is archived "
         "under its name",
     )
+    plain_form_argument(compress, "with --lmcache-layout: ")
     _provenance_flags(compress, "", "record in the manifest the {} the cache was made for")
     engine_arguments(compress)
     compress.set_defaults(handler=run_compress)
@@ -120,7 +130,7 @@ def run_compress(args) -> int:
     if args.lmcache_layout is None:
         bar, update = progress(args, lambda: len(list_blocks(args.source)))
     else:
-        bar, update = progress(args, lambda: len(scan_store_source(args.source, args.lmcache_layout)[1]))
+        bar, update = progress(args, lambda: len(scan_store_source(args.source, args.lmcache_layout, args.plain_form)[1]))
     report = compress_archive(
         args.source,
         args.destination,
@@ -135,6 +145,7 @@ def run_compress(args) -> int:
         progress=update,
         provenance=_provenance(args),
         lmcache_layout=args.lmcache_layout,
+        lmcache_plain_form=args.plain_form,
     )
     _finish(
         args,

@@ -117,6 +117,16 @@ def pool_settings(args: argparse.Namespace):
     return PoolSettings(num_workers=args.workers, gpus_per_worker=getattr(args, "gpus_per_worker", 0.0), address=args.address)
 
 
+def plain_form_argument(parser, applies: str = "") -> None:
+    """``--plain-form``: what an LMCache store's plain files are where their sizes cannot tell."""
+    parser.add_argument(
+        "--plain-form",
+        choices=("raw", "fp8"),
+        help=f"{applies}the store's plain files are raw chunks (no serde) or LMCache fp8 ones: needed where a store holds "
+        "files of both sizes (a raw chunk of half the tokens is an fp8 chunk's size)",
+    )
+
+
 def json_argument(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON (no progress bar)")
 

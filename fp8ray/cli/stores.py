@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ..errors import InvalidOptionError
-from .common import codec_arguments, engine_arguments, given_codec_options, pool_settings, progress, warn
+from .common import codec_arguments, engine_arguments, given_codec_options, plain_form_argument, pool_settings, progress, warn
 
 FRAME_OPTIONS = ("scaling", "block_size", "scale_dtype", "scale_choice")  # only frames have them
 
@@ -47,6 +47,7 @@ def add_commands(commands) -> None:
             metavar="MODEL",
             help="refuse a store holding a chunk of another model (each chunk's file name records its model)",
         )
+        plain_form_argument(parser)
         engine_arguments(parser)
         parser.set_defaults(handler=run_store_command)
 
@@ -81,6 +82,7 @@ def run_store_command(args) -> int:
         progress=lambda n: state.get("update") and state["update"](n),
         on_scan=on_scan,
         expect_model=args.expect_model,
+        plain_form=args.plain_form,
     )
     if state.get("bar") is not None:
         state["bar"].close()

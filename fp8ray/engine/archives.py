@@ -138,12 +138,17 @@ class VerifyReport:
         return json_safe({**asdict(self), "ok": self.ok})  # an exact block's snr_db is +inf
 
 
-def _scan_compressible(source: str, codec: CodecOptions, strict: bool = False, lmcache_layout: Layout | str | None = None):
+def _scan_compressible(
+    source: str, codec: CodecOptions, strict: bool = False, lmcache_layout: Layout | str | None = None, plain_form=None
+):
     """The source's layout and blocks, refused before anything is written if it holds no
     tensor, or one no frame can hold (or whose frame in ``codec`` no part can), or
     (``strict``) anything it does not take. ``lmcache_layout``: the source is an LMCache
-    store of chunks of that layout."""
-    layout, refs = scan_source(source) if lmcache_layout is None else scan_store_source(source, lmcache_layout)
+    store of chunks of that layout (``plain_form``: :func:`~fp8ray.io.lmcache_store.scan_store`'s)."""
+    if lmcache_layout is None:
+        layout, refs = scan_source(source)
+    else:
+        layout, refs = scan_store_source(source, lmcache_layout, plain_form)
     if strict and layout.skipped:
         raise SourceError(
             f"source {redact(source)} holds {entries(len(layout.skipped))} "
@@ -257,6 +262,7 @@ def compress_archive(
     pool: QuantPool | PoolSettings | None = None,
     provenance: Provenance | Mapping[str, str] | None = None,
     lmcache_layout: Layout | str | None = None,
+    lmcache_plain_form: str | None = None,
     **codec_options,
 ) -> CompressReport:
     """Compress a safetensors file, a directory of them or a raw-block Parquet archive
@@ -296,7 +302,9 @@ def compress_archive(
     :class:`~fp8ray.io.lmcache_store.Layout`): every chunk file, raw or in the ``fp8`` or
     ``fp8ray`` serde's form, flat or in hash-prefix folders, becomes one block, recorded
     under its path in the store (:mod:`fp8ray.io.store_source`); ``decompress_archive``
-    with ``lmcache_form`` gives the store back.
+    with ``lmcache_form`` gives the store back. ``lmcache_plain_form``: ``"raw"`` or
+    ``"fp8"``, what the store's plain files are where their sizes cannot tell
+    (:func:`~fp8ray.io.lmcache_store.scan_store`).
     """
     codec = CodecOptions.parse(codec_options, base=options)  # bad options fail before any work
     archive.check_block_size_fits(codec)
@@ -305,7 +313,7 @@ def compress_archive(
     check_pool(pool)
     lossless = archive.canonical_lossless(lossless)  # as the archive records it
     check_apart(source, destination)
-    layout, refs = _scan_compressible(source, codec, strict, lmcache_layout)
+    layout, refs = _scan_compressible(source, codec, strict, lmcache_layout, lmcache_plain_form)
     compress_part = QuantWorker.compress_part if lmcache_layout is None else QuantWorker.compress_store_part
     parts = archive.plan_parts(refs, part_bytes)
     stamps = archive.source_stamps(source, layout)  # as the scan found the files: --resume compares them

@@ -199,6 +199,7 @@ def convert_store(
     progress=None,
     on_scan=None,
     expect_model: str | None = None,
+    plain_form: str | None = None,
 ) -> StoreReport:
     """Write every chunk file of the LMCache FS store ``source`` in the ``target`` form
     (``"raw"``, ``"fp8"`` or ``"fp8ray"``) into the new directory ``destination``.
@@ -220,6 +221,9 @@ def convert_store(
     ``expect_model``: the model every chunk must be of (LMCache names each chunk file
     after its model); a store holding a chunk of another model is refused with a
     :class:`MismatchError` naming the file and both models, before any work.
+
+    ``plain_form``: what the store's plain files are, ``"raw"`` or ``"fp8"``, where their
+    sizes cannot tell (:func:`~fp8ray.io.lmcache_store.scan_store`).
     """
     if target not in FORMS:
         raise InvalidOptionError(f"target form must be one of {list(FORMS)}, got {target!r}", field="target")
@@ -229,7 +233,7 @@ def convert_store(
     layout = parse_layout(layout) if isinstance(layout, str) else layout
     src, dst = _check_paths(source, destination, overwrite, parents)
     replace = overwrite and os.path.lexists(dst)  # only a store there now: one made meanwhile is kept
-    scan = scan_store(src, layout)
+    scan = scan_store(src, layout, plain_form)
     _check_models(scan, expect_model, source)
     wanted = header_for(options, layout.dtype, layout.shape)  # a frame in other options is converted: the serde would refuse it
     todo = [c for c in scan.chunks if c.form != target or (target == FRAMES and c.header != wanted)]

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 from ..codec.formats import DTYPE_CODES, DTYPE_ITEMSIZES
 from ..codec.frame import MAX_HEADER_BYTES, FrameHeader, parse_header
-from ..errors import BadInputError, CorruptFrameError
+from ..errors import BadInputError, CorruptFrameError, MismatchError
+from .paths import counted
 
 SEP = "@"
 SLASH_REPLACEMENT = "-SEP-"
@@ -223,7 +224,10 @@ def is_store_entry(name: str, kind: str) -> bool:
     return hash_folders(chunk, len(folders)) == "".join(f"{f}/" for f in folders)
 
 
-def scan_store(directory: str, layout: Layout) -> StoreScan:
+PLAIN_FORMS = (RAW, FP8)  # what a store's plain files are, where their sizes cannot tell (scan_store's plain_form)
+
+
+def scan_store(directory: str, layout: Layout, plain_form: str | None = None) -> StoreScan:
     """Sort the entries of a store directory into chunk files of ``layout`` (by form)
     and skipped ones (not a regular file, a name that is not a chunk name, a file of
     none of the forms, a chunk in a hash-prefix folder that is not its hash's).
@@ -233,20 +237,37 @@ def scan_store(directory: str, layout: Layout) -> StoreScan:
     between parts; a skipped folder's ends in ``/``. Reads the first bytes of a file only
     when its size is not the fp8 form's (a frame is always longer).
 
-    In a store that holds raw chunks, a file of the fp8 form's size is skipped: a raw
-    chunk of 1/itemsize of the tokens (the last of a sequence, which LMCache stores with
-    ``save_unfull_chunk``) has that size too, and an LMCache that wrote raw chunks wrote
-    no fp8 ones."""
+    The raw and fp8 forms of two layouts share a size: a raw chunk of 1/itemsize of the
+    tokens (the last of a sequence, which LMCache stores with ``save_unfull_chunk``) is an
+    fp8 chunk's, and an fp8 chunk of itemsize times the tokens a raw chunk's. An LMCache
+    writes one of the two (its serde is set for the store): ``plain_form`` (``"raw"`` or
+    ``"fp8"``) says which, and the files of the other form's size are skipped as chunks of
+    another layout. Left out, a store holding files of both sizes is refused
+    (:class:`~fp8ray.errors.MismatchError`): which are of the layout cannot be told."""
+    if plain_form is not None and plain_form not in PLAIN_FORMS:
+        raise BadInputError(f"plain_form must be one of {list(PLAIN_FORMS)} or None, got {plain_form!r}")
     scan = StoreScan()
     _scan_folder(directory, "", layout, scan)
-    if scan.count(RAW) and scan.count(FP8):
-        itemsize = LAYOUT_DTYPES[layout.dtype]
-        reason = (
-            f"{layout.numel} bytes, a chunk of LMCache's fp8 serde or a raw chunk of 1/{itemsize} of the tokens "
-            "(save_unfull_chunk): in a store of raw chunks, taken for the latter, a chunk of another layout"
+    itemsize = LAYOUT_DTYPES[layout.dtype]
+    if plain_form is None and scan.count(RAW) and scan.count(FP8):
+        raise MismatchError(
+            f"LMCache store {directory} holds {counted(scan.count(RAW), 'file')} of {layout.raw_bytes} bytes and "
+            f"{scan.count(FP8)} of {layout.numel}: raw chunks of the layout {layout} and raw ones of 1/{itemsize} of "
+            f"its tokens, or LMCache fp8 chunks of it and fp8 ones of {itemsize} times its tokens; say which with "
+            "--plain-form raw or fp8 (plain_form=): the files of the other size are then skipped",
+            field="plain_form",
         )
-        scan.skipped += [{"name": c.name, "reason": reason} for c in scan.chunks if c.form == FP8]
-        scan.chunks = [c for c in scan.chunks if c.form != FP8]
+    other = {RAW: FP8, FP8: RAW}.get(plain_form)
+    if other is not None and scan.count(other):
+        reason = (
+            f"{layout.numel} bytes, a raw chunk of 1/{itemsize} of the tokens (save_unfull_chunk) in a store of raw chunks "
+            "(--plain-form raw): a chunk of another layout"
+            if plain_form == RAW
+            else f"{layout.raw_bytes} bytes, an LMCache fp8 chunk of {itemsize} times the tokens in a store of fp8 chunks "
+            "(--plain-form fp8): a chunk of another layout"
+        )
+        scan.skipped += [{"name": c.name, "reason": reason} for c in scan.chunks if c.form == other]
+        scan.chunks = [c for c in scan.chunks if c.form != other]
     return scan
 
 

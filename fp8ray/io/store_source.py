@@ -22,9 +22,10 @@ from .lmcache_store import STORE_KIND, Layout, parse_layout, scan_store
 from .paths import redact
 
 
-def scan_store_source(uri: str, layout: Layout | str) -> tuple[SourceLayout, list[BlockRef]]:
+def scan_store_source(uri: str, layout: Layout | str, plain_form: str | None = None) -> tuple[SourceLayout, list[BlockRef]]:
     """The layout and blocks of the LMCache store in the local directory ``uri``, whose
-    chunks are of ``layout`` (``"bfloat16:2,30,256,192"``). Refuses a store that is not a
+    chunks are of ``layout`` (``"bfloat16:2,30,256,192"``; ``plain_form``: as
+    :func:`~fp8ray.io.lmcache_store.scan_store` takes it). Refuses a store that is not a
     local directory, and one holding no chunk file of the layout (the mark of a wrong
     layout), naming the most common reasons its files were not taken."""
     layout = parse_layout(layout) if isinstance(layout, str) else layout
@@ -35,7 +36,7 @@ def scan_store_source(uri: str, layout: Layout | str) -> tuple[SourceLayout, lis
         raise SourceError(f"LMCache store {redact(uri)} {what}")
     root = os.path.abspath(uri)
     try:
-        scan = scan_store(root, layout)
+        scan = scan_store(root, layout, plain_form)
     except OSError as exc:
         raise SourceError(f"LMCache store {redact(uri)} cannot be read: {exc.strerror or exc}") from None
     # A chunk LMCache can name on Linux (a model with a backslash) that no archive may record.

@@ -256,11 +256,12 @@ def test_chunk_file_forms(tmp_path):
     assert [s["name"] for s in scan.skipped] == ["a@0x1@0@04.data"]
 
 
-def test_a_raw_chunk_of_half_the_tokens_is_never_read_as_fp8(tmp_path, capsys):
-    """LMCache stores the last, shorter chunk of a sequence with save_unfull_chunk; a raw
-    bfloat16 one of half the tokens has the fp8 form's size. In a store of raw chunks it
-    is skipped as a chunk of another layout, not converted (or copied) as fp8: before, it
-    was copied into the fp8 store as it was, and LMCache's fp8 serde loaded garbage."""
+def test_plain_files_of_both_sizes_are_read_as_the_store_says_never_guessed(tmp_path, capsys):
+    """A raw bfloat16 chunk of half the tokens (save_unfull_chunk) has an fp8 chunk's size,
+    and an fp8 chunk of twice the tokens a raw chunk's. Taken for raw before, a store of fp8
+    chunks read with its half-token layout became frames of garbage (fp8 byte pairs read as
+    bfloat16: values of 1e12); the half raw chunk had been copied as fp8 before that. Files
+    of both sizes: refused until --plain-form says which the store holds."""
     layout = parse_layout(LAYOUT)
     full, half = chunk_tensor(0), chunk_tensor(1)[:, :, :8]
     assert len(tensor_bytes(half)) == NUMEL
@@ -269,20 +270,31 @@ def test_a_raw_chunk_of_half_the_tokens_is_never_read_as_fp8(tmp_path, capsys):
     src.mkdir()
     for name, data in zip(names, (tensor_bytes(full), tensor_bytes(half), bytes(Fp8Codec().encode(full)))):
         (src / name).write_bytes(data)
-    scan = scan_store(str(src), layout)
-    assert sorted((c.name, c.form) for c in scan.chunks) == sorted([(names[0], "raw"), (names[2], "fp8ray")])
-    assert scan.skipped == [
+    with pytest.raises(MismatchError, match=r"holds 1 file of 8192 bytes and 1 of 4096: .* say which with --plain-form"):
+        scan_store(str(src), layout)
+    assert main(["lmcache-compress", str(src), str(tmp_path / "refused"), "--layout", LAYOUT, "--address", "inline"]) == 1
+    assert "--plain-form raw or fp8" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+    raw_store = scan_store(str(src), layout, "raw")  # the half chunk is of another layout
+    assert sorted((c.name, c.form) for c in raw_store.chunks) == sorted([(names[0], "raw"), (names[2], "fp8ray")])
+    assert raw_store.skipped == [
         {
             "name": names[1],
-            "reason": f"{NUMEL} bytes, a chunk of LMCache's fp8 serde or a raw chunk of 1/2 of the tokens "
-            "(save_unfull_chunk): in a store of raw chunks, taken for the latter, a chunk of another layout",
+            "reason": f"{NUMEL} bytes, a raw chunk of 1/2 of the tokens (save_unfull_chunk) in a store of raw chunks "
+            "(--plain-form raw): a chunk of another layout",
         }
     ]
+    fp8_store = scan_store(str(src), layout, "fp8")  # the 8192-byte file is an fp8 chunk of twice the tokens
+    assert sorted((c.name, c.form) for c in fp8_store.chunks) == sorted([(names[1], "fp8"), (names[2], "fp8ray")])
+    assert [s["name"] for s in fp8_store.skipped] == [names[0]] and "(--plain-form fp8)" in fp8_store.skipped[0]["reason"]
     for command in ("lmcache-compress", "lmcache-decompress"):
         out = tmp_path / command
-        assert main([command, str(src), str(out), "--layout", LAYOUT, "--address", "inline"]) == 0
+        argv = [command, str(src), str(out), "--layout", LAYOUT, "--plain-form", "raw", "--address", "inline"]
+        assert main(argv) == 0
         assert names[1] not in os.listdir(out) and f"skipped '{names[1]}'" in capsys.readouterr().err
-    (src / names[0]).unlink()  # no raw chunk left: a file of that size is an fp8 one
+    arch = tmp_path / "arch"
+    argv = ["compress", str(src), str(arch), "--lmcache-layout", LAYOUT, "--plain-form", "raw", "--address", "inline"]
+    assert main(argv) == 0 and names[1] in capsys.readouterr().out  # named as skipped
+    (src / names[0]).unlink()  # no raw-sized file left: one of numel bytes is an fp8 chunk
     assert sorted((c.name, c.form) for c in scan_store(str(src), layout).chunks) == sorted(
         [(names[1], "fp8"), (names[2], "fp8ray")]
     )
