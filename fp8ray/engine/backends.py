@@ -46,6 +46,9 @@ class InlineBackend:
     def replace_if_dead(self, worker: int) -> bool:
         return False
 
+    def replace_dead(self, workers: Collection[int]) -> int:
+        return 0  # threads of this process do not die
+
     def settle(self, running: dict[Future, int]) -> None:
         for call in running:
             call.cancel()
@@ -87,12 +90,12 @@ class RayBackend:
 
     def submit(self, worker: int, method: Callable, args: tuple):
         # The actor's method of the same function: `method` is QuantWorker's own.
-        return getattr(self.workers[worker], method.__name__).remote(*args)
+        return getattr(self._actor(worker), method.__name__).remote(*args)
 
     def submit_each(self, worker: int, method: Callable, args: tuple, results: int) -> list:
         """Submit a call whose result is a sequence of ``results`` values: one ObjectRef
         of each (Ray's ``num_returns``), usable before the call has run."""
-        refs = getattr(self.workers[worker], method.__name__).options(num_returns=results).remote(*args)
+        refs = getattr(self._actor(worker), method.__name__).options(num_returns=results).remote(*args)
         return [refs] if results == 1 else refs
 
     def wait_one(self, running: Collection):
@@ -114,12 +117,31 @@ class RayBackend:
         from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
-            self._ray.get(self.workers[worker].info.remote(), timeout=30)
+            self._ray.get(self._actor(worker).info.remote(), timeout=30)
             return False
         except (RayActorError, GetTimeoutError):
             self._ray.kill(self.workers[worker])
             self.workers[worker] = self._actor_class.remote(self._threads)
             return True
+
+    def replace_dead(self, workers: Collection[int]) -> int:
+        """Replace those of ``workers`` (idle ones: a busy one's answer waits for its calls)
+        that are dead, asking them all at once; returns how many were replaced. One that
+        does not answer within 30 s is left as it is."""
+        from ray.exceptions import RayActorError
+
+        pings = {self.workers[w].info.remote(): w for w in workers}
+        answered, _ = self._ray.wait(list(pings), num_returns=len(pings), timeout=30)
+        replaced = 0
+        for ref in answered:
+            try:
+                self._ray.get(ref)
+            except RayActorError:
+                w = pings[ref]
+                self._ray.kill(self.workers[w])
+                self.workers[w] = self._actor_class.remote(self._threads)
+                replaced += 1
+        return replaced
 
     def settle(self, running: dict[Any, int]) -> None:
         """Drop the calls still queued, and let those running end."""
@@ -139,6 +161,12 @@ class RayBackend:
 
     def info(self) -> list[WorkerInfo]:
         return self._ray.get([w.info.remote() for w in self.workers])
+
+    def _actor(self, worker: int):
+        """Worker ``worker``'s actor; a pool closed under a call (from another thread) says so."""
+        if not self.workers:
+            raise PoolStartError("the QuantPool was closed while a call of it ran")
+        return self.workers[worker]
 
     def close(self) -> None:
         try:

@@ -113,7 +113,8 @@ class QuantPool:
         self._owns_ray = False
         # One result ref of each by-reference call not yet known to have ended: closing
         # waits for them, as killing the actors would fail the refs handed out.
-        self._by_reference_calls: list = []
+        self._by_reference_calls: list = []  # (first ref of a by-reference call, its worker)
+        self._handed_out_refs = False  # whether encode_refs/decode_refs returned any
 
     @property
     def inline(self) -> bool:
@@ -163,6 +164,13 @@ class QuantPool:
                 from .runtime import disconnect_ray
 
                 self._owns_ray = False
+                if self._handed_out_refs:
+                    warnings.warn(
+                        "fp8ray: this QuantPool connected to Ray itself and disconnects as it closes: the refs its "
+                        "encode_refs/decode_refs returned end with the connection (ray.init first to keep them)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                 disconnect_ray()
 
     @property
@@ -172,7 +180,18 @@ class QuantPool:
         return self._backend
 
     def worker_info(self) -> list[WorkerInfo]:
+        """Each worker's device, node and process; one found dead (killed while idle) is
+        replaced first, as :meth:`map` replaces one that dies under a call."""
+        self._replace_idle_dead()
         return self._running.info()
+
+    def _replace_idle_dead(self) -> None:
+        """Replace the workers that died with no call of this pool's running on them (a
+        call's own failure tells :meth:`map` of one that dies under it)."""
+        busy = set(self._by_reference_workers())
+        idle = [w for w in range(self.num_workers) if w not in busy]
+        if idle:
+            self.replaced += self._running.replace_dead(idle)
 
     def on_this_machine(self) -> bool:
         """Whether every worker runs on this process's machine (inline, or Ray actors all
@@ -242,7 +261,11 @@ class QuantPool:
                     done[index] = backend.result(call)
                 except WorkerDied as exc:
                     if attempt >= self.settings.max_attempts:
-                        raise WorkerLostError(f"call {index} lost its worker {attempt} times; last: {exc}") from exc
+                        last = (str(exc).strip().splitlines() or [""])[0]  # Ray's text runs to many lines
+                        raise WorkerLostError(
+                            f"task {index} ({method.__name__}) lost its worker {attempt} times (killed, or out of memory?); "
+                            f"last: {last}"
+                        ) from exc
                     self.replaced += backend.replace_if_dead(w)
                     submit(index, args, attempt + 1)
                     continue
@@ -308,10 +331,12 @@ class QuantPool:
         Blocks go to the workers several to a call (see :meth:`_by_reference`). Ray actors
         only (not ``address="inline"``). A block that fails, or a worker lost mid-way,
         fails the refs of its call (on ``ray.get``), the failing block's key in the message.
-        The refs outlive the pool: closing it waits for the calls still running (at most
-        ``backends.SETTLE_SECONDS``; a ``RuntimeWarning`` names those it gives up on),
-        except on an interrupt, or on an embedded Ray the pool started itself (its objects
-        end with it)."""
+        On a Ray this process was connected to before the pool, the refs outlive the pool:
+        closing it waits for the calls still running (at most ``backends.SETTLE_SECONDS``;
+        a ``RuntimeWarning`` names those it gives up on), except on an interrupt. A pool
+        that connected itself (an embedded Ray, or a cluster's address) disconnects as it
+        closes, and the objects this driver owns, these refs among them, end with the
+        connection (a ``RuntimeWarning`` says so): connect first (``ray.init``) to keep them."""
         options = CodecOptions.parse(codec_options, base=options)
         return self._by_reference(QuantWorker.encode_blocks, list(refs), lambda keys, batch: (options, keys, *batch))
 
@@ -338,6 +363,7 @@ class QuantPool:
         backend = self._running
         if not refs:
             return []
+        self._replace_idle_dead()  # else half of the refs would go to a worker killed since the last call
         check = _signature_check(method)
         sizes = _object_sizes(refs)
         known = sum(size for size in sizes if size is not None)
@@ -351,10 +377,16 @@ class QuantPool:
             w = min(range(self.num_workers), key=load.__getitem__)
             load[w] += sum(size for _, _, size in batch)
             calls = backend.submit_each(w, method, args, len(batch))
-            self._by_reference_calls.append(calls[0])  # a call's results are made together
+            self._by_reference_calls.append((calls[0], w))  # a call's results are made together
             results += calls
-        self._by_reference_calls = self._unfinished(self._by_reference_calls, 0)  # so that the list stays short
+        self._handed_out_refs = True
         return results
+
+    def _by_reference_workers(self) -> list[int]:
+        """The workers of the by-reference calls still running (the list is kept to them)."""
+        running = set(self._unfinished([call for call, _ in self._by_reference_calls], 0))
+        self._by_reference_calls = [(call, w) for call, w in self._by_reference_calls if call in running]
+        return [w for _, w in self._by_reference_calls]
 
     def _unfinished(self, refs: list, timeout: float) -> list:
         if not refs:  # and inline, where there are none, Ray is never imported
@@ -368,7 +400,7 @@ class QuantPool:
         """Let the by-reference calls still running end (at most ``SETTLE_SECONDS``) before
         the actors are killed: their refs stay readable after the pool closes. Those still
         running then fail (``ActorDiedError`` on ``ray.get``), said here."""
-        calls, self._by_reference_calls = self._by_reference_calls, []
+        calls, self._by_reference_calls = [call for call, _ in self._by_reference_calls], []
         if not calls:
             return
         try:

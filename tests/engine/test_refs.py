@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -79,15 +83,20 @@ def test_batched_refs_of_mixed_sizes_keep_order_and_the_codec_bits(ray_session, 
     monkeypatch.setattr(
         RayBackend, "submit_each", lambda self, w, m, args, n: calls.append(n) or submit_each(self, w, m, args, n)
     )
-    real_get, gets = ray.get, []
-    monkeypatch.setattr(ray, "get", lambda *a, **k: gets.append(a) or real_get(*a, **k))
+    real_get, fetched = ray.get, []  # every ref the driver ray.get s (the pool asks its workers' info: not data)
+
+    def recording_get(refs, *args, **kwargs):
+        fetched.extend(refs if isinstance(refs, list) else [refs])
+        return real_get(refs, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "get", recording_get)
     options = CodecOptions(scaling="token", scale_choice="amax")
     with QuantPool(num_workers=2, cpus_per_worker=0.5) as pool:
         frames = pool.encode_refs(inputs, options)
         blocks = pool.decode_refs(frames)
         assert pool.encode_refs([]) == [] and pool.decode_refs([]) == []
         ray.wait(blocks, num_returns=len(blocks), fetch_local=False)  # before the workers stop
-    assert gets == [], "the driver fetched what it was only to pass on"
+    assert not set(fetched) & {*inputs, *frames, *blocks}, "the driver fetched what it was only to pass on"
     assert sum(calls) == 2 * len(inputs) and len(calls) < 2 * len(inputs) and max(calls) > 1, calls
     monkeypatch.setattr(ray, "get", real_get)
     codec = Fp8Codec(options=options)
@@ -136,6 +145,58 @@ def test_a_worker_lost_fails_the_refs_it_held(ray_session, tmp_path):
         for frame in frames:
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(frame, timeout=60)
+
+
+def test_a_worker_killed_while_idle_is_replaced_before_the_next_call(ray_session):
+    """Only map's calls replaced a dead worker: every later encode_refs sent half its refs
+    to the dead one (ActorDiedError), and worker_info (which decompress asks) raised Ray's
+    own error."""
+    ray = ray_session
+    block = Block.of("b", torch.full((4, 64), 1.5))
+    expected = bytes(Fp8Codec().encode(block.tensor()))
+    with QuantPool(num_workers=2, cpus_per_worker=0.5) as pool:
+        pids = [info.pid for info in pool.worker_info()]
+        os.kill(pids[0], 9)
+        psutil.wait_procs([psutil.Process(pids[0])], timeout=30)
+        frames = pool.encode_refs([ray.put(block) for _ in range(4)])
+        assert [bytes(ray.get(f, timeout=60)) for f in frames] == [expected] * 4 and pool.replaced == 1
+        os.kill(pool.worker_info()[1].pid, 9)  # worker_info replaces one found dead, too
+        time.sleep(1)
+        assert len({info.pid for info in pool.worker_info()} - set(pids)) == 2 and pool.replaced == 2
+
+
+def test_a_task_that_keeps_losing_its_worker_says_so_in_one_line(ray_session):
+    """The refusal carried Ray's whole ActorDiedError text (9 lines from fp8ray compress)."""
+    from fp8ray.errors import WorkerLostError
+
+    with QuantPool(num_workers=1, cpus_per_worker=0.5, max_attempts=1) as pool:
+        pid = pool.worker_info()[0].pid
+        os.kill(pid, 9)
+        psutil.wait_procs([psutil.Process(pid)], timeout=30)
+        with pytest.raises(WorkerLostError) as info:
+            pool.encode_many([torch.ones(4, 64)])
+    assert "\n" not in str(info.value) and str(info.value).startswith("task 0 (encode_batch) lost its worker 1 times")
+
+
+def test_a_pool_that_connected_itself_says_its_refs_end_with_it():
+    """The README said refs outlive a pool that joined a cluster itself; they end with its
+    connection (the driver owns them), so closing it says so."""
+    script = (
+        "import ray, torch, fp8ray\n"
+        "with fp8ray.QuantPool(num_workers=1, cpus_per_worker=0.5, address='local') as pool:\n"
+        "    frames = pool.encode_refs([ray.put(torch.ones(4, 64))])\n"
+        "    print(len(ray.get(frames[0])))\n"
+    )
+    ray_tmp = tempfile.mkdtemp(prefix="frf", dir="/tmp")  # short: Ray's socket paths are limited
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(Fp8Codec().encoded_size((4, 64), torch.float32))
+    assert "RuntimeWarning: fp8ray: this QuantPool connected to Ray itself and disconnects as it closes" in done.stderr
 
 
 def test_refs_handed_out_stay_readable_after_the_pool_closes(ray_session, tmp_path, monkeypatch):
