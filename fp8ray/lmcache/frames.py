@@ -194,7 +194,7 @@ class Fp8FrameDeserializer(_FramePair):
     """
 
     def _destination_tensors(self, dst) -> list[torch.Tensor | None]:
-        """``dst``'s tensors in order; for a group, ``None`` for a slot left out (one frame)."""
+        """``dst``'s tensors in order; for a group, one ``None`` for each slot left out (of one or more frames)."""
         if not is_group(dst):
             self._one_object()
             return list(kv_tensors(dst))
@@ -208,7 +208,7 @@ class Fp8FrameDeserializer(_FramePair):
         """Decode the frames at the start of ``src.tensor`` into ``dst``'s tensors.
 
         ``dst`` may be a group of objects (LMCache's ``MultiDeserializer``): a ``None``
-        slot is left untouched and its frame (one per slot) skipped. Raises
+        slot is left untouched and its frames skipped (:meth:`_placements`). Raises
         :class:`~fp8ray.errors.CorruptFrameError` for a corrupt or truncated frame and
         :class:`~fp8ray.errors.MismatchError` when a frame holds another dtype or shape
         than its tensor, before anything is written; a frame that fails its checksum
@@ -381,7 +381,7 @@ class Fp8FrameMultiSerializer(Fp8FrameSerializer):
 class Fp8FrameMultiDeserializer(Fp8FrameDeserializer):
     """:class:`Fp8FrameDeserializer` for groups of exactly ``group_size`` destination
     objects (LMCache's ``MultiDeserializer``): a ``None`` slot is left untouched, its
-    frame skipped (each slot is taken to hold one tensor when it is skipped)."""
+    frames skipped (a slot may hold several: see :meth:`Fp8FrameDeserializer._placements`)."""
 
     def __init__(self, options: CodecOptions | None = None, fp8_input: str = "refuse", group_size: int = 2):
         super().__init__(options, fp8_input, group_size)
