@@ -63,7 +63,7 @@ from ..io.restore import RESTORE_COLUMNS, SINGLE_FILE_METADATA_KEY, plan_restore
 from ..io.safetensors import FRAMES_BODY, FRAMES_MARK
 from ..io.store_source import scan_store_source
 from .pool import PoolSettings, QuantPool, check_pool, use_pool
-from .stores import check_store_restore, restored_serde
+from .stores import check_chunk_models, check_store_restore, restored_serde
 from .worker import QuantWorker
 
 Progress = Callable[[int], None]  # called with the number of blocks just finished
@@ -314,6 +314,8 @@ def compress_archive(
     lossless = archive.canonical_lossless(lossless)  # as the archive records it
     check_apart(source, destination)
     layout, refs = _scan_compressible(source, codec, strict, lmcache_layout, lmcache_plain_form)
+    if lmcache_layout is not None:  # a chunk's name records its model: the one recorded must be it
+        check_chunk_models([f.name for f in layout.files], made_for.model, source)
     compress_part = QuantWorker.compress_part if lmcache_layout is None else QuantWorker.compress_store_part
     parts = archive.plan_parts(refs, part_bytes)
     stamps = archive.source_stamps(source, layout)  # as the scan found the files: --resume compares them

@@ -50,7 +50,6 @@ from ..io.lmcache_store import (
     STORE_KIND,
     ChunkFile,
     Layout,
-    StoreScan,
     is_store_entry,
     parse_chunk_name,
     parse_layout,
@@ -166,15 +165,16 @@ def _nothing_to_convert(source: str, layout: Layout, target: str, chunks: list[C
     )
 
 
-def _check_models(scan: StoreScan, expect_model: str | None, source: str) -> None:
-    """Refuse a store holding a chunk file of a model other than ``expect_model``: the
-    model is what the chunk's name records (all a chunk records of its provenance)."""
+def check_chunk_models(names: list[str], expect_model: str | None, source: str) -> None:
+    """Refuse a store holding a chunk file (of these relative ``names``) of a model other
+    than ``expect_model``: the model is what the chunk's name records (all a chunk
+    records of its provenance)."""
     if expect_model is None:
         return
     expect = Provenance(model=expect_model)  # an empty or unprintable name is refused here
-    for chunk in scan.chunks:
-        model = parse_chunk_name(os.path.basename(chunk.name)).model
-        what = f"chunk file {printable(chunk.name)} of store {printable(source)}"
+    for name in names:
+        model = parse_chunk_name(os.path.basename(name)).model
+        what = f"chunk file {printable(name)} of store {printable(source)}"
         if not model or not model.isprintable():  # the store's fault, not the option's: Provenance would blame it
             raise MismatchError(
                 f"{what} was made for a model whose name is not printable ({printable(repr(model))}), "
@@ -234,7 +234,7 @@ def convert_store(
     src, dst = _check_paths(source, destination, overwrite, parents)
     replace = overwrite and os.path.lexists(dst)  # only a store there now: one made meanwhile is kept
     scan = scan_store(src, layout, plain_form)
-    _check_models(scan, expect_model, source)
+    check_chunk_models([c.name for c in scan.chunks], expect_model, source)
     wanted = header_for(options, layout.dtype, layout.shape)  # a frame in other options is converted: the serde would refuse it
     todo = [c for c in scan.chunks if c.form != target or (target == FRAMES and c.header != wanted)]
     if not todo:

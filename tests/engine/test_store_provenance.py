@@ -53,6 +53,20 @@ def test_a_chunk_of_another_model_is_refused_by_name(tmp_path):
     compress_store(str(tmp_path / "store"), str(tmp_path / "any"), LAYOUT, **INLINE)  # nothing expected: no check
 
 
+def test_an_archive_of_a_store_records_only_the_model_its_chunks_name(tmp_path):
+    """compress --lmcache-layout --model M recorded M whatever the chunks' names said, so
+    that decompress --expect-model M gave back chunks of other models."""
+    from fp8ray.engine.archives import compress_archive
+
+    names = write_store(tmp_path / "store", [LLAMA, QWEN])
+    with pytest.raises(MismatchError, match=rf"{names[1]}.* was made for model {QWEN!r}, expected model {LLAMA!r}"):
+        compress_archive(
+            str(tmp_path / "store"), str(tmp_path / "a"), lmcache_layout=LAYOUT, provenance={"model": LLAMA}, **INLINE
+        )
+    assert not (tmp_path / "a").exists()
+    compress_archive(str(tmp_path / "store"), str(tmp_path / "b"), lmcache_layout=LAYOUT, **INLINE)  # none recorded
+
+
 def test_an_empty_model_name_is_refused(tmp_path):
     write_store(tmp_path / "store", [LLAMA])
     with pytest.raises(InvalidOptionError) as err:
