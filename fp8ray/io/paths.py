@@ -213,8 +213,9 @@ def printable(name: str) -> str:
 
 
 def is_utf8(name: str) -> bool:
-    """Whether a file name (as Python decodes the filesystem's bytes) is UTF-8: an archive
-    records names in UTF-8 JSON, and a name that is not cannot be recorded or written back."""
+    """Whether a string encodes to UTF-8: not a file name holding bytes that are not (as
+    Python decodes them, escaped), which an archive's UTF-8 JSON cannot record, nor JSON
+    text holding a lone surrogate (``\\ud800``)."""
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:

@@ -33,7 +33,7 @@ import pyarrow.fs as pafs
 
 from ..codec.formats import DTYPE_ITEMSIZES
 from ..errors import MismatchError, SafetensorsFormatError, SourceError
-from .paths import CompleteOrNothing, delete_quietly, move_into_place, os_reason, redact, resolve, temporary_name
+from .paths import CompleteOrNothing, delete_quietly, is_utf8, move_into_place, os_reason, redact, resolve, temporary_name
 
 MAX_HEADER = 100_000_000  # the safetensors package's limit on the JSON header
 MAX_USIZE = 2**64 - 1
@@ -183,9 +183,7 @@ def _valid_columns(header: dict, data_size: int, allowed: tuple[str, ...]) -> He
     nbytes = list(map(operator.mul, map(math.prod, shapes), map(ITEMSIZES.__getitem__, dtypes)))
     if list(map(operator.sub, ends, begins)) != nbytes:
         return None
-    try:
-        "".join(keys).encode("utf-8")
-    except UnicodeEncodeError:
+    if not is_utf8("".join(keys)):
         return None
     order = sorted(range(len(keys)), key=list(zip(begins, ends)).__getitem__)
     begins, ends = [begins[i] for i in order], [ends[i] for i in order]
@@ -227,11 +225,8 @@ def _no_constant(name: str):
 
 def _check_text(metadata: dict, what: str, field: str) -> None:
     """Strings must be valid Unicode (JSON lets ``\\ud800`` through; UTF-8 does not)."""
-    for text in (*metadata, *metadata.values()):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise SafetensorsFormatError(f"{what}: {field} holds a string that is not valid Unicode", field) from None
+    if not all(map(is_utf8, (*metadata, *metadata.values()))):
+        raise SafetensorsFormatError(f"{what}: {field} holds a string that is not valid Unicode", field)
 
 
 def _is_usize(value) -> bool:
