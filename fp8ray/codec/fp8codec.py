@@ -96,12 +96,12 @@ def _byte_buffer(out: np.ndarray | None, nbytes: int) -> np.ndarray:
     return out
 
 
-def _apart(out: np.ndarray, source: np.ndarray, given) -> np.ndarray:
-    """``source``, refused where ``out`` (the caller's ``given`` buffer; a fresh one shares
-    nothing) shares its memory: the header is written before the codes are read, so the
-    frame would hold what it overwrote."""
+def _apart(out: np.ndarray, source: np.ndarray, given, what: str = "the tensor being encoded", own: str = "a buffer"):
+    """``source``, refused where ``out`` (the caller's ``given`` output; a fresh one shares
+    nothing) shares its memory: an encode writes the header before it reads the codes, a
+    decode its output as it reads the frame, so either would read what it overwrote."""
     if given is not None and np.may_share_memory(out, source):
-        raise BadInputError("out overlaps the tensor being encoded: give a buffer of its own", field="out")
+        raise BadInputError(f"out overlaps {what}: give {own} of its own", field="out")
     return source
 
 
@@ -357,10 +357,9 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
         result = host if target.type == "cpu" else host.to(target)
     elif target.type == "cpu":
         result = out if out is not None and out.is_contiguous() else torch.empty(header.shape, dtype=dtype)
-        target_array = cpu.kernel_array(result)
-        if result is out and np.may_share_memory(buf, target_array):
-            raise BadInputError("out overlaps the frame being decoded: give a tensor of its own", field="out")
-        _decode_host(buf, header, scales, codes, target_array, threads)
+        elements = cpu.kernel_array(result)
+        _apart(elements, buf, out if result is out else None, "the frame being decoded", "a tensor")
+        _decode_host(buf, header, scales, codes, elements, threads)
     else:
         from . import reference
         from .devices import host_tensor
@@ -427,8 +426,7 @@ def decode_raw(data, dtype: str, shape, out: np.ndarray | None = None, *, thread
     if (header.dtype, header.shape) != (dtype, shape):
         _refuse(buf, header, f"expected a {shape} {dtype} tensor", "shape" if header.dtype == dtype else "dtype")
     given, out = out, _byte_buffer(out, header.numel * DTYPE_ITEMSIZES[dtype])
-    if given is not None and np.may_share_memory(out, buf):
-        raise BadInputError("out overlaps the frame being decoded: give a buffer of its own", field="out")
+    _apart(out, buf, given, "the frame being decoded")
     if header.stored:
         _copy_stored(buf, header, codes, out, threads)
     else:
