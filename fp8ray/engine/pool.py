@@ -323,7 +323,7 @@ class QuantPool:
 
     def encode_refs(self, refs: Iterable, options: CodecOptions | None = None, **codec_options) -> list:
         """Encode blocks that are already in Ray's object store: ``refs`` are ``ObjectRef`` s
-        of tensors or :class:`~fp8ray.codec.blocks.Block` s (from upstream Ray tasks);
+        of tensors, numpy arrays or :class:`~fp8ray.codec.blocks.Block` s (from upstream Ray tasks);
         returns an ``ObjectRef`` of each frame (a uint8 array), in order, at once. The
         driver never fetches the bytes: each worker pulls its inputs from the object store
         (a Block's bytes are read in place; a tensor, as Ray deserialises it: a copy) and

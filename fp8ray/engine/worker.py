@@ -35,6 +35,7 @@ from ..codec.blocks import (
     read_headers,
 )
 from ..codec.devices import choose_device, host_buffer, is_tensor
+from ..codec.fp8codec import is_array, source_tensor
 from ..codec.formats import DTYPE_ITEMSIZES
 from ..codec.runs import RUN_BYTES
 from ..errors import BlockError, MismatchError
@@ -187,10 +188,16 @@ class QuantWorker:
         they lie (a view of the object store); a tensor is what Ray deserialised."""
         named = []
         for key, block in zip(keys, blocks, strict=True):
-            if is_tensor(block):
-                block = Block.of(key, block)
+            if is_tensor(block) or is_array(block):
+                try:  # what Fp8Codec.encode refuses (a meta tensor, a big-endian array), refused alike
+                    block = Block.of(key, source_tensor(block))
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"block {key!r}: {exc}") from None
             elif not isinstance(block, Block):
-                raise BlockError(f"block {key!r}: expected a Block or a torch.Tensor, got {type(block).__name__}", field=key)
+                raise BlockError(
+                    f"block {key!r}: expected a Block, a torch.Tensor or a numpy array, got {type(block).__name__}",
+                    field=key,
+                )
             named.append(block)
         return _one_result_each([f for f, _ in self.encode_batch(named, options)])
 

@@ -61,6 +61,13 @@ def test_frames_by_reference_equal_the_local_codec_and_never_reach_the_driver(ra
         [bad] = pool.encode_refs([ray.put(torch.tensor([1.0, float("nan")]))])
         with pytest.raises(ValueError, match=r"block '0': 1 non-finite value"):
             ray.get(bad)
+        # A numpy array (Ray hands it over read-only) is encoded as Fp8Codec.encode takes it;
+        # one it cannot take is refused by its key, the reason named.
+        array = np.linspace(-3, 3, 512, dtype=np.float32).reshape(8, 64)
+        frame, swapped = pool.encode_refs([ray.put(array), ray.put(array.astype(">f4"))])
+        assert ray.get(frame).tobytes() == bytes(Fp8Codec().encode(array))
+        with pytest.raises(TypeError, match=r"block '1': array dtype >f4 is not in this machine's byte order"):
+            ray.get(swapped)
 
 
 def test_refs_need_ray_workers():
