@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 
@@ -46,6 +47,8 @@ def connect_ray(address: str | None, num_cpus: int | None, *, inline_possible: b
     """
     global _started_dir, _before
     if ray.is_initialized():
+        if address is not None:
+            _check_connected_to(address)
         return False
     address = address or os.environ.get("RAY_ADDRESS") or LOCAL
     where = " (RAY_ADDRESS)" if address == os.environ.get("RAY_ADDRESS") else ""  # a pool's default is it too
@@ -101,6 +104,43 @@ def connect_ray(address: str | None, num_cpus: int | None, *, inline_possible: b
         signal.raise_signal(held[0])  # the caller's handler runs now (SIGINT: KeyboardInterrupt)
         raise KeyboardInterrupt  # a handler that returned: still, Ray is not connected
     return True
+
+
+def _check_connected_to(address: str) -> None:
+    """Refuse an ``address`` other than the Ray this process is already connected to: a
+    process holds one Ray connection, and work sent silently to another cluster than the
+    one named is not what was asked. ``auto`` and a Ray client's ``ray://`` are Ray's to
+    resolve (not compared); a ``host:port`` is the same where its port is and its host is
+    the same machine (a name, ``localhost`` and the node's own IP all are)."""
+    connected = ray.get_runtime_context().gcs_address
+    if address in ("auto", connected) or address.startswith("ray://"):
+        return
+    given, have = endpoint(address), endpoint(connected)
+    same_port = address != LOCAL and given is not None and have is not None and given[1] == have[1]
+    if same_port and _machine(given[0]) & _machine(have[0]):
+        return
+    wanted = "an embedded Ray" if address == LOCAL else f"Ray at {address}"
+    raise InvalidOptionError(
+        f"this process is already connected to Ray at {connected}, and one process holds one connection: "
+        f"{wanted} was asked for; give no address to use the one connected, or call ray.shutdown() first",
+        field="address",
+    )
+
+
+def _machine(host: str) -> set[str]:
+    """The addresses ``host`` stands for, this machine's all together where it is this
+    machine (a loopback address, its name, the node IP Ray chose), else its own IPs."""
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return {host}
+    here = {"127.0.0.1", "::1", ray.util.get_node_ip_address()}
+    try:
+        here |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        pass
+    loopback = {ip for ip in ips if ip.startswith("127.") or ip == "::1"}
+    return here | ips if loopback or ips & here else ips
 
 
 def _init_holding_sigterm(held: list[int], **kwargs) -> None:

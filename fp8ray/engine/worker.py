@@ -35,8 +35,8 @@ from ..codec.blocks import (
     read_headers,
 )
 from ..codec.devices import choose_device, host_buffer, is_tensor
-from ..codec.fp8codec import is_array, source_tensor
 from ..codec.formats import DTYPE_ITEMSIZES
+from ..codec.fp8codec import is_array, source_tensor
 from ..codec.runs import RUN_BYTES
 from ..errors import BlockError, MismatchError
 from ..io import archive, part_checks

@@ -294,3 +294,23 @@ def test_a_sigterm_inside_ray_init_is_held_as_any_other(ray_tmp):
     result = subprocess.run([sys.executable, "-c", code], env=env_for(ray_tmp), capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout) == (0, f"held [{int(signal.SIGTERM)}] False False\n"), result.stderr[-3000:]
     assert os.listdir(ray_tmp) == []  # the embedded Ray's own directory went with it
+
+
+def test_a_process_connected_to_ray_refuses_another_address(ray_session):
+    """A process holds one Ray connection: an address naming another Ray is refused, not
+    silently taken for the one connected; the connected one, by any name of this machine
+    or by no address at all, is joined."""
+    from fp8ray import QuantPool
+    from fp8ray.errors import InvalidOptionError
+
+    connected = ray_session.get_runtime_context().gcs_address
+    port = int(connected.rpartition(":")[2])
+    for same in (None, connected, f"127.0.0.1:{port}", f"localhost:{port}", "auto"):
+        with QuantPool(num_workers=1, cpus_per_worker=0.25, address=same) as pool:
+            assert pool.worker_info()[0].device == "cpu", same
+    other = free_port()
+    for asked, named in (("local", "an embedded Ray"), (f"127.0.0.1:{other}", f"Ray at 127.0.0.1:{other}")):
+        with pytest.raises(InvalidOptionError, match=f"already connected to Ray at {connected}.*{named} was asked for"):
+            with QuantPool(num_workers=1, cpus_per_worker=0.25, address=asked):
+                pass
+    assert ray_session.is_initialized()
