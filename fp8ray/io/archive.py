@@ -89,6 +89,10 @@ SCHEMA = pa.schema(
     ]
 )
 METADATA_COLUMNS = [name for name in SCHEMA.names if name != "frame"]
+# What pyarrow's writer options name: a column's leaf ("shape.list.element"). A codec or
+# dictionary given for "shape" itself applies to nothing (parts before 2026-12-06 hold
+# its values plain).
+METADATA_LEAVES = [f"{name}.list.element" if pa.types.is_list(SCHEMA.field(name).type) else name for name in METADATA_COLUMNS]
 
 SIDECAR_PREFIX, SIDECAR_SUFFIX = "_part-", ".json"
 
@@ -294,11 +298,11 @@ def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, 
     with pq.ParquetWriter(
         sink,
         SCHEMA,
-        compression={name: (codec if name == "frame" else "zstd") for name in SCHEMA.names},
+        compression={"frame": codec, **dict.fromkeys(METADATA_LEAVES, "zstd")},
         compression_level={"frame": level} if level is not None else None,
         write_statistics=["key", "raw_bytes", "frame_bytes"],
         # Frames are unique: a dictionary would only hash them all before giving up.
-        use_dictionary=METADATA_COLUMNS,
+        use_dictionary=METADATA_LEAVES,
     ) as writer:
         start = 0
         for rows_in_group in row_groups(rows["frame_bytes"]) or [0]:

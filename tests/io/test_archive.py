@@ -94,7 +94,15 @@ def test_a_part_is_written_described_and_checked(tmp_path):
         assert torch.equal(decode(f), decode(codec.encode(t)))
     # Plain Parquet: readable without fp8ray.
     assert pq.read_table(tmp_path / info.name).schema.names == archive.SCHEMA.names
-    assert pq.ParquetFile(tmp_path / info.name).metadata.num_row_groups == 1
+    metadata = pq.ParquetFile(tmp_path / info.name).metadata
+    assert metadata.num_row_groups == 1
+    # Every column chunk compressed, shape's list values too (pyarrow names their leaf).
+    chunks = [metadata.row_group(0).column(i) for i in range(metadata.num_columns)]
+    assert {c.path_in_schema: c.compression for c in chunks} == {
+        **dict.fromkeys(archive.METADATA_LEAVES, "ZSTD"),
+        "frame": "UNCOMPRESSED",
+    }
+    assert "shape.list.element" in archive.METADATA_LEAVES
     # The same rows give the same bytes.
     again = archive.write_part(FS, str(tmp_path), 8, rows)
     assert (again.crc32c, again.file_bytes) == (info.crc32c, info.file_bytes)
