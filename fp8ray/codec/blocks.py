@@ -98,6 +98,26 @@ def dtype_name(t) -> str:
     return formats.DTYPE_NAMES[t.dtype]
 
 
+def frames_buffer(blocks: Sequence[BlockSpec], sizes: list[int], make: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
+    """A buffer for the frames of ``blocks`` end to end (``sizes``: :func:`frame_sizes`),
+    made by ``make(nbytes)`` (a new array by default; a worker's reused one). One larger
+    than this process can allocate (an empty tensor's frame still holds a scale per row:
+    ``[2**40, 0]`` under token scaling, 2 TiB) is refused naming the largest block, as
+    :meth:`Fp8Codec.encode` refuses it, not with numpy's MemoryError."""
+    try:
+        return (make or _new_bytes)(sum(sizes))
+    except MemoryError:
+        largest = max(range(len(sizes)), key=sizes.__getitem__)
+        key = blocks[largest].key
+        raise BadInputError(
+            f"block {key!r}: its frame needs {sizes[largest]} bytes, more than this process can allocate", field=key
+        ) from None
+
+
+def _new_bytes(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, np.uint8)
+
+
 def frame_sizes(codec: Fp8Codec, blocks: Sequence[BlockSpec]) -> list[int]:
     """The exact frame size of each block (anything with ``key``, ``dtype`` and ``shape``)."""
     sizes = []

@@ -125,16 +125,23 @@ def tensor_to_bytes(t) -> np.ndarray:
     tensor is contiguous; a conjugate or negative view's values, not its stored bits)."""
     import torch  # loaded already: the caller has a tensor
 
-    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy()
+    flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:  # torch counts one element contiguous whatever its stride
+        flat = flat.clone(memory_format=torch.contiguous_format)  # and a view of its bytes needs stride 1
+    return flat.view(torch.uint8).numpy()
 
 
 def kernel_array(t) -> np.ndarray:
     """A numpy view of a contiguous CPU bf16/fp16/fp32 tensor, its shape kept, holding its
-    elements as the kernels take them (:data:`~fp8ray.codec.formats.KERNEL_TYPES`)."""
+    elements as the kernels take them (:data:`~fp8ray.codec.formats.KERNEL_TYPES`). Not of
+    a negative view (``t.is_neg()``, as ``x.conj().imag`` is): its memory holds the values'
+    negatives, so a reader resolves it first (``resolve_neg()``), a writer writes elsewhere."""
     import torch  # loaded already: the caller has a tensor
 
     from .formats import DTYPE_NAMES
 
+    if t.is_neg():  # torch's own error ("negative bit set") would name no cause
+        raise ValueError("kernel_array of a negative view: resolve_neg() it to read, or write into another tensor")
     flat = t.detach().reshape(-1)  # a tensor that requires grad (a Parameter): encoding takes no gradient
     if t.dtype in (torch.bfloat16, torch.float16):
         flat = flat.view(torch.int16)  # numpy has no bfloat16: the bits, of the same size

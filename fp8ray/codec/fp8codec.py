@@ -236,7 +236,7 @@ class Fp8Codec:
         if header.stored:
             frame.store_into(buf, header, _apart(buf, cpu.tensor_to_bytes(x.detach().cpu()), out))
         elif x.device.type == "cpu":
-            self._encode_host(_apart(buf, cpu.kernel_array(x.contiguous()), out), header, buf, threads)
+            self._encode_host(_apart(buf, cpu.kernel_array(x.resolve_neg().contiguous()), out), header, buf, threads)
         else:
             self._encode_on_device(x, header, buf, threads)
         return memoryview(buf)
@@ -356,7 +356,9 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
         _copy_stored(buf, header, codes, cpu.tensor_to_bytes(host), threads)
         result = host if target.type == "cpu" else host.to(target)
     elif target.type == "cpu":
-        result = out if out is not None and out.is_contiguous() else torch.empty(header.shape, dtype=dtype)
+        # A negative view (out.is_neg()) holds its values' negatives: decoded apart, then copied in.
+        direct = out is not None and out.is_contiguous() and not out.is_neg()
+        result = out if direct else torch.empty(header.shape, dtype=dtype)
         elements = cpu.kernel_array(result)
         _apart(elements, buf, out if result is out else None, "the frame being decoded", "a tensor")
         _decode_host(buf, header, scales, codes, elements, threads)

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from ..codec import frame
 from ..codec.blocks import BlockSpec, decode_into
-from ..errors import BadInputError, CorruptDataError, MismatchError, block_error
+from ..errors import BadInputError, CorruptDataError, InvalidOptionError, MismatchError, block_error
 from ..io import archive
 from ..io import columns as arrow_columns
 from . import batches
@@ -55,6 +55,8 @@ class Fp8Decoder:
 
     def __init__(self, *, device: str | None = None, threads: int | None = None, with_file: bool = False):
         self.device = choose_device(device)
+        if not isinstance(with_file, bool):  # "no" would be true
+            raise InvalidOptionError(f"with_file must be True or False, got {with_file!r}", field="with_file")
         self.with_file = with_file
         self.threads = check_threads(threads)
 

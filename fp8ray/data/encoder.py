@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..codec import CodecOptions, Fp8Codec
-from ..codec.blocks import Block, encode_into, frame_sizes
+from ..codec.blocks import Block, encode_into, frame_sizes, frames_buffer
 from ..errors import BadInputError
 from ..io import archive
 from ..io import columns as arrow_columns
@@ -77,7 +77,7 @@ class Fp8Encoder:
         # Frames are encoded end to end into one buffer that becomes the Arrow column
         # as it is, as a worker writes a part.
         sizes = frame_sizes(self.codec, blocks)
-        frames = np.empty(sum(sizes), dtype=np.uint8)
+        frames = frames_buffer(blocks, sizes)
         encode_into(self.codec, blocks, frames, sizes, device=self.device, threads=self.threads)
         rows = archive.part_rows(refs, self.options, sizes, archive.frame_column(frames, sizes))
         return arrow_columns.table(rows, archive.SCHEMA)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import ray
 
 from ..codec import devices
@@ -20,6 +21,6 @@ def check_threads(threads: int | None) -> int | None:
     to the CPUs given to ``map_batches`` so that actors on one node do not oversubscribe
     it. ``None`` leaves the default (``FP8RAY_NUM_THREADS``, else every CPU the process
     may use)."""
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1):
         raise InvalidOptionError(f"threads must be a positive integer or None, got {threads!r}", field="threads")
-    return threads
+    return None if threads is None else int(threads)

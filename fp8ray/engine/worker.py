@@ -32,6 +32,7 @@ from ..codec.blocks import (
     encode_data_into,
     encode_into,
     frame_sizes,
+    frames_buffer,
     read_headers,
 )
 from ..codec.devices import choose_device, host_buffer, is_tensor
@@ -162,7 +163,7 @@ class QuantWorker:
         """Encode ``blocks``; returns ``(frame, metadata)`` per block, in order."""
         codec = self._codec(options)
         sizes = frame_sizes(codec, blocks)
-        buffer = self._results_buffer(sum(sizes))
+        buffer = frames_buffer(blocks, sizes, self._results_buffer)
         encode_into(codec, blocks, buffer, sizes, device=self.device, threads=self.threads)
         return [
             (f, BlockMeta(b.key, b.dtype, b.shape, self.device, b.nbytes, size))
@@ -417,7 +418,7 @@ class QuantWorker:
 
         codec = self._codec(options)
         sizes = frame_sizes(codec, refs)
-        frames = np.empty(sum(sizes), dtype=np.uint8)
+        frames = frames_buffer(refs, sizes)
         encode_chunk_files(refs, codec, frames, sizes, self.threads)
         rows = archive.part_rows(refs, options, sizes, archive.frame_column(frames, sizes))
         fs, path = resolve(directory)

@@ -43,6 +43,11 @@ class Provenance:
         out); an unknown name raises :class:`InvalidOptionError` naming it."""
         if isinstance(given, Provenance):
             return given
+        if given is not None and not isinstance(given, Mapping):
+            raise InvalidOptionError(
+                f"provenance must be a mapping of some of {list(cls.names())} (or a Provenance), got {type(given).__name__}",
+                field="provenance",
+            )
         values = {k: v for k, v in dict(given or {}).items() if v is not None}
         for name in values:
             if name not in cls.names():

@@ -82,7 +82,7 @@ class Fp8QuantizationSerializer(_Fp8Serde):
         spans = _code_spans(byte_view(buffer, "dst"), [_castable(t) for t in tensors], ("dst", "src"), BadInputError)
         for given, (t, codes) in zip(tensors, spans):
             if t.device.type == "cpu" and codes.device.type == "cpu":
-                bad = cpu.quantize(cpu.kernel_array(t.contiguous()), self._fmt, "none", 0, codes.numpy(), None)
+                bad = cpu.quantize(cpu.kernel_array(t.resolve_neg().contiguous()), self._fmt, "none", 0, codes.numpy(), None)
             else:
                 ref_codes, _, bad = reference.quantize(t, self._fmt, "none", 0, self._keep_nonfinite)
                 codes.copy_(ref_codes.reshape(-1).to(codes.device))
@@ -111,7 +111,9 @@ class Fp8QuantizationDeserializer(_Fp8Serde):
         """Decode one fp8 byte per element of ``tensors``, from the start of ``buffer`` (a
         contiguous tensor of 1-byte elements), into them in turn."""
         for t, codes in _code_spans(byte_view(buffer, "src"), tensors, ("src", "dst"), CorruptDataError):
-            fast = t.dtype in DTYPES and t.device.type == "cpu" and codes.device.type == "cpu" and t.is_contiguous()
+            # A negative view (t.is_neg()) holds its values' negatives: torch's copy_ writes it.
+            fast = t.dtype in DTYPES and t.device.type == "cpu" and codes.device.type == "cpu"
+            fast = fast and t.is_contiguous() and not t.is_neg()
             if fast:
                 cpu.dequantize(codes.numpy(), None, self._fmt, "none", tuple(t.shape), 0, cpu.kernel_array(t))
             else:

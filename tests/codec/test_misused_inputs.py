@@ -10,6 +10,7 @@ import torch
 
 from fp8ray import Fp8Codec, decode
 from fp8ray.codec import fp8codec
+from fp8ray.codec.blocks import Block, frame_sizes, frames_buffer
 from fp8ray.errors import BadInputError, BlockError, InvalidOptionError
 
 DENSE = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -69,6 +70,22 @@ def test_a_result_too_large_to_allocate_is_named(monkeypatch):
     monkeypatch.setattr(fp8codec.np, "empty", refuse)
     with pytest.raises(BadInputError, match=r"^the result needs 2199023255588 bytes, more than this process can allocate$"):
         fp8codec._byte_buffer(None, 2199023255588)
+
+
+def test_a_batch_too_large_to_allocate_names_its_largest_block():
+    """The batch paths (encode_many, encode_refs, Ray Data's Fp8Encoder) put a batch's
+    frames in one buffer: one no process can allocate is refused by the key of the block
+    that needs it, as Fp8Codec.encode refuses it (numpy's MemoryError, naming none, before)."""
+    from fp8ray import QuantPool
+
+    codec = Fp8Codec(scaling="token")
+    blocks = [Block.of("small", torch.ones(3)), Block.of("huge", torch.empty(2**40, 0, dtype=torch.bfloat16))]
+    sizes = frame_sizes(codec, blocks)
+    refusal = r"^block 'huge': its frame needs 2199023255588 bytes, more than this process can allocate$"
+    with pytest.raises(BadInputError, match=refusal):
+        frames_buffer(blocks, sizes)
+    with QuantPool(num_workers=1, address="inline") as pool, pytest.raises(BadInputError, match=refusal.replace("huge", "1")):
+        pool.encode_many([blocks[0].tensor(), blocks[1].tensor()], scaling="token")
 
 
 def test_outputs_that_overlap_their_input_are_refused_before_anything_is_written():

@@ -10,7 +10,7 @@ import torch
 
 from fp8ray import CodecOptions, Fp8Codec, decode
 from fp8ray.codec import frame, runs
-from fp8ray.codec.blocks import Block, BlockSpec, decode_into, decode_rows_into, encode_into, frame_sizes
+from fp8ray.codec.blocks import Block, BlockSpec, decode_into, decode_rows_into, dtype_name, encode_into, frame_sizes
 from fp8ray.errors import BadInputError, CorruptFrameError, MismatchError, NonFiniteError
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -94,6 +94,29 @@ def test_rows_of_frames_decode_as_each_frame_alone(options, dtype):
         got = torch.from_numpy(raw[i * block.nbytes : (i + 1) * block.nbytes].copy()).view(alone.dtype).reshape(4, 64)
         assert torch.equal(got.view(torch.uint8), alone.view(torch.uint8)), block.key  # bits, NaN included
     assert not raw[-3:].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fp8", ["e4m3fn", "e5m2"])
+def test_nans_decode_to_the_same_bits_alone_and_in_a_run(fp8, dtype):
+    """A NaN among a block's last codes (past its whole vectors of 16, decoded one by one
+    alone) falls inside a vector when blocks of its shape are decoded as one run: either
+    way it is the canonical quiet NaN, so a frame's decoding does not depend on its batch."""
+    canonical = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}[dtype]
+    codec = Fp8Codec(fp8=fp8, scaling="none", nonfinite="keep")
+    x = torch.tensor([1.0, 2.0, -3.0, 4.0, float("nan")] * 4, dtype=dtype)[:19]  # NaNs at 4, 9, 14 (a vector) and 19 - 1
+    x[-1] = -float("nan")
+    frames = [(f"k{i}", np.frombuffer(bytes(codec.encode(x)), np.uint8)) for i in range(8)]
+    alone = decode(frames[0][1])
+    raw = np.zeros(8 * x.numel() * x.element_size(), np.uint8)
+    decode_into(frames, raw, [BlockSpec(key, dtype_name(x), tuple(x.shape)) for key, _ in frames], threads=2)
+    int_type = {4: torch.int32, 2: torch.int16}[x.element_size()]
+    in_run = torch.from_numpy(raw).view(int_type).reshape(8, -1)
+    nan = torch.isnan(x)
+    assert nan.sum() == 4
+    for bits in (alone.view(int_type), *in_run):
+        assert torch.equal(bits[~nan], x.view(int_type)[~nan])
+        assert (bits[nan].to(torch.int64) & (1 << 8 * x.element_size()) - 1 == canonical).all(), bits[nan]
 
 
 def test_rows_of_small_frames_are_decoded_as_one_run(monkeypatch):

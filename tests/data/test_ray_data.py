@@ -273,6 +273,9 @@ def test_options_and_constructor_arguments():
         Fp8Decoder(device="tpu")
     with pytest.raises(InvalidOptionError, match="threads"):
         Fp8Encoder(threads=0)
+    assert Fp8Encoder(threads=np.int64(2)).threads == 2  # as Fp8Codec.encode takes it
+    with pytest.raises(InvalidOptionError, match=r"with_file must be True or False, got 'no'"):
+        Fp8Decoder(with_file="no")  # a non-empty string would have been true
     if not torch.cuda.is_available():
         with pytest.raises(InvalidOptionError, match="no CUDA device"):
             Fp8Encoder(device="cuda")

@@ -100,6 +100,9 @@ def test_an_unknown_expectation_is_named(made):
     with pytest.raises(InvalidOptionError, match="'modle'") as err:
         fp8ray.open_archive(str(made), expect={"modle": "x"})
     assert err.value.field == "modle"
+    for not_a_mapping in ("model", ["model"], 5):  # dict() took a list of one letter for a field 'm'
+        with pytest.raises(InvalidOptionError, match=r"provenance must be a mapping of some of \['model'"):
+            fp8ray.open_archive(str(made), expect=not_a_mapping)
 
 
 @pytest.mark.parametrize("bad", [{"model": ""}, {"model": 3}, {"revision": "a\nb"}])

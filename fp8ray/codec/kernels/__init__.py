@@ -9,8 +9,8 @@ every selection is written so that LLVM turns it into a vector blend. Where the 
 them, the decode widens fp8 codes through its fp16 conversion (x86 F16C), narrows bf16
 outputs in one instruction (AVX-512 BF16) and takes the frame's CRC-32C in its loop (SSE
 4.2's ``crc32``); each is chosen when a kernel is compiled (for the CPU numba compiles
-for, ``NUMBA_CPU_NAME`` and ``NUMBA_CPU_FEATURES`` included), with the same bits, NaN
-payloads aside.
+for, ``NUMBA_CPU_NAME`` and ``NUMBA_CPU_FEATURES`` included), with the same bits: every
+NaN decodes to fp32's canonical quiet NaN (then bf16 0x7FC0, fp16 0x7E00) on every route.
 
 Every kernel is compiled with ``error_model="numpy"``: under numba's default ("python")
 each division checks for a zero divisor, and that per-element branch stops LLVM from

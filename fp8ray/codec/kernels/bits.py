@@ -273,11 +273,16 @@ def _fp8_code_bits(typingctx, q, v, p):
     return types.int32(q, v, p), codegen
 
 
+CANONICAL_NAN = 0x7FC00000  # fp32's positive quiet NaN
+
+
 def emit_fp8_to_f32(builder, code, fields):
     """IR: the fp32 value of fp8 codes (i8, scalar or vector), ``fields`` the values (of
     their shape) of :func:`decode_fields`. Normals by rebiasing the bits, subnormals by an
-    exact int-to-float product (no fp32 denormals, which are slow), inf/NaN by their
-    exponent."""
+    exact int-to-float product (no fp32 denormals, which are slow), inf by its exponent,
+    every NaN code as :data:`CANONICAL_NAN`, as :func:`emit_fp8_to_f32_by_half` gives it:
+    a frame's NaNs decode to the same bits whichever of the two converts them (a block's
+    last codes, decoded alone here, fall in a vector where blocks are decoded as a run)."""
     shift, rebias, exponent_mask, special_mask, mantissa_mask, subnormal_unit = fields
     c = _i32_constants(code.type)
     int_type, float_type = _int_like(code.type), _like(code.type, _F32)
@@ -291,10 +296,9 @@ def emit_fp8_to_f32(builder, code, fields):
     sub = builder.bitcast(builder.or_(builder.bitcast(sub, int_type), sign), float_type)
     is_special = builder.icmp_unsigned("==", builder.and_(mag, special_mask), special_mask)
     is_sub = builder.icmp_unsigned("==", builder.and_(mag, exponent_mask), c(0))
+    is_nan = builder.and_(is_special, builder.icmp_unsigned("!=", builder.and_(mag, mantissa_mask), c(0)))
+    special = builder.select(is_nan, builder.bitcast(c(CANONICAL_NAN), float_type), special)
     return builder.select(is_sub, sub, builder.select(is_special, special, normal))
-
-
-CANONICAL_NAN = 0x7FC00000  # fp32's positive quiet NaN
 
 
 def emit_fp8_to_f32_by_half(builder, codes, fmt: Fp8Format):
