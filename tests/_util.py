@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import socket
 from contextlib import ExitStack, contextmanager, redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import torch
 
 from fp8ray.codec.bound import bound_constants, element_bound, element_scales  # noqa: F401 (re-exported)
 from fp8ray.codec.formats import FORMATS
+from fp8ray.io import archive
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALINGS = ("none", "tensor", "channel", "token", "block")
@@ -230,3 +235,22 @@ def interrupted_main(args: list[str], delay: float) -> tuple[int, str, float]:
 def no_space(*_args, **_kwargs):
     """A stand-in for any write that fails as a full disk does, in pyarrow's words."""
     raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+
+def rewrite_column(path: Path, column: str, values: list) -> archive.Part:
+    """The part rewritten, as fp8ray writes parts, with ``column`` holding ``values``:
+    valid Parquet whose footer matches its bytes; returns its entry."""
+    table = pq.read_table(path)
+    rows = table.set_column(table.schema.get_field_index(column), column, pa.array(values, table.schema.field(column).type))
+    index = int(path.name[len("part-") : -len(".parquet")])
+    return archive.write_part(pafs.LocalFileSystem(), str(path.parent), index, rows.to_pydict())
+
+
+def record_entry(arch: Path, entry: archive.Part, *fields: str) -> None:
+    """Record these fields of a part's entry in the manifest, as if the damage matched them."""
+    path = arch / archive.MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    (written,) = [e for e in manifest["parts"] if e["name"] == entry.name]
+    written.update({name: getattr(entry, name) for name in fields})
+    manifest["archive_bytes"] = sum(e["file_bytes"] for e in manifest["parts"])  # the total follows its parts
+    path.write_text(json.dumps(manifest))

@@ -259,9 +259,11 @@ class QuantWorker:
             pieces = frames[part].row_arrays(first_row, len(batch)) if uniform else None
             if pieces is not None:
                 nbytes = math.prod(shape) * DTYPE_ITEMSIZES[dtype]
+                keys = [key for _, _, key, *_ in batch]
+                for rows in pieces:
+                    _check_holds(keys[0], dtype, shape, nbytes, rows.shape[1], where)
                 size = len(batch) * nbytes
                 buffer = self._decode_buffer(size)
-                keys = [key for _, _, key, *_ in batch]
                 done = 0
                 for rows in pieces:  # one a row group
                     stop = done + len(rows)
@@ -270,9 +272,11 @@ class QuantWorker:
                     done = stop
             else:
                 specs = [BlockSpec(key, dtype, shape) for _, _, key, dtype, shape in batch]
+                pairs = [(key, frames[part][row]) for _, row, key, *_ in batch]
+                for spec, (_, f) in zip(specs, pairs):
+                    _check_holds(spec.key, spec.dtype, spec.shape, spec.nbytes, len(f), where)
                 size = sum(spec.nbytes for spec in specs)
                 buffer = self._decode_buffer(size)
-                pairs = [(key, frames[part][row]) for _, row, key, *_ in batch]
                 decode_into(pairs, buffer, specs, threads=self.threads, where=where)
             left[part] -= len(batch)
             if not left[part]:
@@ -449,6 +453,19 @@ def _batches(blocks) -> Iterator[list[tuple]]:
         size += nbytes
     if batch:
         yield batch
+
+
+def _check_holds(key: str, dtype: str, shape: tuple, nbytes: int, frame_bytes: int, where: str) -> None:
+    """Refuse, before its bytes are allocated, a block whose row asks for more than its
+    frame can hold: a frame has at least a byte for every element (fp8 codes; a stored
+    dtype's own bytes), so at least a quarter of the tensor's bytes (a row edited, its
+    part's CRCs made again: the frame's header would say so, but only once decoded)."""
+    if nbytes > 4 * frame_bytes:
+        raise MismatchError(
+            f"block {key!r}{where}: its row says {list(shape)} {dtype} ({nbytes} bytes), more than its frame of "
+            f"{frame_bytes} bytes holds",
+            field=key,
+        )
 
 
 def _at_least(buffer: np.ndarray, size: int) -> np.ndarray:

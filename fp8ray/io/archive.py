@@ -32,7 +32,7 @@ from . import columns as arrow_columns
 from . import part_checks
 from .blocks import BlockRef, SourceLayout
 from .lossless import DEFAULT_LOSSLESS, LOSSLESS_CODECS  # noqa: F401 (DEFAULT_LOSSLESS re-exported)
-from .paths import is_temporary, os_reason, printable, redact, resolve, write_atomic
+from .paths import is_temporary, one_line, os_reason, printable, redact, resolve, write_atomic
 from .provenance import Provenance
 from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, STORED_FRAMES_VERSION, Manifest, Part, Plan
 
@@ -490,11 +490,15 @@ def part_problems(fs: pafs.FileSystem, directory: str, manifest: Manifest, uri: 
 
 
 def open_part(fs: pafs.FileSystem, path: str, info: Part, shown: str):
-    """The part's file open for reading; raises :func:`_missing`'s error if it is gone
-    (``shown``: the archive as messages name it)."""
+    """The part's file open for reading; raises :func:`_missing`'s error if it is gone,
+    and refuses one that is not a regular file (a FIFO would block the open, and signals
+    with it; a device, as ``/dev/zero``, never ends) (``shown``: the archive as messages name it)."""
     try:
-        if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        kind = fs.get_file_info(path).type
+        if kind == pafs.FileType.NotFound:
             raise _missing(info, shown)
+        if kind != pafs.FileType.File:
+            raise CorruptArchiveError(f"part {info.name} of {shown} is not a regular file ({kind.name.lower()})")
         return fs.open_input_file(path)
     except OSError as exc:
         raise CorruptArchiveError(f"part {info.name} of {shown} cannot be read: {os_reason(exc)}") from None
@@ -540,17 +544,21 @@ def read_part(
         except OSError as exc:
             if getattr(exc, "errno", None):
                 raise CorruptArchiveError(f"part {info.name} of {shown} cannot be read: {os_reason(exc)}") from None
-            raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
+            raise _unreadable(info, shown, exc) from None
         except (pa.ArrowException, KeyError, IndexError) as exc:
-            raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
+            raise _unreadable(info, shown, exc) from None
     _check_crc(info, crc32c.crc32c(memoryview(data)), data.size, shown)
     try:
         table = _parquet_table(pa.BufferReader(data), columns)
     except (OSError, pa.ArrowException, KeyError, IndexError) as exc:
-        raise CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({exc})") from None
+        raise _unreadable(info, shown, exc) from None
     part_checks.check_rows(table.num_rows, info, shown)  # an entry's count is not in the part's CRC
     part_checks.check_frames(table, info, shown)  # what the part's CRC cannot see: frames moved between rows
     return table
+
+
+def _unreadable(info: Part, shown: str, exc: BaseException) -> CorruptArchiveError:
+    return CorruptArchiveError(f"part {info.name} of {shown} is damaged: not readable as Parquet ({one_line(exc)})")
 
 
 def _parquet_table(source, columns: list[str] | None, metadata: pq.FileMetaData | None = None) -> pa.Table:
@@ -575,13 +583,21 @@ def _parquet_table(source, columns: list[str] | None, metadata: pq.FileMetaData 
 def read_metadata_columns(
     fs: pafs.FileSystem, directory: str, manifest: Manifest, columns: list[str], uri: str | None = None
 ) -> list[dict[str, list]]:
-    """For each part, the given small metadata columns (never the frames) as lists. A
-    version 1 archive has no ``file`` column: its blocks read as from one file, ``""``."""
+    """For each part, the given small metadata columns (never the frames) as lists,
+    checked against the part's ``columns_crc32c`` and row count where its entry records
+    them (every metadata column is then read: the CRC is of them all), so that nothing
+    is planned from a damaged part's columns. A version 1 archive has no ``file`` column:
+    its blocks read as from one file, ``""``."""
     wanted = [c for c in columns if c != "file" or manifest.version >= 2]
+    shown = _shown(directory, uri)
     out = []
     for part in manifest.parts:
-        table = read_part(fs, directory, part, columns=wanted, check=False, uri=uri)
-        cols = {name: table.column(name).to_pylist() for name in wanted}
+        read = METADATA_COLUMNS if part.columns_crc32c is not None else wanted
+        table = read_part(fs, directory, part, columns=read, check=False, uri=uri)
+        cols = {name: table.column(name).to_pylist() for name in read}
+        part_checks.check_rows(table.num_rows, part, shown)
+        part_checks.check_columns(cols, part, shown)
+        cols = {name: cols[name] for name in wanted}
         if "file" in columns and "file" not in cols:
             cols["file"] = [""] * table.num_rows
         out.append(cols)

@@ -368,6 +368,12 @@ def os_reason(exc: OSError) -> str:
     return str(exc)
 
 
+def one_line(exc: BaseException) -> str:
+    """An error's reason on one line (pyarrow's may run over several; an OSError's as
+    :func:`os_reason` gives it)."""
+    return " ".join((os_reason(exc) if isinstance(exc, OSError) else str(exc)).split())
+
+
 @dataclass(frozen=True)
 class TreeEntry:
     """One thing found under a directory. ``name`` is relative, with ``/`` between its

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,11 +36,12 @@ import pyarrow.parquet as pq
 
 from ..codec import decode
 from ..codec.blocks import Block
+from ..codec.formats import DTYPE_ITEMSIZES
 from ..codec.fp8codec import decode_raw
 from ..codec.frame import as_byte_array, parse_layout
 from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError
 from . import archive, part_checks
-from .paths import as_uri, os_reason, printable, redact, resolve
+from .paths import as_uri, one_line, printable, redact, resolve
 from .provenance import Provenance, check_provenance
 from .records import Manifest, Part
 
@@ -155,7 +157,7 @@ class ArchiveReader:
         except InvalidOptionError:
             raise  # the device asked for, not the archive
         except (ValueError, TypeError) as exc:
-            raise self._damaged(label, part, _one_line(exc)) from None
+            raise self._damaged(label, part, one_line(exc)) from None
 
     def block(self, key: str, file: str | None = None) -> Block:
         """:meth:`get` as a :class:`~fp8ray.codec.blocks.Block`: the tensor's raw
@@ -165,13 +167,18 @@ class ArchiveReader:
         try:
             return Block(key, header.dtype, header.shape, decode_raw(buf, header.dtype, header.shape))
         except (ValueError, TypeError) as exc:
-            raise self._damaged(label, part, _one_line(exc)) from None
+            raise self._damaged(label, part, one_line(exc)) from None
 
     def nbytes(self, key: str, file: str | None = None) -> int:
         """The size of block ``key``'s tensor, read without its frame (to refuse a block
         too large before reading it). Raises as :meth:`get` does."""
-        _, _, row = self._read_row(key, file, "raw_bytes")
-        return row["raw_bytes"]
+        label, part, row = self._read_row(key, file, "dtype", "shape", "raw_bytes")
+        # Read without the part's CRC (from its row group alone): the row must agree with itself.
+        dtype, shape, nbytes = row["dtype"], row["shape"], row["raw_bytes"]
+        sound = dtype in DTYPE_ITEMSIZES and isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
+        if not (sound and nbytes == math.prod(shape) * DTYPE_ITEMSIZES[dtype]):
+            raise self._damaged(label, part, f"its row says {dtype!r} {shape!r} of {nbytes!r} bytes")
+        return nbytes
 
     def _read_frame(self, key: str, file: str | None):
         """The block's label, part, frame and frame header; the header's dtype and shape
@@ -181,7 +188,7 @@ class ArchiveReader:
             buf = as_byte_array(memoryview(row["frame"]))
             header = parse_layout(buf)
         except (ValueError, TypeError) as exc:
-            raise self._damaged(label, part, _one_line(exc)) from None
+            raise self._damaged(label, part, one_line(exc)) from None
         if header.dtype != row["dtype"] or list(header.shape) != row["shape"]:
             raise self._damaged(
                 label, part, f"its row says {row['dtype']} {row['shape']}, its frame {header.dtype} {list(header.shape)}"
@@ -217,7 +224,7 @@ class ArchiveReader:
         except CorruptArchiveError as exc:
             raise CorruptArchiveError(f"block {label!r}: {exc}") from None
         except (OSError, pa.ArrowException, KeyError, IndexError) as exc:
-            raise self._damaged(label, part, f"not readable as Parquet ({_one_line(exc)})") from None
+            raise self._damaged(label, part, f"not readable as Parquet ({one_line(exc)})") from None
         if out["key"] != key or out.get("file", file) != file:
             held = f"{printable(str(out.get('file', file)))}:{printable(str(out['key']))}"
             raise self._damaged(label, part, f"its row holds block {held!r}")
@@ -284,7 +291,7 @@ class ArchiveReader:
                 raise
             except (OSError, pa.ArrowException, KeyError, IndexError, ValueError, TypeError) as exc:
                 raise CorruptArchiveError(
-                    f"part {part.name} of {self._shown} is damaged: not readable as Parquet ({_one_line(exc)})"
+                    f"part {part.name} of {self._shown} is damaged: not readable as Parquet ({one_line(exc)})"
                 ) from None
         return self._parts[i]
 
@@ -346,8 +353,3 @@ def _keys_in_footer(metadata: pq.FileMetaData) -> list[str] | None:
             return None
         keys.append(stats.min)
     return keys
-
-
-def _one_line(exc: BaseException) -> str:
-    """An error's reason on one line (pyarrow's may run over several)."""
-    return " ".join((os_reason(exc) if isinstance(exc, OSError) else str(exc)).split())

@@ -148,7 +148,10 @@ def _layout(obj: object, label: str) -> SourceLayout:
         raise CorruptArchiveError(f"{label}'s 'kind' is {kind!r}, not one of {sorted(SUFFIXES.values())} or {STORE_KIND!r}")
     if container not in CONTAINERS:
         raise CorruptArchiveError(f"{label}'s 'container' is {container!r}, not one of {list(CONTAINERS)}")
-    for i, entry in enumerate(field("files", list)):
+    files = field("files", list)
+    if container == "file" and len(files) != 1:  # decompress gives one file back, its name the output's
+        raise CorruptArchiveError(f"{label}'s 'container' is 'file', but it records {len(files)} files, not one")
+    for i, entry in enumerate(files):
         file = _Fields(entry, f"{label}, file {i}")
         checked_file_name(file("name", str), f"{label}, file {i}")  # no name writes outside an output
         file("blocks", int)
@@ -254,7 +257,7 @@ class Manifest:
                 raise CorruptArchiveError(
                     f"{label}'s 'error_bound' is {short_repr(bound)}, not its codec's ({options.label()}): {terms}"
                 )
-        layout = field("layout", dict, optional=True)
+        layout = field("layout", dict, optional=obj["version"] == 1)  # version 2 added it: without, one file back
         provenance = field("provenance", dict, optional=True)
         parts = field("parts", list)
         manifest = cls(

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate, groupby
 
+from ..codec.formats import DTYPE_ITEMSIZES
+from ..codec.frame import MAX_DIM, MAX_NDIM
 from ..errors import CorruptArchiveError, DestinationError
 from .blocks import RawBlockParquetWriter, SourceLayout, parquet_schema
 from .paths import printable
@@ -110,11 +113,7 @@ def plan_restore(
     offsets (a local filesystem), so a safetensors file from several parts is shared,
     one task per part (module docstring)."""
     layout = manifest.layout
-    rows = [
-        (part, row, file, key, dtype, tuple(shape))
-        for part, cols in enumerate(columns)
-        for row, (file, key, dtype, shape) in enumerate(zip(cols["file"], cols["key"], cols["dtype"], cols["shape"]))
-    ]
+    rows = _block_rows(manifest, columns)
     if single_file_name is not None or layout is None:
         seen: dict[str, str] = {}
         for _, _, file, key, _, _ in rows:
@@ -131,7 +130,7 @@ def plan_restore(
         blocks = tuple((p, r, key, dtype, shape) for p, r, _, key, dtype, shape in rows)
         container, files = "file", [RestoreFile(name, "safetensors", blocks, metadata)]
     else:
-        container, files = layout.container, _layout_files(layout, rows)
+        container, files = layout.container, _layout_files(layout, rows, manifest)
     shared: list[RestoreFile] = []
     pieces: list[RestoreFile | RestoreRange] = []
     for f in files:
@@ -143,6 +142,23 @@ def plan_restore(
     return RestorePlan(container, _group(pieces), tuple(shared))
 
 
+def _block_rows(manifest: Manifest, columns: list[dict[str, list]]) -> list[tuple]:
+    """``(part, row, file, key, dtype, shape)`` of every block, each value checked to be
+    one a block can have (a part's columns hand-edited with its CRCs recomputed, or of a
+    part written before they had a CRC, are not trusted to size what is written)."""
+    rows = []
+    for part, cols in enumerate(columns):
+        for row, (file, key, dtype, shape) in enumerate(zip(cols["file"], cols["key"], cols["dtype"], cols["shape"])):
+            sound = isinstance(file, str) and isinstance(key, str) and dtype in DTYPE_ITEMSIZES and isinstance(shape, list)
+            if not (sound and all(isinstance(n, int) and 0 <= n <= MAX_DIM for n in shape) and len(shape) <= MAX_NDIM):
+                raise CorruptArchiveError(
+                    f"part {manifest.parts[part].name}, row {row}: file {file!r}, key {key!r}, dtype {dtype!r}, shape "
+                    f"{shape!r}: not a block's (a dtype of {sorted(DTYPE_ITEMSIZES)}, at most {MAX_NDIM} sizes)"
+                )
+            rows.append((part, row, file, key, dtype, tuple(shape)))
+    return rows
+
+
 def _common_items(dicts: list[dict]) -> dict:
     """The items every one of ``dicts`` holds, with the same value."""
     if not dicts:
@@ -150,20 +166,45 @@ def _common_items(dicts: list[dict]) -> dict:
     return {k: v for k, v in dicts[0].items() if all(d.get(k) == v for d in dicts[1:])}
 
 
-def _layout_files(layout: SourceLayout, rows: list) -> list[RestoreFile]:
+def _layout_files(layout: SourceLayout, rows: list, manifest: Manifest) -> list[RestoreFile]:
     by_file: dict[str, list] = {checked_file_name(f.name): [] for f in layout.files}
+    _check_names_apart([f.name for f in layout.files])
     for part, row, file, key, dtype, shape in rows:
         if file not in by_file:
-            raise CorruptArchiveError(f"a block of part {part} names the file {str(file)!r}, which the manifest does not list")
+            raise CorruptArchiveError(
+                f"a block of part {manifest.parts[part].name} (row {row}) names the file {str(file)!r}, "
+                "which the manifest does not list"
+            )
         by_file[file].append((part, row, key, dtype, shape))
     out = []
     for f in layout.files:
-        if len(by_file[f.name]) != f.blocks:
-            raise CorruptArchiveError(
-                f"the manifest records {f.blocks} blocks of {printable(f.name)}, the parts hold {len(by_file[f.name])}"
-            )
-        out.append(RestoreFile(f.name, layout.kind, tuple(by_file[f.name]), dict(f.metadata), f.schema, f.name))
+        blocks = by_file[f.name]
+        if len(blocks) != f.blocks:
+            held = len(blocks)
+            raise CorruptArchiveError(f"the manifest records {f.blocks} blocks of {printable(f.name)}, the parts hold {held}")
+        keys = Counter(key for _, _, key, _, _ in blocks)
+        if layout.kind == "safetensors" and len(keys) != len(blocks):
+            twice = next(key for key, n in keys.items() if n > 1)
+            raise CorruptArchiveError(f"the parts hold block {twice!r} of {printable(f.name)} twice; safetensors keys are unique")
+        out.append(RestoreFile(f.name, layout.kind, tuple(blocks), dict(f.metadata), f.schema, f.name))
     return out
+
+
+def _check_names_apart(names: list[str]) -> None:
+    """Refuse a layout naming a file twice, or a file that is another's folder
+    (``a.safetensors`` and ``a.safetensors/b.safetensors``): no tree holds both."""
+    files = Counter(names)
+    if len(files) != len(names):
+        twice = next(name for name, n in files.items() if n > 1)
+        raise CorruptArchiveError(f"the manifest lists the file {printable(twice)} twice")
+    for name in names:
+        parts = name.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if folder in files:
+                raise CorruptArchiveError(
+                    f"the manifest lists {printable(folder)} as a file and as the folder of {printable(name)}"
+                )
 
 
 def _ranges(f: RestoreFile) -> list[RestoreRange]:

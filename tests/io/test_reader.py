@@ -13,12 +13,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
-from _util import moto_s3
+from _util import moto_s3, record_entry, rewrite_column
 from safetensors.torch import load_file, save_file
 
 import fp8ray
@@ -377,25 +376,6 @@ def test_a_damaged_footer_or_key_column_is_refused_naming_the_part(small, tmp_pa
         assert "\n" not in str(caught.value)
 
 
-def _rewrite(path: Path, column: str, values: list) -> archive.Part:
-    """The part rewritten, as fp8ray writes parts, with ``column`` holding ``values``:
-    valid Parquet whose footer matches its bytes; returns its entry."""
-    table = pq.read_table(path)
-    rows = table.set_column(table.schema.get_field_index(column), column, pa.array(values, table.schema.field(column).type))
-    index = int(path.name[len("part-") : -len(".parquet")])
-    return archive.write_part(pafs.LocalFileSystem(), str(path.parent), index, rows.to_pydict())
-
-
-def _record(arch: Path, entry: archive.Part, *fields: str) -> None:
-    """Record these fields of a part's entry in the manifest, as if the damage matched them."""
-    path = arch / archive.MANIFEST_NAME
-    manifest = json.loads(path.read_text())
-    (written,) = [e for e in manifest["parts"] if e["name"] == entry.name]
-    written.update({name: getattr(entry, name) for name in fields})
-    manifest["archive_bytes"] = sum(e["file_bytes"] for e in manifest["parts"])  # the total follows its parts
-    path.write_text(json.dumps(manifest))
-
-
 def test_keys_changed_with_a_matching_footer_are_refused(small, tmp_path):
     """A part whose keys were swapped but whose size, CRC and footer CRC were made to
     match: its columns' CRC refuses it."""
@@ -404,8 +384,8 @@ def test_keys_changed_with_a_matching_footer_are_refused(small, tmp_path):
     part = _widest(arch)
     path = tmp_path / "arch" / part.name
     keys = pq.read_table(path, columns=["key"]).column("key").to_pylist()
-    entry = _rewrite(path, "key", [keys[0], keys[2], keys[1], *keys[3:]])
-    _record(tmp_path / "arch", entry, "crc32c", "file_bytes", "footer_crc32c")
+    entry = rewrite_column(path, "key", [keys[0], keys[2], keys[1], *keys[3:]])
+    record_entry(tmp_path / "arch", entry, "crc32c", "file_bytes", "footer_crc32c")
     with pytest.raises(
         CorruptArchiveError, match=rf"^block '{keys[1]}': part {part.name} of .* is damaged: its metadata columns have crc32c"
     ):
@@ -421,8 +401,8 @@ def test_a_frame_in_another_blocks_row_is_refused_by_its_header(small, tmp_path)
     frames = pq.read_table(arch / part.name, columns=["frame"]).column("frame").to_pylist()
     for name in ("new", "before"):
         shutil.copytree(arch, tmp_path / name)
-        entry = _rewrite(tmp_path / name / part.name, "frame", [frames[0], frames[2], frames[1], *frames[3:]])
-        _record(tmp_path / name, entry, "crc32c", "file_bytes", "footer_crc32c", "columns_crc32c")
+        entry = rewrite_column(tmp_path / name / part.name, "frame", [frames[0], frames[2], frames[1], *frames[3:]])
+        record_entry(tmp_path / name, entry, "crc32c", "file_bytes", "footer_crc32c", "columns_crc32c")
         if name == "before":
             _as_written_before(tmp_path / name)
         reader = fp8ray.open_archive(str(tmp_path / name))
@@ -444,7 +424,7 @@ def test_an_older_archive_repeating_a_key_or_other_first_key_is_refused(small, t
         ("first", ["other", *keys[1:]], f"its keys run from 'other' to '{keys[-1]}', its entry records '{keys[0]}'"),
     ]:
         shutil.copytree(arch, tmp_path / name)
-        _record(tmp_path / name, _rewrite(tmp_path / name / part.name, "key", changed), "crc32c", "file_bytes")
+        record_entry(tmp_path / name, rewrite_column(tmp_path / name / part.name, "key", changed), "crc32c", "file_bytes")
         _as_written_before(tmp_path / name)
         reader = fp8ray.open_archive(str(tmp_path / name))
         with pytest.raises(CorruptArchiveError, match=f"part {part.name} of .* is damaged: {re.escape(message)}"):
@@ -483,8 +463,8 @@ def test_a_scale_too_large_for_its_codes_fails_verify_and_every_read(small, tmp_
     crafted[header.scales_offset : header.scales_offset + width] = struct.pack("<f", 3e38)[4 - width :]
     crafted[-4:] = struct.pack("<I", crc32c.crc32c(bytes(crafted[:-4])))
     frames[row] = bytes(crafted)
-    entry = _rewrite(path, "frame", frames)
-    _record(tmp_path / "arch", entry, "crc32c", "file_bytes", "footer_crc32c", "columns_crc32c", "frames_crc32c")
+    entry = rewrite_column(path, "frame", frames)
+    record_entry(tmp_path / "arch", entry, "crc32c", "file_bytes", "footer_crc32c", "columns_crc32c", "frames_crc32c")
     said = f"finite code\\(s\\) decode to inf in {good[keys[row]][0]}"
     report = verify_archive(str(tmp_path / "arch"), **INLINE)
     assert len(report.errors) == 1 and re.search(f"^block '{keys[row]}' in {part.name}: .*{said}", report.errors[0]), (
@@ -525,7 +505,9 @@ def test_decompress_names_the_source_file_of_a_damaged_block(tmp_path, part_byte
     damaged = bytearray(frames[row])
     damaged[-10] ^= 0x01  # a code: the frame's own CRC no longer holds
     frames[row] = bytes(damaged)
-    _record(tmp_path / "arch", _rewrite(path, "frame", frames), "crc32c", "file_bytes", "footer_crc32c", "frames_crc32c")
+    record_entry(
+        tmp_path / "arch", rewrite_column(path, "frame", frames), "crc32c", "file_bytes", "footer_crc32c", "frames_crc32c"
+    )
     with pytest.raises(CorruptFrameError, match=f"^block '{key}' of b.safetensors in {part.name}: .*checksum"):
         decompress_archive(str(tmp_path / "arch"), str(tmp_path / "out"), **INLINE)
     assert not (tmp_path / "out").exists()

@@ -1,0 +1,199 @@
+"""What decompress, verify and open_archive make of an archive damaged or edited by hand:
+each says what is wrong with the archive, in one line, before it writes anything, never
+a traceback of the values it was given (found by probing: a flipped byte in a part's
+metadata columns reached the writers before any CRC was checked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from _util import record_entry, rewrite_column
+from safetensors.torch import save_file
+
+import fp8ray
+from fp8ray.engine.archives import compress_archive, decompress_archive, verify_archive
+from fp8ray.errors import CorruptArchiveError, MismatchError
+from fp8ray.io import archive
+
+INLINE = fp8ray.PoolSettings(num_workers=1, address="inline")
+ALL_CRCS = ("crc32c", "file_bytes", "footer_crc32c", "columns_crc32c", "frames_crc32c")
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A source of two files (small blocks of three dtypes, one large block) and its
+    archive: part 0 holds a.safetensors' blocks, part 1 the large one."""
+    root = tmp_path_factory.mktemp("damaged")
+    g = torch.Generator().manual_seed(3)
+    (root / "src" / "sub").mkdir(parents=True)
+    save_file(
+        {
+            "layer0.k": torch.randn(4, 64, generator=g).bfloat16(),
+            "layer0.v": torch.randn(4, 64, generator=g).half(),
+            "layer1.k": torch.randn(3, 32, generator=g),
+            "empty": torch.empty(0, 8, dtype=torch.bfloat16),
+        },
+        str(root / "src" / "a.safetensors"),
+    )
+    save_file({"big": torch.randn(256, 1024, generator=g).bfloat16()}, str(root / "src" / "sub" / "b.safetensors"))
+    compress_archive(str(root / "src"), str(root / "arch"), part_bytes=4096, lossless="none", pool=INLINE)
+    return root / "arch"
+
+
+def _copy(made, tmp_path, name="arch"):
+    return shutil.copytree(made, tmp_path / name)
+
+
+def _metadata_byte_ranges(path) -> list[range]:
+    """Where a part's metadata columns (all but the frames) lie in its file."""
+    metadata = pq.ParquetFile(path).metadata
+    ranges = []
+    for g in range(metadata.num_row_groups):
+        for c in range(metadata.num_columns):
+            chunk = metadata.row_group(g).column(c)
+            if chunk.path_in_schema != "frame":
+                start = chunk.dictionary_page_offset or chunk.data_page_offset
+                ranges.append(range(start, start + chunk.total_compressed_size))
+    return ranges
+
+
+def test_a_flipped_byte_in_a_parts_metadata_columns_is_named_as_damage(made, tmp_path):
+    """Every such byte (of one part, one in three): decompress, to a tree or to one file,
+    says the part is damaged and writes nothing. The columns are checked against their
+    CRC as the driver reads them, before they size a file or key a header."""
+    arch = _copy(made, tmp_path)
+    path = arch / "part-00000.parquet"
+    original = path.read_bytes()
+    positions = [at for r in _metadata_byte_ranges(path) for at in r][::3]
+    assert len(positions) > 50
+    for i, at in enumerate(positions):
+        damaged = bytearray(original)
+        damaged[at] ^= 0x5A
+        path.write_bytes(damaged)
+        out = tmp_path / ("one.safetensors" if i % 2 else "tree")
+        with pytest.raises(CorruptArchiveError, match=r"part part-00000\.parquet of .* is damaged") as caught:
+            decompress_archive(str(arch), str(out), single_file=bool(i % 2), pool=INLINE)
+        assert "\n" not in str(caught.value), at
+        assert not out.exists(), at
+
+
+def test_edited_columns_with_their_crcs_made_again_are_refused_before_they_size_anything(made, tmp_path):
+    """Columns rewritten with every CRC recorded anew (by hand, or a tool): a dtype no
+    block has is refused as the plan is made; a shape far larger than its frame holds,
+    before its bytes are allocated (2 TiB: numpy's MemoryError before)."""
+    arch = _copy(made, tmp_path)
+    path = arch / "part-00000.parquet"
+    table = pq.read_table(path)
+    dtypes = table.column("dtype").to_pylist()
+    entry = rewrite_column(path, "dtype", ["bfloat17", *dtypes[1:]])
+    record_entry(arch, entry, *ALL_CRCS)
+    with pytest.raises(CorruptArchiveError, match=r"part part-00000\.parquet, row 0: .*dtype 'bfloat17'.*not a block's"):
+        decompress_archive(str(arch), str(tmp_path / "out"), pool=INLINE)
+    assert verify_archive(str(arch), pool=INLINE).errors  # what decompress refuses, verify reports
+    shutil.copy(made / "part-00000.parquet", path)
+    shapes = table.column("shape").to_pylist()
+    entry = rewrite_column(path, "shape", [[2**40], *shapes[1:]])
+    record_entry(arch, entry, *ALL_CRCS)
+    key, dtype = table.column("key")[0].as_py(), dtypes[0]
+    with pytest.raises(
+        MismatchError, match=rf"block '{key}' of a\.safetensors .*\[1099511627776\] {dtype} .*more than its frame"
+    ):
+        decompress_archive(str(arch), str(tmp_path / "out"), pool=INLINE)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_key_twice_in_one_file_fails_verify_as_it_fails_decompress(made, tmp_path):
+    arch = _copy(made, tmp_path)
+    path = arch / "part-00000.parquet"
+    keys = pq.read_table(path, columns=["key"]).column("key").to_pylist()
+    record_entry(arch, rewrite_column(path, "key", [keys[0], keys[0], *keys[2:]]), *ALL_CRCS)
+    twice = rf"the parts hold block '{keys[0]}' of a\.safetensors twice"
+    assert any(re.search(twice, e) for e in verify_archive(str(arch), pool=INLINE).errors)
+    with pytest.raises(CorruptArchiveError, match=twice):
+        decompress_archive(str(arch), str(tmp_path / "out"), pool=INLINE)
+
+
+def _edit_manifest(arch, edit) -> None:
+    path = arch / archive.MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "edit, refusal",
+    [
+        (lambda m: m["layout"].update(container="file"), r"'container' is 'file', but it records 2 files, not one"),
+        (lambda m: m.pop("layout"), r"'layout'"),  # version 2 and 3 record it: read without, as version 1, one file
+        (
+            lambda m: m["layout"]["files"][0].update(name="sub/b.safetensors/a.safetensors"),
+            r"lists sub/b\.safetensors as a file and as the folder of sub/b\.safetensors/a\.safetensors",
+        ),
+    ],
+    ids=["one-file-of-two", "no-layout", "file-and-folder"],
+)
+def test_a_manifest_edited_to_say_what_cannot_be_is_refused(made, tmp_path, edit, refusal):
+    arch = _copy(made, tmp_path)
+    _edit_manifest(arch, edit)
+    with pytest.raises(CorruptArchiveError, match=refusal):
+        decompress_archive(str(arch), str(tmp_path / "out"), pool=INLINE)
+    try:
+        errors = verify_archive(str(arch), pool=INLINE).errors
+    except CorruptArchiveError as exc:  # a manifest refused as it is read
+        errors = [str(exc)]
+    assert any(re.search(refusal, e) for e in errors), errors
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_size_read_without_the_parts_crc_must_agree_with_its_row(made, tmp_path):
+    """nbytes reads one row group (keys from the footer: one block a group): a raw_bytes
+    value that is not its dtype and shape's is damage, not a size (it returned 2**56 or
+    None, and the service answered 413 or 500)."""
+    arch = _copy(made, tmp_path)
+    path = arch / "part-00001.parquet"
+    assert fp8ray.open_archive(str(arch)).nbytes("big") == 256 * 1024 * 2
+    raw = pq.read_table(path, columns=["raw_bytes"]).column("raw_bytes").to_pylist()
+    entry = rewrite_column(path, "raw_bytes", [raw[0] + 2**56])
+    record_entry(arch, entry, "crc32c", "file_bytes", "footer_crc32c", "frames_crc32c")  # the columns' CRC is not read
+    with pytest.raises(CorruptArchiveError, match=r"part-00001\.parquet .* is damaged: its row says 'bfloat16' \[256, 1024\]"):
+        fp8ray.open_archive(str(arch)).nbytes("big")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_part_that_is_not_a_regular_file_is_refused_at_once(made, tmp_path, kind):
+    """A FIFO blocked every reader in open(), deaf to SIGINT and SIGTERM; /dev/zero read
+    forever. Run as the command, with a timeout: a regression fails, it does not hang."""
+    arch = _copy(made, tmp_path)
+    part = arch / "part-00000.parquet"
+    part.unlink()
+    if kind == "fifo":
+        os.mkfifo(part)
+    else:
+        part.symlink_to("/dev/zero")
+    fp8ray_cli = [sys.executable, "-m", "fp8ray.cli"]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    inline = ["--address", "inline"]
+    for argv in (
+        ["verify", arch, *inline],
+        ["decompress", arch, tmp_path / "out", *inline],
+        ["get", arch, "layer0.k", "-o", tmp_path / "g"],
+    ):
+        done = subprocess.run(
+            [*fp8ray_cli, *map(str, argv)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 1, (argv, done.stdout, done.stderr)
+        assert "part part-00000.parquet of" in done.stderr and "is not a regular file" in done.stderr, done.stderr
