@@ -31,7 +31,7 @@ from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError, Mis
 from . import columns as arrow_columns
 from . import part_checks
 from .blocks import BlockRef, SourceLayout
-from .lossless import DEFAULT_LOSSLESS, LOSSLESS_CODECS  # noqa: F401 (DEFAULT_LOSSLESS re-exported)
+from .lossless import DEFAULT_LOSSLESS, canonical_lossless, parse_lossless  # noqa: F401 (re-exported)
 from .paths import is_temporary, one_line, os_reason, printable, redact, resolve, write_atomic
 from .provenance import Provenance
 from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, STORED_FRAMES_VERSION, Manifest, Part, Plan
@@ -190,27 +190,6 @@ def changed_file(recorded: tuple, now: tuple, since: str = "since the interrupte
 
 def _stamp(stamp: tuple | None) -> str:
     return "absent" if stamp is None else f"{stamp[0]} bytes, modified at {stamp[1]} ns"
-
-
-def parse_lossless(spec: str) -> tuple[str, int | None]:
-    """``"zstd:3"`` -> ``("zstd", 3)``; ``"none"`` -> ``("none", None)``. A bad spec raises
-    :class:`InvalidOptionError` naming the codecs and levels."""
-    name, colon, level = spec.partition(":")
-    if name not in LOSSLESS_CODECS:
-        raise InvalidOptionError(f"unknown lossless codec {name!r}; expected one of {list(LOSSLESS_CODECS)}", field="lossless")
-    levels = LOSSLESS_CODECS[name]
-    if not colon:
-        return name, None
-    if levels is None or not (level.isascii() and level.isdigit()) or not levels[0] <= int(level) <= levels[1]:
-        allowed = f"levels {levels[0]} to {levels[1]}" if levels else "no level"
-        raise InvalidOptionError(f"lossless {spec!r}: {name} takes {allowed}", field="lossless")
-    return name, int(level)
-
-
-def canonical_lossless(spec: str) -> str:
-    """``spec`` as an archive records it, checked: ``"zstd:03"`` -> ``"zstd:3"``."""
-    name, level = parse_lossless(spec)
-    return name if level is None else f"{name}:{level}"
 
 
 def read_plan(fs: pafs.FileSystem, directory: str) -> Plan | None:

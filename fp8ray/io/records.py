@@ -20,6 +20,7 @@ from ..codec.options import CodecOptions
 from ..errors import CorruptArchiveError, InvalidOptionError
 from .blocks import BACKSLASH, SUFFIXES, SourceLayout, parquet_schema, raw_schema_problem
 from .lmcache_store import STORE_KIND
+from .lossless import canonical_lossless
 from .paths import is_temporary
 from .provenance import Provenance, short_repr
 
@@ -140,6 +141,19 @@ class Part:
         return out
 
 
+def _lossless(spec: str | None, label: str) -> str | None:
+    """The lossless stage a manifest records, checked to be one fp8ray writes (each part's
+    Parquet names its own codec: this is what the archive was asked to use)."""
+    if spec is None:
+        return None
+    try:
+        if canonical_lossless(spec) == spec:
+            return spec
+    except InvalidOptionError:
+        pass
+    raise CorruptArchiveError(f"{label}'s 'lossless' is {short_repr(spec)}, not a lossless stage as fp8ray records one")
+
+
 def _layout(obj: object, label: str) -> SourceLayout:
     """The source's layout a manifest records, checked field by field."""
     field = _Fields(obj, label)
@@ -237,7 +251,8 @@ class Manifest:
         label = f"{where}: the manifest"
         if not isinstance(obj, dict):
             raise CorruptArchiveError(f"{label} is a JSON {type(obj).__name__}, not an object")
-        if obj.get("format") != ARCHIVE_FORMAT or obj.get("version") not in READ_VERSIONS or isinstance(obj.get("version"), bool):
+        version = obj.get("version")
+        if obj.get("format") != ARCHIVE_FORMAT or type(version) is not int or version not in READ_VERSIONS:
             raise CorruptArchiveError(
                 f"{where}: format {obj.get('format')!r} version {obj.get('version')!r}, "
                 f"expected {ARCHIVE_FORMAT!r} version {' or '.join(map(str, READ_VERSIONS))}"
@@ -264,7 +279,7 @@ class Manifest:
             version=obj["version"],
             fp8ray_version=field("fp8ray_version", str),
             codec=codec,
-            lossless=field("lossless", str, optional=True),
+            lossless=_lossless(field("lossless", str, optional=True), label),
             error_bound=bound,
             layout=_layout(layout, f"{label}'s layout") if layout is not None else None,
             source=field("source", str),

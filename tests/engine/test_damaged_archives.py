@@ -197,3 +197,19 @@ def test_a_part_that_is_not_a_regular_file_is_refused_at_once(made, tmp_path, ki
         )
         assert done.returncode == 1, (argv, done.stdout, done.stderr)
         assert "part part-00000.parquet of" in done.stderr and "is not a regular file" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "edit, refusal",
+    [
+        (lambda m: m.update(lossless="bogus"), r"'lossless' is 'bogus', not a lossless stage"),
+        (lambda m: m.update(lossless="zstd:03"), r"'lossless' is 'zstd:03'"),  # recorded canonical: zstd:3
+        (lambda m: m.update(version=float(m["version"])), r"version 2\.0, expected"),
+    ],
+    ids=["unknown-lossless", "uncanonical-lossless", "float-version"],
+)
+def test_manifest_fields_read_as_fp8ray_writes_them(made, tmp_path, edit, refusal):
+    arch = _copy(made, tmp_path)
+    _edit_manifest(arch, edit)
+    with pytest.raises(CorruptArchiveError, match=refusal):
+        fp8ray.open_archive(str(arch))
