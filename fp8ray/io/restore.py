@@ -148,15 +148,26 @@ def _block_rows(manifest: Manifest, columns: list[dict[str, list]]) -> list[tupl
     part written before they had a CRC, are not trusted to size what is written)."""
     rows = []
     for part, cols in enumerate(columns):
-        for row, (file, key, dtype, shape) in enumerate(zip(cols["file"], cols["key"], cols["dtype"], cols["shape"])):
-            sound = isinstance(file, str) and isinstance(key, str) and dtype in DTYPE_ITEMSIZES and isinstance(shape, list)
-            if not (sound and all(isinstance(n, int) and 0 <= n <= MAX_DIM for n in shape) and len(shape) <= MAX_NDIM):
-                raise CorruptArchiveError(
-                    f"part {manifest.parts[part].name}, row {row}: file {file!r}, key {key!r}, dtype {dtype!r}, shape "
-                    f"{shape!r}: not a block's (a dtype of {sorted(DTYPE_ITEMSIZES)}, at most {MAX_NDIM} sizes)"
-                )
-            rows.append((part, row, file, key, dtype, tuple(shape)))
+        # By column, over the distinct values (a part of small blocks holds thousands of one shape).
+        shapes = [tuple(s) if isinstance(s, list) else None for s in cols["shape"]]
+        sound = set(map(type, cols["file"])) | set(map(type, cols["key"])) <= {str}
+        if not (sound and set(cols["dtype"]) <= DTYPE_ITEMSIZES.keys() and all(map(_is_shape, set(shapes)))):
+            row = next(r for r, values in enumerate(zip(cols["file"], cols["key"], cols["dtype"], shapes)) if not _sound(*values))
+            file, key, dtype, shape = (cols[name][row] for name in ("file", "key", "dtype", "shape"))
+            raise CorruptArchiveError(
+                f"part {manifest.parts[part].name}, row {row}: file {file!r}, key {key!r}, dtype {dtype!r}, shape "
+                f"{shape!r}: not a block's (a dtype of {sorted(DTYPE_ITEMSIZES)}, at most {MAX_NDIM} sizes)"
+            )
+        rows += [(part, row, *values) for row, values in enumerate(zip(cols["file"], cols["key"], cols["dtype"], shapes))]
     return rows
+
+
+def _sound(file, key, dtype, shape) -> bool:
+    return isinstance(file, str) and isinstance(key, str) and dtype in DTYPE_ITEMSIZES and _is_shape(shape)
+
+
+def _is_shape(shape: tuple | None) -> bool:
+    return shape is not None and len(shape) <= MAX_NDIM and all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)
 
 
 def _common_items(dicts: list[dict]) -> dict:

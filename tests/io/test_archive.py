@@ -184,14 +184,15 @@ def test_a_manifest_cannot_name_files_outside_the_output(tmp_path):
     from fp8ray.io.restore import plan_restore
 
     def manifest(layout: SourceLayout) -> archive.Manifest:
-        return archive.build_manifest("src", layout, CodecOptions().as_dict(), "none", {}, 1, [], "0")
+        part = archive.Part("part-00000.parquet", 1, 4, 44, 500, 0, "k", "k")
+        return archive.build_manifest("src", layout, CodecOptions().as_dict(), "none", {}, 1, [part], "0")
 
     layout = SourceLayout("safetensors", "directory", (SourceFile("../evil.safetensors", 1),))
     columns = [{"file": ["../evil.safetensors"], "key": ["k"], "dtype": ["bfloat16"], "shape": [[2]]}]
     with pytest.raises(CorruptArchiveError, match="not a plain relative file name"):
         plan_restore(manifest(layout), columns)
     layout = SourceLayout("safetensors", "directory", (SourceFile("a.safetensors", 1),))
-    with pytest.raises(CorruptArchiveError, match="names the file 'b.safetensors', which the manifest does not list"):
+    with pytest.raises(CorruptArchiveError, match=r"part-00000\.parquet \(row 0\) names the file 'b.safetensors', which the"):
         plan_restore(manifest(layout), [{"file": ["b.safetensors"], "key": ["k"], "dtype": ["bfloat16"], "shape": [[2]]}])
 
 
