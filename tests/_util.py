@@ -252,5 +252,7 @@ def record_entry(arch: Path, entry: archive.Part, *fields: str) -> None:
     manifest = json.loads(path.read_text())
     (written,) = [e for e in manifest["parts"] if e["name"] == entry.name]
     written.update({name: getattr(entry, name) for name in fields})
-    manifest["archive_bytes"] = sum(e["file_bytes"] for e in manifest["parts"])  # the total follows its parts
+    for total, of_part in (("blocks", "blocks"), ("raw_bytes", "raw_bytes"), ("frame_bytes", "frame_bytes")):
+        manifest[total] = sum(e[of_part] for e in manifest["parts"])  # the totals follow their parts
+    manifest["archive_bytes"] = sum(e["file_bytes"] for e in manifest["parts"])
     path.write_text(json.dumps(manifest))

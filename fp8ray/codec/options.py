@@ -46,7 +46,7 @@ class CodecOptions:
         scale_dtype: ``"float32"`` or ``"bfloat16"`` (each scale truncated to bfloat16
             before quantizing, so it is exact); scaling ``none`` stores no scales.
         scale_choice: ``"amax"`` (``scale = amax / finfo.max``) or ``"mse"`` (token and
-            block: the least-squared-error scale of 8 candidates; 2.5-3x the encode
+            block: the least-squared-error scale of 8 candidates; 2.6-3.2x the encode
             kernel's time, decoding unchanged). ``None``: ``"mse"`` where it applies, else ``"amax"``.
         nonfinite: ``"error"`` refuses NaN and inf (:class:`~fp8ray.errors.NonFiniteError`);
             ``"keep"`` stores them (inf as NaN in e4m3fn, which has no inf).

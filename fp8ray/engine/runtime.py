@@ -107,17 +107,26 @@ def connect_ray(address: str | None, num_cpus: int | None, *, inline_possible: b
 
 
 def _check_connected_to(address: str) -> None:
-    """Refuse an ``address`` other than the Ray this process is already connected to: a
-    process holds one Ray connection, and work sent silently to another cluster than the
-    one named is not what was asked. ``auto`` and a Ray client's ``ray://`` are Ray's to
-    resolve (not compared); a ``host:port`` is the same where its port is and its host is
-    the same machine (a name, ``localhost`` and the node's own IP all are)."""
+    """Refuse an ``address`` naming another Ray than the one this process is already
+    connected to: a process holds one Ray connection, and work sent silently to another
+    cluster than the one named is not what was asked. A ``host:port`` names it where its
+    port is the connected GCS's and its host the same machine (a name, ``localhost`` and
+    the node's own IP all are); ``local`` (an embedded Ray) and ``auto`` (the cluster
+    ``ray start`` runs here) where the connected Ray runs on this machine; a Ray client's
+    ``ray://`` where this process is a Ray client (whose server is not compared)."""
     connected = ray.get_runtime_context().gcs_address
-    if address in ("auto", connected) or address.startswith("ray://"):
-        return
     given, have = endpoint(address), endpoint(connected)
-    same_port = address != LOCAL and given is not None and have is not None and given[1] == have[1]
-    if same_port and _machine(given[0]) & _machine(have[0]):
+    if address == connected:
+        return
+    if address.startswith("ray://"):
+        from ray.util.client import ray as client
+
+        if client.is_connected():
+            return
+    elif address in (LOCAL, "auto"):
+        if have is not None and _addresses(have[0]) & _this_machine():
+            return
+    elif given is not None and have is not None and given[1] == have[1] and _same_machine(given[0], have[0]):
         return
     wanted = "an embedded Ray" if address == LOCAL else f"Ray at {address}"
     raise InvalidOptionError(
@@ -127,20 +136,23 @@ def _check_connected_to(address: str) -> None:
     )
 
 
-def _machine(host: str) -> set[str]:
-    """The addresses ``host`` stands for, this machine's all together where it is this
-    machine (a loopback address, its name, the node IP Ray chose), else its own IPs."""
+def _same_machine(a: str, b: str) -> bool:
+    """Whether hosts ``a`` and ``b`` are one machine: an address in common, or both this one."""
+    ours, theirs, here = _addresses(a), _addresses(b), _this_machine()
+    return bool(ours & theirs) or bool(ours & here and theirs & here)
+
+
+def _addresses(host: str) -> set[str]:
+    """The IP addresses ``host`` resolves to (itself, where it does not resolve)."""
     try:
-        ips = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        return {info[4][0] for info in socket.getaddrinfo(host, None)}
     except OSError:
         return {host}
-    here = {"127.0.0.1", "::1", ray.util.get_node_ip_address()}
-    try:
-        here |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
-    except OSError:
-        pass
-    loopback = {ip for ip in ips if ip.startswith("127.") or ip == "::1"}
-    return here | ips if loopback or ips & here else ips
+
+
+def _this_machine() -> set[str]:
+    """This machine's addresses: loopback, its name's, the node IP Ray chose."""
+    return {"127.0.0.1", "::1", ray.util.get_node_ip_address(), *_addresses(socket.gethostname())}
 
 
 def _init_holding_sigterm(held: list[int], **kwargs) -> None:

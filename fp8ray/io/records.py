@@ -142,16 +142,15 @@ class Part:
 
 
 def _lossless(spec: str | None, label: str) -> str | None:
-    """The lossless stage a manifest records, checked to be one fp8ray writes (each part's
-    Parquet names its own codec: this is what the archive was asked to use)."""
+    """The lossless stage a manifest records (what the archive was asked to use; each
+    part's Parquet names its own codec), checked, in its canonical spelling: archives of
+    2026-12-03 recorded it as typed (``zstd:03``, ``zstd:``)."""
     if spec is None:
         return None
     try:
-        if canonical_lossless(spec) == spec:
-            return spec
+        return canonical_lossless(spec.removesuffix(":"))
     except InvalidOptionError:
-        pass
-    raise CorruptArchiveError(f"{label}'s 'lossless' is {short_repr(spec)}, not a lossless stage as fp8ray records one")
+        raise CorruptArchiveError(f"{label}'s 'lossless' is {short_repr(spec)}, not a lossless stage") from None
 
 
 def _layout(obj: object, label: str) -> SourceLayout:

@@ -20,6 +20,7 @@ order, from all its parts, each part dropped after its last block.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,11 +31,12 @@ from ..codec.frame import MAX_DIM, MAX_NDIM
 from ..errors import CorruptArchiveError, DestinationError
 from .blocks import RawBlockParquetWriter, SourceLayout, parquet_schema
 from .paths import printable
+from .provenance import short_repr
 from .records import Manifest, checked_file_name
 from .safetensors import SafetensorsLayout, SafetensorsWriter, create_presized
 
 SINGLE_FILE_METADATA_KEY = "fp8ray_archive"
-RESTORE_COLUMNS = ["file", "key", "dtype", "shape"]  # what plan_restore reads of each part
+RESTORE_COLUMNS = ["file", "key", "dtype", "shape", "frame_bytes"]  # what plan_restore reads of each part
 
 
 @dataclass(frozen=True)
@@ -144,26 +146,46 @@ def plan_restore(
 
 def _block_rows(manifest: Manifest, columns: list[dict[str, list]]) -> list[tuple]:
     """``(part, row, file, key, dtype, shape)`` of every block, each value checked to be
-    one a block can have (a part's columns hand-edited with its CRCs recomputed, or of a
-    part written before they had a CRC, are not trusted to size what is written)."""
+    one a block can have, and no block asking more bytes than its frame can give back (a
+    frame holds at least a byte per element) nor a part more than its entry records: a
+    part's columns hand-edited with its CRCs made again, or of a part written before they
+    had a CRC, are not trusted to size the files written."""
     rows = []
     for part, cols in enumerate(columns):
+        entry = manifest.parts[part]
         # By column, over the distinct values (a part of small blocks holds thousands of one shape).
         shapes = [tuple(s) if isinstance(s, list) else None for s in cols["shape"]]
-        sound = set(map(type, cols["file"])) | set(map(type, cols["key"])) <= {str}
-        if not (sound and set(cols["dtype"]) <= DTYPE_ITEMSIZES.keys() and all(map(_is_shape, set(shapes)))):
-            row = next(r for r, values in enumerate(zip(cols["file"], cols["key"], cols["dtype"], shapes)) if not _sound(*values))
-            file, key, dtype, shape = (cols[name][row] for name in ("file", "key", "dtype", "shape"))
+        values = list(zip(cols["file"], cols["key"], cols["dtype"], shapes, cols["frame_bytes"]))
+        strings = set(map(type, cols["file"])) | set(map(type, cols["key"])) <= {str}
+        sound = strings and set(map(type, cols["frame_bytes"])) <= {int} and set(cols["dtype"]) <= DTYPE_ITEMSIZES.keys()
+        if not (sound and all(map(_is_shape, set(shapes)))):
+            row = next(r for r, row_values in enumerate(values) if not _sound(*row_values))
+            raise CorruptArchiveError(f"part {entry.name}, row {row}: {_described(cols, row)}: not a block's")
+        sizes = {kind: math.prod(kind[1]) * DTYPE_ITEMSIZES[kind[0]] for kind in set(zip(cols["dtype"], shapes))}
+        raw = [sizes[kind] for kind in zip(cols["dtype"], shapes)]
+        over = next((r for r, (n, f) in enumerate(zip(raw, cols["frame_bytes"])) if n > 4 * f), None)
+        if over is not None:
             raise CorruptArchiveError(
-                f"part {manifest.parts[part].name}, row {row}: file {file!r}, key {key!r}, dtype {dtype!r}, shape "
-                f"{shape!r}: not a block's (a dtype of {sorted(DTYPE_ITEMSIZES)}, at most {MAX_NDIM} sizes)"
+                f"part {entry.name}, row {over}: {_described(cols, over)}: {raw[over]} bytes, more than a frame of "
+                f"{cols['frame_bytes'][over]} bytes holds"
             )
-        rows += [(part, row, *values) for row, values in enumerate(zip(cols["file"], cols["key"], cols["dtype"], shapes))]
+        if (sum(raw), sum(cols["frame_bytes"])) != (entry.raw_bytes, entry.frame_bytes):
+            raise CorruptArchiveError(
+                f"part {entry.name}: its rows hold {sum(raw)} bytes in {sum(cols['frame_bytes'])} of frames, its entry "
+                f"records {entry.raw_bytes} in {entry.frame_bytes}"
+            )
+        rows += [(part, row, file, key, dtype, shape) for row, (file, key, dtype, shape, _) in enumerate(values)]
     return rows
 
 
-def _sound(file, key, dtype, shape) -> bool:
-    return isinstance(file, str) and isinstance(key, str) and dtype in DTYPE_ITEMSIZES and _is_shape(shape)
+def _described(cols: dict[str, list], row: int) -> str:
+    """A row's values as a message shows them (each shortened: they may be anything)."""
+    return ", ".join(f"{name} {short_repr(cols[name][row])}" for name in ("file", "key", "dtype", "shape", "frame_bytes"))
+
+
+def _sound(file, key, dtype, shape, frame_bytes) -> bool:
+    strings = isinstance(file, str) and isinstance(key, str)
+    return strings and dtype in DTYPE_ITEMSIZES and _is_shape(shape) and type(frame_bytes) is int
 
 
 def _is_shape(shape: tuple | None) -> bool:

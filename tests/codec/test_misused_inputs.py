@@ -72,11 +72,21 @@ def test_a_result_too_large_to_allocate_is_named(monkeypatch):
         fp8codec._byte_buffer(None, 2199023255588)
 
 
-def test_a_batch_too_large_to_allocate_names_its_largest_block():
+def test_a_batch_too_large_to_allocate_names_its_largest_block(monkeypatch):
     """The batch paths (encode_many, encode_refs, Ray Data's Fp8Encoder) put a batch's
     frames in one buffer: one no process can allocate is refused by the key of the block
-    that needs it, as Fp8Codec.encode refuses it (numpy's MemoryError, naming none, before)."""
+    that needs it, as Fp8Codec.encode refuses it (numpy's MemoryError, naming none, before).
+    Allocations of a TiB or more fail here as they would without overcommit."""
     from fp8ray import QuantPool
+
+    empty = np.empty
+
+    def bounded_empty(shape, *args, **kwargs):
+        if np.prod(shape) >= 2**40:
+            raise MemoryError("Unable to allocate")
+        return empty(shape, *args, **kwargs)
+
+    monkeypatch.setattr(np, "empty", bounded_empty)
 
     codec = Fp8Codec(scaling="token")
     blocks = [Block.of("small", torch.ones(3)), Block.of("huge", torch.empty(2**40, 0, dtype=torch.bfloat16))]

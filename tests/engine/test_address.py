@@ -298,18 +298,19 @@ def test_a_sigterm_inside_ray_init_is_held_as_any_other(ray_tmp):
 
 def test_a_process_connected_to_ray_refuses_another_address(ray_session):
     """A process holds one Ray connection: an address naming another Ray is refused, not
-    silently taken for the one connected; the connected one, by any name of this machine
-    or by no address at all, is joined."""
+    silently taken for the one connected; the connected one, by any name of this machine,
+    by no address at all, or as ``local`` or ``auto`` (it runs on this machine), is joined."""
     from fp8ray import QuantPool
     from fp8ray.errors import InvalidOptionError
 
     connected = ray_session.get_runtime_context().gcs_address
     port = int(connected.rpartition(":")[2])
-    for same in (None, connected, f"127.0.0.1:{port}", f"localhost:{port}", "auto"):
+    for same in (None, connected, f"127.0.0.1:{port}", f"localhost:{port}", "auto", "local"):
         with QuantPool(num_workers=1, cpus_per_worker=0.25, address=same) as pool:
             assert pool.worker_info()[0].device == "cpu", same
     other = free_port()
-    for asked, named in (("local", "an embedded Ray"), (f"127.0.0.1:{other}", f"Ray at 127.0.0.1:{other}")):
+    for asked in (f"127.0.0.1:{other}", f"ray://127.0.0.1:{other}"):  # another cluster; a client it is not
+        named = f"Ray at {asked}"
         with pytest.raises(InvalidOptionError, match=f"already connected to Ray at {connected}.*{named} was asked for"):
             with QuantPool(num_workers=1, cpus_per_worker=0.25, address=asked):
                 pass

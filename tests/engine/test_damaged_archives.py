@@ -87,25 +87,39 @@ def test_a_flipped_byte_in_a_parts_metadata_columns_is_named_as_damage(made, tmp
 
 def test_edited_columns_with_their_crcs_made_again_are_refused_before_they_size_anything(made, tmp_path):
     """Columns rewritten with every CRC recorded anew (by hand, or a tool): a dtype no
-    block has is refused as the plan is made; a shape far larger than its frame holds,
-    before its bytes are allocated (2 TiB: numpy's MemoryError before)."""
+    block has, or a shape far larger than its frame can hold, is refused as the plan is
+    made, before any file is sized (2 TiB: numpy's MemoryError, or fallocate's, before)."""
     arch = _copy(made, tmp_path)
     path = arch / "part-00000.parquet"
     table = pq.read_table(path)
-    dtypes = table.column("dtype").to_pylist()
-    entry = rewrite_column(path, "dtype", ["bfloat17", *dtypes[1:]])
-    record_entry(arch, entry, *ALL_CRCS)
+    dtypes, shapes = table.column("dtype").to_pylist(), table.column("shape").to_pylist()
+    record_entry(arch, rewrite_column(path, "dtype", ["bfloat17", *dtypes[1:]]), *ALL_CRCS)
     with pytest.raises(CorruptArchiveError, match=r"part part-00000\.parquet, row 0: .*dtype 'bfloat17'.*not a block's"):
         decompress_archive(str(arch), str(tmp_path / "out"), pool=INLINE)
     assert verify_archive(str(arch), pool=INLINE).errors  # what decompress refuses, verify reports
-    shutil.copy(made / "part-00000.parquet", path)
-    shapes = table.column("shape").to_pylist()
-    entry = rewrite_column(path, "shape", [[2**40], *shapes[1:]])
-    record_entry(arch, entry, *ALL_CRCS)
-    key, dtype = table.column("key")[0].as_py(), dtypes[0]
-    with pytest.raises(
-        MismatchError, match=rf"block '{key}' of a\.safetensors .*\[1099511627776\] {dtype} .*more than its frame"
-    ):
+    for single_file in (False, True):
+        shutil.copy(made / "part-00000.parquet", path)
+        record_entry(arch, rewrite_column(path, "shape", [[2**40], *shapes[1:]]), *ALL_CRCS)
+        with pytest.raises(CorruptArchiveError, match=r"row 0: .*shape \[1099511627776\].*more than a frame of \d+ bytes"):
+            decompress_archive(str(arch), str(tmp_path / "out.safetensors"), single_file=single_file, pool=INLINE)
+        assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_frame_shorter_than_its_row_says_is_refused_before_its_bytes_are_allocated(made, tmp_path):
+    """The columns agree with themselves and the entry (shape and frame_bytes both
+    edited, every CRC and total made again), but the frame is the one written: the worker
+    refuses the block by its frame's own length before it allocates its bytes."""
+    arch = _copy(made, tmp_path)
+    path = arch / "part-00000.parquet"
+    table = pq.read_table(path)
+    key, dtype = table.column("key")[0].as_py(), table.column("dtype")[0].as_py()
+    frames, shapes = table.column("frame_bytes").to_pylist(), table.column("shape").to_pylist()
+    nbytes = 2**20 * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    rewrite_column(path, "shape", [[2**20], *shapes[1:]])
+    rewrite_column(path, "raw_bytes", [nbytes, *table.column("raw_bytes").to_pylist()[1:]])
+    entry = rewrite_column(path, "frame_bytes", [nbytes // 4 + 1, *frames[1:]])
+    record_entry(arch, entry, *ALL_CRCS, "raw_bytes", "frame_bytes")
+    with pytest.raises(MismatchError, match=rf"block '{key}' of a\.safetensors .*more than its frame of {frames[0]} bytes holds"):
         decompress_archive(str(arch), str(tmp_path / "out"), pool=INLINE)
     assert not (tmp_path / "out").exists()
 
@@ -203,13 +217,20 @@ def test_a_part_that_is_not_a_regular_file_is_refused_at_once(made, tmp_path, ki
     "edit, refusal",
     [
         (lambda m: m.update(lossless="bogus"), r"'lossless' is 'bogus', not a lossless stage"),
-        (lambda m: m.update(lossless="zstd:03"), r"'lossless' is 'zstd:03'"),  # recorded canonical: zstd:3
         (lambda m: m.update(version=float(m["version"])), r"version 2\.0, expected"),
     ],
-    ids=["unknown-lossless", "uncanonical-lossless", "float-version"],
+    ids=["unknown-lossless", "float-version"],
 )
 def test_manifest_fields_read_as_fp8ray_writes_them(made, tmp_path, edit, refusal):
     arch = _copy(made, tmp_path)
     _edit_manifest(arch, edit)
     with pytest.raises(CorruptArchiveError, match=refusal):
         fp8ray.open_archive(str(arch))
+
+
+def test_a_lossless_stage_recorded_as_typed_reads_in_its_canonical_spelling(made, tmp_path):
+    """Archives of 2026-12-03 recorded --lossless as typed: they read, as zstd:3 and zstd."""
+    for typed, canonical in (("zstd:03", "zstd:3"), ("zstd:", "zstd"), ("none", "none")):
+        arch = _copy(made, tmp_path, typed.replace(":", "_"))
+        _edit_manifest(arch, lambda m, typed=typed: m.update(lossless=typed))
+        assert fp8ray.open_archive(str(arch)).manifest.lossless == canonical

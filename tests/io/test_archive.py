@@ -188,12 +188,12 @@ def test_a_manifest_cannot_name_files_outside_the_output(tmp_path):
         return archive.build_manifest("src", layout, CodecOptions().as_dict(), "none", {}, 1, [part], "0")
 
     layout = SourceLayout("safetensors", "directory", (SourceFile("../evil.safetensors", 1),))
-    columns = [{"file": ["../evil.safetensors"], "key": ["k"], "dtype": ["bfloat16"], "shape": [[2]]}]
+    columns = [{"file": ["../evil.safetensors"], "key": ["k"], "dtype": ["bfloat16"], "shape": [[2]], "frame_bytes": [44]}]
     with pytest.raises(CorruptArchiveError, match="not a plain relative file name"):
         plan_restore(manifest(layout), columns)
     layout = SourceLayout("safetensors", "directory", (SourceFile("a.safetensors", 1),))
     with pytest.raises(CorruptArchiveError, match=r"part-00000\.parquet \(row 0\) names the file 'b.safetensors', which the"):
-        plan_restore(manifest(layout), [{"file": ["b.safetensors"], "key": ["k"], "dtype": ["bfloat16"], "shape": [[2]]}])
+        plan_restore(manifest(layout), [{**columns[0], "file": ["b.safetensors"]}])
 
 
 @pytest.mark.parametrize(
@@ -205,6 +205,7 @@ def test_a_manifest_cannot_name_files_outside_the_output(tmp_path):
         (
             (
                 '{"format": "fp8ray-archive", "version": 2, "fp8ray_version": "0", "codec": {}, "source": "s", "blocks": 1, '
+                '"layout": {"kind": "safetensors", "container": "file", "files": [{"name": "a.safetensors", "blocks": 1}]}, '
                 '"raw_bytes": 1, "frame_bytes": 1, "archive_bytes": 1, "parts": [{"name": "../x"}]}'
             ),
             "part entry 0's 'blocks' is missing",
