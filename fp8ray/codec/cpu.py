@@ -141,7 +141,7 @@ def kernel_array(t) -> np.ndarray:
     from .formats import DTYPE_NAMES
 
     if t.is_neg():  # torch's own error ("negative bit set") would name no cause
-        raise ValueError("kernel_array of a negative view: resolve_neg() it to read, or write into another tensor")
+        raise BadInputError("kernel_array of a negative view: resolve_neg() it to read, or write into another tensor")
     flat = t.detach().reshape(-1)  # a tensor that requires grad (a Parameter): encoding takes no gradient
     if t.dtype in (torch.bfloat16, torch.float16):
         flat = flat.view(torch.int16)  # numpy has no bfloat16: the bits, of the same size

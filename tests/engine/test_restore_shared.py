@@ -29,7 +29,7 @@ from fp8ray.errors import DestinationError
 from fp8ray.eval.sample import sample_kv_chunk
 from fp8ray.io import archive
 from fp8ray.io.paths import resolve
-from fp8ray.io.restore import RestorePlan, plan_restore
+from fp8ray.io.restore import RESTORE_COLUMNS, RestorePlan, plan_restore
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 FAST = CodecOptions(scaling="tensor", scale_choice="amax")  # the codec is not what these tests are about
@@ -54,7 +54,7 @@ def archive_of(src: Path, arch: Path, part_bytes: int) -> Path:
 def restore_plan(arch: Path, ranged: bool, single_file_name: str | None = None) -> RestorePlan:
     fs, path = resolve(str(arch))
     manifest = archive.read_manifest(fs, path)
-    columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key", "dtype", "shape"])
+    columns = archive.read_metadata_columns(fs, path, manifest, RESTORE_COLUMNS)
     return plan_restore(manifest, columns, single_file_name, ranged)
 
 
@@ -213,12 +213,12 @@ import fp8ray
 from fp8ray.engine.worker import QuantWorker
 from fp8ray.io import archive
 from fp8ray.io.paths import resolve
-from fp8ray.io.restore import plan_restore
+from fp8ray.io.restore import RESTORE_COLUMNS, plan_restore
 
 arch, out, ranged = sys.argv[1], sys.argv[2], sys.argv[3] == "ranged"
 fs, path = resolve(arch)
 manifest = archive.read_manifest(fs, path)
-columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key", "dtype", "shape"])
+columns = archive.read_metadata_columns(fs, path, manifest, RESTORE_COLUMNS)
 plan = plan_restore(manifest, columns, None, ranged)
 for f in plan.shared:
     f.create_presized(out)
