@@ -488,7 +488,12 @@ def decompress_archive(
     # workers at once (a store's chunk files are one block each) where they share this disk.
     single_name = posixpath.basename(out_path) if single_file else None
     ranged = isinstance(out_fs, pafs.LocalFileSystem) and lmcache_form is None
-    plan = plan_restore(manifest, columns, single_name, ranged)
+    try:
+        plan = plan_restore(manifest, columns, single_name, ranged)
+    except (CorruptArchiveError, DestinationError):
+        # Values no block has, or keys that clash: where the columns' CRC says why, a part damaged.
+        archive.read_metadata_columns(fs, path, manifest, RESTORE_COLUMNS, archive_uri, check=True)
+        raise
     foreign = check_output(out_fs, out_path, output, plan, overwrite or force_replace, force_replace, parents)
     # What is replaced at the end: only an output there now (one made meanwhile is kept).
     replace = (overwrite or force_replace) and output_exists(out_fs, out_path)

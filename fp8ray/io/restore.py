@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -154,17 +155,18 @@ def _block_rows(manifest: Manifest, columns: list[dict[str, list]]) -> list[tupl
     for part, cols in enumerate(columns):
         entry = manifest.parts[part]
         # By column, over the distinct values (a part of small blocks holds thousands of one shape).
+        files, keys, dtypes, frame_bytes = cols["file"], cols["key"], cols["dtype"], cols["frame_bytes"]
         shapes = [tuple(s) if isinstance(s, list) else None for s in cols["shape"]]
-        values = list(zip(cols["file"], cols["key"], cols["dtype"], shapes, cols["frame_bytes"]))
-        strings = set(map(type, cols["file"])) | set(map(type, cols["key"])) <= {str}
-        sound = strings and set(map(type, cols["frame_bytes"])) <= {int} and set(cols["dtype"]) <= DTYPE_ITEMSIZES.keys()
+        strings = set(map(type, files)) | set(map(type, keys)) <= {str}
+        sound = strings and set(map(type, frame_bytes)) <= {int} and set(dtypes) <= DTYPE_ITEMSIZES.keys()
         if not (sound and all(map(_is_shape, set(shapes)))):
-            row = next(r for r, row_values in enumerate(values) if not _sound(*row_values))
+            row = next(r for r, values in enumerate(zip(files, keys, dtypes, shapes, frame_bytes)) if not _sound(*values))
             raise CorruptArchiveError(f"part {entry.name}, row {row}: {_described(cols, row)}: not a block's")
-        sizes = {kind: math.prod(kind[1]) * DTYPE_ITEMSIZES[kind[0]] for kind in set(zip(cols["dtype"], shapes))}
-        raw = [sizes[kind] for kind in zip(cols["dtype"], shapes)]
-        over = next((r for r, (n, f) in enumerate(zip(raw, cols["frame_bytes"])) if n > 4 * f), None)
-        if over is not None:
+        kinds = list(zip(dtypes, shapes))
+        sizes = {kind: math.prod(kind[1]) * DTYPE_ITEMSIZES[kind[0]] for kind in set(kinds)}
+        raw = [sizes[kind] for kind in kinds]
+        if any(map(operator.gt, raw, map((4).__mul__, frame_bytes))):
+            over = next(r for r, (n, f) in enumerate(zip(raw, frame_bytes)) if n > 4 * f)
             raise CorruptArchiveError(
                 f"part {entry.name}, row {over}: {_described(cols, over)}: {raw[over]} bytes, more than a frame of "
                 f"{cols['frame_bytes'][over]} bytes holds"
@@ -174,7 +176,7 @@ def _block_rows(manifest: Manifest, columns: list[dict[str, list]]) -> list[tupl
                 f"part {entry.name}: its rows hold {sum(raw)} bytes in {sum(cols['frame_bytes'])} of frames, its entry "
                 f"records {entry.raw_bytes} in {entry.frame_bytes}"
             )
-        rows += [(part, row, file, key, dtype, shape) for row, (file, key, dtype, shape, _) in enumerate(values)]
+        rows += [(part, row, *values) for row, values in enumerate(zip(files, keys, dtypes, shapes))]
     return rows
 
 
@@ -215,9 +217,8 @@ def _layout_files(layout: SourceLayout, rows: list, manifest: Manifest) -> list[
         if len(blocks) != f.blocks:
             held = len(blocks)
             raise CorruptArchiveError(f"the manifest records {f.blocks} blocks of {printable(f.name)}, the parts hold {held}")
-        keys = Counter(key for _, _, key, _, _ in blocks)
-        if layout.kind == "safetensors" and len(keys) != len(blocks):
-            twice = next(key for key, n in keys.items() if n > 1)
+        if layout.kind == "safetensors" and len(set(map(operator.itemgetter(2), blocks))) != len(blocks):
+            twice = next(key for key, n in Counter(block[2] for block in blocks).items() if n > 1)
             raise CorruptArchiveError(f"the parts hold block {twice!r} of {printable(f.name)} twice; safetensors keys are unique")
         out.append(RestoreFile(f.name, layout.kind, tuple(blocks), dict(f.metadata), f.schema, f.name))
     return out
