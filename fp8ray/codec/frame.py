@@ -187,6 +187,24 @@ def check_shape(shape: tuple[int, ...], dtype: str) -> None:
         )
 
 
+def is_block(dtype, shape) -> bool:
+    """Whether ``dtype`` and ``shape``, values read from a file (anything), are a dtype's
+    name and a tuple or list of integers that :func:`check_shape` takes."""
+    if dtype not in DTYPE_ITEMSIZES or not isinstance(shape, (tuple, list)) or any(type(d) is not int for d in shape):
+        return False
+    try:
+        check_shape(shape, dtype)
+    except ValueError:
+        return False
+    return True
+
+
+# A frame holds at least a byte for every element (an fp8 code, or a stored dtype's own
+# bytes) and an element fp8 encodes is at most 4 bytes: a tensor is at most this many
+# times its frame's length. A row asking more was edited, or is damaged.
+RAW_BYTES_PER_FRAME_BYTE = 4
+
+
 def write_header(buf: np.ndarray, header: FrameHeader) -> None:
     """Write the fixed header and shape into the start of ``buf`` (uint8)."""
     block_size = header.block_size if header.scaling == "block" else 0

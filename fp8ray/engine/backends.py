@@ -120,8 +120,7 @@ class RayBackend:
             self._ray.get(self._actor(worker).info.remote(), timeout=30)
             return False
         except (RayActorError, GetTimeoutError):
-            self._ray.kill(self.workers[worker])
-            self.workers[worker] = self._actor_class.remote(self._threads)
+            self._replace(worker)
             return True
 
     def replace_dead(self, workers: Collection[int]) -> int:
@@ -137,11 +136,14 @@ class RayBackend:
             try:
                 self._ray.get(ref)
             except RayActorError:
-                w = pings[ref]
-                self._ray.kill(self.workers[w])
-                self.workers[w] = self._actor_class.remote(self._threads)
+                self._replace(pings[ref])
                 replaced += 1
         return replaced
+
+    def _replace(self, worker: int) -> None:
+        """A new actor in place of worker ``worker`` (killed first: it may only be stuck)."""
+        self._ray.kill(self.workers[worker])
+        self.workers[worker] = self._actor_class.remote(self._threads)
 
     def settle(self, running: dict[Any, int]) -> None:
         """Drop the calls still queued, and let those running end."""

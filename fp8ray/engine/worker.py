@@ -457,10 +457,9 @@ def _batches(blocks) -> Iterator[list[tuple]]:
 
 def _check_holds(key: str, dtype: str, shape: tuple, nbytes: int, frame_bytes: int, where: str) -> None:
     """Refuse, before its bytes are allocated, a block whose row asks for more than its
-    frame can hold: a frame has at least a byte for every element (fp8 codes; a stored
-    dtype's own bytes), so at least a quarter of the tensor's bytes (a row edited, its
-    part's CRCs made again: the frame's header would say so, but only once decoded)."""
-    if nbytes > 4 * frame_bytes:
+    frame can hold (``frame.RAW_BYTES_PER_FRAME_BYTE``: a row edited, its part's CRCs made
+    again; the frame's header would say so, but only once decoded)."""
+    if nbytes > frame.RAW_BYTES_PER_FRAME_BYTE * frame_bytes:
         raise MismatchError(
             f"block {key!r}{where}: its row says {list(shape)} {dtype} ({nbytes} bytes), more than its frame of "
             f"{frame_bytes} bytes holds",

@@ -38,7 +38,7 @@ from ..codec import decode
 from ..codec.blocks import Block
 from ..codec.formats import DTYPE_ITEMSIZES
 from ..codec.fp8codec import decode_raw
-from ..codec.frame import as_byte_array, parse_layout
+from ..codec.frame import as_byte_array, is_block, parse_layout
 from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError
 from . import archive, part_checks
 from .paths import as_uri, one_line, printable, redact, resolve
@@ -175,8 +175,7 @@ class ArchiveReader:
         label, part, row = self._read_row(key, file, "dtype", "shape", "raw_bytes")
         # Read without the part's CRC (from its row group alone): the row must agree with itself.
         dtype, shape, nbytes = row["dtype"], row["shape"], row["raw_bytes"]
-        sound = dtype in DTYPE_ITEMSIZES and isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
-        if not (sound and nbytes == math.prod(shape) * DTYPE_ITEMSIZES[dtype]):
+        if not (is_block(dtype, shape) and nbytes == math.prod(shape) * DTYPE_ITEMSIZES[dtype]):
             raise self._damaged(label, part, f"its row says {dtype!r} {shape!r} of {nbytes!r} bytes")
         return nbytes
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate, groupby
 
 from ..codec.formats import DTYPE_ITEMSIZES
-from ..codec.frame import MAX_DIM, MAX_NDIM
+from ..codec.frame import RAW_BYTES_PER_FRAME_BYTE, is_block
 from ..errors import CorruptArchiveError, DestinationError
 from .blocks import RawBlockParquetWriter, SourceLayout, parquet_schema
 from .paths import printable
@@ -157,16 +157,16 @@ def _block_rows(manifest: Manifest, columns: list[dict[str, list]]) -> list[tupl
         # By column, over the distinct values (a part of small blocks holds thousands of one shape).
         files, keys, dtypes, frame_bytes = cols["file"], cols["key"], cols["dtype"], cols["frame_bytes"]
         shapes = [tuple(s) if isinstance(s, list) else None for s in cols["shape"]]
-        strings = set(map(type, files)) | set(map(type, keys)) <= {str}
-        sound = strings and set(map(type, frame_bytes)) <= {int} and set(dtypes) <= DTYPE_ITEMSIZES.keys()
-        if not (sound and all(map(_is_shape, set(shapes)))):
-            row = next(r for r, values in enumerate(zip(files, keys, dtypes, shapes, frame_bytes)) if not _sound(*values))
-            raise CorruptArchiveError(f"part {entry.name}, row {row}: {_described(cols, row)}: not a block's")
         kinds = list(zip(dtypes, shapes))
+        strings = set(map(type, files)) | set(map(type, keys)) <= {str}
+        if not (strings and set(map(type, frame_bytes)) <= {int} and all(is_block(*kind) for kind in set(kinds))):
+            row = next(r for r, values in enumerate(zip(files, keys, kinds, frame_bytes)) if not _sound(*values))
+            raise CorruptArchiveError(f"part {entry.name}, row {row}: {_described(cols, row)}: not a block's")
         sizes = {kind: math.prod(kind[1]) * DTYPE_ITEMSIZES[kind[0]] for kind in set(kinds)}
         raw = [sizes[kind] for kind in kinds]
-        if any(map(operator.gt, raw, map((4).__mul__, frame_bytes))):
-            over = next(r for r, (n, f) in enumerate(zip(raw, frame_bytes)) if n > 4 * f)
+        most = [RAW_BYTES_PER_FRAME_BYTE * f for f in frame_bytes]
+        if any(map(operator.gt, raw, most)):
+            over = next(r for r, (n, m) in enumerate(zip(raw, most)) if n > m)
             raise CorruptArchiveError(
                 f"part {entry.name}, row {over}: {_described(cols, over)}: {raw[over]} bytes, more than a frame of "
                 f"{cols['frame_bytes'][over]} bytes holds"
@@ -185,13 +185,8 @@ def _described(cols: dict[str, list], row: int) -> str:
     return ", ".join(f"{name} {short_repr(cols[name][row])}" for name in ("file", "key", "dtype", "shape", "frame_bytes"))
 
 
-def _sound(file, key, dtype, shape, frame_bytes) -> bool:
-    strings = isinstance(file, str) and isinstance(key, str)
-    return strings and dtype in DTYPE_ITEMSIZES and _is_shape(shape) and type(frame_bytes) is int
-
-
-def _is_shape(shape: tuple | None) -> bool:
-    return shape is not None and len(shape) <= MAX_NDIM and all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)
+def _sound(file, key, kind: tuple, frame_bytes) -> bool:
+    return isinstance(file, str) and isinstance(key, str) and is_block(*kind) and type(frame_bytes) is int
 
 
 def _common_items(dicts: list[dict]) -> dict:
