@@ -34,7 +34,7 @@ from ..codec.blocks import Block, bytes_to_tensor
 from ..codec.devices import cuda_available, is_tensor
 from ..codec.fp8codec import is_array, source_tensor
 from ..codec.frame import as_byte_array
-from ..errors import InvalidOptionError, PoolStartError, WorkerLostError
+from ..errors import BadInputError, InvalidOptionError, PoolStartError, WorkerLostError
 from .address import INLINE, default_address
 from .backends import SETTLE_SECONDS, InlineBackend, RayBackend, WorkerDied
 from .worker import QuantWorker, WorkerInfo
@@ -295,6 +295,8 @@ class QuantPool:
             try:
                 # What Fp8Codec.encode refuses (a meta, sparse or nested tensor), refused alike; an array as a tensor
                 tensors[i] = source_tensor(t)
+            except BadInputError as exc:
+                raise type(exc)(f"tensor {i}: {exc}", field=exc.field or str(i)) from None
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"tensor {i}: {exc}") from None
         blocks = [Block.of(str(i), t) for i, t in enumerate(tensors)]

@@ -39,7 +39,7 @@ from ..codec.devices import choose_device, host_buffer, is_tensor
 from ..codec.formats import DTYPE_ITEMSIZES
 from ..codec.fp8codec import is_array, source_tensor
 from ..codec.runs import RUN_BYTES
-from ..errors import BlockError, MismatchError
+from ..errors import BadInputError, BlockError, MismatchError, block_error
 from ..io import archive, part_checks
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
@@ -192,6 +192,8 @@ class QuantWorker:
             if is_tensor(block) or is_array(block):
                 try:  # what Fp8Codec.encode refuses (a meta tensor, a big-endian array), refused alike
                     block = Block.of(key, source_tensor(block))
+                except BadInputError as exc:
+                    raise block_error(key, exc) from None
                 except (TypeError, ValueError) as exc:
                     raise type(exc)(f"block {key!r}: {exc}") from None
             elif not isinstance(block, Block):

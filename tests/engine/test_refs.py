@@ -17,7 +17,7 @@ import torch
 from fp8ray import CodecOptions, Fp8Codec, QuantPool, decode
 from fp8ray.codec.blocks import Block
 from fp8ray.engine.backends import RayBackend
-from fp8ray.errors import InvalidOptionError
+from fp8ray.errors import BlockError, InvalidOptionError
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 MIB = 1 << 20
@@ -68,6 +68,11 @@ def test_frames_by_reference_equal_the_local_codec_and_never_reach_the_driver(ra
         assert ray.get(frame).tobytes() == bytes(Fp8Codec().encode(array))
         with pytest.raises(TypeError, match=r"block '1': array dtype >f4 is not in this machine's byte order"):
             ray.get(swapped)
+        # A block fp8ray refuses keeps its class and names its key in ``field`` (the service's JSON).
+        [sparse] = pool.encode_refs([ray.put(torch.eye(3).to_sparse())])
+        with pytest.raises(BlockError, match=r"block '0': cannot encode a sparse_coo tensor") as refused:
+            ray.get(sparse)
+        assert refused.value.cause.field == "0"
 
 
 def test_refs_need_ray_workers():
