@@ -18,6 +18,7 @@ import posixpath
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +40,7 @@ from ..codec.devices import choose_device, host_buffer, is_tensor
 from ..codec.formats import DTYPE_ITEMSIZES
 from ..codec.fp8codec import is_array, source_tensor
 from ..codec.runs import RUN_BYTES
-from ..errors import BadInputError, BlockError, MismatchError, block_error
+from ..errors import BadInputError, BlockError, CorruptArchiveError, MismatchError, block_error
 from ..io import archive, part_checks
 from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
 from ..io.paths import resolve, uri_for
@@ -270,7 +271,8 @@ class QuantWorker:
                 for rows in pieces:  # one a row group
                     stop = done + len(rows)
                     out = buffer[done * nbytes :]
-                    decode_rows_into(keys[done:stop], rows, out, dtype, shape, threads=self.threads, where=where)
+                    with _row_and_frame_agree():
+                        decode_rows_into(keys[done:stop], rows, out, dtype, shape, threads=self.threads, where=where)
                     done = stop
             else:
                 specs = [BlockSpec(key, dtype, shape) for _, _, key, dtype, shape in batch]
@@ -279,7 +281,8 @@ class QuantWorker:
                     _check_holds(spec.key, spec.dtype, spec.shape, spec.nbytes, len(f), where)
                 size = sum(spec.nbytes for spec in specs)
                 buffer = self._decode_buffer(size)
-                decode_into(pairs, buffer, specs, threads=self.threads, where=where)
+                with _row_and_frame_agree():
+                    decode_into(pairs, buffer, specs, threads=self.threads, where=where)
             left[part] -= len(batch)
             if not left[part]:
                 del frames[part]  # its last block here: a part is held only while a block still needs it
@@ -323,11 +326,11 @@ class QuantWorker:
         try:
             archive.check_part(fs, path, part, directory)
             part_error = None
-        except archive.CorruptArchiveError as exc:
+        except CorruptArchiveError as exc:
             part_error = str(exc)
         try:  # read even a damaged part, to name the blocks the damage lies in
             table = archive.read_part(fs, path, part, check=False, uri=directory)
-        except archive.CorruptArchiveError as exc:
+        except CorruptArchiveError as exc:
             result.errors.append(str(exc))
             return result
         names = table.schema.names
@@ -341,7 +344,7 @@ class QuantWorker:
             try:
                 part_checks.check_frames(table, part, archive.redact(directory))
                 part_checks.check_key_range(columns["key"], part, archive.redact(directory))  # as a reader of one block does
-            except archive.CorruptArchiveError as exc:
+            except CorruptArchiveError as exc:
                 result.errors.append(str(exc))
         files = columns.get("file") or [""] * table.num_rows  # version 1 parts have no file column
         result.keys = columns["key"]
@@ -462,11 +465,20 @@ def _check_holds(key: str, dtype: str, shape: tuple, nbytes: int, frame_bytes: i
     frame can hold (``frame.RAW_BYTES_PER_FRAME_BYTE``: a row edited, its part's CRCs made
     again; the frame's header would say so, but only once decoded)."""
     if nbytes > frame.RAW_BYTES_PER_FRAME_BYTE * frame_bytes:
-        raise MismatchError(
+        raise CorruptArchiveError(
             f"block {key!r}{where}: its row says {list(shape)} {dtype} ({nbytes} bytes), more than its frame of "
-            f"{frame_bytes} bytes holds",
-            field=key,
+            f"{frame_bytes} bytes holds: the part is damaged"
         )
+
+
+@contextmanager
+def _row_and_frame_agree():
+    """An intact frame holding another dtype or shape than its row says (the decoder's
+    MismatchError) is an archive at fault, as verify and ``open_archive`` report it."""
+    try:
+        yield
+    except MismatchError as exc:
+        raise CorruptArchiveError(f"{exc}: its row and its frame disagree, the part is damaged") from None
 
 
 def _at_least(buffer: np.ndarray, size: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 import fp8ray
 from fp8ray.engine.archives import compress_archive, decompress_archive, verify_archive
-from fp8ray.errors import CorruptArchiveError, MismatchError
+from fp8ray.errors import CorruptArchiveError
 from fp8ray.io import archive
 
 INLINE = fp8ray.PoolSettings(num_workers=1, address="inline")
@@ -119,9 +119,40 @@ def test_a_frame_shorter_than_its_row_says_is_refused_before_its_bytes_are_alloc
     rewrite_column(path, "raw_bytes", [nbytes, *table.column("raw_bytes").to_pylist()[1:]])
     entry = rewrite_column(path, "frame_bytes", [nbytes // 4 + 1, *frames[1:]])
     record_entry(arch, entry, *ALL_CRCS, "raw_bytes", "frame_bytes")
-    with pytest.raises(MismatchError, match=rf"block '{key}' of a\.safetensors .*more than its frame of {frames[0]} bytes holds"):
+    with pytest.raises(
+        CorruptArchiveError, match=rf"block '{key}' of a\.safetensors .*more than its frame of {frames[0]} bytes holds"
+    ):
         decompress_archive(str(arch), str(tmp_path / "out"), pool=INLINE)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_row_whose_shape_is_another_of_the_same_size_is_damage_to_decompress_as_to_verify(made, tmp_path):
+    """A row edited to another shape of the same bytes (every CRC made again) passes the
+    plan; its intact frame disagrees. Decompress reports the part damaged, as verify and
+    open_archive do (it raised MismatchError, "expected a ... tensor", as if the caller's
+    tensor were at fault)."""
+    arch = _copy(made, tmp_path)
+    path = arch / "part-00000.parquet"
+    table = pq.read_table(path)
+    shapes, keys = table.column("shape").to_pylist(), table.column("key").to_pylist()
+    row = next(r for r, shape in enumerate(shapes) if len(shape) == 2 and shape[0] != shape[1] and shape[0])
+    swapped = shapes[:row] + [shapes[row][::-1]] + shapes[row + 1 :]
+    record_entry(arch, rewrite_column(path, "shape", swapped), *ALL_CRCS)
+    said = rf"block '{keys[row]}'.* the frame holds \({shapes[row][0]}, {shapes[row][1]}\).*"
+    for single_file in (False, True):
+        with pytest.raises(CorruptArchiveError, match=said + "its row and its frame disagree, the part is damaged"):
+            decompress_archive(str(arch), str(tmp_path / "out"), single_file=single_file, pool=INLINE)
+        assert not (tmp_path / "out").exists()
+    report = verify_archive(str(arch), pool=INLINE)
+    dtype = table.column("dtype")[row].as_py()
+    assert report.errors == [
+        f"block 'a.safetensors:{keys[row]}' in part-00000.parquet: columns say {swapped[row]} {dtype}, "
+        f"the frame says {shapes[row]} {dtype}"
+    ]
+    with pytest.raises(
+        CorruptArchiveError, match=rf"block 'a.safetensors:{keys[row]}' in part part-00000.parquet of .* is damaged: its row says"
+    ):
+        fp8ray.open_archive(str(arch)).get(keys[row])
 
 
 def test_a_key_twice_in_one_file_fails_verify_as_it_fails_decompress(made, tmp_path):
