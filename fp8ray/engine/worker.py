@@ -361,7 +361,7 @@ class QuantWorker:
                 (f, r.key): (r, data)
                 for f, r, data in zip((i[0] for i in result.idents if i in against), present, read_blocks(present))
             }
-        block_errors = 0
+        block_errors = raw_total = frame_total = 0
         for row, f in enumerate(archive.iter_frames(table)):
             ident = result.idents[row]
             result.blocks += 1
@@ -369,12 +369,15 @@ class QuantWorker:
                 buf = frame.as_byte_array(f)
                 header = frame.parse(buf)
                 result.stored_frames += header.stored
+                raw_bytes = header.numel * DTYPE_ITEMSIZES[header.dtype]
+                raw_total, frame_total = raw_total + raw_bytes, frame_total + buf.size
                 if not header.stored and frame.suspect_scales(buf, header):
                     decode_raw(buf, header.dtype, header.shape)  # refuses a scale not valid, or too large for its codes
-                if list(header.shape) != columns["shape"][row] or header.dtype != columns["dtype"][row]:
+                said = [columns[name][row] for name in ("shape", "dtype", "raw_bytes", "frame_bytes")]
+                if said != [list(header.shape), header.dtype, raw_bytes, buf.size]:
                     raise MismatchError(
-                        f"columns say {columns['shape'][row]} {columns['dtype'][row]}, "
-                        f"the frame says {list(header.shape)} {header.dtype}"
+                        "columns say {} {} of {} bytes in a frame of {}, ".format(*said)
+                        + f"the frame holds {list(header.shape)} {header.dtype} of {raw_bytes} bytes in {buf.size}"
                     )
                 if codec is not None and header != frame.header_for(codec, header.dtype, header.shape):
                     written, recorded = frame.layout_label(header), frame.layout_label(codec)
@@ -403,6 +406,9 @@ class QuantWorker:
             except (ValueError, TypeError, RuntimeError) as exc:
                 block_errors += 1
                 result.errors.append(f"block {_label(ident, name_files)!r} in {part.name}: {exc}")
+        totals = part_checks.totals_problem(raw_total, frame_total, part)
+        if totals and not block_errors:  # each row checks, their sum not the entry's
+            result.errors.append(f"part {part.name} of {archive.redact(directory)} is damaged: {totals}")
         if part_error and not block_errors:
             result.errors.append(f"{part_error}; every frame in it checks, so the damage lies outside them")
         elif part_error:

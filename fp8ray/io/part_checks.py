@@ -83,6 +83,14 @@ def check_rows(rows: int, info: Part, shown: str) -> None:
         raise _damaged(info, shown, f"it holds {rows} blocks, its entry {info.blocks}")
 
 
+def totals_problem(raw_bytes: int, frame_bytes: int, info: Part) -> str | None:
+    """What is wrong where a part's blocks hold ``raw_bytes`` in ``frame_bytes`` of frames
+    and its entry records other totals; None where they agree."""
+    if (raw_bytes, frame_bytes) == (info.raw_bytes, info.frame_bytes):
+        return None
+    return f"its rows hold {raw_bytes} bytes in {frame_bytes} of frames, its entry records {info.raw_bytes} in {info.frame_bytes}"
+
+
 def check_key_range(keys: list, info: Part, shown: str) -> None:
     """Refuse a part whose first and last keys are not those its entry records."""
     if keys and (keys[0], keys[-1]) != (info.first_key, info.last_key):

@@ -51,10 +51,12 @@ class _Fields:
         if not isinstance(obj, dict):
             raise CorruptArchiveError(f"{label} is a JSON {type(obj).__name__}, not an object")
         self.obj, self.label = obj, label
+        self.known: list[str] = []  # the fields taken, in order
 
     def __call__(self, name: str, kind: type, *, null: bool = False, optional: bool = False) -> Any:
         """The field ``name``, of ``kind`` (``int``: a count, never negative; ``float``: any
         number), or ``None`` where ``null`` allows it or ``optional`` lets it be absent."""
+        self.known.append(name)
         if name not in self.obj:
             if optional:
                 return None
@@ -66,6 +68,13 @@ class _Fields:
             wanted = _KINDS[kind] + (" or null" if null else "")
             raise CorruptArchiveError(f"{self.label}'s {name!r} is {short_repr(value)}, not {wanted}")
         return value
+
+    def refuse_others(self) -> None:
+        """Refuse a field no call took: fp8ray writes none, so it is an edit, or an archive
+        of a later fp8ray that this one would misread (a later format bumps the version)."""
+        unknown = sorted(set(self.obj) - set(self.known))
+        if unknown:
+            raise CorruptArchiveError(f"{self.label} holds {unknown[0]!r}, not one of {self.known}")
 
 
 def _is(value: object, kind: type) -> bool:
@@ -124,6 +133,7 @@ class Part:
             columns_crc32c=field("columns_crc32c", int, optional=True),
             frames_crc32c=field("frames_crc32c", int, optional=True),
         )
+        field.refuse_others()
         if "/" in part.name or not part.name.startswith(PART_PREFIX):
             raise CorruptArchiveError(f"{where} names {part.name!r}, not a part of this archive")
         for name in ("crc32c", *OPTIONAL_CRCS):
@@ -172,14 +182,14 @@ def _layout(obj: object, label: str) -> SourceLayout:
         metadata = file("metadata", dict, optional=True)
         if metadata:
             _strings(metadata, f"{label}, file {i}'s metadata")
+        file.refuse_others()
     for i, entry in enumerate(field("skipped", list, optional=True) or ()):
         skipped = _Fields(entry, f"{label}, skipped entry {i}")
         skipped("name", str)
         skipped("reason", str)
-    try:
-        return SourceLayout.from_dict(obj)
-    except TypeError as exc:  # a field this reader does not know
-        raise CorruptArchiveError(f"{label}: {exc}") from None
+        skipped.refuse_others()
+    field.refuse_others()
+    return SourceLayout.from_dict(obj)
 
 
 def checked_file_name(name, where: str = "the archive") -> str:
@@ -257,6 +267,7 @@ class Manifest:
                 f"expected {ARCHIVE_FORMAT!r} version {' or '.join(map(str, READ_VERSIONS))}"
             )
         field = _Fields(obj, label)
+        field.known += ["format", "version"]  # checked above
         codec = field("codec", dict)
         try:
             options = CodecOptions.parse({**LEGACY_CODEC, **codec})
@@ -290,6 +301,7 @@ class Manifest:
             provenance=Provenance.from_json(provenance, f"{label}'s provenance") if provenance is not None else None,
             stored_blocks=field("stored_blocks", int, optional=True) or 0,
         )
+        field.refuse_others()
         stored = manifest.stored_blocks
         if stored > manifest.blocks or (manifest.version == STORED_FRAMES_VERSION) != (stored > 0):
             raise CorruptArchiveError(

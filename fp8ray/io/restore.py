@@ -31,6 +31,7 @@ from ..codec.formats import DTYPE_ITEMSIZES
 from ..codec.frame import RAW_BYTES_PER_FRAME_BYTE, is_block
 from ..errors import CorruptArchiveError, DestinationError
 from .blocks import RawBlockParquetWriter, SourceLayout, parquet_schema
+from .part_checks import totals_problem
 from .paths import printable
 from .provenance import short_repr
 from .records import Manifest, checked_file_name
@@ -171,11 +172,9 @@ def _block_rows(manifest: Manifest, columns: list[dict[str, list]]) -> list[tupl
                 f"part {entry.name}, row {over}: {_described(cols, over)}: {raw[over]} bytes, more than a frame of "
                 f"{cols['frame_bytes'][over]} bytes holds"
             )
-        if (sum(raw), sum(cols["frame_bytes"])) != (entry.raw_bytes, entry.frame_bytes):
-            raise CorruptArchiveError(
-                f"part {entry.name}: its rows hold {sum(raw)} bytes in {sum(cols['frame_bytes'])} of frames, its entry "
-                f"records {entry.raw_bytes} in {entry.frame_bytes}"
-            )
+        problem = totals_problem(sum(raw), sum(frame_bytes), entry)
+        if problem:
+            raise CorruptArchiveError(f"part {entry.name}: {problem}")
         rows += [(part, row, *values) for row, values in enumerate(zip(files, keys, dtypes, shapes))]
     return rows
 

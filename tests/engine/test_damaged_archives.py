@@ -144,15 +144,39 @@ def test_a_row_whose_shape_is_another_of_the_same_size_is_damage_to_decompress_a
             decompress_archive(str(arch), str(tmp_path / "out"), single_file=single_file, pool=INLINE)
         assert not (tmp_path / "out").exists()
     report = verify_archive(str(arch), pool=INLINE)
-    dtype = table.column("dtype")[row].as_py()
+    dtype, raw, framed = (table.column(name)[row].as_py() for name in ("dtype", "raw_bytes", "frame_bytes"))
     assert report.errors == [
-        f"block 'a.safetensors:{keys[row]}' in part-00000.parquet: columns say {swapped[row]} {dtype}, "
-        f"the frame says {shapes[row]} {dtype}"
+        f"block 'a.safetensors:{keys[row]}' in part-00000.parquet: columns say {swapped[row]} {dtype} of {raw} bytes in "
+        f"a frame of {framed}, the frame holds {shapes[row]} {dtype} of {raw} bytes in {framed}"
     ]
     with pytest.raises(
         CorruptArchiveError, match=rf"block 'a.safetensors:{keys[row]}' in part part-00000.parquet of .* is damaged: its row says"
     ):
         fp8ray.open_archive(str(arch)).get(keys[row])
+
+
+def test_sizes_edited_in_a_row_or_a_part_entry_fail_verify_as_they_fail_decompress(made, tmp_path):
+    """A row's raw_bytes or frame_bytes, or a part entry's totals (the manifest's made to
+    follow), that are not its frames' are damage to verify too: it checked only a row's
+    dtype and shape, so these archives passed verify and failed decompress."""
+    for edit in ("row", "entry"):
+        arch = _copy(made, tmp_path, edit)
+        path = arch / "part-00000.parquet"
+        if edit == "row":
+            raw = pq.read_table(path, columns=["raw_bytes"]).column("raw_bytes").to_pylist()
+            record_entry(arch, rewrite_column(path, "raw_bytes", [raw[0] + 2, *raw[1:]]), *ALL_CRCS)
+            said = r"block '.*' in part-00000.parquet: columns say \[.*\] \w+ of \d+ bytes in a frame of \d+, the frame holds"
+        else:
+            _edit_manifest(arch, lambda m: m["parts"][0].update(raw_bytes=m["parts"][0]["raw_bytes"] + 2))
+            _edit_manifest(arch, lambda m: m.update(raw_bytes=m["raw_bytes"] + 2))
+            said = (
+                r"part part-00000.parquet of .* is damaged: its rows hold (\d+) bytes in \d+ of frames, its entry records (?!\1)"
+            )
+        errors = verify_archive(str(arch), pool=INLINE).errors
+        assert len(errors) == 1 and re.search(said, errors[0]), errors
+        if edit == "entry":  # decompress plans from the columns, which the row edit left consistent
+            with pytest.raises(CorruptArchiveError, match=r"part-00000.parquet: its rows hold \d+ bytes"):
+                decompress_archive(str(arch), str(tmp_path / "out"), pool=INLINE)
 
 
 def test_a_key_twice_in_one_file_fails_verify_as_it_fails_decompress(made, tmp_path):
@@ -182,8 +206,14 @@ def _edit_manifest(arch, edit) -> None:
             lambda m: m["layout"]["files"][0].update(name="sub/b.safetensors/a.safetensors"),
             r"lists sub/b\.safetensors as a file and as the folder of sub/b\.safetensors/a\.safetensors",
         ),
+        # A field fp8ray does not write, anywhere in the manifest (the layout's were ignored,
+        # a file entry's refused as "SourceFile.__init__() got an unexpected keyword").
+        (lambda m: m.update(checked=True), r"the manifest holds 'checked', not one of \['format', 'version', 'codec'"),
+        (lambda m: m["layout"].update(order="sorted"), r"the manifest's layout holds 'order', not one of \['kind'"),
+        (lambda m: m["layout"]["files"][1].update(mode=420), r"layout, file 1 holds 'mode', not one of \['name'"),
+        (lambda m: m["parts"][1].update(rows=1), r"part entry 1 holds 'rows', not one of \['name'"),
     ],
-    ids=["one-file-of-two", "no-layout", "file-and-folder"],
+    ids=["one-file-of-two", "no-layout", "file-and-folder", "manifest-field", "layout-field", "file-field", "part-field"],
 )
 def test_a_manifest_edited_to_say_what_cannot_be_is_refused(made, tmp_path, edit, refusal):
     arch = _copy(made, tmp_path)
