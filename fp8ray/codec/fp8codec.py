@@ -130,11 +130,15 @@ def _raise_nonfinite(x: np.ndarray, dtype: str, count: int) -> None:
     _raise_nonfinite_at(x.shape, dtype, count, first, value)
 
 
+# How a refusal of non-finite values ends: the option that stores them (a service, which
+# takes no such option, says otherwise).
+KEEP_HINT = " (nonfinite='keep', or --nonfinite keep, stores them)"
+
+
 def _raise_nonfinite_at(shape: tuple[int, ...], dtype: str, count: int, first: int, value: float) -> None:
     raise NonFiniteError(
         f"{count} non-finite value(s) in a {tuple(shape)} {dtype} tensor; "
-        f"the first is {value} at index {frame.element_index(first, shape)} "
-        "(nonfinite='keep', or --nonfinite keep, stores them)"
+        f"the first is {value} at index {frame.element_index(first, shape)}{KEEP_HINT}"
     )
 
 

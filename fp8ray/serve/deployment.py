@@ -44,12 +44,11 @@ from ..codec.fp8codec import Fp8Codec, source_tensor
 from ..engine.backends import worker_exception
 from ..engine.worker import QuantWorker
 from ..errors import BadInputError, CorruptDataError, RequestError, WorkersUnavailableError
-from ..io.safetensors import FRAME_DTYPE, FRAMES_BODY, FRAMES_MARK, SOURCE_DTYPES, build_body, parse_body
+from ..io.safetensors import FRAME_DTYPE, FRAMES_BODY, FRAMES_MARK, SOURCE_DTYPES, build_body, header_prefix, parse_body
 from .archives import ArchiveRoot
 from .options import ServiceOptions
 from .requests import (
     OCTET_STREAM,
-    RESPONSE_SLACK,
     SAFETENSORS,
     codec_options,
     is_safetensors,
@@ -58,6 +57,7 @@ from .requests import (
     response_limit,
     single_params,
     split,
+    unknown_name,
 )
 from .stats import REPORT_INTERVAL_S, ReplicaCounts, ServiceStats
 
@@ -291,8 +291,8 @@ class Fp8Service:
                 logger.exception("%s %s failed", request.method, route)
                 answer = (500, f"internal error ({type(exc).__name__}); the service log has the details", None)
             response = _refusal_response(*answer)
-        if limit is None:  # the frames' bytes: what the encode handler found the request's shapes need
-            limit = response_limit(bytes_in + len(request.url.query), getattr(request.state, "frame_bytes", 0))
+        if limit is None:  # what the handler carries that the request does not give (encode's frames, a block read)
+            limit = response_limit(bytes_in + len(request.url.query), getattr(request.state, "carried_bytes", 0))
         if len(response.body) > limit:  # cannot happen by the derivation: never send it anyway
             logger.error(
                 "%s %s: a %d-byte response to a %d-byte request exceeds its bound",
@@ -327,10 +327,7 @@ class Fp8Service:
 
     @api.get("/v1/archive/block")
     async def http_archive_block(self, request: Request) -> Response:
-        # A GET's answer is not bounded by its request, but by the archive: at most a body
-        # of --max-body-mb, the largest the service takes (see _block_body).
-        limit = self.max_body_bytes + RESPONSE_SLACK
-        return await self._answer("/v1/archive/block", request, self._block_body, limit=limit)
+        return await self._answer("/v1/archive/block", request, self._block_body)
 
     @api.get("/healthz")
     async def http_healthz(self, request: Request) -> Response:
@@ -380,12 +377,12 @@ class Fp8Service:
             raise RequestError(
                 f"the frames would be {total} bytes, over the service's limit of {allowed} (--max-body-mb)", 413, "shape"
             )
-        request.state.frame_bytes = total
+        request.state.carried_bytes = total
 
     async def _decode_body(self, request: Request, body: bytes) -> Response:
         if request.query_params:
             name = next(iter(request.query_params))
-            raise RequestError(f"unknown option {name!r}: a frame describes itself", 400, name)
+            raise unknown_name("option", name, ": a frame describes itself")
         if is_safetensors(request.headers.get("content-type")):
             entries, metadata = parse_body(body, (FRAME_DTYPE,))
             results = await self._map(QuantWorker.decode_batch, [(e.key, data) for e, data in entries])
@@ -412,12 +409,18 @@ class Fp8Service:
         params = request.query_params
         for name in params:
             if name not in BLOCK_PARAMS:
-                raise RequestError(f"unknown parameter {name!r}; expected {list(BLOCK_PARAMS)}", 400, name)
+                raise unknown_name("parameter", name, f"; expected {list(BLOCK_PARAMS)}")
         if not params.get("key"):
             raise RequestError("key is required: the block's key", 400, "key")
-        return await asyncio.to_thread(self._read_block, params.get("archive"), params["key"], params.get("file"))
+        response, request.state.carried_bytes = await asyncio.to_thread(
+            self._read_block, params.get("archive"), params["key"], params.get("file")
+        )
+        return response
 
-    def _read_block(self, archive: str | None, key: str, file: str | None) -> Response:
+    def _read_block(self, archive: str | None, key: str, file: str | None) -> tuple[Response, int]:
+        """The block's answer, and the bytes of it its request does not give: the block
+        and its file's ``__metadata__`` (the key is the request's; a block and metadata at
+        the limit answered 500 when only the block was counted)."""
         named = file is not None
         try:
             reader = self._archives.reader(archive)
@@ -441,7 +444,7 @@ class Fp8Service:
             raise RequestError(str(exc), 422, "archive") from None
         metadata = reader.metadata(file) or None
         data = build_body([(key, block.dtype, block.shape, block.data)], metadata)
-        return Response(data, media_type=SAFETENSORS)
+        return Response(data, media_type=SAFETENSORS), block.nbytes + len(header_prefix([], metadata))
 
     async def _alive_workers(self) -> int:
         async def ping(index: int) -> bool:
@@ -481,7 +484,8 @@ class Fp8Service:
         """Encode a tensor (or a float16/float32 ndarray); returns the frame's bytes. What
         ``Fp8Codec.encode`` refuses is refused here, by the same message."""
         tensor = source_tensor(tensor)  # loads torch: the HTTP routes take bytes, this API tensors
-        options = codec_options({k: str(v) for k, v in codec_options_kw.items()})
+        # As the query gives them; None is the default, as Fp8Codec takes it (not "None").
+        options = codec_options({k: str(v) for k, v in codec_options_kw.items() if v is not None})
         [(f, _)] = await self._call(QuantWorker.encode_batch, [Block.of("tensor", tensor.detach())], options)
         return f.tobytes()
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from ..codec import CodecOptions
 from ..codec.formats import DTYPE_ITEMSIZES
+from ..codec.fp8codec import KEEP_HINT
 from ..codec.frame import MAX_DIM, check_shape
 from ..errors import (
     BadInputError,
@@ -17,8 +18,12 @@ from ..errors import (
     RequestError,
     WorkerLostError,
 )
+from ..io.provenance import short_repr
 
 OCTET_STREAM = "application/octet-stream"
+# A query parameter's name as an answer shows it, in ``field`` (in a message: short_repr):
+# a name of any length must not make the answer larger than its bound.
+NAME_SHOWN = 60
 SAFETENSORS = "application/x-safetensors"
 # Codec options a request may set: all but the non-finite policy (a service never
 # stores NaN silently).
@@ -31,11 +36,17 @@ def codec_options(params: Mapping[str, str], ignore: tuple[str, ...] = ()) -> Co
     given = {name: value for name, value in params.items() if name not in ignore}
     for name in given:
         if name not in REQUEST_OPTIONS:
-            raise RequestError(f"unknown option {name!r}; expected one of {sorted((*REQUEST_OPTIONS, *ignore))}", 400, name)
+            raise unknown_name("option", name, f"; expected one of {sorted((*REQUEST_OPTIONS, *ignore))}")
     try:
         return CodecOptions.parse(given)
     except BadInputError as exc:
         raise RequestError(str(exc), 400, exc.field) from None
+
+
+def unknown_name(kind: str, name: str, why: str) -> RequestError:
+    """The 400 answer to a query parameter ``name`` the route does not take (``kind``:
+    "option" or "parameter"; ``why``: the rest of the message)."""
+    return RequestError(f"unknown {kind} {short_repr(name)}{why}", 400, name[:NAME_SHOWN])
 
 
 def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[str, tuple[int, ...]]:
@@ -68,9 +79,10 @@ def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[s
 
 
 # Every response is bounded by its request: at most MAX_EXPANSION bytes per byte of body
-# and query string, plus RESPONSE_SLACK, plus (encode) the frames' own bytes, which the
-# request's shapes give before any work (an empty tensor still has a scale per channel or
-# row: [0, 10**6] under channel scaling is a 4 MB frame of a 0-byte body). Derived:
+# and query string, plus RESPONSE_SLACK, plus the bytes it carries that its request does
+# not give: an encode's frames, which the request's shapes give before any work (an empty
+# tensor still has a scale per channel or row: [0, 10**6] under channel scaling is a 4 MB
+# frame of a 0-byte body); an archive read's block and its file's metadata. Derived:
 # decoding turns each 1-byte code into at most 4 bytes (float32), a stored frame's bytes
 # into as many (its header and checksum, 20 bytes and more, are dropped), and a frame's shape
 # bytes (8 per dimension) into at most 21 characters of JSON; each dimension of a shape,
@@ -81,10 +93,11 @@ MAX_EXPANSION = 5
 RESPONSE_SLACK = 1024
 
 
-def response_limit(request_bytes: int, frame_bytes: int = 0) -> int:
+def response_limit(request_bytes: int, carried_bytes: int = 0) -> int:
     """The most bytes a response to a request of ``request_bytes`` (body and query) holds,
-    one that encodes into frames of ``frame_bytes`` in all."""
-    return MAX_EXPANSION * request_bytes + RESPONSE_SLACK + frame_bytes
+    one that carries ``carried_bytes`` its request does not give (frames it encodes into,
+    a block it reads)."""
+    return MAX_EXPANSION * request_bytes + RESPONSE_SLACK + carried_bytes
 
 
 def single_params(counts: Mapping[str, int]) -> None:
@@ -92,7 +105,7 @@ def single_params(counts: Mapping[str, int]) -> None:
     each is given): only one of them would be read, the body misread under it."""
     for name, count in counts.items():
         if count > 1:
-            raise RequestError(f"query parameter {name!r} is given {count} times; give it once", 400, name)
+            raise RequestError(f"query parameter {short_repr(name)} is given {count} times; give it once", 400, name[:NAME_SHOWN])
 
 
 def split(items: list, parts: int) -> list[list]:
@@ -120,7 +133,9 @@ def refusal(exc: BaseException) -> tuple[int, str, str | None] | None:
         return exc.status, str(exc), exc.field
     if isinstance(exc, WorkerLostError):
         return 503, str(exc), None
-    if isinstance(exc, (NonFiniteError, CorruptDataError, BlockError)):
+    if isinstance(exc, NonFiniteError):  # its hint names an option the service does not take
+        return 422, str(exc).replace(KEEP_HINT, " (the service stores none)"), "body"
+    if isinstance(exc, (CorruptDataError, BlockError)):
         return 422, str(exc), "body"
     if isinstance(exc, BadInputError):
         return 400, str(exc), exc.field

@@ -188,6 +188,8 @@ def test_python_handle_returns_what_the_codec_returns(service):
     assert isinstance(frame, bytes) and digest(frame) == digest(Fp8Codec(scaling="channel").encode(t))
     default = handle.encode.remote(t).result()  # no option: the KV default mode
     assert digest(default) == digest(Fp8Codec("e4m3fn", "block", 32, scale_dtype="bfloat16", scale_choice="mse").encode(t))
+    # None is an option's default, as Fp8Codec takes it (it was sent as "None" and refused)
+    assert handle.encode.remote(t, scale_choice=None, block_size=None).result() == default
     back = handle.decode.remote(frame).result()
     assert torch.equal(back, decode(frame))
     empty = torch.empty(3, 0, 8, dtype=torch.float16)
@@ -309,7 +311,10 @@ def test_non_finite_input_and_bad_safetensors_are_refused(service):
     t = torch.ones(4, 8)
     t[1, 2] = float("nan")
     r = client.post("/v1/encode", params=encode_params(t), content=tensor_to_bytes(t).tobytes())
-    assert r.status_code == 422 and "non-finite" in error_of(r)["error"]
+    # The hint is not the CLI's (nonfinite='keep', an option the service refuses)
+    assert r.status_code == 422 and error_of(r)["error"].endswith(
+        "non-finite value(s) in a (4, 8) float32 tensor; the first is nan at index [1, 2] (the service stores none)"
+    )
     st = {"Content-Type": "application/x-safetensors"}
     assert client.post("/v1/encode", content=b"\x10\0\0\0\0\0\0\0{not json}", headers=st).status_code == 400
     frames = build_safetensors([("a", "float32", (2,), np.zeros(2, np.float32).view(np.uint8))])
@@ -827,7 +832,8 @@ def test_a_block_over_the_body_limit_is_refused_413(archives_root):
     block = restored["a.safetensors"]["shared"]
     read_block = Fp8Service.func_or_class._read_block
     replica = SimpleNamespace(_archives=ArchiveRoot(str(root)), max_body_bytes=block.nbytes)
-    assert read_block(replica, "kv.fp8", "shared", "a.safetensors").status_code == 200  # exactly at the limit
+    response, carried = read_block(replica, "kv.fp8", "shared", "a.safetensors")  # exactly at the limit
+    assert response.status_code == 200 and carried == block.nbytes + len(build_safetensors([], {"request": "0"}))
     replica.max_body_bytes = block.nbytes - 1
 
     def not_read(*args, **kwargs):
@@ -837,6 +843,45 @@ def test_a_block_over_the_body_limit_is_refused_413(archives_root):
         mp.setattr(ArchiveReader, "get", not_read)
         read_block(replica, "kv.fp8", "shared", "a.safetensors")
     assert (refused.value.status, refused.value.field) == (413, "key") and "--max-body-mb" in str(refused.value)
+
+
+def test_an_archive_block_at_the_limit_is_answered_with_its_header_on_top(service, archives_root, tmp_path):
+    """A block of exactly --max-body-mb whose file has a long key and kilobytes of
+    __metadata__ is answered 200: its header is carried on top of the limit (the answer's
+    bound counted 1 KiB for it, and a block at the limit answered 500)."""
+    from safetensors.torch import save_file
+
+    from fp8ray.engine.archives import compress_archive
+
+    client, _ = service
+    key, metadata = "k" * 2000, {"note": "x" * 3000}
+    block = torch.arange(MAX_BODY_MB << 18, dtype=torch.float32) % 7  # MAX_BODY_MB MiB
+    save_file({key: block}, str(tmp_path / "big.safetensors"), metadata=metadata)
+    compress_archive(str(tmp_path / "big.safetensors"), str(archives_root[0] / "big.fp8"), pool=fp8ray_inline())
+    r = client.get("/v1/archive/block", params={"archive": "big.fp8", "key": key})
+    assert r.status_code == 200, r.text[:300]
+    [(got, dtype, shape, data)], got_metadata = parse_safetensors(r.content, tuple(SOURCE_DTYPES))
+    assert (got, dtype, shape, got_metadata) == (key, "float32", tuple(block.shape), metadata)
+    assert digest(data) == digest(tensor_to_bytes(decode(Fp8Codec().encode(block))))
+
+
+def test_a_long_query_parameter_name_is_refused_400_within_the_answers_bound(service):
+    """A name of 3000 raw backslashes (one URL byte each, six in the JSON answer when it
+    was echoed whole, twice) is refused 400 as unknown, shown cut short: it answered 500,
+    the answer over its bound."""
+    import http.client
+
+    client, _ = service
+    name = "\\" * 3000
+    for method, route in (("POST", "/v1/encode"), ("POST", "/v1/decode"), ("GET", "/v1/archive/block")):
+        connection = http.client.HTTPConnection(client.base_url.host, client.base_url.port, timeout=60)
+        connection.request(method, f"{route}?{name}=1", body=b"", headers={"Content-Length": "0"})
+        r = connection.getresponse()
+        answer = r.read()
+        connection.close()
+        assert r.status == 400, answer[:300]
+        assert r.getheader("content-type") == "application/json" and len(answer) < 1024
+        assert re.search(rb'"unknown (option|parameter) \'(\\\\){56}\.\.\.', answer), answer[:300]
 
 
 def test_the_replica_keeps_its_last_readers_and_reopens_a_replaced_archive(archives_root, tmp_path):
