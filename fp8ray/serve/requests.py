@@ -53,7 +53,11 @@ def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[s
     """The dtype and shape query parameters of a raw encode, checked against the body."""
     names = sorted(DTYPE_ITEMSIZES)
     if dtype is None:
-        raise RequestError(f"dtype is required; one of {names}", 400, "dtype")
+        raise RequestError(
+            f"dtype is required for a raw body; one of {names} (a safetensors body is sent with Content-Type: {SAFETENSORS})",
+            400,
+            "dtype",
+        )
     dtype = dtype.removeprefix("torch.")
     if dtype not in DTYPE_ITEMSIZES:
         raise RequestError(f"unknown dtype {dtype!r}; expected one of {names}", 400, "dtype")

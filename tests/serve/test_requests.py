@@ -44,7 +44,7 @@ def test_raw_layout_is_checked_against_the_body():
     assert raw_layout("torch.float32", "", 4) == ("float32", ())
     assert raw_layout("float16", " 2, 8 ", 32) == ("float16", (2, 8))
     for args, field, pattern in [
-        ((None, "2", 4), "dtype", "dtype is required"),
+        ((None, "2", 4), "dtype", "dtype is required for a raw body; .* with Content-Type: application/x-safetensors"),
         (("complex128", "2", 16), "dtype", "unknown dtype 'complex128'"),
         (("float16", None, 4), "shape", "shape is required"),
         (("float16", "2,x", 4), "shape", "not comma-separated integers"),
