@@ -16,6 +16,7 @@ JSON files hold, and how each is checked, is :mod:`fp8ray.io.records`.
 from __future__ import annotations
 
 import json
+import os
 from bisect import bisect_right
 from collections.abc import Iterator
 
@@ -155,8 +156,11 @@ def plan_parts(refs: list[BlockRef], part_bytes: int) -> list[list[BlockRef]]:
 
 def plan_record(source: str, codec: dict, lossless: str, parts: list[list[BlockRef]], files: tuple | None = None) -> Plan:
     """What ``_plan.json`` holds: a resumed run must find the same source, options and
-    parts, and (``files``, :func:`source_stamps`) the source's files as they were."""
-    return Plan(redact(source), codec, lossless, tuple(tuple(r.ident for r in part) for part in parts), files)
+    parts, and (``files``, :func:`source_stamps`) the source's files as they were. A local
+    source is recorded absolute: a run resumed from another directory (a job runs in its
+    own) must find it."""
+    recorded = redact(source) if "://" in source else os.path.abspath(source)
+    return Plan(recorded, codec, lossless, tuple(tuple(r.ident for r in part) for part in parts), files)
 
 
 def source_stamps(source: str, layout: SourceLayout, gone_ok: bool = False) -> tuple[tuple[str, int, int | None], ...]:

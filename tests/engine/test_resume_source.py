@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
@@ -133,6 +135,22 @@ def test_a_refused_resume_says_what_differs_and_takes_the_same_source_spelled_ot
     monkeypatch.chdir(tmp_path)
     report = compress_archive("./kv.safetensors", str(arch), part_bytes=PART, pool=INLINE, resume=True)
     assert report.parts_reused >= 1 and verify_archive(str(arch), against=str(src), pool=INLINE).ok
+
+
+def test_a_run_started_with_a_relative_source_is_resumed_from_another_directory(tmp_path, monkeypatch):
+    """The plan recorded the source as typed, and a resume resolved it against its own
+    directory: an archive started as `fp8ray compress kv kv.fp8` could not be resumed by a
+    job (given absolute paths, run in its own directory) nor from any other directory."""
+    (tmp_path / "elsewhere").mkdir()
+    src, arch = tmp_path / "kv.safetensors", tmp_path / "kv.fp8"
+    write_source(src, 1)
+    for given in (str(src), "../kv.safetensors"):
+        shutil.rmtree(arch, ignore_errors=True)
+        monkeypatch.chdir(tmp_path)
+        interrupted(Path("kv.safetensors"), Path("kv.fp8"))
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        report = compress_archive(given, str(arch), part_bytes=PART, pool=INLINE, resume=True)
+        assert report.parts_reused >= 1 and verify_archive(str(arch), against=str(src), pool=INLINE).ok
 
 
 def test_a_plan_spelling_its_lossless_stage_otherwise_is_resumed(tmp_path):
