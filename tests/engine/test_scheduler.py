@@ -127,6 +127,21 @@ def test_encode_many_and_decode_many_refuse_and_take_what_the_codec_does():
                 pool.encode_many([x], batch_size=size)
 
 
+def test_a_running_pool_cannot_be_entered_again():
+    """A second ``with pool`` replaced the running backend (its workers never closed) and,
+    on Ray, forgot that the pool had started its Ray, which then outlived the pool."""
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with QuantPool(num_workers=1, address="inline") as pool:
+        backend = pool._backend
+        with pytest.raises(RuntimeError, match="this QuantPool is running already: enter it once"):
+            with pool:
+                pass
+        assert pool._backend is backend and torch.equal(
+            pool.decode_many(pool.encode_many([x]))[0], fp8ray.decode(fp8ray.Fp8Codec().encode(x))
+        )
+    assert pool._backend is None
+
+
 def test_encode_many_and_decode_many_take_a_generator_as_a_list():
     """A one-pass iterable is taken once: the same frames and tensors as its list."""
     tensors = [torch.full((4, 64), float(i), dtype=torch.bfloat16) for i in range(3)]
