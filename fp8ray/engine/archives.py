@@ -86,6 +86,7 @@ class CompressReport:
     nodes: int  # distinct Ray nodes that wrote parts in this run
     skipped: list[dict] = field(default_factory=list)  # what a source tree holds that was not taken: name, reason
     stored: int = 0  # blocks of a dtype fp8 does not encode (integers, bool, ...), kept in stored frames
+    written_raw_bytes: int = 0  # of the parts this run wrote (not those resumed): what ``seconds`` covers
 
     @property
     def ratio(self) -> float:
@@ -93,7 +94,8 @@ class CompressReport:
 
     @property
     def input_gbps(self) -> float:
-        return self.raw_bytes / self.seconds / 1e9 if self.seconds else 0.0
+        """Input compressed per second by this run (parts resumed took none of its time)."""
+        return self.written_raw_bytes / self.seconds / 1e9 if self.seconds else 0.0
 
     def as_dict(self) -> dict:
         return {**asdict(self), "ratio": self.ratio, "input_gbps": self.input_gbps}
@@ -396,6 +398,7 @@ def compress_archive(
         nodes=len(run.nodes - {None}),
         skipped=[asdict(entry) for entry in layout.skipped],
         stored=stored,
+        written_raw_bytes=sum(info.raw_bytes for i, info in run.infos.items() if i not in reused),
     )
 
 

@@ -74,6 +74,10 @@ def test_an_unchanged_source_is_resumed(tmp_path):
     report = compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE, resume=True)
     assert report.parts_reused >= 1
     assert verify_archive(str(arch), against=str(src), pool=INLINE).ok
+    # Its speed is of the parts it wrote: the resumed ones' bytes took none of its seconds.
+    written = fp8ray.open_archive(str(arch)).manifest.parts[report.parts_reused :]  # part 0 was finished
+    assert report.written_raw_bytes == sum(p.raw_bytes for p in written) < report.raw_bytes
+    assert report.input_gbps == report.written_raw_bytes / report.seconds / 1e9
 
 
 def test_a_plan_from_before_the_files_were_recorded_is_not_resumed(tmp_path):
