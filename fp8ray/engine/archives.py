@@ -348,9 +348,11 @@ def compress_archive(
                 progress(sum(info.blocks for info in reused.values()))
             try:
                 _write_parts(run, pool, compress_part, parts, todo, (codec, uri_for(destination, work), lossless), progress)
-            except WriteError as exc:  # a part's write: a full disk, above all
+            except (WriteError, SourceError) as exc:  # a part's write (a full disk, above all), or a source file's read
                 kept = (run.finished or reused) and not dest.replacing  # else nothing of this run is left (below)
                 left = _parts_left(fs, work, len(parts)) if kept else ""
+                if isinstance(exc, SourceError):  # gone, cut short, or unreadable for a while: resumed once it is back
+                    raise SourceError(f"{exc}{left}") from None
                 raise _destination_error(exc, destination, left) from None
             # The workers read each file at the offsets the scan found: a file rewritten
             # since (a new header moves every tensor) was archived from the wrong bytes.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import fp8ray.io.archive
 import fp8ray.io.safetensors
 import fp8ray.lmcache.store_files
 from fp8ray.cli import main
+from fp8ray.errors import SourceError
 from fp8ray.io.lmcache_store import ChunkName, format_chunk_name
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -167,6 +169,36 @@ def test_a_full_disk_mid_compress_names_the_destination_and_what_resume_keeps(tm
     code = main([str(a) for a in ["compress", src, arch, *one_worker, "--resume"]])
     out, _ = capsys.readouterr()
     assert code == 0 and (arch / "_manifest.json").exists() and f"({done} reused)" in out
+
+
+def test_a_source_file_unreadable_mid_compress_says_what_resume_keeps(tmp_path):
+    """A source file that cannot be read mid-run (moved away for a while, a network
+    filesystem gone) ended the run in one line that left out the finished parts it kept;
+    once the file is back as it was, --resume keeps them."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):  # a part each
+        save_file({"kv": torch.full((2, 512, 512), float(i)).bfloat16()}, str(src / f"{i}.safetensors"))
+    calls = []
+
+    def progress(blocks):
+        calls.append(blocks)
+        if len(calls) == 2:  # part 0 done (the first call counts the parts resumed)
+            os.rename(src / "2.safetensors", tmp_path / "away")
+
+    arch = tmp_path / "arch"
+    one_worker = fp8ray.PoolSettings(num_workers=1, address="inline")
+    with pytest.raises(SourceError) as failed:
+        fp8ray.compress_archive(str(src), str(arch), part_bytes=2**20, pool=one_worker, progress=progress)
+    done = len(list(arch.glob("_part-*.json")))
+    assert done >= 1 and not (arch / "_part-00002.json").exists()
+    assert str(failed.value) == (
+        f"source file {src / '2.safetensors'} cannot be read: No such file or directory; {done} of 4 parts done: "
+        "rerun with --resume to keep them"
+    )
+    os.rename(tmp_path / "away", src / "2.safetensors")  # the same size and time: as it was
+    report = fp8ray.compress_archive(str(src), str(arch), part_bytes=2**20, pool=one_worker, resume=True)
+    assert report.parts_reused == done and fp8ray.verify_archive(str(arch), against=str(src), pool=one_worker).ok
 
 
 def appeared(output) -> str:
