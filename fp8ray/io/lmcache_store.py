@@ -28,7 +28,6 @@ The conversion itself is :mod:`fp8ray.lmcache.store_files`, run on the engine
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 from dataclasses import dataclass, field
@@ -174,24 +173,25 @@ def form_of(layout: Layout, size: int, prefix: bytes) -> tuple[str | None, str]:
     reason it is none of them.
 
     A frame is recognised by its header (magic, codes, the layout's dtype and shape, and
-    a length equal to the file's); its checksum is verified when it is converted."""
+    a length equal to the file's); its checksum is verified when it is converted. A valid
+    header decides before the size does: the frame of a shorter chunk (the last of a
+    request) can be exactly as long as a plain chunk of the layout, and was read as one."""
     try:
         header = parse_header(prefix)
         malformed = ""
     except CorruptFrameError as exc:
         header, malformed = None, str(exc)
-    same_layout = header is not None and header.dtype == layout.dtype and header.shape == layout.shape
-    if same_layout and header.frame_size == size:
+    if header is not None:
+        found = f"{header.dtype}:{','.join(map(str, header.shape))}"
+        if found != str(layout):
+            return None, f"an fp8ray frame of {found}, not of the layout {layout}"
+        if header.frame_size != size:
+            return None, f"an fp8ray frame of {size} bytes, but its header implies {header.frame_size}: truncated or padded?"
         return FRAMES, ""
     if size == layout.raw_bytes:
         return RAW, ""
     if size == layout.numel:
         return FP8, ""
-    if header is not None:
-        found = f"{header.dtype}:{','.join(map(str, header.shape))}"
-        if found != str(layout):
-            return None, f"an fp8ray frame of {found}, not of the layout {layout}"
-        return None, f"an fp8ray frame of {size} bytes, but its header implies {header.frame_size}: truncated or padded?"
     sizes = f"{layout.raw_bytes} bytes ({layout.dtype}), {layout.numel} (LMCache fp8) or an fp8ray frame of that shape"
     return None, f"{size} bytes, the layout {layout} needs {sizes}" + (f"; {malformed}" if malformed else "")
 
@@ -315,11 +315,8 @@ def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> Non
         prefix_bytes = b""
         try:
             size = entry.stat().st_size  # a file LMCache evicted since the listing: named, the rest go on
-            if size != layout.numel:
-                with open(entry.path, "rb") as f:
-                    prefix_bytes = f.read(HEADER_BYTES)
-            elif not os.access(entry.path, os.R_OK):  # not opened (no header to read), but as unreadable as one that is
-                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+            with open(entry.path, "rb") as f:  # of every size: a frame's header decides (form_of)
+                prefix_bytes = f.read(HEADER_BYTES)
         except OSError as exc:
             scan.skipped.append(_unreadable(name, exc))
             continue

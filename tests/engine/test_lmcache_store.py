@@ -39,6 +39,7 @@ from fp8ray.errors import (
     NonFiniteError,
     SourceError,
 )
+from fp8ray.io import lmcache_store
 from fp8ray.io.lmcache_store import (
     ChunkName,
     form_of,
@@ -256,6 +257,24 @@ def test_chunk_file_forms(tmp_path):
     assert [s["name"] for s in scan.skipped] == ["a@0x1@0@04.data"]
 
 
+def test_a_frame_as_long_as_a_plain_chunk_is_told_by_its_header(tmp_path):
+    """Under token scaling the frame of a last, shorter chunk can be exactly numel bytes
+    (2,13,31,64 against the layout 2,13,32,64: 48 + 806 * 2 + 51584 + 4 = 53248): it was
+    read as LMCache fp8 codes, "converted" into garbage and archived, saying nothing."""
+    layout = parse_layout("bfloat16:2,13,32,64")
+    codec = Fp8Codec(scaling="token")
+    full = bytes(codec.encode(torch.randn(2, 13, 32, 64).bfloat16()))
+    short = bytes(codec.encode(torch.randn(2, 13, 31, 64).bfloat16()))
+    assert len(short) == layout.numel
+    reason = "an fp8ray frame of bfloat16:2,13,31,64, not of the layout bfloat16:2,13,32,64"
+    assert form_of(layout, len(short), short[:600]) == (None, reason)
+    (tmp_path / "m@0x1@0@01.data").write_bytes(full)
+    (tmp_path / "m@0x1@0@ff.data").write_bytes(short)
+    scan = scan_store(str(tmp_path), layout)
+    assert [(c.name, c.form) for c in scan.chunks] == [("m@0x1@0@01.data", "fp8ray")]
+    assert scan.skipped == [{"name": "m@0x1@0@ff.data", "reason": reason}]
+
+
 def test_plain_files_of_both_sizes_are_read_as_the_store_says_never_guessed(tmp_path, capsys):
     """A raw bfloat16 chunk of half the tokens (save_unfull_chunk) has an fp8 chunk's size,
     and an fp8 chunk of twice the tokens a raw chunk's. Taken for raw before, a store of fp8
@@ -311,23 +330,26 @@ def test_skipped_folders_end_in_a_slash(tmp_path):
 
 
 def test_unreadable_files_and_folders_are_skipped_whatever_their_size(tmp_path, monkeypatch):
-    """A chunk file of the fp8 form's size is not opened by the scan (no header to read):
-    unreadable, it was taken, and the whole conversion failed on it later with the
-    system's "Permission denied"; an unreadable hash-prefix folder failed the scan with
-    it. Both are skipped and named now, as an unreadable file of any other size was. As
-    root nothing is unreadable, so the system's answers are stood in for."""
+    """An unreadable chunk file of the fp8 form's size was taken (the scan did not open
+    it), and the whole conversion failed on it later with the system's "Permission
+    denied"; an unreadable hash-prefix folder failed the scan with it. Both are skipped
+    and named now, as an unreadable file of any other size was. As root nothing is
+    unreadable, so the system's answers are stood in for."""
     x = chunk_tensor(0)
     names = [format_chunk_name(c) for c in CHUNKS[:2]]
     (tmp_path / names[0]).write_bytes(fp8_bytes(x))
     (tmp_path / names[1]).write_bytes(fp8_bytes(x))
     (tmp_path / "9f").mkdir()
-    access, scandir = os.access, os.scandir
+    scandir = os.scandir
     locked = {str(tmp_path / names[1]), str(tmp_path / "9f")}
 
     def denied(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(os, "access", lambda path, mode: str(path) not in locked and access(path, mode))
+    def locked_open(path, *args):
+        return denied(path) if str(path) in locked else open(path, *args)  # noqa: SIM115 (the scan's open, closed by it)
+
+    monkeypatch.setattr(lmcache_store, "open", locked_open, raising=False)
     monkeypatch.setattr(os, "scandir", lambda path=".": denied(path) if str(path).rstrip("/") in locked else scandir(path))
     scan = scan_store(str(tmp_path), parse_layout(LAYOUT))
     assert [(c.name, c.form) for c in scan.chunks] == [(names[0], "fp8")]
