@@ -34,7 +34,7 @@ from ..errors import BadInputError, CorruptArchiveError, MismatchError, SourceEr
 from ..io import archive
 from ..io.blocks import BlockRef, bytes_to_tensor
 from ..io.lmcache_store import FORMS, FP8, FRAMES, HEADER_BYTES, RAW, ChunkFile, Layout, form_of
-from ..io.paths import os_reason, resolve, write_atomic
+from ..io.paths import os_reason, printable, resolve, write_atomic
 from ..io.restore import RestoreTask
 from .frames import Fp8FrameSerializer
 from .seed import Fp8QuantizationDeserializer, Fp8QuantizationSerializer
@@ -154,7 +154,7 @@ def convert_files(conversion: StoreConversion, chunks: list[ChunkFile]) -> list[
         try:
             converted, payload = converter.convert(chunk)
         except (ValueError, TypeError, OSError) as exc:
-            where = f" ({chunk.form} -> {conversion.target} of {os.path.join(conversion.source, chunk.name)})"
+            where = f" ({chunk.form} -> {conversion.target} of {printable(os.path.join(conversion.source, chunk.name))})"
             raise block_error(chunk.name, exc, where) from exc
         converter.write(chunk.name, payload)
         done.append(converted)
@@ -194,7 +194,7 @@ def encode_chunk_files(refs: list[BlockRef], codec: Fp8Codec, out: np.ndarray, s
             else:
                 codec.encode(chunk_tensor(data, form, layout, fp8_reader), out=slot, threads=threads)
         except (ValueError, TypeError, OSError) as exc:
-            raise block_error(ref.file, exc, f" (chunk file {ref.path})") from exc
+            raise block_error(ref.file, exc, f" (chunk file {printable(ref.path)})") from exc
 
 
 @dataclass

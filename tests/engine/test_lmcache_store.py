@@ -572,6 +572,25 @@ def test_non_finite_source_fails_naming_the_file_and_leaves_no_destination(store
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no scratch left
 
 
+def test_a_failing_chunk_files_path_reaches_the_terminal_escaped(tmp_path, capsys):
+    """The block's name was escaped, the chunk file's path beside it was not: a name
+    holding an escape code and a newline reached the terminal as they are."""
+    src = tmp_path / "store"
+    src.mkdir()
+    x = chunk_tensor(0)
+    x[0, 0, 0, 0] = float("nan")
+    name = format_chunk_name(ChunkName("esc\x1b[31mred\nX", kv_rank(1, 0), 0, b"\x77\x79"))
+    (src / name).write_bytes(tensor_bytes(x))
+    for command in (
+        ["lmcache-compress", str(src), str(tmp_path / "out"), "--layout", LAYOUT],
+        ["compress", str(src), str(tmp_path / "out.fp8"), "--lmcache-layout", LAYOUT, "--address", "inline"],
+    ):
+        assert main(command) == 1
+        _, err = capsys.readouterr()
+        assert "non-finite" in err and err.count("\n") == 1 and "\x1b" not in err, err
+        assert "esc\\x1b[31mred\\nX" in err.split("(", 1)[1]  # the path, escaped
+
+
 def test_destination_rules(store, tmp_path):
     src, tensors, _ = store
     dst = tmp_path / "exists"
