@@ -132,6 +132,7 @@ _NOT_TAKEN = {
     "special": "not a regular file",
     "not utf-8": "a name that is not UTF-8, which an archive cannot record",
 }
+NOT_UTF8_REASON = _NOT_TAKEN["not utf-8"]
 
 
 # A name decompress does not write (a path separator elsewhere; docs/FORMAT.md), so not archived.

@@ -17,9 +17,9 @@ import os
 import posixpath
 
 from ..errors import MismatchError, SourceError
-from .blocks import BACKSLASH, BACKSLASH_REASON, BlockRef, SkippedEntry, SourceFile, SourceLayout
+from .blocks import BACKSLASH, BACKSLASH_REASON, NOT_UTF8_REASON, BlockRef, SkippedEntry, SourceFile, SourceLayout
 from .lmcache_store import STORE_KIND, Layout, parse_layout, scan_store
-from .paths import redact
+from .paths import is_utf8, printable, redact
 
 
 def scan_store_source(uri: str, layout: Layout | str, plain_form: str | None = None) -> tuple[SourceLayout, list[BlockRef]]:
@@ -39,9 +39,14 @@ def scan_store_source(uri: str, layout: Layout | str, plain_form: str | None = N
         scan = scan_store(root, layout, plain_form)
     except OSError as exc:
         raise SourceError(f"LMCache store {redact(uri)} cannot be read: {exc.strerror or exc}") from None
-    # A chunk LMCache can name on Linux (a model with a backslash) that no archive may record.
-    scan.skipped += [{"name": c.name, "reason": BACKSLASH_REASON} for c in scan.chunks if BACKSLASH in c.name]
-    scan.chunks = [c for c in scan.chunks if BACKSLASH not in c.name]
+    # Chunks LMCache can name on Linux that no archive may record: a model with a
+    # backslash, or a name of bytes that are not UTF-8 (shown escaped).
+    for chunk in scan.chunks:
+        if not is_utf8(chunk.name):
+            scan.skipped.append({"name": printable(chunk.name), "reason": NOT_UTF8_REASON})
+        elif BACKSLASH in chunk.name:
+            scan.skipped.append({"name": chunk.name, "reason": BACKSLASH_REASON})
+    scan.chunks = [c for c in scan.chunks if is_utf8(c.name) and BACKSLASH not in c.name]
     if not scan.chunks:
         reasons = sorted({s["reason"] for s in scan.skipped})[:3]
         raise MismatchError(

@@ -408,6 +408,21 @@ def test_a_chunk_named_with_a_backslash_is_skipped_and_the_archive_restores(tmp_
         compress_archive(str(store), str(tmp_path / "b"), pool=INLINE, lmcache_layout=LAYOUT, strict=True)
 
 
+def test_a_chunk_named_in_bytes_that_are_not_utf8_is_skipped_and_the_archive_restores(tmp_path):
+    """A chunk file whose name is not UTF-8 failed compress before any work with Python's
+    "'utf-8' codec can't encode character '\\udcff'", naming no file."""
+    store, arch, back = tmp_path / "store", str(tmp_path / "kv.fp8"), tmp_path / "back"
+    files = write_store(store, "fp8ray", 0)
+    odd = os.fsencode(str(store)) + b"/bad\xffname@0x01000100@0@7777.data"
+    with open(odd, "wb") as f:
+        f.write(stored(chunk_tensor(5), "fp8ray"))
+    report = compress_archive(str(store), arch, lmcache_layout=LAYOUT, pool=INLINE)
+    reasons = {s["name"]: s["reason"] for s in report.skipped}
+    assert reasons["bad\\udcffname@0x01000100@0@7777.data"] == "a name that is not UTF-8, which an archive cannot record"
+    decompress_archive(arch, str(back), lmcache_form="fp8ray", pool=INLINE)
+    assert tree(back) == files
+
+
 def test_verify_against_a_store_says_it_compares_only_file_sources(tmp_path):
     """verify --against compares an archive with a .safetensors or .parquet source; an
     archive of a store, given its store, is told so (not that the store holds no
