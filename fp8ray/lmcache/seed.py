@@ -1,7 +1,7 @@
 """Drop-in replacements for LMCache's ``"fp8"`` serde (``lmcache/v1/distributed/serde/fp8.py``,
 the seed this project started from): headerless, one byte per element.
 
-Byte-identical to LMCache's plain ``src.to(float8_e4m3fn)`` wherever that cast is finite,
+Byte-identical to LMCache's plain ``src.to(float8_e4m3fn)`` wherever the input and that cast are finite,
 for a source of any real dtype, as LMCache's (float64, float8 and integer ones go by way
 of float32, as torch's cast does). Where it is not, these differ on purpose: finite
 values beyond the format's range saturate to +-max (torch's cast gives inf in e5m2, and
