@@ -211,13 +211,11 @@ def hash_folders(chunk: ChunkName, levels: int) -> str:
 def is_store_entry(name: str, kind: str) -> bool:
     """Whether an entry under a directory (a :class:`~fp8ray.io.paths.TreeEntry`'s
     ``name`` and ``kind``) is one a store holds, whatever its layout: a regular file with
-    a chunk name, flat or in its hash's prefix folders, or an empty hash-prefix folder.
-    A file named in bytes that are not UTF-8 (given escaped) is one too: the store tools
-    convert such chunks, and refused their own output for it."""
+    a chunk name, flat or in its hash's prefix folders, or an empty hash-prefix folder."""
     *folders, base = name.rstrip("/").split("/")
     if kind == "empty folder":
         return all(is_hash_folder(f) for f in [*folders, base])
-    if kind != "file" and not (kind == "not utf-8" and not name.endswith("/")):
+    if kind != "file":
         return False
     try:
         chunk = parse_chunk_name(base)

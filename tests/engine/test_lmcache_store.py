@@ -591,20 +591,6 @@ def test_a_failing_chunk_files_path_reaches_the_terminal_escaped(tmp_path, capsy
         assert "esc\\x1b[31mred\\nX" in err.split("(", 1)[1]  # the path, escaped
 
 
-def test_a_store_with_a_chunk_named_in_bytes_that_are_not_utf8_can_be_overwritten(tmp_path, capsys):
-    """lmcache-compress converts such a chunk, then refused its own output under
-    --overwrite: "holds 1 entry that is not an LMCache store's (bad\\udcffname...)"."""
-    src = tmp_path / "store"
-    src.mkdir()
-    (src / format_chunk_name(CHUNKS[0])).write_bytes(tensor_bytes(chunk_tensor(0)))
-    with open(os.fsencode(str(src)) + b"/bad\xffname@0x01000100@0@7777.data", "wb") as f:
-        f.write(tensor_bytes(chunk_tensor(1)))
-    argv = ["lmcache-compress", str(src), str(tmp_path / "out"), "--layout", LAYOUT]
-    assert main(argv) == 0 and len(os.listdir(tmp_path / "out")) == 2
-    assert main([*argv, "--overwrite"]) == 0, capsys.readouterr().err
-    assert sorted(os.listdir(os.fsencode(str(tmp_path / "out")))) == sorted(os.listdir(os.fsencode(str(src))))
-
-
 def test_destination_rules(store, tmp_path):
     src, tensors, _ = store
     dst = tmp_path / "exists"
