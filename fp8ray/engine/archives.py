@@ -199,7 +199,7 @@ def _why_not_resumable(previous: archive.Plan, plan: archive.Plan) -> str:
         "://" not in previous.source + plan.source and os.path.realpath(previous.source) == os.path.realpath(plan.source)
     )
     if not same_source:
-        return f"it was started from another source, {previous.source} (this run's: {plan.source})"
+        return f"it was started from another source, {redact(previous.source)} (this run's: {redact(plan.source)})"
     if previous.codec != plan.codec:
         changed = sorted(k for k in previous.codec.keys() | plan.codec.keys() if previous.codec.get(k) != plan.codec.get(k))
         return "it was started with other codec options: " + ", ".join(

@@ -82,13 +82,12 @@ class RayBackend:
             self.close()
             raise
         if len(ready) < num_workers:
-            have = {name: ray.cluster_resources().get(name, 0) for name in ("CPU", "GPU")}
-            free = {name: ray.available_resources().get(name, 0) for name in have}  # ours that started included
+            have = ray.cluster_resources()
             self.close()
             raise PoolStartError(
                 f"only {len(ready)} of {num_workers} QuantWorkers started within {start_timeout:.0f} s: each needs "
-                f"{cpus:g} CPU(s) and {gpus:g} GPU(s); the cluster has {have['CPU']:g} CPU(s) and {have['GPU']:g} GPU(s), "
-                f"{free['CPU']:g} and {free['GPU']:g} of them free (other actors hold the rest: another QuantPool?)"
+                f"{cpus:g} CPU(s) and {gpus:g} GPU(s), and the cluster has {have.get('CPU', 0):g} CPU(s) and "
+                f"{have.get('GPU', 0):g} GPU(s) in all (other actors, another QuantPool's, may hold some)"
             )
 
     def submit(self, worker: int, method: Callable, args: tuple):

@@ -334,7 +334,7 @@ class QuantWorker:
             result.errors.append(str(exc))
             return result
         names = table.schema.names
-        lacking = [name for name in ("key", "dtype", "shape", "frame") if name not in names]
+        lacking = [name for name in ("key", "dtype", "shape", "raw_bytes", "frame_bytes", "frame") if name not in names]
         if lacking:  # a damaged footer can drop a column: the part is damaged, its blocks not named
             shown = archive.redact(directory)
             result.errors.append(part_error or f"part {part.name} of {shown} is damaged: it has no {lacking[0]!r} column")
@@ -373,11 +373,13 @@ class QuantWorker:
                 raw_total, frame_total = raw_total + raw_bytes, frame_total + buf.size
                 if not header.stored and frame.suspect_scales(buf, header):
                     decode_raw(buf, header.dtype, header.shape)  # refuses a scale not valid, or too large for its codes
-                said = [columns[name][row] for name in ("shape", "dtype", "raw_bytes", "frame_bytes")]
-                if said != [list(header.shape), header.dtype, raw_bytes, buf.size]:
+                shape, dtype, said_raw, said_frame = (
+                    columns[name][row] for name in ("shape", "dtype", "raw_bytes", "frame_bytes")
+                )
+                if [shape, dtype, said_raw, said_frame] != [list(header.shape), header.dtype, raw_bytes, buf.size]:
                     raise MismatchError(
-                        "columns say {} {} of {} bytes in a frame of {}, ".format(*said)
-                        + f"the frame holds {list(header.shape)} {header.dtype} of {raw_bytes} bytes in {buf.size}"
+                        f"columns say {shape} {dtype} of {said_raw} bytes in a frame of {said_frame}, "
+                        f"the frame holds {list(header.shape)} {header.dtype} of {raw_bytes} bytes in {buf.size}"
                     )
                 if codec is not None and header != frame.header_for(codec, header.dtype, header.shape):
                     written, recorded = frame.layout_label(header), frame.layout_label(codec)

@@ -234,8 +234,8 @@ def scan_store(directory: str, layout: Layout, plain_form: str | None = None) ->
     LMCache's FS adapter keeps chunks flat in the directory; its native connector may put
     them in hash-prefix folders (two hex digits a level, :func:`hash_folders`), which are
     entered, every other folder being skipped. Names are relative to ``directory``, ``/``
-    between parts; a skipped folder's ends in ``/``. Reads the first bytes of a file only
-    when its size is not the fp8 form's (a frame is always longer).
+    between parts; a skipped folder's ends in ``/``. Reads the first bytes of every file:
+    a frame's header decides its form (:func:`form_of`).
 
     The raw and fp8 forms of two layouts share a size: a raw chunk of 1/itemsize of the
     tokens (the last of a sequence, which LMCache stores with ``save_unfull_chunk``) is an

@@ -9,11 +9,13 @@ from dataclasses import dataclass, fields
 
 from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
 
+SHOWN_CHARS = 60  # the most of a value from outside an error message shows
+
 
 def short_repr(value: object) -> str:
-    """``repr(value)``, cut to 60 characters: a bad value as an error message shows it."""
+    """``repr(value)``, cut to :data:`SHOWN_CHARS` characters: a bad value as an error message shows it."""
     text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class _Fields:
         of a later fp8ray that this one would misread (a later format bumps the version)."""
         unknown = sorted(set(self.obj) - set(self.known))
         if unknown:
-            raise CorruptArchiveError(f"{self.label} holds {unknown[0]!r}, not one of {self.known}")
+            raise CorruptArchiveError(f"{self.label} holds {short_repr(unknown[0])}, not one of {self.known}")
 
 
 def _is(value: object, kind: type) -> bool:
@@ -357,7 +357,7 @@ class Plan:
     """An unfinished archive's ``_plan.json``: a resumed run must find the same source,
     options and parts, and the source's files unchanged (``files``)."""
 
-    source: str  # redacted
+    source: str  # a URI redacted (never its credentials), a local path absolute
     codec: dict[str, Any]
     lossless: str
     parts: tuple[tuple[tuple[str, str], ...], ...]  # each part's blocks as (file, key)

@@ -43,7 +43,7 @@ def scan_store_source(uri: str, layout: Layout | str, plain_form: str | None = N
     # backslash, or a name of bytes that are not UTF-8 (shown escaped).
     for chunk in scan.chunks:
         if not is_utf8(chunk.name):
-            scan.skipped.append({"name": printable(chunk.name), "reason": NOT_UTF8_REASON})
+            scan.skipped.append({"name": chunk.name, "reason": NOT_UTF8_REASON})
         elif BACKSLASH in chunk.name:
             scan.skipped.append({"name": chunk.name, "reason": BACKSLASH_REASON})
     scan.chunks = [c for c in scan.chunks if is_utf8(c.name) and BACKSLASH not in c.name]
@@ -59,5 +59,6 @@ def scan_store_source(uri: str, layout: Layout | str, plain_form: str | None = N
         for c in scan.chunks
     ]
     files = tuple(SourceFile(c.name, 1) for c in scan.chunks)
-    skipped = tuple(SkippedEntry(s["name"], s["reason"]) for s in scan.skipped)
+    # The manifest is UTF-8: a name that is not is recorded escaped, as a source tree's is.
+    skipped = tuple(SkippedEntry(s["name"] if is_utf8(s["name"]) else printable(s["name"]), s["reason"]) for s in scan.skipped)
     return SourceLayout(STORE_KIND, "directory", files, skipped), refs

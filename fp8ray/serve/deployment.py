@@ -412,6 +412,8 @@ class Fp8Service:
                 raise unknown_name("parameter", name, f"; expected {list(BLOCK_PARAMS)}")
         if not params.get("key"):
             raise RequestError("key is required: the block's key", 400, "key")
+        # A refusal quotes the archive (its path, a key's files): bounded as a block is.
+        request.state.carried_bytes = self.max_body_bytes
         response, request.state.carried_bytes = await asyncio.to_thread(
             self._read_block, params.get("archive"), params["key"], params.get("file")
         )

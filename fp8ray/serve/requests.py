@@ -18,12 +18,9 @@ from ..errors import (
     RequestError,
     WorkerLostError,
 )
-from ..io.provenance import short_repr
+from ..io.provenance import SHOWN_CHARS, short_repr
 
 OCTET_STREAM = "application/octet-stream"
-# A query parameter's name as an answer shows it, in ``field`` (in a message: short_repr):
-# a name of any length must not make the answer larger than its bound.
-NAME_SHOWN = 60
 SAFETENSORS = "application/x-safetensors"
 # Codec options a request may set: all but the non-finite policy (a service never
 # stores NaN silently).
@@ -45,8 +42,9 @@ def codec_options(params: Mapping[str, str], ignore: tuple[str, ...] = ()) -> Co
 
 def unknown_name(kind: str, name: str, why: str) -> RequestError:
     """The 400 answer to a query parameter ``name`` the route does not take (``kind``:
-    "option" or "parameter"; ``why``: the rest of the message)."""
-    return RequestError(f"unknown {kind} {short_repr(name)}{why}", 400, name[:NAME_SHOWN])
+    "option" or "parameter"; ``why``: the rest of the message), the name cut short in
+    both message and ``field``: a name of any length must keep the answer in its bound."""
+    return RequestError(f"unknown {kind} {short_repr(name)}{why}", 400, name[:SHOWN_CHARS])
 
 
 def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[str, tuple[int, ...]]:
@@ -109,7 +107,9 @@ def single_params(counts: Mapping[str, int]) -> None:
     each is given): only one of them would be read, the body misread under it."""
     for name, count in counts.items():
         if count > 1:
-            raise RequestError(f"query parameter {short_repr(name)} is given {count} times; give it once", 400, name[:NAME_SHOWN])
+            raise RequestError(
+                f"query parameter {short_repr(name)} is given {count} times; give it once", 400, name[:SHOWN_CHARS]
+            )
 
 
 def split(items: list, parts: int) -> list[list]:

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 
+import crc32c
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -177,6 +178,28 @@ def test_sizes_edited_in_a_row_or_a_part_entry_fail_verify_as_they_fail_decompre
         if edit == "entry":  # decompress plans from the columns, which the row edit left consistent
             with pytest.raises(CorruptArchiveError, match=r"part-00000.parquet: its rows hold \d+ bytes"):
                 decompress_archive(str(arch), str(tmp_path / "out"), pool=INLINE)
+
+
+def test_a_part_without_its_size_columns_is_reported_damaged_by_verify(made, tmp_path):
+    """A part with no raw_bytes (or frame_bytes) column, its entry of an fp8ray before the
+    column CRCs: verify raised KeyError once it compared each row's sizes with its frame."""
+    for dropped in ("raw_bytes", "frame_bytes"):
+        arch = _copy(made, tmp_path, dropped)
+        path = arch / "part-00000.parquet"
+        pq.write_table(pq.read_table(path).drop_columns([dropped]), path)
+        data = path.read_bytes()
+
+        def older_entry(m, data=data):
+            entry = m["parts"][0]
+            for crc in ("footer_crc32c", "columns_crc32c", "frames_crc32c"):
+                entry.pop(crc)
+            entry.update(crc32c=crc32c.crc32c(data), file_bytes=len(data))
+            m["archive_bytes"] = sum(e["file_bytes"] for e in m["parts"])
+
+        _edit_manifest(arch, older_entry)
+        assert verify_archive(str(arch), pool=INLINE).errors == [
+            f"part part-00000.parquet of {arch} is damaged: it has no {dropped!r} column"
+        ]
 
 
 def test_a_key_twice_in_one_file_fails_verify_as_it_fails_decompress(made, tmp_path):

@@ -136,6 +136,10 @@ def test_a_refused_resume_says_what_differs_and_takes_the_same_source_spelled_ot
     write_source(other, 1)
     with pytest.raises(ArchiveExistsError, match=re.escape(f"from another source, {src} (this run's: {other})")):
         compress_archive(str(other), str(arch), part_bytes=PART, pool=INLINE, resume=True)
+    escaped = tmp_path / "o\x1b[31mther.safetensors"  # shown escaped, the refusal one line
+    write_source(escaped, 1)
+    with pytest.raises(ArchiveExistsError, match=re.escape(f"(this run's: {tmp_path}/o\\x1b[31mther.safetensors)")):
+        compress_archive(str(escaped), str(arch), part_bytes=PART, pool=INLINE, resume=True)
     monkeypatch.chdir(tmp_path)
     report = compress_archive("./kv.safetensors", str(arch), part_bytes=PART, pool=INLINE, resume=True)
     assert report.parts_reused >= 1 and verify_archive(str(arch), against=str(src), pool=INLINE).ok

@@ -865,6 +865,25 @@ def test_an_archive_block_at_the_limit_is_answered_with_its_header_on_top(servic
     assert digest(data) == digest(tensor_to_bytes(decode(Fp8Codec().encode(block))))
 
 
+def test_an_archive_blocks_refusal_quoting_long_file_names_is_answered(service, archives_root, tmp_path):
+    """A key in three files whose names are long: the 400 naming them is longer than five
+    times the short query, and answered 500 once the route's bound became its request's
+    (a refusal quotes the archive, bounded as a block is)."""
+    from safetensors.torch import save_file
+
+    from fp8ray.engine.archives import compress_archive
+
+    client, _ = service
+    for i in range(3):
+        path = tmp_path / "src" / ("d" * 200) / f"{i}{'f' * 200}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"k": torch.zeros(4)}, str(path))
+    compress_archive(str(tmp_path / "src"), str(archives_root[0] / "many.fp8"), pool=fp8ray_inline())
+    r = client.get("/v1/archive/block", params={"archive": "many.fp8", "key": "k"})
+    assert r.status_code == 400 and error_of(r)["field"] == "file", r.text[:300]
+    assert "is in 3 files of archive" in error_of(r)["error"] and len(r.content) > 5 * len("archive=many.fp8&key=k") + 1024
+
+
 def test_a_long_query_parameter_name_is_refused_400_within_the_answers_bound(service):
     """A name of 3000 raw backslashes (one URL byte each, six in the JSON answer when it
     was echoed whole, twice) is refused 400 as unknown, shown cut short: it answered 500,
