@@ -416,9 +416,14 @@ def test_a_chunk_named_in_bytes_that_are_not_utf8_is_skipped_and_the_archive_res
     odd = os.fsencode(str(store)) + b"/bad\xffname@0x01000100@0@7777.data"
     with open(odd, "wb") as f:
         f.write(stored(chunk_tensor(5), "fp8ray"))
+    with open(os.fsencode(str(store)) + b"/notes\xff.txt", "wb") as f:  # no chunk: skipped, its name recorded escaped
+        f.write(b"x")
     report = compress_archive(str(store), arch, lmcache_layout=LAYOUT, pool=INLINE)
     reasons = {s["name"]: s["reason"] for s in report.skipped}
     assert reasons["bad\\udcffname@0x01000100@0@7777.data"] == "a name that is not UTF-8, which an archive cannot record"
+    assert "notes\\udcff.txt" in reasons
+    recorded = json.loads((tmp_path / "kv.fp8" / "_manifest.json").read_bytes().decode("utf-8"))
+    assert {"bad\\udcffname@0x01000100@0@7777.data", "notes\\udcff.txt"} <= {e["name"] for e in recorded["layout"]["skipped"]}
     decompress_archive(arch, str(back), lmcache_form="fp8ray", pool=INLINE)
     assert tree(back) == files
 
