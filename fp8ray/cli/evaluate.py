@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 from ..errors import DestinationError, InvalidOptionError
@@ -42,6 +44,7 @@ def add_commands(commands) -> None:
         metavar="FILE",
         help="write relative error per layer for K and V to this image (.png, .svg, .pdf: from its suffix)",
     )
+    fidelity.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     fidelity.set_defaults(handler=run_fidelity)
 
     evaluate = commands.add_parser(
@@ -68,6 +71,7 @@ def add_commands(commands) -> None:
     evaluate.add_argument(
         "--plot", metavar="FILE", help="also save a bar chart of KL per mode (format from its suffix: .png, .svg, .pdf)"
     )
+    evaluate.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     evaluate.set_defaults(handler=run_eval_model)
 
 
@@ -88,16 +92,23 @@ def check_output(option: str, path: str, *reads: str | None) -> None:
                 check_apart(str(read), path)
             except DestinationError as exc:
                 raise DestinationError(f"{option}: {exc}") from None
-    if not Path(path).resolve().parent.is_dir():
-        raise DestinationError(f"{option}: directory {Path(path).parent} does not exist")
+    if Path(path).is_dir():  # found only as it was written, after a long run
+        raise DestinationError(f"{option}: {path} is a directory; name a file")
+    parent = Path(path).resolve().parent  # a link's target's (a link to nothing included)
+    if not parent.is_dir():
+        raise DestinationError(f"{option}: directory {parent} does not exist")
 
 
-def check_plot(path: str, *reads: str | None) -> None:
-    """:func:`check_output` of a ``--plot`` file, and its format (from its suffix), before any work."""
+def check_plot(path: str, overwrite: bool, *reads: str | None) -> None:
+    """:func:`check_output` of a ``--plot`` file, and its format (from its suffix), before
+    any work; an existing one is replaced only with ``overwrite``, as every output is."""
+    from ..errors import ArchiveExistsError
     from ..eval.plots import plot_format
 
     check_output("--plot", path, *reads)
     plot_format(path)
+    if os.path.lexists(path) and not overwrite:
+        raise ArchiveExistsError(f"--plot: {path} already exists (pass --overwrite to replace it)")
 
 
 def model_read(model: str | None) -> str | None:
@@ -135,15 +146,16 @@ def run_fidelity(args) -> int:
 
     key_pattern = DEFAULT_KEY_PATTERN if args.key_pattern is None else args.key_pattern
     if args.plot is not None:
-        check_plot(args.plot, args.original, args.archive)
+        check_plot(args.plot, args.overwrite, args.original, args.archive)
     report = fidelity_report(args.original, args.archive, key_pattern=key_pattern)
-    if args.plot is not None:
-        plot_layers(report, args.plot)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1, allow_nan=False))
     else:
         print(format_report(report))
-        if args.plot:
+    if args.plot is not None:  # after the report: a plot that cannot be drawn does not lose it
+        sys.stdout.flush()
+        plot_layers(report, args.plot)
+        if not args.json:
             warn(f"plot written to {args.plot}")
     return 0
 
@@ -157,14 +169,12 @@ def run_eval_model(args) -> int:
             raise InvalidOptionError(f"--modes {group!r} has an empty mode: name each mode, separated by commas", field="modes")
     modes = [m for group in args.modes for m in group.split(",")] if args.modes else list(DEFAULT_MODES)
     if args.plot is not None:
-        check_plot(args.plot, text, model_read(args.model))
+        check_plot(args.plot, args.overwrite, text, model_read(args.model))
     loaded, results = evaluate_text(text, args.prefix, args.continuation, modes, args.model)
     title = (
         f"fp8ray eval-model: {loaded.name} ({str(loaded.dtype).removeprefix('torch.')}), {Path(text).name}, "
         f"prefix {args.prefix} + continuation {args.continuation} tokens"
     )
-    if args.plot:
-        plot(results, args.plot, title)
     if args.json:
         print(
             json.dumps(
@@ -181,4 +191,7 @@ def run_eval_model(args) -> int:
     else:
         print(title + "\n")
         print(format_markdown(results) if args.markdown else format_text(results))
+    if args.plot:  # after the results: a plot that cannot be drawn does not lose them
+        sys.stdout.flush()
+        plot(results, args.plot, title)
     return 0

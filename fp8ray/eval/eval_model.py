@@ -39,7 +39,7 @@ import torch
 from ..codec import CodecOptions, Fp8Codec, decode
 from ..codec.formats import FORMATS, SCALINGS
 from ..codec.metrics import relative_error
-from ..errors import BadInputError
+from ..errors import BadInputError, MismatchError
 from .models import LoadedModel, cache_tensors, forward, load_model, make_cache, read_text, tokenize
 from .plots import save_figure
 
@@ -213,6 +213,8 @@ def plot(results: list[ModeResult], path: str | os.PathLike, title: str) -> None
     import matplotlib.pyplot as plt
 
     shown = [r for r in results if r.kl_nats > 0]
+    if not shown:
+        raise MismatchError("nothing to plot: every mode's KL is 0 (exact), and a log axis has no 0")
     # Horizontal bars: mode names such as e4m3fn:block:block_size=32:scale_choice=mse fit.
     fig, ax = plt.subplots(figsize=(9.0, 1.2 + 0.35 * len(shown)))
     ax.barh([r.mode for r in shown], [r.kl_nats for r in shown], color="tab:blue")

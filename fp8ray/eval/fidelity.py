@@ -23,6 +23,7 @@ accept it.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 
 from ..codec import decode
@@ -208,21 +209,24 @@ def plot_layers(report: FidelityReport, output: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     try:
-        for kind, label, marker in (("k", "K", "o"), ("v", "V", "s")):
-            layers = report.layers[kind]
-            if layers:
-                xs = sorted(layers)
-                # Zero error cannot be drawn on a log axis: matplotlib masks it.
-                ax.plot(xs, [layers[i]["rel_fro"] for i in xs], marker=marker, label=label)
-        ax.set_yscale("log")
-        ax.set_xlabel("layer")
-        ax.set_ylabel("relative Frobenius error")
-        codec = report.codec
-        ax.set_title(f"fp8ray fidelity: {codec.get('fp8')} / {codec.get('scaling')}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        save_figure(fig, output)
+        # An error of 0 everywhere cannot be drawn on a log axis: matplotlib masks it, and
+        # warns "Data has no positive values" to the terminal.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            for kind, label, marker in (("k", "K", "o"), ("v", "V", "s")):
+                layers = report.layers[kind]
+                if layers:
+                    xs = sorted(layers)
+                    ax.plot(xs, [layers[i]["rel_fro"] for i in xs], marker=marker, label=label)
+            ax.set_yscale("log")
+            ax.set_xlabel("layer")
+            ax.set_ylabel("relative Frobenius error")
+            codec = report.codec
+            ax.set_title(f"fp8ray fidelity: {codec.get('fp8')} / {codec.get('scaling')}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            save_figure(fig, output)
     finally:
         plt.close(fig)
 

@@ -230,6 +230,28 @@ def test_cli_plot_is_refused_before_any_work_where_it_cannot_be_written(stores, 
     assert svg.read_bytes().lstrip().startswith(b"<?xml")  # the format its name says
 
 
+def test_cli_plot_replaces_a_file_only_with_overwrite_and_names_a_links_missing_folder(stores, tmp_path, capsys):
+    """An existing file was replaced by the plot, silently; a link to a missing folder was
+    said to be in "directory . does not exist"; a directory was found only after the work."""
+    root, _ = stores
+    argv = ["fidelity", str(root / "exact.safetensors"), str(root / "arch"), "--plot"]
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"mine")
+    code = main([*argv, str(mine)])
+    out, err = capsys.readouterr()
+    assert (code, out) == (1, "") and err == f"fp8ray: error: --plot: {mine} already exists (pass --overwrite to replace it)\n"
+    assert mine.read_bytes() == b"mine"
+    assert main([*argv, str(mine), "--overwrite"]) == 0 and mine.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    link = tmp_path / "link.png"
+    link.symlink_to(tmp_path / "gone" / "layers.png")
+    assert main([*argv, str(link)]) == 1
+    assert capsys.readouterr().err == f"fp8ray: error: --plot: directory {tmp_path / 'gone'} does not exist\n"
+    (tmp_path / "plots").mkdir()  # refused only as it was written, after the work
+    assert main([*argv, str(tmp_path / "plots"), "--overwrite"]) == 1
+    assert capsys.readouterr().err == f"fp8ray: error: --plot: {tmp_path / 'plots'} is a directory; name a file\n"
+
+
 def test_cli_plot_on_a_full_disk_names_it_and_leaves_nothing(stores, tmp_path, capsys, monkeypatch):
     """The plot was written in place by matplotlib: a failed write could leave a partial
     PNG, and said matplotlib's words for it. Now written as every output is

@@ -363,6 +363,19 @@ def test_eval_model_refuses_an_empty_mode_before_the_model_loads(capsys, modes):
     assert code == 1 and err.count("\n") == 1 and f"--modes {modes!r} has an empty mode" in err
 
 
+def test_a_plot_of_modes_that_are_all_exact_is_refused_by_name(tmp_path):
+    """Only modes of KL 0 (the reference; an exact cast) left nothing on the log axis, and
+    matplotlib's "Data cannot be log-scaled" came after the whole run, its results lost
+    (run_eval_model now prints them before it draws)."""
+    from fp8ray.errors import MismatchError
+    from fp8ray.eval.eval_model import ModeResult, plot
+
+    exact = ModeResult("reference", 0.0, 0.0, 1.0, 9.0, 9.0, 2.0, 0.0, 0.0)
+    with pytest.raises(MismatchError, match="nothing to plot: every mode's KL is 0"):
+        plot([exact], tmp_path / "kl.png", "title")
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(
     "where, message",
     [
@@ -371,6 +384,8 @@ def test_eval_model_refuses_an_empty_mode_before_the_model_loads(capsys, modes):
         ("nowhere", "directory"),
         ("fifo", "is a FIFO, not a file"),  # replaced by the plot before, as /dev/null would have been
         ("txt", "matplotlib writes no .txt files"),  # refused after the whole run before, its results lost
+        ("folder", "is a directory; name a file"),  # refused only as it was written, after the run
+        ("file", "already exists (pass --overwrite to replace it)"),  # replaced, silently
     ],
 )
 def test_eval_model_plot_never_writes_over_what_it_reads(tmp_path, capsys, where, message):
@@ -381,12 +396,19 @@ def test_eval_model_plot_never_writes_over_what_it_reads(tmp_path, capsys, where
     model = tmp_path / "model"
     model.mkdir()
     fifo = tmp_path / "kl.png"
-    plot = {"text": text, "model": model / "kl.png", "nowhere": tmp_path / "missing" / "kl.png", "fifo": fifo}.get(where)
+    plot = {"text": text, "model": model / "kl.png", "nowhere": tmp_path / "missing" / "kl.png"}.get(where, fifo)
     if where == "fifo":
         os.mkfifo(fifo)
-    code, _, err = run_cli(capsys, "eval-model", "--text", text, "--model", model, "--plot", plot or tmp_path / "kl.txt")
+    elif where == "folder":
+        fifo.mkdir()
+    elif where == "file":
+        fifo.write_bytes(b"mine")
+    plot = tmp_path / "kl.txt" if where == "txt" else plot
+    code, _, err = run_cli(capsys, "eval-model", "--text", text, "--model", model, "--plot", plot)
     assert code == 1 and err.startswith("fp8ray: error: ") and message in err and err.count("\n") == 1
     assert text.read_text() == "The lighthouse stood on the rock.\n"
-    assert sorted(tmp_path.iterdir()) == sorted([model, text, *([fifo] if where == "fifo" else [])])
+    made = [fifo] if where in ("fifo", "folder", "file") else []
+    assert sorted(tmp_path.iterdir()) == sorted([model, text, *made])
     assert where != "fifo" or stat.S_ISFIFO(fifo.stat().st_mode)
+    assert where != "file" or fifo.read_bytes() == b"mine"
     assert not list(model.iterdir())
