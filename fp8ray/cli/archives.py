@@ -326,11 +326,14 @@ def run_get(args) -> int:
             raise DestinationError(f"output {redact(args.output)} is a directory; name the .safetensors file to write")
         if output_exists(fs, path) and not args.overwrite:  # a link to nothing too
             raise ArchiveExistsError(f"output {redact(args.output)} exists (pass --overwrite to replace it)")
-        prepare_parent(fs, path, args.output, args.parents)
+        if not args.parents:  # a missing folder is refused now; --parents makes it once the block is read
+            prepare_parent(fs, path, args.output, parents=False)
     reader = open_archive(args.archive)
     file = args.file if args.file is not None else reader.file_of(args.key)  # an ambiguous key is refused, naming the files
     block = reader.block(args.key, file)  # a missing key is refused, naming the key and file
     metadata = reader.metadata(file) or None
+    if not to_stdout and args.parents:  # after the refusals: they leave no folders behind
+        prepare_parent(fs, path, args.output, parents=True)
     if to_stdout:
         try:
             sys.stdout.buffer.write(build_body([(args.key, block.dtype, block.shape, block.data)], metadata))

@@ -117,6 +117,10 @@ def test_missing_and_ambiguous_keys_name_what_to_choose(archive, tmp_path):
     )
     assert_one_line(fp8ray("get", tmp_path / "no-archive", "shared", "-o", out), "does not exist")
     assert not out.exists()
+    # With --parents the folders are made only for a block read: refusals left them behind.
+    for args, said in (((tmp_path / "no-archive", "shared"), "does not exist"), ((arch, "shared"), "name the file")):
+        assert_one_line(fp8ray("get", *args, "-o", tmp_path / "made" / "x.safetensors", "--parents"), said)
+        assert not (tmp_path / "made").exists()
 
 
 def test_an_existing_output_is_refused_without_overwrite(archive, tmp_path):
