@@ -17,6 +17,8 @@ exit 130 and one line, never a traceback.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 from ..errors import Fp8rayError
@@ -106,6 +108,10 @@ def _run(args) -> int:
         extra = next((e for prefix, e in EXTRAS if (exc.name or "").startswith(prefix)), "models,serve,lmcache")
         print(f"fp8ray: error: {exc}; install fp8ray with its extras: pip install 'fp8ray[{extra}]'", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the output's reader left (`| head`): it took what it wanted, as a killed writer says nothing
+        # Python would meet the closed pipe again as it flushes standard output at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ValueError, TypeError, OSError, Fp8rayError) as exc:
         print(f"fp8ray: error: {exc}", file=sys.stderr)
         return 1

@@ -186,3 +186,17 @@ def test_a_fifo_given_as_the_source_is_refused_at_once(tmp_path):
     result = fp8ray("compress", fifo, tmp_path / "arch")
     assert_one_line(result, f"source {fifo} is not a regular file (a FIFO, socket or device)")
     assert not (tmp_path / "arch").exists()
+
+
+def test_a_reader_that_leaves_the_pipe_early_gets_no_error_line(tmp_path):
+    """`fp8ray inspect --json | head` said "fp8ray: error: [Errno 32] Broken pipe" and
+    exited 1 when head left first: a writer whose reader left says nothing (141, as one
+    killed by SIGPIPE)."""
+    save_file({f"layer{i}.k": torch.zeros(2, 8) for i in range(4)}, str(tmp_path / "kv.safetensors"))
+    assert fp8ray("compress", tmp_path / "kv.safetensors", tmp_path / "kv.fp8", "--address", "inline").returncode == 0
+    command = [sys.executable, "-m", "fp8ray.cli", "inspect", str(tmp_path / "kv.fp8"), "--json"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    child.stdout.close()  # gone before the command writes a byte
+    _, err = child.communicate(timeout=120)
+    assert (child.returncode, err) == (141, b"")
