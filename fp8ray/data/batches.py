@@ -79,7 +79,12 @@ def _arrow_column(name: str, values, who: str) -> pa.Array:
 
 
 def keys(table: pa.Table) -> list[str]:
-    """The ``key`` column: one string per row."""
+    """The ``key`` column: one string per row; integer keys (which a raw-block Parquet
+    source may hold, as ``fp8ray compress`` takes them) as their decimal strings."""
+    column = table.column("key")
+    kind = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
+    if pa.types.is_integer(kind):
+        table = table.set_column(table.column_names.index("key"), "key", column.cast(pa.string()))
     return _strings(table, "key")
 
 
@@ -134,8 +139,10 @@ def binary_values(table: pa.Table, name: str, row_keys: list[str]) -> list[memor
     column = table.column(name)
     if not len(column):  # an empty pandas or numpy batch's column converts to Arrow's null type
         return []
+    if pa.types.is_fixed_size_binary(column.type):  # as compress takes it (blocks of one size)
+        column = column.cast(pa.large_binary())
     if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
-        raise BadInputError(f"column {name!r} must be binary or large_binary, not {column.type}", field=name)
+        raise BadInputError(f"column {name!r} must be binary, large_binary or fixed_size_binary, not {column.type}", field=name)
     values: list[memoryview] = []
     for chunk in column.chunks:
         if chunk.null_count:

@@ -208,6 +208,26 @@ def test_direct_call_matches_the_codec_on_chunked_sliced_and_binary_columns():
     assert Fp8Decoder()(only_frames.slice(3)).equals(decoded.slice(3))  # sized from the frames' headers
 
 
+def test_the_encoder_takes_integer_keys_and_fixed_size_data_as_compress_does():
+    """A raw-block Parquet source may hold integer keys and fixed_size_binary data
+    (fp8ray compress takes both): the encoder refused them, against RAY_DATA.md's "the
+    layout fp8ray compress reads from Parquet"."""
+    x = [torch.randn(2, 4).bfloat16() for _ in range(3)]
+    data = [t.view(torch.uint8).numpy().tobytes() for t in x]
+    table = pa.table(
+        {
+            "key": pa.array([7, 8, 9], pa.int64()),
+            "dtype": ["bfloat16"] * 3,
+            "shape": [[2, 4]] * 3,
+            "data": pa.array(data, pa.binary(16)),
+        }
+    )
+    out = Fp8Encoder(**MODE)(table)
+    assert out.column("key").to_pylist() == ["7", "8", "9"]
+    codec = Fp8Codec(**MODE)
+    assert out.column("frame").to_pylist() == [bytes(codec.encode(t)) for t in x]
+
+
 def test_rows_of_dtypes_fp8_does_not_encode_go_through_in_stored_frames():
     """Positions and masks beside the cache (consecutive small ones of one shape among
     them, which encode and decode one at a time, not as a run): each row's frame is the
@@ -317,7 +337,7 @@ def bad(table: pa.Table, column: str, row: int, value) -> pa.Table:
         (
             lambda t: t.set_column(3, "data", pa.array(["x"] * t.num_rows)),
             BadInputError,
-            r"column 'data' must be binary or large_binary, not string",
+            r"column 'data' must be binary, large_binary or fixed_size_binary, not string",
             "data",
         ),
     ],
