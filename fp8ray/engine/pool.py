@@ -122,7 +122,7 @@ class QuantPool:
 
     def __enter__(self) -> QuantPool:
         if self._backend is not None:  # a second start would orphan the first's workers (and its Ray)
-            raise RuntimeError("this QuantPool is running already: enter it once, and use it inside that block")
+            raise PoolStartError("this QuantPool is running already: enter it once, and use it inside that block")
         s = self.settings
         self.address = s.address or default_address()
         threads = max(1, int(s.cpus_per_worker))

@@ -13,7 +13,7 @@ import torch
 import fp8ray
 from fp8ray import CodecOptions, PoolSettings, QuantPool, QuantWorker
 from fp8ray.codec.blocks import Block
-from fp8ray.errors import InvalidOptionError
+from fp8ray.errors import InvalidOptionError, PoolStartError
 
 
 def _batches(n: int):
@@ -133,7 +133,7 @@ def test_a_running_pool_cannot_be_entered_again():
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     with QuantPool(num_workers=1, address="inline") as pool:
         backend = pool._backend
-        with pytest.raises(RuntimeError, match="this QuantPool is running already: enter it once"):
+        with pytest.raises(PoolStartError, match="this QuantPool is running already: enter it once"):
             with pool:
                 pass
         assert pool._backend is backend and torch.equal(
