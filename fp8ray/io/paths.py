@@ -12,11 +12,16 @@ import stat
 import time
 import uuid
 from dataclasses import dataclass
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
 from ..errors import ArchiveExistsError, BadInputError, DestinationError, Fp8rayError
+
+# pyarrow's GCS client retries a failing call for 15 minutes, inside native code where
+# neither Ctrl-C nor SIGTERM can land: fp8ray's gs:// calls give up after this long
+# (``?retry_limit_seconds=N`` in the URI sets another).
+GCS_RETRY_LIMIT_S = 30
 
 
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -24,6 +29,17 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     if isinstance(uri, str) and not uri:  # abspath("") is the working directory, named "" in every message
         raise BadInputError("a path is empty: name a file or directory ('.' for the working directory)", field="path")
     if "://" in uri:
+        parts = urlsplit(uri)
+        # pyarrow drops both silently: the data would go to another path than the one typed
+        if parts.fragment or (parts.scheme == "file" and parts.query):
+            raise BadInputError(
+                f"{redact(uri)}: a {'#fragment' if parts.fragment else '?query'} names no file "
+                "(a local path may hold '#' and '?': give it without file://)",
+                field="path",
+            )
+        if parts.scheme in ("gs", "gcs") and "retry_limit_seconds" not in parse_qs(parts.query):
+            query = "&".join(filter(None, [parts.query, f"retry_limit_seconds={GCS_RETRY_LIMIT_S}"]))
+            uri = urlunsplit(parts._replace(query=query))
         return pafs.FileSystem.from_uri(uri)
     path = os.path.abspath(uri)
     if not is_utf8(path):  # pyarrow's filesystems take UTF-8 paths only (its own error names no path)
@@ -179,13 +195,13 @@ def delete_quietly(fs: pafs.FileSystem, path: str) -> None:
 
 def _location(uri: str) -> tuple[str, str]:
     """Where a path or URI points: its filesystem (scheme and host or bucket) and its
-    normalised absolute path, symbolic links resolved for local paths."""
-    if "://" not in uri:
-        return "file", os.path.realpath(uri)
-    parts = urlsplit(uri)
-    if parts.scheme == "file":
-        return "file", os.path.realpath(parts.path)
-    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}", posixpath.normpath("/" + parts.path.lstrip("/"))
+    normalised absolute path, symbolic links resolved for local paths. A local path is
+    the one :func:`resolve` gives, which the command writes (``l/../x`` is ``./x`` there,
+    not where a link ``l`` leads; ``file://`` paths percent-decoded, as pyarrow reads them)."""
+    parts = urlsplit(uri) if "://" in uri else None
+    if parts is None or parts.scheme == "file":
+        return "file", os.path.realpath(resolve(uri)[1])
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}", posixpath.normpath("/" + unquote(parts.path).lstrip("/"))
 
 
 def check_apart(source: str, destination: str) -> None:

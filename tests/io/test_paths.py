@@ -9,7 +9,7 @@ import pyarrow.fs as pafs
 import pytest
 from _util import InterruptedAfter
 
-from fp8ray.errors import DestinationError
+from fp8ray.errors import BadInputError, DestinationError
 from fp8ray.io.paths import TMP_MARK, check_apart, redact, replace_directory, resolve, temporary_name, uri_for, write_atomic
 
 
@@ -86,12 +86,18 @@ def test_a_file_of_the_longest_name_is_written_through_its_temporary(tmp_path, n
         ("{t}/kv", "{t}/link/inner", "inside each other"),
         ("s3://bucket/kv", "s3://bucket/kv/out", "inside each other"),
         ("s3://key:secret@bucket/kv", "s3://bucket/kv", "is the source"),
+        # Spelled as the check did not read them, as the command does (the source was destroyed):
+        ("{t}/kv", "file://{t}/k%76", "is the source"),  # pyarrow decodes %XX
+        ("{t}/kv", "{t}/deep/../kv", "is the source"),  # `deep` a link elsewhere: `..` is textual where written
+        ("s3://bucket/kv", "s3://bucket/k%76/out", "inside each other"),
     ],
 )
 def test_overlapping_destinations_are_refused(tmp_path, source, destination, message):
     (tmp_path / "kv").mkdir()
     (tmp_path / "nest" / "src").mkdir(parents=True)
     (tmp_path / "link").symlink_to(tmp_path / "kv")
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "deep").symlink_to(tmp_path / "a" / "b")
     with pytest.raises(DestinationError, match=message) as exc:
         check_apart(source.format(t=tmp_path), destination.format(t=tmp_path))
     assert "secret" not in str(exc.value)
@@ -188,3 +194,24 @@ def test_an_interrupt_as_a_directory_is_replaced_leaves_one_whole_directory_and_
     assert (old / "a").read_text() == ("old" if renames == 1 else "new")
     hidden = sorted(p.name for p in tmp_path.iterdir() if TMP_MARK in p.name)
     assert hidden == ([new.name] if renames == 1 else []), hidden  # the caller removes its own new one
+
+
+@pytest.mark.parametrize("uri", ["file:///tmp/x#v2", "file:///tmp/x?y=1", "s3://bucket/kv#v2"])
+def test_a_uri_part_that_names_no_file_is_refused(uri):
+    """pyarrow drops a URI's #fragment (and a file:// URI's ?query): the data went to
+    another path than the one typed, and every message showed the typed one."""
+    with pytest.raises(BadInputError, match=r"names no file"):
+        resolve(uri)
+
+
+def test_a_gs_uri_gives_up_in_seconds_not_fifteen_minutes():
+    """pyarrow's GCS client retried for 15 minutes in native code, deaf to Ctrl-C and
+    SIGTERM; fp8ray asks for GCS_RETRY_LIMIT_S unless the URI says otherwise."""
+    from datetime import timedelta
+
+    from fp8ray.io.paths import GCS_RETRY_LIMIT_S
+
+    for uri, limit in (("gs://bucket/kv", GCS_RETRY_LIMIT_S), ("gs://bucket/kv?retry_limit_seconds=5", 5)):
+        fs, path = resolve(uri)
+        assert path == "bucket/kv" and isinstance(fs, pafs.GcsFileSystem)
+        assert fs.__reduce__()[1][0]["retry_time_limit"] == timedelta(seconds=limit)  # the options it was made with
