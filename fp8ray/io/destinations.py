@@ -78,6 +78,8 @@ def prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) 
         if archive.MANIFEST_NAME in names:
             raise ArchiveExistsError(f"destination {redact(uri)} already holds an archive (pass --overwrite to replace it)")
         if not resume:
+            if _held(fs, path):  # its plan is a running compress's, not an interrupted one's
+                raise ArchiveExistsError(BEING_WRITTEN.format(redact(uri)))
             raise ArchiveExistsError(
                 f"destination {redact(uri)} holds an interrupted compress (pass --resume to continue, --overwrite to replace)"
             )
@@ -90,6 +92,23 @@ def make_work(dest: ArchiveDestination) -> None:
     """Make the directory the parts go into, where this run creates it."""
     if dest.created:
         dest.fs.create_dir(dest.work)
+
+
+BEING_WRITTEN = "destination {} is being written by another compress right now: not writing it too"
+
+
+def _held(fs: pafs.FileSystem, path: str) -> bool:
+    """Whether a running compress holds the local directory ``path`` (:func:`hold_destination`)."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return False
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 @contextmanager
@@ -110,9 +129,7 @@ def hold_destination(dest: ArchiveDestination, uri: str) -> Iterator[None]:
             try:
                 fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise ArchiveExistsError(
-                    f"destination {redact(uri)} is being written by another compress right now: not writing it too"
-                ) from None
+                raise ArchiveExistsError(BEING_WRITTEN.format(redact(uri))) from None
         # One that held it between this run's look at the directory and now may have finished.
         if not dest.replacing and dest.fs.get_file_info(f"{dest.work}/{archive.MANIFEST_NAME}").type != pafs.FileType.NotFound:
             raise ArchiveExistsError(f"destination {redact(uri)} now holds an archive another compress has just written")

@@ -32,6 +32,26 @@ def test_a_compress_into_a_directory_another_one_holds_is_refused(tmp_path):
     assert compress_archive(str(src), str(dest), pool=PoolSettings(address="inline")).blocks == 1  # released: free
 
 
+def test_a_running_compress_is_not_called_interrupted(tmp_path):
+    """A second compress, started while the first ran (its plan written), was told the
+    directory "holds an interrupted compress (pass --resume to continue, --overwrite to
+    replace)": an --overwrite then would replace the first one's archive."""
+    src = tmp_path / "kv.safetensors"
+    save_file({"k": torch.randn(4, 64).to(torch.bfloat16)}, str(src))
+    dest = tmp_path / "arch"
+    dest.mkdir()
+    (dest / "_plan.json").write_text("{}")  # the running one's plan
+    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(ArchiveExistsError, match=r"^destination .*arch is being written by another compress right now"):
+            compress_archive(str(src), str(dest), pool=PoolSettings(address="inline"))
+    finally:
+        os.close(fd)
+    with pytest.raises(ArchiveExistsError, match="holds an interrupted compress"):  # once it is gone, it was interrupted
+        compress_archive(str(src), str(dest), pool=PoolSettings(address="inline"))
+
+
 def test_an_archive_being_written_is_not_replaced_by_an_overwrite_meanwhile(tmp_path):
     """--overwrite locked only its own new directory: it replaced the archive under a
     compress still running there, which then wrote its parts and manifest, by path, into
