@@ -694,9 +694,10 @@ def _sorted_keys(value):
     return [_sorted_keys(v) for v in value] if isinstance(value, list) else value
 
 
-def inspect_archive(archive_uri: str) -> InspectReport:
+def inspect_archive(archive_uri: str | os.PathLike) -> InspectReport:
     """The manifest, with the compression ratio, and the problems found checking every
     part's presence and size (without reading any part)."""
+    archive_uri = as_uri(archive_uri, "archive")
     fs, path = resolve(archive_uri)
     manifest = archive.read_manifest(fs, path, archive_uri)
     return InspectReport(manifest, archive.part_problems(fs, path, manifest, archive_uri))

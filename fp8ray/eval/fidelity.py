@@ -22,6 +22,7 @@ accept it.
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from ..codec.metrics import ErrorSums, json_safe, row_sums
 from ..errors import CorruptArchiveError, InvalidOptionError, MismatchError
 from ..io import archive
 from ..io.blocks import bytes_to_tensor, read_blocks, scan_source
-from ..io.paths import name_list, resolve
+from ..io.paths import as_uri, name_list, resolve
 from .plots import save_figure
 
 DEFAULT_KEY_PATTERN = r"(?:^|[^a-z0-9])layers?[._-]?(?P<layer>\d+)[._/-](?P<kv>k|v|key|value)$"
@@ -105,13 +106,16 @@ def _missing_message(only_archive: list[str], only_original: list[str], archive:
     return "; ".join(problems)
 
 
-def fidelity_report(original: str, archive_uri: str, key_pattern: str = DEFAULT_KEY_PATTERN) -> FidelityReport:
+def fidelity_report(
+    original: str | os.PathLike, archive_uri: str | os.PathLike, key_pattern: str = DEFAULT_KEY_PATTERN
+) -> FidelityReport:
     """Decode every frame of ``archive_uri`` and measure it against ``original``.
 
     Runs in this process, one archive part at a time (its frames and the matching
     original blocks in memory). Raises :class:`MismatchError` naming the keys when the
     two do not hold the same keys, or a key's shape or dtype differs.
     """
+    original, archive_uri = as_uri(original, "original"), as_uri(archive_uri, "archive")
     try:
         pattern = re.compile(key_pattern, re.IGNORECASE)
     except re.error as exc:

@@ -101,6 +101,9 @@ def test_exact_round_trip_has_no_error(stores):
     groups += [m for by_layer in report.layers.values() for m in by_layer.values()]
     for m in groups:
         assert m["rel_fro"] == 0.0 and m["max_abs"] == 0.0 and m["snr_db"] == math.inf and m["cosine"] == 1.0
+    # Paths as every archive function takes them (a Path was "not iterable"), and inspect alike
+    assert fidelity_report(root / "exact.safetensors", root / "arch") == report
+    assert fp8ray.inspect_archive(root / "arch").manifest == fp8ray.inspect_archive(str(root / "arch")).manifest
 
 
 def test_known_perturbation_matches_closed_form(stores):
