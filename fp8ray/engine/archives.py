@@ -45,6 +45,7 @@ from ..io.paths import (
     check_apart,
     counted,
     entries,
+    missing_folders,
     move_into_place,
     name_list,
     os_reason,
@@ -52,6 +53,7 @@ from ..io.paths import (
     output_exists,
     printable,
     redact,
+    remove_folders,
     remove_quietly,
     replace_directory,
     resolve,
@@ -499,6 +501,8 @@ def decompress_archive(
         # Values no block has, or keys that clash: where the columns' CRC says why, a part damaged.
         archive.read_metadata_columns(fs, path, manifest, RESTORE_COLUMNS, archive_uri, check=True)
         raise
+    # Folders --parents makes, taken away again if the command fails (a damaged archive leaves nothing).
+    made = missing_folders(out_path) if parents and isinstance(out_fs, pafs.LocalFileSystem) else []
     foreign = check_output(out_fs, out_path, output, plan, overwrite or force_replace, force_replace, parents)
     # What is replaced at the end: only an output there now (one made meanwhile is kept).
     replace = (overwrite or force_replace) and output_exists(out_fs, out_path)
@@ -545,9 +549,11 @@ def decompress_archive(
             out_fs.delete_dir(scratch)
     except OSError as exc:
         remove_quietly(out_fs, scratch)
+        remove_folders(made)
         raise output_error(output, exc) from None  # pyarrow's text names the scratch directory; fp8ray's own pass
     except BaseException:
         remove_quietly(out_fs, scratch)
+        remove_folders(made)
         raise
     return report
 

@@ -277,6 +277,28 @@ def prepare_parent(fs: pafs.FileSystem, path: str, uri: str, parents: bool) -> N
     fs.create_dir(parent, recursive=True)
 
 
+def missing_folders(path: str) -> list[str]:
+    """The folders above the local ``path`` that do not exist, deepest first: what
+    :func:`prepare_parent` with ``parents`` makes, and :func:`remove_folders` takes away
+    after a failure."""
+    missing = []
+    parent = os.path.dirname(path.rstrip("/"))
+    while parent and not os.path.lexists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    return missing
+
+
+def remove_folders(folders: list[str]) -> None:
+    """Remove ``folders`` (deepest first) that are still empty, quietly: one a concurrent
+    process has put something in stays, as does everything above it."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+
+
 def check_not_special(fs: pafs.FileSystem, path: str, uri: str) -> None:
     """Refuse an output that is a device, a FIFO or a socket (or a link to one): an output
     appears by rename, which would put a plain file in its place (``/dev/null`` replaced

@@ -86,6 +86,21 @@ def test_a_flipped_byte_in_a_parts_metadata_columns_is_named_as_damage(made, tmp
         assert not out.exists(), at
 
 
+def test_a_damaged_archive_leaves_no_folders_that_parents_made(made, tmp_path):
+    """The folders --parents made for the output stayed behind a decompress that failed
+    on a damaged frame (README: a damaged archive leaves nothing behind)."""
+    arch = _copy(made, tmp_path)
+    path = arch / "part-00001.parquet"  # the large block's frame: found damaged by its worker, as it decodes
+    damaged = bytearray(path.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x5A
+    path.write_bytes(damaged)
+    (tmp_path / "kept").mkdir()
+    for out in (tmp_path / "new" / "deep" / "out", tmp_path / "kept" / "deep" / "out"):
+        with pytest.raises(CorruptArchiveError, match="damaged"):
+            decompress_archive(str(arch), str(out), parents=True, pool=INLINE)
+        assert not (tmp_path / "new").exists() and list((tmp_path / "kept").iterdir()) == []
+
+
 def test_edited_columns_with_their_crcs_made_again_are_refused_before_they_size_anything(made, tmp_path):
     """Columns rewritten with every CRC recorded anew (by hand, or a tool): a dtype no
     block has, or a shape far larger than its frame can hold, is refused as the plan is
