@@ -21,6 +21,7 @@ from ..codec.formats import is_stored
 from ..errors import (
     ArchiveExistsError,
     CorruptArchiveError,
+    CorruptDataError,
     DestinationError,
     Fp8rayError,
     InvalidOptionError,
@@ -551,9 +552,11 @@ def decompress_archive(
         remove_quietly(out_fs, scratch)
         remove_folders(made)
         raise output_error(output, exc) from None  # pyarrow's text names the scratch directory; fp8ray's own pass
-    except BaseException:
+    except BaseException as exc:
         remove_quietly(out_fs, scratch)
         remove_folders(made)
+        if isinstance(exc, CorruptDataError) and _replaced(fs, path, manifest):
+            raise SourceError(_replaced_message(archive_uri, "decompress") + "; nothing written") from None
         raise
     return report
 
@@ -622,7 +625,25 @@ def verify_archive(
             report.errors.append(str(exc))
     if refs is not None:
         report.errors += _compare_files(layout, source_layout, refs, seen, against)
+    if report.errors and _replaced(fs, path, manifest):  # its parts were another archive's: no damage to report
+        report.errors = [_replaced_message(archive_uri, "verify")]
     return report
+
+
+def _replaced(fs: pafs.FileSystem, path: str, manifest: archive.Manifest) -> bool:
+    """Whether the archive at ``path`` is no longer the one whose ``manifest`` was read
+    (a compress --overwrite replaced it meanwhile), so that what failed is not damage."""
+    try:
+        return archive.read_manifest(fs, path) != manifest
+    except CorruptDataError:  # gone, or being replaced right now
+        return True
+
+
+def _replaced_message(archive_uri: str, command: str) -> str:
+    return (
+        f"archive {redact(archive_uri)} was replaced while {command} read it (a compress --overwrite?), "
+        "so its parts were not the ones its manifest described: run it again"
+    )
 
 
 def _compare_files(layout, source_layout, refs: dict, seen: set, against: str) -> list[str]:

@@ -200,3 +200,32 @@ def test_a_source_file_changed_while_compress_reads_it_fails_the_run_naming_it(t
     with pytest.raises(SourceError, match=rf"^source file z.safetensors changed while compress read it \(was \d+ bytes.*; {now}"):
         compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE, progress=progress)
     assert not arch.exists()
+
+
+def test_an_archive_replaced_while_read_is_said_to_be_replaced_not_damaged(tmp_path):
+    """verify and decompress running while a compress --overwrite replaced the archive
+    reported every later part "damaged" (its footer's CRC not the entry's), or "N bytes,
+    the manifest records M": the archive was fine, only another one."""
+    first, second, arch = tmp_path / "first", tmp_path / "second", tmp_path / "kv.fp8"
+    for seed, source in enumerate((first, second)):
+        source.mkdir()
+        for i in range(4):  # a file a task, each in parts of its own
+            write_source(source / f"{i}.safetensors", 10 * seed + i)
+    compress_archive(str(first), str(arch), part_bytes=PART, pool=INLINE)
+    for command in ("verify", "decompress"):
+        calls = []
+
+        def replace_it(blocks, calls=calls):
+            calls.append(blocks)
+            if len(calls) == 1:  # a task done: another compress replaces the archive
+                compress_archive(str(second), str(arch), part_bytes=PART, overwrite=True, scaling="token", pool=INLINE)
+
+        said = rf"^archive {arch} was replaced while {command} read it \(a compress --overwrite\?\)"
+        if command == "verify":
+            report = verify_archive(str(arch), progress=replace_it, pool=INLINE)
+            assert len(report.errors) == 1 and re.match(said, report.errors[0]), report.errors
+        else:
+            with pytest.raises(SourceError, match=said + ".*: run it again; nothing written$"):
+                fp8ray.decompress_archive(str(arch), str(tmp_path / "out"), progress=replace_it, pool=INLINE)
+            assert not (tmp_path / "out").exists()
+        compress_archive(str(first), str(arch), part_bytes=PART, overwrite=True, pool=INLINE)
