@@ -321,19 +321,25 @@ def run_get(args) -> int:
     if not to_stdout:  # the output is checked before anything is read
         check_apart(args.archive, args.output)
         fs, path = resolve(args.output)
-        check_not_special(fs, path, args.output)  # '-' is the way to write to standard output
-        if fs.get_file_info(path).type == pafs.FileType.Directory:
-            raise DestinationError(f"output {redact(args.output)} is a directory; name the .safetensors file to write")
-        if output_exists(fs, path) and not args.overwrite:  # a link to nothing too
-            raise ArchiveExistsError(f"output {redact(args.output)} exists (pass --overwrite to replace it)")
-        if not args.parents:  # a missing folder is refused now; --parents makes it once the block is read
-            prepare_parent(fs, path, args.output, parents=False)
+        try:  # a name too long, a file where a folder should be: pyarrow's words, named once
+            check_not_special(fs, path, args.output)  # '-' is the way to write to standard output
+            if fs.get_file_info(path).type == pafs.FileType.Directory:
+                raise DestinationError(f"output {redact(args.output)} is a directory; name the .safetensors file to write")
+            if output_exists(fs, path) and not args.overwrite:  # a link to nothing too
+                raise ArchiveExistsError(f"output {redact(args.output)} exists (pass --overwrite to replace it)")
+            if not args.parents:  # a missing folder is refused now; --parents makes it once the block is read
+                prepare_parent(fs, path, args.output, parents=False)
+        except OSError as exc:
+            raise output_error(args.output, exc) from None
     reader = open_archive(args.archive)
     file = args.file if args.file is not None else reader.file_of(args.key)  # an ambiguous key is refused, naming the files
     block = reader.block(args.key, file)  # a missing key is refused, naming the key and file
     metadata = reader.metadata(file) or None
     if not to_stdout and args.parents:  # after the refusals: they leave no folders behind
-        prepare_parent(fs, path, args.output, parents=True)
+        try:
+            prepare_parent(fs, path, args.output, parents=True)
+        except OSError as exc:
+            raise output_error(args.output, exc) from None
     if to_stdout:
         try:
             sys.stdout.buffer.write(build_body([(args.key, block.dtype, block.shape, block.data)], metadata))

@@ -117,6 +117,12 @@ def test_missing_and_ambiguous_keys_name_what_to_choose(archive, tmp_path):
     )
     assert_one_line(fp8ray("get", tmp_path / "no-archive", "shared", "-o", out), "does not exist")
     assert not out.exists()
+    # pyarrow's own words ("[Errno 36] Failed stat()ing path ... Detail: ...") once named the path twice
+    (tmp_path / "afile").write_bytes(b"")
+    long_name = tmp_path / ("x" * 300 + ".safetensors")
+    assert_one_line(fp8ray("get", arch, "only0", "-o", long_name), f"cannot write output {long_name}: File name too long")
+    nested = tmp_path / "afile" / "x" / "o.safetensors"
+    assert_one_line(fp8ray("get", arch, "only0", "-o", nested, "--parents"), f"cannot write output {nested}: Not a directory")
     # With --parents the folders are made only for a block read: refusals left them behind.
     for args, said in (((tmp_path / "no-archive", "shared"), "does not exist"), ((arch, "shared"), "name the file")):
         assert_one_line(fp8ray("get", *args, "-o", tmp_path / "made" / "x.safetensors", "--parents"), said)
