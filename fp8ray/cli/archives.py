@@ -186,8 +186,14 @@ def _manifest_blocks(uri: str) -> int:
 
 def run_decompress(args) -> int:
     from ..engine.archives import decompress_archive
+    from ..errors import DestinationError
     from ..io.paths import counted
 
+    if args.output == "-":  # as get takes it, not a file named '-'
+        raise DestinationError(
+            "decompress writes files, not standard output ('-'): name the output (./- for a file named -), "
+            "or write one block to standard output with fp8ray get ARCHIVE KEY -o -"
+        )
     bar, update = progress(args, lambda: _manifest_blocks(args.archive))
     report = decompress_archive(
         args.archive,

@@ -143,6 +143,13 @@ def test_an_existing_output_is_refused_without_overwrite(archive, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]  # no temporary file left
 
 
+def test_decompress_to_a_dash_is_refused_as_get_reads_it(archive, tmp_path):
+    """`get -o -` writes to standard output; `decompress ARCHIVE -` wrote a file named '-'."""
+    arch, _ = archive
+    assert_one_line(fp8ray("decompress", arch, "-", "--address", "inline", cwd=tmp_path), "not standard output ('-')")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_get_loads_no_torch(archive, tmp_path):
     """A block is decoded to its bytes and written as such: torch is never imported."""
     arch, restored = archive
