@@ -92,8 +92,6 @@ def check_output(option: str, path: str, *reads: str | None) -> None:
                 check_apart(str(read), path)
             except DestinationError as exc:
                 raise DestinationError(f"{option}: {exc}") from None
-    if Path(path).is_dir():  # found only as it was written, after a long run
-        raise DestinationError(f"{option}: {path} is a directory; name a file")
     parent = Path(path).resolve().parent  # a link's target's (a link to nothing included)
     if not parent.is_dir():
         raise DestinationError(f"{option}: directory {parent} does not exist")
@@ -106,6 +104,8 @@ def check_plot(path: str, overwrite: bool, *reads: str | None) -> None:
     from ..eval.plots import plot_format
 
     check_output("--plot", path, *reads)
+    if Path(path).is_dir():  # found only as it was written, after a long run
+        raise DestinationError(f"--plot: {path} is a directory; name a file")
     plot_format(path)
     if os.path.lexists(path) and not overwrite:
         raise ArchiveExistsError(f"--plot: {path} already exists (pass --overwrite to replace it)")

@@ -6,6 +6,7 @@ The archive format itself is :mod:`fp8ray.io.archive`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import time
@@ -384,6 +385,10 @@ def compress_archive(
         elif run is None:  # before any work: what is there is an earlier run's, or nothing
             if dest.created:
                 remove_quietly(fs, work)
+        elif fs.get_file_info(f"{work}/{archive.MANIFEST_NAME}").type == pafs.FileType.File:
+            # Interrupted once the manifest was written: the archive is whole; its scratch goes.
+            with contextlib.suppress(OSError):
+                archive.clean_scratch(fs, work)
         elif not run.finished and not reused:
             undo_compress(dest, todo)
         raise

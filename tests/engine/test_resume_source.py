@@ -229,3 +229,25 @@ def test_an_archive_replaced_while_read_is_said_to_be_replaced_not_damaged(tmp_p
                 fp8ray.decompress_archive(str(arch), str(tmp_path / "out"), progress=replace_it, pool=INLINE)
             assert not (tmp_path / "out").exists()
         compress_archive(str(first), str(arch), part_bytes=PART, overwrite=True, pool=INLINE)
+
+
+def test_an_interrupt_once_the_manifest_is_written_leaves_the_archive_whole(tmp_path, monkeypatch):
+    """A Ctrl-C landing between the manifest's write and the removal of the plan and the
+    sidecars left them in a complete archive (the CLI said "the compress had finished"; CI
+    met it once, 0.09 s into a run)."""
+    src, arch = tmp_path / "kv.safetensors", tmp_path / "kv.fp8"
+    write_source(src, 1)
+    clean_scratch = archive.clean_scratch
+    calls = []
+
+    def interrupted_once(fs, directory):
+        calls.append(directory)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        clean_scratch(fs, directory)
+
+    monkeypatch.setattr(archive, "clean_scratch", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE)
+    assert len(calls) == 2 and sorted(p.name for p in arch.iterdir() if not p.name.startswith("part-")) == ["_manifest.json"]
+    assert verify_archive(str(arch), against=str(src), pool=INLINE).ok
