@@ -41,12 +41,14 @@ def scan_store_source(uri: str, layout: Layout | str, plain_form: str | None = N
         raise SourceError(f"LMCache store {redact(uri)} cannot be read: {exc.strerror or exc}") from None
     # Chunks LMCache can name on Linux that no archive may record: a model with a
     # backslash, or a name of bytes that are not UTF-8 (shown escaped).
+    taken = []
     for chunk in scan.chunks:
-        if not is_utf8(chunk.name):
-            scan.skipped.append({"name": chunk.name, "reason": NOT_UTF8_REASON})
-        elif BACKSLASH in chunk.name:
-            scan.skipped.append({"name": chunk.name, "reason": BACKSLASH_REASON})
-    scan.chunks = [c for c in scan.chunks if is_utf8(c.name) and BACKSLASH not in c.name]
+        reason = NOT_UTF8_REASON if not is_utf8(chunk.name) else BACKSLASH_REASON if BACKSLASH in chunk.name else None
+        if reason is None:
+            taken.append(chunk)
+        else:
+            scan.skipped.append({"name": chunk.name, "reason": reason})
+    scan.chunks = taken
     if not scan.chunks:
         reasons = sorted({s["reason"] for s in scan.skipped})[:3]
         raise MismatchError(

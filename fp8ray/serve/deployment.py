@@ -268,9 +268,10 @@ class Fp8Service:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _answer(self, route: str, request: Request, handler, limit: int | None = None) -> Response:
-        """``handler``'s response, or the JSON refusal of what it raised; either within
-        ``limit`` bytes (default: the bound its request gives, ``response_limit``)."""
+    async def _answer(self, route: str, request: Request, handler) -> Response:
+        """``handler``'s response, or the JSON refusal of what it raised; either within the
+        bound its request gives (``response_limit``), with what the handler carries beyond
+        it (``request.state.carried_bytes``)."""
         start = time.perf_counter()
         bytes_in = 0
         try:
@@ -291,8 +292,8 @@ class Fp8Service:
                 logger.exception("%s %s failed", request.method, route)
                 answer = (500, f"internal error ({type(exc).__name__}); the service log has the details", None)
             response = _refusal_response(*answer)
-        if limit is None:  # what the handler carries that the request does not give (encode's frames, a block read)
-            limit = response_limit(bytes_in + len(request.url.query), getattr(request.state, "carried_bytes", 0))
+        # What the handler carries that the request does not give: encode's frames, a block read.
+        limit = response_limit(bytes_in + len(request.url.query), getattr(request.state, "carried_bytes", 0))
         if len(response.body) > limit:  # cannot happen by the derivation: never send it anyway
             logger.error(
                 "%s %s: a %d-byte response to a %d-byte request exceeds its bound",
