@@ -11,7 +11,6 @@ everywhere (its key first in the message, fp8ray's own exception class).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ import numpy as np
 from ..errors import BadInputError, BlockError, CorruptFrameError, MismatchError, block_error
 from . import formats, frame
 from .cpu import tensor_to_bytes
-from .formats import DTYPE_ITEMSIZES
+from .formats import DTYPE_ITEMSIZES, tensor_nbytes
 from .fp8codec import Fp8Codec, decode, decode_raw
 from .runs import decode_run, encode_run, fits_run, runs_of, small
 
@@ -40,7 +39,7 @@ class BlockSpec:
         # 3.11's took 2 us a block).
         known = self.__dict__.get("_nbytes")
         if known is None:
-            known = self.__dict__["_nbytes"] = math.prod(self.shape) * DTYPE_ITEMSIZES[self.dtype]
+            known = self.__dict__["_nbytes"] = tensor_nbytes(self.dtype, self.shape)
         return known
 
 

@@ -136,6 +136,13 @@ DTYPE_ITEMSIZES = {
     "float8_e5m2fnuz": 1,
     "float8_e8m0fnu": 1,
 }
+
+
+def tensor_nbytes(dtype: str, shape) -> int:
+    """The bytes of a ``dtype`` tensor (a name of DTYPE_ITEMSIZES) of ``shape``."""
+    return math.prod(shape) * DTYPE_ITEMSIZES[dtype]
+
+
 KERNEL_TYPES = {"float32": np.float32, "float16": np.int16, "bfloat16": np.uint16}
 # The largest finite value of each dtype fp8 encodes (torch.finfo(dtype).max).
 LARGEST = {"float32": 3.4028234663852886e38, "float16": 65504.0, "bfloat16": 3.3895313892515355e38}

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import BadInputError, BlockError, CorruptFrameError, InvalidOptionError, MismatchError, NonFiniteError
 from . import cpu, frame
-from .formats import DTYPE_ITEMSIZES, INFINITY_BITS, KERNEL_TYPES, Fp8Format, dtype_name
+from .formats import INFINITY_BITS, KERNEL_TYPES, Fp8Format, dtype_name
 from .options import DEFAULT_OPTIONS, CodecOptions
 
 DEFAULT_BLOCK_SIZE = DEFAULT_OPTIONS.block_size
@@ -256,7 +256,7 @@ class Fp8Codec:
         if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1):
             got = f"a {data.ndim}-D {data.dtype} array" if isinstance(data, np.ndarray) else type(data).__name__
             raise TypeError(f"data must be a 1-D uint8 array, got {got}")
-        nbytes = header.numel * DTYPE_ITEMSIZES[dtype]
+        nbytes = header.tensor_nbytes
         if data.size != nbytes:
             raise BadInputError(f"data holds {data.size} bytes, a {list(header.shape)} {dtype} tensor has {nbytes}")
         buf = _byte_buffer(out, header.frame_size)
@@ -431,7 +431,7 @@ def decode_raw(data, dtype: str, shape, out: np.ndarray | None = None, *, thread
     buf, header, scales, codes = _opened(data)
     if (header.dtype, header.shape) != (dtype, shape):
         _refuse(buf, header, f"expected a {shape} {dtype} tensor", "shape" if header.dtype == dtype else "dtype")
-    given, out = out, _byte_buffer(out, header.numel * DTYPE_ITEMSIZES[dtype])
+    given, out = out, _byte_buffer(out, header.tensor_nbytes)
     _apart(out, buf, given, "the frame being decoded")
     if header.stored:
         _copy_stored(buf, header, codes, out, threads)

@@ -52,6 +52,7 @@ from .formats import (
     Fp8Format,
     is_stored,
     num_scales,
+    tensor_nbytes,
 )
 
 MAGIC = b"FP8R"
@@ -108,9 +109,14 @@ class FrameHeader:
         return self.scales_offset + SCALE_BYTES[self.scale_dtype] * self.num_scales
 
     @property
+    def tensor_nbytes(self) -> int:
+        """The bytes of the tensor the frame holds, decoded."""
+        return tensor_nbytes(self.dtype, self.shape)
+
+    @property
     def payload_bytes(self) -> int:
         """The bytes of the codes (one per element), or of a stored frame's tensor."""
-        return self.numel * (DTYPE_ITEMSIZES[self.dtype] if self.stored else 1)
+        return self.tensor_nbytes if self.stored else self.numel
 
     @property
     def frame_size(self) -> int:

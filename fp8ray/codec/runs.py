@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from . import cpu, frame
-from .formats import DTYPE_ITEMSIZES, KERNEL_TYPES
+from .formats import DTYPE_ITEMSIZES, KERNEL_TYPES, tensor_nbytes
 from .fp8codec import Fp8Codec
 
 # Blocks up to this size go in runs: for larger ones the per-frame Python is lost in the
@@ -39,7 +39,7 @@ def runs_of(specs, fits) -> list[tuple[int, int]]:
         first = specs[start]
         stop = start + 1
         if fits(first):
-            each = math.prod(first.shape) * DTYPE_ITEMSIZES[first.dtype]
+            each = tensor_nbytes(first.dtype, first.shape)
             limit = start + max(RUN_BYTES // max(each, 1), 1)
             while stop < min(len(specs), limit) and (specs[stop].dtype, specs[stop].shape) == (first.dtype, first.shape):
                 stop += 1

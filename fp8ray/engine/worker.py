@@ -12,7 +12,6 @@ fails raises fp8ray's own exception class, its message starting with the block's
 
 from __future__ import annotations
 
-import math
 import os
 import posixpath
 import sys
@@ -37,7 +36,7 @@ from ..codec.blocks import (
     read_headers,
 )
 from ..codec.devices import choose_device, host_buffer, is_tensor
-from ..codec.formats import DTYPE_ITEMSIZES
+from ..codec.formats import tensor_nbytes
 from ..codec.fp8codec import is_array, source_tensor
 from ..codec.runs import RUN_BYTES
 from ..errors import BadInputError, BlockError, CorruptArchiveError, MismatchError, block_error
@@ -261,7 +260,7 @@ class QuantWorker:
             uniform = all(row == first_row + i and (d, s) == (dtype, shape) for i, (_, row, _, d, s) in enumerate(batch))
             pieces = frames[part].row_arrays(first_row, len(batch)) if uniform else None
             if pieces is not None:
-                nbytes = math.prod(shape) * DTYPE_ITEMSIZES[dtype]
+                nbytes = tensor_nbytes(dtype, shape)
                 keys = [key for _, _, key, *_ in batch]
                 for rows in pieces:
                     _check_holds(keys[0], dtype, shape, nbytes, rows.shape[1], where)
@@ -369,7 +368,7 @@ class QuantWorker:
                 buf = frame.as_byte_array(f)
                 header = frame.parse(buf)
                 result.stored_frames += header.stored
-                raw_bytes = header.numel * DTYPE_ITEMSIZES[header.dtype]
+                raw_bytes = header.tensor_nbytes
                 raw_total, frame_total = raw_total + raw_bytes, frame_total + buf.size
                 if not header.stored and frame.suspect_scales(buf, header):
                     decode_raw(buf, header.dtype, header.shape)  # refuses a scale not valid, or too large for its codes
@@ -458,7 +457,7 @@ def _batches(blocks) -> Iterator[list[tuple]]:
     batch: list[tuple] = []
     size = 0
     for block in blocks:
-        nbytes = math.prod(block[4]) * DTYPE_ITEMSIZES[block[3]]
+        nbytes = tensor_nbytes(block[3], block[4])
         if batch and (block[0] != batch[0][0] or size + nbytes > RUN_BYTES):
             yield batch
             batch, size = [], 0

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import pyarrow.parquet as pq
 
 from ..codec import decode
 from ..codec.blocks import Block
-from ..codec.formats import DTYPE_ITEMSIZES
+from ..codec.formats import tensor_nbytes
 from ..codec.fp8codec import decode_raw
 from ..codec.frame import as_byte_array, is_block, parse_layout
 from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError
@@ -175,7 +174,7 @@ class ArchiveReader:
         label, part, row = self._read_row(key, file, "dtype", "shape", "raw_bytes")
         # Read without the part's CRC (from its row group alone): the row must agree with itself.
         dtype, shape, nbytes = row["dtype"], row["shape"], row["raw_bytes"]
-        if not (is_block(dtype, shape) and nbytes == math.prod(shape) * DTYPE_ITEMSIZES[dtype]):
+        if not (is_block(dtype, shape) and nbytes == tensor_nbytes(dtype, shape)):
             raise self._damaged(label, part, f"its row says {dtype!r} {shape!r} of {nbytes!r} bytes")
         return nbytes
 

@@ -20,14 +20,13 @@ order, from all its parts, each part dropped after its last block.
 from __future__ import annotations
 
 import json
-import math
 import operator
 import os
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate, groupby
 
-from ..codec.formats import DTYPE_ITEMSIZES
+from ..codec.formats import tensor_nbytes
 from ..codec.frame import RAW_BYTES_PER_FRAME_BYTE, is_block
 from ..errors import CorruptArchiveError, DestinationError
 from .blocks import RawBlockParquetWriter, SourceLayout, parquet_schema
@@ -163,7 +162,7 @@ def _block_rows(manifest: Manifest, columns: list[dict[str, list]]) -> list[tupl
         if not (strings and set(map(type, frame_bytes)) <= {int} and all(is_block(*kind) for kind in set(kinds))):
             row = next(r for r, values in enumerate(zip(files, keys, kinds, frame_bytes)) if not _sound(*values))
             raise CorruptArchiveError(f"part {entry.name}, row {row}: {_described(cols, row)}: not a block's")
-        sizes = {kind: math.prod(kind[1]) * DTYPE_ITEMSIZES[kind[0]] for kind in set(kinds)}
+        sizes = {kind: tensor_nbytes(kind[0], kind[1]) for kind in set(kinds)}
         raw = [sizes[kind] for kind in kinds]
         most = [RAW_BYTES_PER_FRAME_BYTE * f for f in frame_bytes]
         if any(map(operator.gt, raw, most)):

@@ -31,7 +31,7 @@ from json.encoder import encode_basestring_ascii as _json_string  # json.dumps's
 import numpy as np
 import pyarrow.fs as pafs
 
-from ..codec.formats import DTYPE_ITEMSIZES
+from ..codec.formats import DTYPE_ITEMSIZES, tensor_nbytes
 from ..errors import MismatchError, SafetensorsFormatError, SourceError
 from .paths import CompleteOrNothing, delete_quietly, is_utf8, move_into_place, os_reason, redact, resolve, temporary_name
 
@@ -347,7 +347,7 @@ class SafetensorsLayout:
 
     @classmethod
     def of(cls, tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> SafetensorsLayout:
-        sizes = tuple(math.prod(shape) * DTYPE_ITEMSIZES[dtype] for _, dtype, shape in tensors)
+        sizes = tuple(tensor_nbytes(dtype, shape) for _, dtype, shape in tensors)
         prefix = header_prefix(
             [(key, SAFETENSORS_NAMES[dtype], shape, n) for (key, dtype, shape), n in zip(tensors, sizes)], metadata
         )

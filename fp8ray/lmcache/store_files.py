@@ -19,7 +19,6 @@ of each, one archive part or one restore task at a time.
 
 from __future__ import annotations
 
-import math
 import os
 import posixpath
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ import pyarrow.fs as pafs
 import torch
 
 from ..codec import CodecOptions, Fp8Codec, decode, frame
-from ..codec.formats import DTYPE_ITEMSIZES, DTYPES_BY_NAME
+from ..codec.formats import DTYPES_BY_NAME, tensor_nbytes
 from ..errors import BadInputError, CorruptArchiveError, MismatchError, SourceError, WriteError, block_error
 from ..io import archive
 from ..io.blocks import BlockRef, bytes_to_tensor
@@ -239,7 +238,7 @@ def restore_chunk_files(
                     f"the frame holds {list(header.shape)} {header.dtype}, the part's columns say {list(shape)} {dtype}"
                 )
             if form == RAW:
-                nbytes = header.numel * DTYPE_ITEMSIZES[header.dtype]
+                nbytes = header.tensor_nbytes
                 payload = np.empty(nbytes, np.uint8)
                 decode(data, out=bytes_to_tensor(payload, dtype, shape), threads=threads)
             else:
@@ -251,7 +250,7 @@ def restore_chunk_files(
             out_fs.create_dir(posixpath.dirname(target), recursive=True)
         write_atomic(out_fs, target, payload)
         done.files += 1
-        done.raw_bytes += math.prod(shape) * DTYPE_ITEMSIZES[dtype]
+        done.raw_bytes += tensor_nbytes(dtype, shape)
         for p in [p for p, last in last_use.items() if last == i and p in frames]:
             del frames[p]  # not needed by the files still to write
     return done

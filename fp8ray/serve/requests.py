@@ -3,11 +3,10 @@ HTTP status and JSON answer of every refusal. Tested on its own (tests/serve).""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 from ..codec import CodecOptions
-from ..codec.formats import DTYPE_ITEMSIZES
+from ..codec.formats import DTYPE_ITEMSIZES, tensor_nbytes
 from ..codec.fp8codec import KEEP_HINT
 from ..codec.frame import MAX_DIM, check_shape
 from ..errors import (
@@ -74,7 +73,7 @@ def raw_layout(dtype: str | None, shape: str | None, body_bytes: int) -> tuple[s
         check_shape(dims, dtype)
     except ValueError as exc:
         raise RequestError(str(exc), 400, "shape") from None
-    expected = math.prod(dims) * DTYPE_ITEMSIZES[dtype]
+    expected = tensor_nbytes(dtype, dims)
     if expected != body_bytes:
         raise RequestError(f"shape {list(dims)} of {dtype} needs {expected} bytes but the body has {body_bytes}", 400, "shape")
     return dtype, dims
