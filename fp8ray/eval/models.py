@@ -109,20 +109,33 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = DEFA
     return _load(str(folder.resolve()), gguf_file, dtype)
 
 
+def _tokenizer(auto_tokenizer, folder: str, **where):
+    """The model's tokenizer; one it lacks, or cannot be made from what it has, is named
+    in one line (transformers' own message is several)."""
+    try:
+        return auto_tokenizer.from_pretrained(folder, local_files_only=True, **where)
+    except (OSError, ValueError) as exc:
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise SourceError(
+            f"model {where.get('gguf_file', folder)}: its tokenizer cannot be loaded (a model directory needs its "
+            f"tokenizer files, such as tokenizer.json): {why}"
+        ) from None
+
+
 @functools.lru_cache(maxsize=2)
 def _load(folder: str, gguf_file: str | None, dtype: torch.dtype) -> LoadedModel:
     os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers/huggingface_hub are imported
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if gguf_file is None:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = _tokenizer(AutoTokenizer, folder)
         # safetensors weights only: a pytorch_model.bin would be unpickled (torch.load).
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, use_safetensors=True)
         name = Path(folder).name
     else:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+        tokenizer = _tokenizer(AutoTokenizer, folder, gguf_file=gguf_file)
         config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tensors = load_gguf_checkpoint(

@@ -173,6 +173,21 @@ def test_capture_never_puts_a_file_in_place_of_a_fifo(tmp_path, capsys):
     assert (code, err) == (1, f"fp8ray: error: output {folder} is a directory; name the .safetensors file to write\n")
 
 
+def test_a_model_directory_without_its_tokenizer_is_a_one_line_error(loaded, tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny", safe_serialization=True)  # weights, no tokenizer files
+    capsys.readouterr()  # transformers' progress bar
+    out = tmp_path / "kv.safetensors"
+    code, _, err = run_cli(capsys, "capture", "--out", out, "--text", TEXT, "--model", tmp_path / "tiny")
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"fp8ray: error: model {tmp_path / 'tiny'}: its tokenizer cannot be loaded")
+    assert not out.exists()
+
+
 def test_model_argument_resolution(tmp_path):
     shipped = shipped_model_path()
     assert shipped.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and resolve_model(None) == (shipped.parent, shipped.name)
