@@ -24,8 +24,12 @@ from .formats import KERNEL_TYPES, SCALE_MASKS, Fp8Format, scale_candidates
 # to balance two to a few dozen cores.
 CHUNK_ELEMENTS = 1 << 20
 
-_pools: dict[int, ThreadPoolExecutor] = {}  # threads - 1 helpers, by the calls' thread count
-_pools_lock = threading.Lock()
+# One pool of helpers, as many as the largest ``threads`` a call has asked for, less one
+# (the caller works too). A larger count replaces it: the old pool's threads end once no
+# call holds it any more (a pool per count kept every count's threads for good).
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
 
 
 def num_threads() -> int:
@@ -64,10 +68,7 @@ def _run(tasks: list, threads: int | None) -> list:
     threads = thread_count(threads)
     if threads == 1 or len(tasks) <= 1:
         return [task() for task in tasks]
-    with _pools_lock:
-        if threads not in _pools:
-            _pools[threads] = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fp8ray-cpu")
-        pool = _pools[threads]
+    pool = _helpers(threads - 1)
     results = [None] * len(tasks)
     claims = itertools.count()  # next() on it is atomic (under the GIL): each task is taken once
     errors: list[BaseException] = []
@@ -91,6 +92,15 @@ def _run(tasks: list, threads: int | None) -> list:
     if errors:
         raise errors[0]
     return results
+
+
+def _helpers(count: int) -> ThreadPoolExecutor:
+    """The pool, with room for ``count`` helpers."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < count:
+            _pool, _pool_size = ThreadPoolExecutor(max_workers=count, thread_name_prefix="fp8ray-cpu"), count
+        return _pool
 
 
 def _wait_for(helpers: list, errors: list) -> None:

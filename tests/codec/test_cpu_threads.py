@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -74,11 +75,27 @@ def test_a_task_that_runs_tasks_itself_finishes():
     assert not runner.is_alive() and done == [[6, 6, 6, 6]]
 
 
-def test_one_pool_per_thread_count_whatever_the_task_count():
+def test_one_pool_whatever_the_task_count():
     before = threading.active_count()
     for count in range(2, 12):
         cpu._run([lambda: None] * count, threads=12)
     assert threading.active_count() - before <= 11
+
+
+def helpers_alive() -> int:
+    return sum(thread.name.startswith("fp8ray-cpu") for thread in threading.enumerate())
+
+
+def test_calls_of_many_thread_counts_keep_only_the_largest_counts_helpers():
+    """A pool per thread count kept every count's threads for the life of the process
+    (an actor sized by the CPUs it has, a tuning loop: 1 + 2 + ... + 12 threads here)."""
+    for threads in range(2, 14):
+        cpu._run([lambda: time.sleep(0.01)] * threads, threads=threads)
+    deadline = time.monotonic() + 30  # the replaced pools' threads end once they are collected
+    while helpers_alive() > cpu._pool_size and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert cpu._pool_size >= 12 and helpers_alive() <= cpu._pool_size
 
 
 def test_an_interrupt_while_the_caller_waits_is_raised_once_the_helpers_task_returns():
