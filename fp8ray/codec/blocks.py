@@ -20,7 +20,7 @@ from ..errors import BadInputError, BlockError, CorruptFrameError, MismatchError
 from . import formats, frame
 from .cpu import tensor_to_bytes
 from .formats import DTYPE_ITEMSIZES, tensor_nbytes
-from .fp8codec import Fp8Codec, decode, decode_raw
+from .fp8codec import Fp8Codec, copy_into, decode, decode_raw
 from .runs import decode_run, encode_run, fits_run, runs_of, small
 
 
@@ -260,7 +260,7 @@ def decode_frames_into(
                     raise MismatchError(
                         f"the frame holds {list(result.shape)} {result.dtype}, not {list(target.shape)} {target.dtype}"
                     )
-                target.copy_(result)
+                copy_into(target, result)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise block_error(name, exc, where) from exc
 

@@ -383,9 +383,18 @@ def decode(data, *, out=None, device=None, threads: int | None = None):
         if frame.may_overflow(header, scales):  # checked on the CPU: only such rare frames travel back
             frame.refuse_overflow(header, scales, codes, cpu.kernel_array(result.cpu()))
     if out is not None and result is not out:
-        out.copy_(result)
+        copy_into(out, result)
         return out
     return result
+
+
+def copy_into(out, result) -> None:
+    """``out.copy_(result)``, also where ``out`` was made under ``torch.inference_mode()``
+    (torch refuses writing one in place outside it; the direct path writes it as memory)."""
+    import torch
+
+    with torch.inference_mode(out.is_inference()):
+        out.copy_(result)
 
 
 def _elements_apart(t) -> bool:

@@ -297,6 +297,18 @@ def test_decode_into_out_and_device():
         fp8ray.decode(f, out=torch.empty(3, 64))
 
 
+@pytest.mark.parametrize("x", [kv_like((4, 8), torch.bfloat16, seed=2), torch.arange(32).reshape(4, 8)], ids=["fp8", "stored"])
+def test_decode_into_a_tensor_made_under_inference_mode(x):
+    """vLLM and LMCache make their buffers under torch.inference_mode(): decode writes
+    them in every layout, outside inference mode too (torch refuses an in-place copy_
+    into one there, which only the direct path avoided)."""
+    f = Fp8Codec().encode(x)
+    with torch.inference_mode():
+        contiguous, transposed = torch.empty(4, 8, dtype=x.dtype), torch.empty(8, 4, dtype=x.dtype).t()
+    for out in (contiguous, transposed):
+        assert fp8ray.decode(f, out=out) is out and torch.equal(out, fp8ray.decode(f))
+
+
 def test_frame_is_a_zero_copy_bytes_like_view():
     x = kv_like((2, 64), torch.bfloat16)
     f = Fp8Codec().encode(x)
