@@ -586,14 +586,14 @@ def verify_archive(
     layout = manifest.layout
     name_files = layout is not None and len(layout.files) > 1
     refs = source_layout = None
-    if against and layout is not None and layout.kind == STORE_KIND:
+    if against is not None and layout is not None and layout.kind == STORE_KIND:
         raise InvalidOptionError(
             f"archive {redact(archive_uri)} is of an LMCache store, and verify --against compares an archive with a "
             ".safetensors or .parquet source only: verify it without --against (every part's and frame's CRC), or "
             "decompress it with --lmcache-form raw and compare the chunk files",
             field="against",
         )
-    if against:
+    if against is not None:
         source_layout, source_refs = scan_source(against)
         refs = archive.blocks_by_ident(layout, source_layout, source_refs, against)
     codec = manifest.options
@@ -630,6 +630,7 @@ def verify_archive(
             report.errors.append(str(exc))
     if refs is not None:
         report.errors += _compare_files(layout, source_layout, refs, seen, against)
+    report.errors += archive.unlisted_entries(fs, path, manifest, archive_uri)
     if report.errors and _replaced(fs, path, manifest):  # its parts were another archive's: no damage to report
         report.errors = [_replaced_message(archive_uri, "verify")]
     return report

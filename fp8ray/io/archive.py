@@ -33,7 +33,7 @@ from . import columns as arrow_columns
 from . import part_checks
 from .blocks import BlockRef, SourceLayout
 from .lossless import DEFAULT_LOSSLESS, canonical_lossless, parse_lossless  # noqa: F401 (re-exported)
-from .paths import is_temporary, one_line, os_reason, printable, redact, resolve, write_atomic
+from .paths import entries, is_temporary, name_list, one_line, os_reason, printable, redact, resolve, write_atomic
 from .provenance import Provenance
 from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, STORED_FRAMES_VERSION, Manifest, Part, Plan
 
@@ -452,11 +452,37 @@ def _missing(info: Part, shown: str) -> CorruptArchiveError:
     return CorruptArchiveError(f"part {info.name} is missing from {shown} (the manifest records it, {info.file_bytes} bytes)")
 
 
+def unlisted_entries(fs: pafs.FileSystem, directory: str, manifest: Manifest, uri: str | None = None) -> list[str]:
+    """A message naming what the archive's directory holds beside the parts its manifest
+    lists, as Parquet readers of the directory see it (they skip names starting with
+    ``_`` or ``.``; the manifest and scratch are such): fp8ray reads the listed parts
+    only, but ``pyarrow.parquet.read_table(ARCHIVE)`` and Ray Data read a stray part too
+    (an older archive synced over this one without deleting), or fail on another file."""
+    listed = {part.name for part in manifest.parts}
+    try:
+        found = fs.get_file_info(pafs.FileSelector(directory))
+    except OSError as exc:
+        return [f"archive {_shown(directory, uri)} cannot be listed: {os_reason(exc)}"]
+    names = sorted(
+        entry.base_name + ("/" if entry.type == pafs.FileType.Directory else "")
+        for entry in found
+        if not entry.base_name.startswith(("_", ".")) and entry.base_name not in listed
+    )
+    if not names:
+        return []
+    return [
+        f"archive {_shown(directory, uri)} holds {entries(len(names))} its manifest does not list "
+        f"({name_list(names)}): fp8ray reads only the listed parts, but Parquet readers of the "
+        "directory (pyarrow, Ray Data) read those too; remove them"
+    ]
+
+
 def part_problems(fs: pafs.FileSystem, directory: str, manifest: Manifest, uri: str | None = None) -> list[str]:
     """Whether every part is there with the size its manifest entry records, without
-    reading any: one message per part missing or of another size."""
+    reading any: one message per part missing or of another size, and one naming what
+    else the directory holds (:func:`unlisted_entries`)."""
     shown = _shown(directory, uri)
-    problems = []
+    problems = unlisted_entries(fs, directory, manifest, uri)
     for part in manifest.parts:
         try:
             info = fs.get_file_info(f"{directory}/{part.name}")

@@ -20,7 +20,7 @@ from _util import record_entry, rewrite_column
 from safetensors.torch import save_file
 
 import fp8ray
-from fp8ray.engine.archives import compress_archive, decompress_archive, verify_archive
+from fp8ray.engine.archives import compress_archive, decompress_archive, inspect_archive, verify_archive
 from fp8ray.errors import CorruptArchiveError
 from fp8ray.io import archive
 
@@ -193,6 +193,29 @@ def test_sizes_edited_in_a_row_or_a_part_entry_fail_verify_as_they_fail_decompre
         if edit == "entry":  # decompress plans from the columns, which the row edit left consistent
             with pytest.raises(CorruptArchiveError, match=r"part-00000.parquet: its rows hold \d+ bytes"):
                 decompress_archive(str(arch), str(tmp_path / "out"), pool=INLINE)
+
+
+def test_what_the_directory_holds_beside_the_listed_parts_fails_verify_and_inspect(made, tmp_path):
+    """A part the manifest does not list (an older archive synced over this one without
+    deleting), another file or a folder: fp8ray reads only the listed parts, so its
+    decompress is right, but pyarrow and Ray Data read the directory and took the stray
+    part's rows as the archive's; verify and inspect said ok."""
+    arch = _copy(made, tmp_path)
+    shutil.copy(arch / "part-00000.parquet", arch / "part-00007.parquet")
+    assert pq.read_table(arch, columns=["key"]).num_rows > inspect_archive(str(arch)).manifest.blocks  # rows read twice
+    (arch / "notes.txt").write_text("mine")
+    (arch / "old").mkdir()
+    said = (
+        f"archive {arch} holds 3 entries its manifest does not list (notes.txt, old/, part-00007.parquet): fp8ray "
+        "reads only the listed parts, but Parquet readers of the directory (pyarrow, Ray Data) read those too; remove them"
+    )
+    assert verify_archive(str(arch), pool=INLINE).errors == [said]
+    assert inspect_archive(str(arch)).problems == [said]
+    for name in ("part-00007.parquet", "notes.txt", "old"):
+        shutil.rmtree(arch / name) if name == "old" else (arch / name).unlink()
+    (arch / "_mine.json").write_text("{}")  # names Parquet readers skip are left alone
+    (arch / ".hidden").write_text("")
+    assert verify_archive(str(arch), pool=INLINE).ok and not inspect_archive(str(arch)).problems
 
 
 def test_a_part_without_its_size_columns_is_reported_damaged_by_verify(made, tmp_path):
