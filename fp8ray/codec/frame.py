@@ -341,8 +341,11 @@ def parse_layout(buf: np.ndarray) -> FrameHeader:
         raise CorruptFrameError(f"frame truncated: {size} bytes, its {ndim}-d shape needs {needs}")
     expected = header.frame_size  # Python ints: a corrupt shape cannot overflow here
     if expected != size:
+        # Which one cannot be told: a flipped bit in the shape reads as either.
         kind = "truncated" if size < expected else "has trailing bytes"
-        raise CorruptFrameError(f"frame {kind}: {size} bytes, but its header (shape {list(header.shape)}) implies {expected}")
+        raise CorruptFrameError(
+            f"frame {kind}, or its header damaged: {size} bytes, but its header (shape {list(header.shape)}) implies {expected}"
+        )
     try:  # the encoder's limits; a frame whose size matches its shape is within them
         check_shape(header.shape, header.dtype)
     except ValueError as exc:
