@@ -44,7 +44,12 @@ def build_parser():
 
     class OneLineErrors(argparse.ArgumentParser):
         """argparse, but a mistake in the arguments is one line, as every other refusal
-        (argparse prints the whole usage first): its subcommands' parsers are of this class too."""
+        (argparse prints the whole usage first): its subcommands' parsers are of this class too.
+        No option is taken by a prefix of its name: ``--force`` was ``--force-replace``,
+        which deletes what the archive does not describe."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, allow_abbrev=False, **kwargs)
 
         def error(self, message: str):
             self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -11,6 +11,7 @@ from .common import (
     codec_arguments,
     codec_options,
     engine_arguments,
+    non_empty,
     plain_form_argument,
     pool_settings,
     positive_float,
@@ -102,7 +103,9 @@ def add_commands(commands) -> None:
 
     verify = commands.add_parser("verify", help="check every part and frame; with --against, error metrics per key")
     verify.add_argument("archive", help="an fp8ray archive directory")
-    verify.add_argument("--against", metavar="SOURCE", help="the source it was compressed from: compare every block with it")
+    verify.add_argument(
+        "--against", type=non_empty, metavar="SOURCE", help="the source it was compressed from: compare every block with it"
+    )
     engine_arguments(verify, gpus=False)
     verify.set_defaults(handler=run_verify)
 

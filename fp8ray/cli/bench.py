@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..io.lossless import DEFAULT_LOSSLESS
-from .common import codec_arguments, codec_options, given_codec_options, positive_float, positive_int
+from .common import codec_arguments, codec_options, given_codec_options, non_empty, positive_float, positive_int
 from .serve import service_args, service_arguments
 
 
@@ -49,7 +49,9 @@ def add_commands(commands) -> None:
         metavar="CODEC[:LEVEL]",
         help=f"the archive's lossless stage (default {DEFAULT_LOSSLESS})",
     )
-    pipeline.add_argument("--address", help="Ray cluster to join, or inline (default: RAY_ADDRESS, else an embedded local Ray)")
+    pipeline.add_argument(
+        "--address", type=non_empty, help="Ray cluster to join, or inline (default: RAY_ADDRESS, else an embedded local Ray)"
+    )
     pipeline.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is shown (default 3)")
     pipeline.set_defaults(handler=run_bench_pipeline)
 

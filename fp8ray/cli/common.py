@@ -9,6 +9,14 @@ import sys
 from ..codec.names import CHOICES, DEFAULT_MODE, OPTION_NAMES, mode_label
 
 
+def non_empty(text: str) -> str:
+    """A string option's value, refused when empty: ``--against "$SRC"`` with SRC unset
+    must not run as if the option were left out."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty: give a value, or leave the option out")
+    return text
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -103,6 +111,7 @@ def engine_arguments(parser: argparse.ArgumentParser, gpus: bool = True) -> None
         )
     group.add_argument(
         "--address",
+        type=non_empty,
         help="Ray cluster to join; 'local': start an embedded Ray for this command; 'inline': no Ray, the "
         "workers on threads of this process (default: RAY_ADDRESS, else the cluster a `ray start` runs on "
         "this machine, else inline)",

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import DestinationError, InvalidOptionError
-from .common import json_argument, positive_int, warn
+from .common import json_argument, non_empty, positive_int, warn
 
 SHIPPED_TEXT = "fp8ray/eval/texts/lighthouse.txt"
 
@@ -18,10 +18,12 @@ def add_commands(commands) -> None:
 
     capture = commands.add_parser("capture", help="run a causal LM over a text and save its KV cache as safetensors blocks")
     capture.add_argument("--out", required=True, help="the .safetensors file to write")
-    capture.add_argument("--text", required=True, help="a UTF-8 text file")
+    capture.add_argument("--text", type=non_empty, required=True, help="a UTF-8 text file")
     capture.add_argument("--tokens", type=positive_int, help="capture the text's first N tokens (default: all)")
     capture.add_argument(
-        "--model", help="a .gguf file or Hugging Face model directory (default: the shipped SmolLM2-135M-Instruct)"
+        "--model",
+        type=non_empty,
+        help="a .gguf file or Hugging Face model directory (default: the shipped SmolLM2-135M-Instruct)",
     )
     capture.add_argument(
         "--dtype", choices=sorted(DTYPE_CODES), default="bfloat16", help="dtype of the saved blocks (default bfloat16)"
@@ -50,7 +52,7 @@ def add_commands(commands) -> None:
     evaluate = commands.add_parser(
         "eval-model", help="the model's output change (KL, top-1, perplexity) per fp8 mode of its KV cache"
     )
-    evaluate.add_argument("--text", help=f"a UTF-8 text file (default: the shipped {SHIPPED_TEXT})")
+    evaluate.add_argument("--text", type=non_empty, help=f"a UTF-8 text file (default: the shipped {SHIPPED_TEXT})")
     evaluate.add_argument("--prefix", type=positive_int, default=256, help="tokens whose cache is round-tripped (default 256)")
     evaluate.add_argument(
         "--continuation", type=positive_int, default=128, help="tokens fed after it, teacher-forced (default 128)"
@@ -63,7 +65,9 @@ def add_commands(commands) -> None:
         "repeatable (default: bfloat16 and every format x scaling); the reference row is always first",
     )
     evaluate.add_argument(
-        "--model", help="a .gguf file or Hugging Face model directory (default: the shipped SmolLM2-135M-Instruct)"
+        "--model",
+        type=non_empty,
+        help="a .gguf file or Hugging Face model directory (default: the shipped SmolLM2-135M-Instruct)",
     )
     output = evaluate.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print the rows as JSON")

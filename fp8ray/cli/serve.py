@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ..errors import BadInputError
-from .common import non_negative_float, port_number, positive_float, positive_int
+from .common import non_empty, non_negative_float, port_number, positive_float, positive_int
 
 APP_NAME = "fp8ray"
 
@@ -18,11 +18,12 @@ def add_commands(commands) -> None:
     service_arguments(serve)
     serve.add_argument(
         "--archives",
+        type=non_empty,
         metavar="DIR",
         help="serve GET /v1/archive/block for the archives under this local directory (paths outside it are refused); "
         "without it the route answers 404",
     )
-    serve.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
+    serve.add_argument("--address", type=non_empty, help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
     serve.add_argument(
         "--haproxy",
         action="store_true",

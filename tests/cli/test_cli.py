@@ -74,6 +74,34 @@ def test_bad_option_is_rejected_by_the_parser_in_one_line(capsys):
         assert err.endswith(" --help)\n")
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["verify", "a", "--against", ""],  # `--against "$SRC"`, SRC unset: it passed, comparing nothing
+        ["compress", "a", "b", "--address", ""],
+        ["eval-model", "--text", ""],
+        ["eval-model", "--model", ""],
+        ["serve", "--archives", ""],
+    ],
+)
+def test_an_empty_option_value_is_refused_not_taken_as_left_out(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {argv[-2]}: is empty" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "argv", [["decompress", "a", "out", "--force"], ["compress", "a", "b", "--over"], ["compress", "a", "b", "--work", "1"]]
+)
+def test_no_option_is_taken_by_a_prefix_of_its_name(argv, capsys):
+    """argparse's default: --force was --force-replace, and deleted the user's files."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "unrecognized arguments: --" in err, err
+
+
 def test_a_missing_optional_extra_is_a_one_line_error(tmp_path):
     """Without the models extra (transformers made unimportable here), `fp8ray capture`
     says what to install, in one line, instead of a traceback."""
