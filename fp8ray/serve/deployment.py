@@ -516,4 +516,4 @@ def build_app(args: dict | None = None) -> serve.Application:
     deployment = Fp8Service.options(deployment_actors=actors)
     if options.replicas:
         deployment = deployment.options(num_replicas=options.replicas)
-    return deployment.bind(options.workers, int(options.max_body_mb * 2**20), options.archives)
+    return deployment.bind(options.workers, options.max_body_bytes, options.archives)

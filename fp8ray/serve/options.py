@@ -39,10 +39,7 @@ class ServiceOptions:
             raise InvalidOptionError(
                 f"unknown fp8ray.serve option(s) {sorted(unknown)}; expected {sorted(cls.__dataclass_fields__)}"
             )
-        try:
-            options = cls(**{k: type(getattr(cls, k))(v) for k, v in args.items()})
-        except (TypeError, ValueError) as exc:
-            raise InvalidOptionError(f"bad fp8ray.serve option: {exc}") from exc
+        options = cls(**{name: _converted(name, type(getattr(cls, name)), value) for name, value in args.items()})
         for name, (allowed, expected) in _RANGES.items():
             if not allowed(getattr(options, name)):
                 raise InvalidOptionError(
@@ -51,3 +48,28 @@ class ServiceOptions:
         if options.archives and not os.path.isdir(options.archives):
             raise InvalidOptionError(f"archives root {options.archives!r} is not a directory", field="archives")
         return options
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)
+
+
+def _converted(name: str, kind: type, value):
+    """An option's value as its field's type: from a string (``serve run ... workers=2``)
+    or a config file's number, never by cutting one (``workers: 2.9`` was 2, ``true`` 1,
+    an empty ``archives:`` the directory ``'None'``)."""
+    whole = kind is int and isinstance(value, float) and value.is_integer()
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (str, int, float))
+        or (kind is str and not isinstance(value, str))
+        or (kind is int and isinstance(value, float) and not whole)
+    ):
+        raise InvalidOptionError(f"fp8ray.serve option {name} must be {_KINDS[kind]}, got {value!r}", field=name)
+    try:
+        return kind(value)
+    except ValueError:
+        raise InvalidOptionError(f"fp8ray.serve option {name} must be {_KINDS[kind]}, got {value!r}", field=name) from None
+
+
+_KINDS = {int: "a whole number", float: "a number", str: "a string"}

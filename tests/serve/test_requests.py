@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fp8ray import CodecOptions
@@ -119,6 +121,25 @@ def test_service_options_that_no_comparison_catches_are_named(name, value):
     with pytest.raises(InvalidOptionError, match=rf"^fp8ray.serve option {name} must be a finite number") as info:
         ServiceOptions.from_args({name: value})
     assert info.value.field == name
+
+
+@pytest.mark.parametrize(
+    "name, value, kind",
+    [
+        ("workers", 2.9, "a whole number"),  # a config file's number: it was cut to 2
+        ("workers", "2.9", "a whole number"),
+        ("replicas", True, "a whole number"),  # YAML's true: it was 1
+        ("archives", None, "a string"),  # an empty `archives:`: it was the directory 'None'
+        ("max_body_mb", [8], "a number"),
+    ],
+)
+def test_service_options_are_converted_without_cutting_them(name, value, kind):
+    with pytest.raises(
+        InvalidOptionError, match="^" + re.escape(f"fp8ray.serve option {name} must be {kind}, got {value!r}")
+    ) as info:
+        ServiceOptions.from_args({name: value})
+    assert info.value.field == name
+    assert ServiceOptions.from_args({"workers": 2.0, "cpus_per_worker": 1}) == ServiceOptions(workers=2, cpus_per_worker=1.0)
 
 
 def test_a_block_error_keeps_its_class_and_field():
