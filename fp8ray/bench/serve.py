@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import shutil
 import socket
 import subprocess
@@ -49,16 +48,20 @@ ROLES = (
 )
 
 
+BENCH_APP = "fp8ray-bench"
+
+
 def parse_size(text: str) -> int:
     """``"64K"`` -> 65536; a plain number is bytes."""
+    given = text
     text = text.strip().upper().removesuffix("IB").removesuffix("B")
     scale = UNITS.get(text[-1:], 1)
     try:
         size = int(float(text[:-1] if text[-1:] in UNITS else text) * scale)
-    except ValueError:
-        raise InvalidOptionError(f"bad block size {text!r}; expected e.g. 64K, 1M or 16M", field="sizes") from None
+    except (ValueError, OverflowError):  # OverflowError: "inf", "1e400"
+        raise InvalidOptionError(f"bad block size {given!r}; expected e.g. 64K, 1M or 16M", field="sizes") from None
     if size < 2 * ROW:
-        raise InvalidOptionError(f"block size {text!r} is below the smallest bench block ({2 * ROW} bytes)", field="sizes")
+        raise InvalidOptionError(f"block size {given!r} is below the smallest bench block ({2 * ROW} bytes)", field="sizes")
     return size
 
 
@@ -168,24 +171,40 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
     import ray
 
     from ..serve.environment import apply_serve_environment
+    from ..serve.options import ServiceOptions
 
+    service = ServiceOptions.from_args(service_options)
+    too_large = [size for size in sizes if size > service.max_body_bytes]
+    if too_large:  # the service would answer 413, after Ray and Serve had started
+        raise InvalidOptionError(
+            f"block size {too_large[0]} bytes is over --max-body-mb {service_options['max_body_mb']:g}: "
+            "raise it, or bench smaller sizes",
+            field="sizes",
+        )
     state = tempfile.mkdtemp(prefix="fp8ray-serve-")
-    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+    if not ray.is_initialized():
         # The Ray started below runs Serve as `fp8ray serve --haproxy` does: set before it starts.
         apply_serve_environment(state, haproxy=True)  # measured as `fp8ray serve --haproxy` runs
     from ray import serve
 
-    from ..engine.runtime import connect_ray, disconnect_ray
+    from ..engine.address import LOCAL
+    from ..engine.runtime import check_placeable, connect_ray, disconnect_ray
     from ..serve.deployment import build_app
     from .codec import describe_machine
 
     bare, bare_url = _start_bare_app()
-    owns_ray = False
+    owns_ray = deployed = False
     try:
-        owns_ray = connect_ray(None, None)
+        # Always a Ray of its own (or this process's, already connected): on a cluster's Ray
+        # Serve's port, its route "/" and its shutdown would be another's (RAY_ADDRESS too).
+        owns_ray = connect_ray(None if ray.is_initialized() else LOCAL, None)
+        if owns_ray:  # nothing else joins it: QuantWorkers it cannot hold would wait forever
+            have = ray.cluster_resources()
+            check_placeable(service.workers, service.cpus_per_worker, service.gpus_per_worker, have, joinable=False)
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(service_options), name="fp8ray-bench", route_prefix="/")
+        serve.run(build_app(service_options), name=BENCH_APP, route_prefix="/")
+        deployed = True
         serve_url = f"http://127.0.0.1:{port}"
         # A fast plain mode, so that the figures are the service's cost, not the scale search's.
         query = {"scaling": "tensor", "scale_dtype": "float32", "scale_choice": "amax"}
@@ -241,11 +260,11 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
     finally:
         bare.kill()
         bare.wait()
+        # Only what it deployed; its own Ray then goes whole (as `fp8ray serve` stops).
+        if deployed:
+            serve.delete(BENCH_APP)
         if owns_ray:
-            serve.shutdown()
             disconnect_ray()
-        else:
-            serve.delete("fp8ray-bench")
         shutil.rmtree(state, ignore_errors=True)
 
 

@@ -174,18 +174,19 @@ def started_embedded() -> bool:
     return _started_dir is not None
 
 
-def check_placeable(workers: int, cpus_per_worker: float, gpus_per_worker: float, have: dict) -> None:
+def check_placeable(workers: int, cpus_per_worker: float, gpus_per_worker: float, have: dict, joinable: bool = True) -> None:
     """On a Ray the caller started (``have``: its ``ray.cluster_resources()``), which
     nothing else will ever join: QuantWorkers asking for more CPUs or GPUs than it has
     would wait out the start timeout, or forever. Refuse them, naming what is short. (A
-    cluster's autoscaler may add nodes: there they wait, as asked.)"""
+    cluster's autoscaler may add nodes: there they wait, as asked.) ``joinable``: whether
+    the command could join a cluster instead (``--address``), which the message offers."""
     need = {"CPU": workers * cpus_per_worker, "GPU": workers * gpus_per_worker}
     for name, amount in need.items():
         if amount > have.get(name, 0):
             flag = "--cpus-per-worker" if name == "CPU" else "--gpus-per-worker"
             raise PoolStartError(
                 f"{workers} QuantWorkers need {amount:g} {name}(s), and the Ray this command started has "
-                f"{have.get(name, 0):g}: lower --workers or {flag}, or join a cluster with --address"
+                f"{have.get(name, 0):g}: lower --workers or {flag}" + (", or join a cluster with --address" if joinable else "")
             )
 
 

@@ -129,3 +129,30 @@ def test_bench_serve(capsys):
     [row] = [line for line in lines if line.lstrip().startswith("4 KiB")]
     # The size, the requests; then rate, p50 and p99 for direct calls and for HTTP; their ratio.
     assert len(numbers(row)) == 9
+
+
+def test_bench_serve_refuses_a_block_over_the_body_limit_before_starting_anything(capsys):
+    """The service would have answered 413 after Ray and Serve had started: an
+    AssertionError's traceback some 30 s in."""
+    code = main(["bench", "serve", "--sizes", "64K,2M", "--max-body-mb", "1", "--workers", "1"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("fp8ray: error: block size 2097152 bytes is over --max-body-mb 1"), err
+    assert main(["bench", "serve", "--sizes", "infM"]) == 1
+    assert "bad block size 'infM'" in capsys.readouterr().err  # OverflowError's traceback before
+
+
+@pytest.mark.slow  # starts an embedded Ray
+def test_bench_serve_runs_on_a_ray_of_its_own_and_refuses_workers_it_cannot_place():
+    """On a cluster's Ray (RAY_ADDRESS) it tore down every Serve application there
+    (serve.shutdown), and workers that do not fit waited forever: it starts its own now,
+    whatever RAY_ADDRESS says (none answers at this one), and checks they fit."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ADDRESS="127.0.0.1:1")
+    argv = ["bench", "serve", "--sizes", "4K", "--mib-per-size", "0.01", "--workers", "1", "--gpus-per-worker", "1"]
+    result = subprocess.run([sys.executable, "-m", "fp8ray.cli", *argv], capture_output=True, text=True, timeout=300, env=env)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("fp8ray: error: 1 QuantWorkers need 1 GPU(s)"), lines
