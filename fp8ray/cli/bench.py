@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ..codec.names import OPTION_NAMES
 from ..io.lossless import DEFAULT_LOSSLESS
-from .common import codec_arguments, codec_options, given_codec_options, non_empty, positive_float, positive_int
+from .common import codec_arguments, codec_options, non_empty, positive_float, positive_int
 from .serve import service_args, service_arguments
 
 
@@ -134,11 +135,19 @@ def run_bench_codec(args) -> int:
     from ..codec.formats import SCALINGS
     from ..errors import InvalidOptionError
 
-    given = given_codec_options(args)
+    # --scaling is a list here (a row each): the other options apply to every row, but
+    # --block-size to block's only.
+    given = {n: getattr(args, n) for n in OPTION_NAMES if n != "scaling" and getattr(args, n, None) is not None}
+    if "block_size" in given and args.scaling and "block" not in args.scaling:
+        raise InvalidOptionError(f"--block-size applies to --scaling block, not {', '.join(args.scaling)}", field="block_size")
+    CodecOptions.parse(given)  # a bad value fails here, not as every row left out
     modes = []
     for scaling in args.scaling or SCALINGS:
+        options = {**given, "scaling": scaling}
+        if scaling != "block":
+            options.pop("block_size", None)
         try:
-            modes.append(CodecOptions.parse({**given, "scaling": scaling}))
+            modes.append(CodecOptions.parse(options))
         except InvalidOptionError:
             if args.scaling:  # asked for: say why it cannot be measured
                 raise

@@ -71,6 +71,25 @@ def test_bench_codec(capsys):
         assert "of its plain twin" in line and "timed in turn" in line and len(numbers(line.split(" encodes at ")[1])) == 6
 
 
+def test_bench_codec_block_size_goes_to_the_block_rows_and_a_bad_one_fails(capsys):
+    """--scaling (a list here) compared as a string refused every --block-size with
+    --scaling block (a BENCHMARKS.md command); a bad value left every row out, exit 0."""
+    lines = bench(capsys, "codec", "--scaling", "block", "--scaling", "tensor", "--block-size", "16", *SMALL)
+    modes = dict.fromkeys(mode for (mode, _), _ in table(lines, "| mode | direction |", labels=2))
+    assert list(modes) == [
+        "e4m3fn, block 16, bfloat16 scales by mse",
+        "e4m3fn, block 16, bfloat16 scales by amax",
+        "e4m3fn, tensor, bfloat16 scales by amax",
+    ]
+    assert main(["bench", "codec", "--block-size", str(2**40), *SMALL]) == 1
+    assert "block_size must be a positive integer" in capsys.readouterr().err
+    assert main(["bench", "codec", "--scaling", "token", "--block-size", "16", *SMALL]) == 1
+    assert "--block-size applies to --scaling block, not token" in capsys.readouterr().err
+
+
+SMALL = ("--chunks", "1", "--tokens", "4", "--repeat", "1")
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_bench_pipeline(capsys):
     lines = bench(capsys, "pipeline", "--mib", "1", "--files", "1", "--max-workers", "1", "--repeat", "1")
