@@ -59,9 +59,9 @@ def add_commands(commands) -> None:
     lossless = kinds.add_parser("lossless", help="archive size and speed of each lossless stage on a real KV cache")
     lossless.add_argument(
         "--source",
-        default="out/demo/kv_smollm2.safetensors",
-        help="a KV cache in safetensors (default out/demo/kv_smollm2.safetensors, which fp8ray demo writes; "
-        "captured from the shipped model if missing)",
+        type=non_empty,
+        help="a KV cache in one .safetensors file, captured from the shipped model if missing (default: "
+        "fp8ray demo's capture in out/demo, of --tokens tokens)",
     )
     lossless.add_argument(
         "--tokens",
@@ -180,18 +180,31 @@ def run_bench_lossless(args) -> int:
     import os
 
     from ..bench.lossless import bench_lossless
+    from ..errors import InvalidOptionError, SourceError
     from ..io.archive import parse_lossless
+    from .demo import DEMO_DIR, captured_cache
 
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     for stage in stages:
         parse_lossless(stage)
-    if not os.path.exists(args.source):
+    if not stages or len(set(stages)) < len(stages):  # a row each: none, or one run twice as often
+        raise InvalidOptionError(f"--stages {args.stages!r}: name each lossless stage once", field="stages")
+    # The demo's capture of as many tokens by default: one of fewer is never taken for it.
+    source = args.source if args.source is not None else str(captured_cache(DEMO_DIR, args.tokens))
+    if os.path.exists(source):
+        if not os.path.isfile(source):
+            raise SourceError(f"--source {source} is not a file: give one .safetensors file")
+        if args.source is not None and args.tokens is not None:  # it would not be captured again
+            raise InvalidOptionError(f"--tokens captures a missing --source, and {source} exists", field="tokens")
+    else:
         from ..eval.capture import capture
         from ..eval.eval_model import DEFAULT_TEXT
 
-        os.makedirs(os.path.dirname(args.source) or ".", exist_ok=True)
-        capture(args.source, DEFAULT_TEXT, tokens=args.tokens)
-    print(bench_lossless(args.source, stages, codec_options(args), args.workers, args.repeat))
+        if not source.endswith(".safetensors"):  # before its folder is made
+            raise SourceError(f"--source {source} does not exist, and a capture is written to a .safetensors file")
+        os.makedirs(os.path.dirname(source) or ".", exist_ok=True)
+        capture(source, DEFAULT_TEXT, tokens=args.tokens)
+    print(bench_lossless(source, stages, codec_options(args), args.workers, args.repeat))
     return 0
 
 

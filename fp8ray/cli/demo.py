@@ -17,9 +17,18 @@ from .common import codec_arguments, codec_options, positive_int
 SHIPPED_TEXT = Path(__file__).resolve().parents[1] / "eval" / "texts" / "lighthouse.txt"
 
 
+DEMO_DIR = Path("out/demo")  # its captures are reused by later runs, and by bench lossless
+
+
+def captured_cache(out_dir: Path, tokens: int | None) -> Path:
+    """Where the demo keeps the shipped model's KV cache over the shipped text's first
+    ``tokens`` tokens (None: all of them), which a later run reuses."""
+    return out_dir / (f"kv_smollm2_{tokens}.safetensors" if tokens else "kv_smollm2.safetensors")
+
+
 def add_commands(commands) -> None:
     demo = commands.add_parser("demo", help="capture a real KV cache, compress, verify, measure and decompress it on a local Ray")
-    demo.add_argument("--out", type=Path, default=Path("out/demo"), help="working directory (default out/demo)")
+    demo.add_argument("--out", type=Path, default=DEMO_DIR, help=f"working directory (default {DEMO_DIR})")
     demo.add_argument("--tokens", type=positive_int, help="tokens of the shipped text to capture (default: all, about 880)")
     codec_arguments(demo, ("fp8", "scaling", "block_size", "scale_dtype", "scale_choice"))
     demo.add_argument("--workers", type=positive_int, default=2, help="QuantWorker actors (default 2)")
@@ -40,7 +49,7 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
     options = options or CodecOptions()
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    source = out_dir / (f"kv_smollm2_{tokens}.safetensors" if tokens else "kv_smollm2.safetensors")
+    source = captured_cache(out_dir, tokens)
     if source.exists():
         captured = f"reusing the captured KV cache {source} (delete it to capture again)"
     else:

@@ -108,16 +108,38 @@ def test_bench_pipeline(capsys):
 
 @pytest.mark.slow  # loads the shipped model
 @pytest.mark.usefixtures("ray_session")
-def test_bench_lossless_captures_its_source_when_missing(capsys, tmp_path):
-    source = tmp_path / "kv.safetensors"
-    argv = ["--source", str(source), "--tokens", str(KV_TOKENS), "--stages", "none,zstd:1", "--workers", "1", "--repeat", "1"]
+def test_bench_lossless_captures_its_source_when_missing(capsys, tmp_path, monkeypatch):
+    """Where the demo keeps a capture of as many tokens: bench lossless --tokens 32 wrote
+    out/demo/kv_smollm2.safetensors, which a later `fp8ray demo` reused as the full text's."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["--tokens", str(KV_TOKENS), "--stages", "none,zstd:1", "--workers", "1", "--repeat", "1"]
     lines = bench(capsys, "lossless", *argv)
-    assert source.exists() and lines[0].startswith("fp8ray bench lossless: kv.safetensors (")
+    assert sorted(p.name for p in (tmp_path / "out" / "demo").iterdir()) == [f"kv_smollm2_{KV_TOKENS}.safetensors"]
+    assert lines[0].startswith(f"fp8ray bench lossless: kv_smollm2_{KV_TOKENS}.safetensors (")
     rows = table(lines, "| lossless |", labels=1)
     assert [stage for (stage,), _ in rows] == ["none", "zstd:1"]
     assert all(len(figures) == 5 for _, figures in rows)
     none = rows[0][1]
     assert none[2] == 1.0 and none[4] == 1.0  # "vs none" of none itself
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--stages", ","], "--stages ',': name each lossless stage once"),  # an empty table, exit 0
+        (["--stages", "zstd:3,zstd:3"], "name each lossless stage once"),  # one row of twice the runs
+        (["--source", "."], "--source . is not a file"),  # failed after all the work
+        (["--source", "made.safetensors", "--tokens", "8"], "--tokens captures a missing --source"),  # ignored
+        (["--source", "x/kv.parquet"], "--source x/kv.parquet does not exist"),  # x/ made first
+    ],
+)
+def test_bench_lossless_mistakes_are_refused_before_any_work(capsys, tmp_path, monkeypatch, argv, said):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "made.safetensors").write_bytes(b"")
+    assert main(["bench", "lossless", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fp8ray: error: ") and said in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["made.safetensors"]
 
 
 @pytest.mark.slow  # loads the shipped model (once per process: the lossless test may have)
