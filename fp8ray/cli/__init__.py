@@ -108,6 +108,10 @@ def _parsed_quietly(argv: list[str] | None):
 
 def _run(args) -> int:
     try:
+        if os.environ.get("FP8RAY_NUM_THREADS"):  # checked once: a bad value inside a decode read as damage
+            from ..codec.cpu import num_threads
+
+            num_threads()
         return args.handler(args)
     except ImportError as exc:  # an optional extra that is not installed
         extra = next((e for prefix, e in EXTRAS if (exc.name or "").startswith(prefix)), "models,serve,lmcache")

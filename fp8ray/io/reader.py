@@ -165,6 +165,8 @@ class ArchiveReader:
         label, part, buf, header = self._read_frame(key, file)
         try:
             return Block(key, header.dtype, header.shape, decode_raw(buf, header.dtype, header.shape))
+        except InvalidOptionError:
+            raise  # FP8RAY_NUM_THREADS, not the archive
         except (ValueError, TypeError) as exc:
             raise self._damaged(label, part, one_line(exc)) from None
 

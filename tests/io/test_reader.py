@@ -171,6 +171,23 @@ def test_a_device_this_torch_lacks_is_named_as_the_device_not_as_damage(multi):
         fp8ray.open_archive(str(arch)).get("layer0.kv", "deep/c.safetensors", device="cuda")
 
 
+@pytest.mark.parametrize("argv", [None, ["get", "ARCH", "layer0.kv", "--file", "deep/c.safetensors", "-o", "-"]])
+def test_a_bad_thread_count_in_the_environment_is_named_as_it_not_as_damage(multi, monkeypatch, capsys, argv):
+    """FP8RAY_NUM_THREADS=abc read as damage: "block ... of ARCH is damaged: FP8RAY_NUM_THREADS
+    must be ..." (get, verify --against, fidelity), and a user may delete a good archive."""
+    from fp8ray.cli import main
+
+    arch, _ = multi
+    monkeypatch.setenv("FP8RAY_NUM_THREADS", "abc")
+    said = "FP8RAY_NUM_THREADS must be a whole number of at least 1, got 'abc'"
+    if argv is None:
+        with pytest.raises(InvalidOptionError, match=f"^{said}$"):
+            fp8ray.open_archive(str(arch)).block("layer0.kv", "deep/c.safetensors")
+    else:
+        assert main([str(arch) if a == "ARCH" else a for a in argv]) == 1
+        assert capsys.readouterr().err == f"fp8ray: error: {said}\n"
+
+
 def test_blocks_read_from_s3(multi):
     """The same archive on S3 (moto): blocks read alone equal those decompress gave."""
     arch, restored = multi
