@@ -277,7 +277,7 @@ def compress_archive(
     Each worker reads its part's blocks from the source and writes the part itself; the
     driver moves only metadata and writes the manifest last. With ``resume``, parts a
     previous run finished (same source, options and plan, its files of the same size and
-    modification time) are kept as they are. A
+    modification time) are kept as they are (``resume`` with ``overwrite`` is refused). A
     destination that overlaps the source is refused before anything is touched;
     ``overwrite`` replaces an existing archive only once the new one is complete; a run
     that fails before any part is finished leaves the destination as it found it (one
@@ -312,6 +312,11 @@ def compress_archive(
     ``"fp8"``, what the store's plain files are where their sizes cannot tell
     (:func:`~fp8ray.io.lmcache_store.scan_store`).
     """
+    if resume and overwrite:  # overwrite would win, and the finished parts be thrown away unsaid
+        raise InvalidOptionError(
+            "--resume keeps what an interrupted compress finished, --overwrite replaces the destination: pass one",
+            field="resume",
+        )
     codec = CodecOptions.parse(codec_options, base=options)  # bad options fail before any work
     archive.check_block_size_fits(codec)
     made_for = Provenance.parse(provenance)

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 import fp8ray
 from fp8ray.engine.archives import compress_archive, verify_archive
-from fp8ray.errors import ArchiveExistsError, SourceError
+from fp8ray.errors import ArchiveExistsError, InvalidOptionError, SourceError
 from fp8ray.io import archive
 
 INLINE = fp8ray.PoolSettings(num_workers=1, address="inline")
@@ -78,6 +78,19 @@ def test_an_unchanged_source_is_resumed(tmp_path):
     written = fp8ray.open_archive(str(arch)).manifest.parts[report.parts_reused :]  # part 0 was finished
     assert report.written_raw_bytes == sum(p.raw_bytes for p in written) < report.raw_bytes
     assert report.input_gbps == report.written_raw_bytes / report.seconds / 1e9
+
+
+def test_resume_and_overwrite_together_are_refused_keeping_the_finished_parts(tmp_path):
+    """The tool's own advice names them as alternatives; given both, overwrite won and
+    every finished part was written again, unsaid."""
+    src, arch = tmp_path / "kv.safetensors", tmp_path / "kv.fp8"
+    write_source(src, 1)
+    interrupted(src, arch)
+    before = sorted(p.name for p in arch.iterdir())
+    with pytest.raises(InvalidOptionError, match="^--resume keeps what an interrupted compress finished, --overwrite"):
+        compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE, resume=True, overwrite=True)
+    assert sorted(p.name for p in arch.iterdir()) == before
+    assert compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE, resume=True).parts_reused >= 1
 
 
 def test_a_plan_from_before_the_files_were_recorded_is_not_resumed(tmp_path):
