@@ -22,6 +22,7 @@ import signal
 import sys
 
 from ..errors import Fp8rayError
+from .common import close_bars
 from .interrupts import forget_caught_interrupt, interrupted_state, interrupts, output_stamp, quiet_teardown
 
 # Which extra brings a missing module (pyproject.toml [project.optional-dependencies]).
@@ -112,7 +113,10 @@ def _run(args) -> int:
             from ..codec.cpu import num_threads
 
             num_threads()
-        return args.handler(args)
+        try:
+            return args.handler(args)
+        finally:
+            close_bars()
     except ImportError as exc:  # an optional extra that is not installed
         extra = next((e for prefix, e in EXTRAS if (exc.name or "").startswith(prefix)), "models,serve,lmcache")
         print(f"fp8ray: error: {exc}; install fp8ray with its extras: pip install 'fp8ray[{extra}]'", file=sys.stderr)

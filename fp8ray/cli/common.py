@@ -149,7 +149,18 @@ def progress(args, total):
     from tqdm import tqdm
 
     bar = tqdm(total=total(), unit="block", file=sys.stderr)
+    _BARS.append(bar)
     return bar, bar.update
+
+
+_BARS: list = []  # shown and maybe open: a command that fails closes them before its error line
+
+
+def close_bars() -> None:
+    """End every bar shown: an error printed after one would land on the bar's line, and
+    the bar be drawn again below it."""
+    while _BARS:
+        _BARS.pop().close()
 
 
 def warn(message: str) -> None:

@@ -200,3 +200,37 @@ def test_a_reader_that_leaves_the_pipe_early_gets_no_error_line(tmp_path):
     child.stdout.close()  # gone before the command writes a byte
     _, err = child.communicate(timeout=120)
     assert (child.returncode, err) == (141, b"")
+
+
+def test_a_failure_on_a_terminal_ends_the_progress_bar_before_its_error_line(tmp_path):
+    """On a TTY the error was glued to the bar's line, and the bar drawn again below it
+    (bars were closed only on success)."""
+    import pty
+
+    (tmp_path / "src").mkdir()
+    for i in range(40):  # the last file holds a NaN: blocks are done when it fails
+        x = torch.ones(256, 1024, dtype=torch.bfloat16)
+        if i == 39:
+            x[0, 0] = float("nan")
+        save_file({"x": x}, str(tmp_path / "src" / f"f{i:02d}.safetensors"))
+    leader, follower = pty.openpty()
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    argv = [str(FP8RAY), "compress", str(tmp_path / "src"), str(tmp_path / "arch"), "--workers", "1", "--part-mb", "0.5"]
+    with subprocess.Popen([*argv, "--address", "inline"], stderr=follower, stdout=subprocess.DEVNULL, env=env) as proc:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal closed: the command has exited
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=300) == 1
+    os.close(leader)
+    text = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    before, said, after = text.partition("fp8ray: error: ")
+    assert said and before.endswith("\n"), text  # the bar ended, then the error on a line of its own
+    assert "non-finite" in after and after.count("\n") == 1 and after.endswith("\n"), text  # no bar below it
