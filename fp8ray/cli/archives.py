@@ -16,6 +16,7 @@ from .common import (
     pool_settings,
     positive_float,
     progress,
+    refuse_standard_output,
     warn,
 )
 
@@ -125,11 +126,15 @@ def _finish(args, bar, report, summary: str) -> None:
 
 def run_compress(args) -> int:
     from ..engine.archives import compress_archive
+    from ..errors import InvalidOptionError
     from ..io.blocks import list_blocks
     from ..io.paths import counted
     from ..io.store_source import scan_store_source
 
     options = codec_options(args)  # bad options fail before Ray starts
+    refuse_standard_output(args.destination, "compress writes an archive directory")
+    if args.plain_form is not None and args.lmcache_layout is None:
+        raise InvalidOptionError("--plain-form says what an LMCache store's files are: it goes with --lmcache-layout")
     if args.lmcache_layout is None:
         bar, update = progress(args, lambda: len(list_blocks(args.source)))
     else:
@@ -189,14 +194,11 @@ def _manifest_blocks(uri: str) -> int:
 
 def run_decompress(args) -> int:
     from ..engine.archives import decompress_archive
-    from ..errors import DestinationError
     from ..io.paths import counted
 
-    if args.output == "-":  # as get takes it, not a file named '-'
-        raise DestinationError(
-            "decompress writes files, not standard output ('-'): name the output (./- for a file named -), "
-            "or write one block to standard output with fp8ray get ARCHIVE KEY -o -"
-        )
+    refuse_standard_output(  # as get takes it, not a file named '-'
+        args.output, "decompress writes files", ", or write one block to standard output with fp8ray get ARCHIVE KEY -o -"
+    )
     bar, update = progress(args, lambda: _manifest_blocks(args.archive))
     report = decompress_archive(
         args.archive,

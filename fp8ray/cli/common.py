@@ -163,5 +163,14 @@ def close_bars() -> None:
         _BARS.pop().close()
 
 
+def refuse_standard_output(path: str, writes: str, instead: str = "") -> None:
+    """Refuse ``-`` where a command writes ``writes`` (files, a directory), not a stream:
+    it made a file or directory named ``-``."""
+    if path == "-":
+        from ..errors import DestinationError
+
+        raise DestinationError(f"{writes}, not standard output ('-'): name the output (./- for one named -){instead}")
+
+
 def warn(message: str) -> None:
     print(f"fp8ray: {message}", file=sys.stderr)

@@ -5,7 +5,16 @@ from __future__ import annotations
 import json
 
 from ..errors import InvalidOptionError
-from .common import codec_arguments, engine_arguments, given_codec_options, plain_form_argument, pool_settings, progress, warn
+from .common import (
+    codec_arguments,
+    engine_arguments,
+    given_codec_options,
+    plain_form_argument,
+    pool_settings,
+    progress,
+    refuse_standard_output,
+    warn,
+)
 
 FRAME_OPTIONS = ("scaling", "block_size", "scale_dtype", "scale_choice")  # only frames have them
 
@@ -65,6 +74,7 @@ def run_store_command(args) -> int:
         flags = ", ".join("--" + o.replace("_", "-") for o in frame_options)
         raise InvalidOptionError(f"{flags} apply to --serde fp8ray only (plain fp8 files have no scales)", field="serde")
     options = CodecOptions.parse({**given, "fp8": args.fp8})
+    refuse_standard_output(args.destination, f"{args.command} writes a store directory")
     state: dict = {}
 
     def on_scan(total: int) -> None:

@@ -102,6 +102,25 @@ def test_no_option_is_taken_by_a_prefix_of_its_name(argv, capsys):
     assert exc.value.code == 2 and "unrecognized arguments: --" in err, err
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["compress", "SRC", "-"], "compress writes an archive directory, not standard output ('-')"),
+        (["lmcache-compress", "SRC", "-", "--layout", "bfloat16:1,2,16,8"], "lmcache-compress writes a store directory"),
+        (["lmcache-decompress", "SRC", "-", "--layout", "bfloat16:1,2,16,8"], "lmcache-decompress writes a store directory"),
+        (["compress", "SRC", "OUT", "--plain-form", "raw"], "--plain-form says what an LMCache store's files are"),
+    ],
+)
+def test_outputs_and_options_that_would_be_misread_are_refused(argv, said, tmp_path, capsys, monkeypatch):
+    """'-' made a file or directory named '-'; --plain-form without --lmcache-layout was
+    ignored."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "SRC").mkdir()
+    code, _, err = run_cli(capsys, *argv, "--address", "inline")
+    assert code == 1 and err.startswith("fp8ray: error: ") and said in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["SRC"]
+
+
 def test_a_missing_optional_extra_is_a_one_line_error(tmp_path):
     """Without the models extra (transformers made unimportable here), `fp8ray capture`
     says what to install, in one line, instead of a traceback."""

@@ -108,6 +108,9 @@ def test_version_and_help_on_every_argument():
 
     result = fp8ray("--version")
     assert result.returncode == 0 and result.stdout.startswith("fp8ray ")
+    for module in ("fp8ray", "fp8ray.cli"):  # python -m fp8ray: "No module named fp8ray.__main__"
+        run = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=300)
+        assert (run.returncode, run.stdout) == (0, result.stdout), run.stderr
 
     def parsers(parser, name="fp8ray"):
         yield name, parser
