@@ -43,6 +43,7 @@ from ..codec.blocks import Block
 from ..engine.archives import compress_archive, decompress_archive
 from ..engine.pool import QuantPool
 from ..engine.runtime import connect_ray, disconnect_ray
+from ..errors import InvalidOptionError
 from ..eval.sample import sample_kv_chunk
 from ..io.archive import DEFAULT_LOSSLESS
 from ..io.blocks import tensor_to_bytes
@@ -99,6 +100,13 @@ def bench_pipeline(
     """The table of the module docstring, for 1..``max_workers`` workers, on a source of
     ``files`` safetensors files (a directory, or one file for ``files=1``)."""
     options = options or CodecOptions()
+    chunk_kib = CHUNK_BYTES // 1024
+    if small_block_kib >= chunk_kib or chunk_kib % small_block_kib:  # each chunk cut into whole [rows, 64] pieces
+        raise InvalidOptionError(
+            f"--small-block-kib {small_block_kib}: a small block's KiB divide a sample chunk's {chunk_kib}, "
+            "and are fewer (16, 32, 64, 128, ...)",
+            field="small_block_kib",
+        )
     chunks = max(files, mib * 2**20 // CHUNK_BYTES)
     tensors = {f"chunk{i:04d}": sample_kv_chunk(seed=i) for i in range(chunks)}
     raw = chunks * CHUNK_BYTES

@@ -42,7 +42,8 @@ def add_commands(commands) -> None:
         type=positive_int,
         default=16,
         metavar="KIB",
-        help="the small-blocks row cuts the same bytes into blocks of this many KiB (a multiple of 16; default 16)",
+        help="the small-blocks row cuts the same bytes into blocks of this many KiB (a divisor of a "
+        "sample chunk's 5760 KiB; default 16)",
     )
     pipeline.add_argument(
         "--lossless",

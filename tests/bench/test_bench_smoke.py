@@ -197,3 +197,13 @@ def test_bench_serve_runs_on_a_ray_of_its_own_and_refuses_workers_it_cannot_plac
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
     assert lines[0].startswith("fp8ray: error: 1 QuantWorkers need 1 GPU(s)"), lines
+
+
+@pytest.mark.parametrize("kib", ["112", "5760", "7"])
+def test_bench_pipeline_refuses_a_small_block_that_does_not_cut_a_chunk_before_any_work(capsys, kib):
+    """A traceback (RuntimeError of a reshape, or ZeroDivisionError) after the whole table
+    had been measured."""
+    argv = ["pipeline", "--small-block-kib", kib, "--mib", "1", "--files", "1", "--max-workers", "1", "--address", "inline"]
+    assert main(["bench", *argv]) == 1
+    out, err = capsys.readouterr()
+    assert not out and err.startswith(f"fp8ray: error: --small-block-kib {kib}: a small block's KiB divide"), err
