@@ -46,6 +46,9 @@ def test_rayjob_example_submits_the_job_entrypoint():
     assert (REPO / script).is_file()
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]
     assert head["rayStartParams"]["num-cpus"] == "0"
+    # The project from its checkout's zip, not a package named fp8ray from PyPI (another's, or none).
+    env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+    assert env["pip"] == [f"fp8ray @ {env['working_dir']}"]
 
 
 def test_serve_config_is_valid_and_builds_the_app():
