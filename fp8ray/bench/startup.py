@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..errors import BadInputError, InvalidOptionError
+
 # A plain mode and no lossless stage: the codec's speed does not hide the rest.
 MODE = ("--scaling", "tensor", "--lossless", "none")
 BLOCK_MIB = 8  # the issue's 512 MiB as 64 blocks of 8 MiB
@@ -73,14 +75,17 @@ def bench_compress(sizes_mib: list[float], addresses: list[str], runs: int) -> s
 
 
 def write_source(directory: Path, mib: float) -> Path:
-    """A bf16 safetensors file of ``mib`` MiB: blocks of 8 MiB (one smaller block below that)."""
+    """A bf16 safetensors file of ``mib`` MiB: blocks of 8 MiB, then one of the rest."""
     import torch
     from safetensors.torch import save_file
 
     elements = int(mib * 2**20) // 2
-    per_block = min(elements, BLOCK_MIB * 2**20 // 2)
+    if not elements:
+        raise InvalidOptionError(f"--compress-mib {mib:g} is less than one bf16 element", field="compress_mib")
+    per_block = BLOCK_MIB * 2**20 // 2
+    sizes = [per_block] * (elements // per_block) + ([elements % per_block] if elements % per_block else [])
     g = torch.Generator().manual_seed(0)
-    tensors = {f"layer{i}.k": torch.randn(per_block, generator=g).to(torch.bfloat16) for i in range(elements // per_block)}
+    tensors = {f"layer{i}.k": torch.randn(size, generator=g).to(torch.bfloat16) for i, size in enumerate(sizes)}
     path = directory / f"kv{mib:g}.safetensors"
     save_file(tensors, str(path))
     return path
@@ -111,7 +116,10 @@ def best_command(source: Path, destination: Path, address: str, runs: int) -> tu
     for _ in range(runs):
         shutil.rmtree(destination, ignore_errors=True)
         start = time.perf_counter()
-        result = subprocess.run(argv, capture_output=True, text=True, check=True)
+        result = subprocess.run(argv, capture_output=True, text=True)
+        if result.returncode:  # its own one line, not CalledProcessError's traceback
+            said = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
+            raise BadInputError(f"the timed compress (--address {address}) failed: {said}", field="addresses")
         wall = time.perf_counter() - start
         best = min(best, (wall, json.loads(result.stdout)["seconds"]))
     shutil.rmtree(destination, ignore_errors=True)

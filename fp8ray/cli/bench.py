@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from ..codec.names import OPTION_NAMES
 from ..io.lossless import DEFAULT_LOSSLESS
 from .common import codec_arguments, codec_options, non_empty, positive_float, positive_int
@@ -120,12 +122,19 @@ def add_commands(commands) -> None:
     )
     startup.add_argument(
         "--addresses",
-        type=lambda text: [a.strip() for a in text.split(",") if a.strip()],
+        type=address_list,
         default=["inline", "default"],
         metavar="A[,A...]",
         help="the --address of each compress timed; 'default' gives none (default inline,default)",
     )
     startup.set_defaults(handler=run_bench_startup)
+
+
+def address_list(text: str) -> list[str]:
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    if not addresses:  # the work done, then an empty table
+        raise argparse.ArgumentTypeError(f"names no address: {text!r}")
+    return addresses
 
 
 def run_bench_codec(args) -> int:

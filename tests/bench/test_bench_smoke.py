@@ -207,3 +207,23 @@ def test_bench_pipeline_refuses_a_small_block_that_does_not_cut_a_chunk_before_a
     assert main(["bench", *argv]) == 1
     out, err = capsys.readouterr()
     assert not out and err.startswith(f"fp8ray: error: --small-block-kib {kib}: a small block's KiB divide"), err
+
+
+def test_bench_startup_times_a_file_of_the_size_it_names(tmp_path):
+    """12 MiB wrote 8 (whole blocks of 8 MiB only), and a size under one element divided by zero."""
+    from fp8ray.bench.startup import write_source
+    from fp8ray.errors import InvalidOptionError
+
+    for mib in (12, 0.5):
+        header = 8 + int.from_bytes(write_source(tmp_path, mib).read_bytes()[:8], "little")
+        assert (tmp_path / f"kv{mib:g}.safetensors").stat().st_size - header == int(mib * 2**20)
+    with pytest.raises(InvalidOptionError, match="less than one bf16 element"):
+        write_source(tmp_path, 1e-7)
+
+
+def test_bench_startup_says_why_a_timed_compress_failed_in_one_line(capsys):
+    """A CalledProcessError's traceback, the child's own line swallowed."""
+    assert main(["bench", "startup", "--repeat", "1", "--compress-mib", "0.01", "--addresses", "bogus"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fp8ray: error: the timed compress (--address bogus) failed: fp8ray: error: address 'bogus'")
+    assert err.count("\n") == 1, err
