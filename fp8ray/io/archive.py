@@ -31,13 +31,12 @@ from ..codec.options import CodecOptions
 from ..errors import BadInputError, CorruptArchiveError, InvalidOptionError, MismatchError, SourceError, WriteError
 from . import columns as arrow_columns
 from . import part_checks
-from .blocks import BlockRef, SourceLayout
+from .blocks import MANIFEST_NAME, BlockRef, SourceLayout
 from .lossless import DEFAULT_LOSSLESS, canonical_lossless, parse_lossless  # noqa: F401 (re-exported)
 from .paths import entries, is_temporary, name_list, one_line, os_reason, printable, redact, resolve, write_atomic
 from .provenance import Provenance
 from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, STORED_FRAMES_VERSION, Manifest, Part, Plan
 
-MANIFEST_NAME = "_manifest.json"
 PLAN_NAME = "_plan.json"
 DEFAULT_PART_BYTES = 64 << 20
 # A part's row groups hold, past their first block, at most 1 MiB of frames: reading one

@@ -137,6 +137,10 @@ NOT_UTF8_REASON = _NOT_TAKEN["not utf-8"]
 
 # A name decompress does not write (a path separator elsewhere; docs/FORMAT.md), so not archived.
 BACKSLASH = "\\"
+# The file that makes a directory an fp8ray archive (fp8ray.io.archive writes it last). A
+# source holding one is an archive, not blocks: its parts read as a raw-block Parquet
+# source missing its 'data' column, which named no archive.
+MANIFEST_NAME = "_manifest.json"
 BACKSLASH_REASON = "a backslash in its name, which decompress does not write"
 
 
@@ -189,6 +193,11 @@ def scan_source(uri: str) -> tuple[SourceLayout, list[BlockRef]]:
     if info.type == pafs.FileType.NotFound:
         raise SourceError(f"source {redact(uri)} does not exist")
     if info.type == pafs.FileType.Directory:
+        if any(entry.name == MANIFEST_NAME for entry in entries):
+            raise SourceError(
+                f"source {redact(uri)} is an fp8ray archive, not blocks to compress or compare: give its source, "
+                "or decompress it first (fp8ray decompress)"
+            )
         container = "directory"
         kind, names, skipped = select_files(entries, uri)
         files = [(f"{path.rstrip('/')}/{name}", name) for name in names]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from _util import run_cli
 
 from fp8ray.cli import main
@@ -119,6 +120,21 @@ def test_outputs_and_options_that_would_be_misread_are_refused(argv, said, tmp_p
     code, _, err = run_cli(capsys, *argv, "--address", "inline")
     assert code == 1 and err.startswith("fp8ray: error: ") and said in err and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["SRC"]
+
+
+def test_an_archive_given_as_a_source_is_named_as_one(tmp_path, capsys):
+    """Its parts were read as a raw-block Parquet source: "part-00000.parquet: a raw-block
+    Parquet source needs columns [...]", naming no archive (compress, verify --against)."""
+    from safetensors.torch import save_file
+
+    save_file({"k": torch.ones(4, 64)}, str(tmp_path / "kv.safetensors"))
+    arch = tmp_path / "arch"
+    assert run_cli(capsys, "compress", tmp_path / "kv.safetensors", arch, "--address", "inline")[0] == 0
+    said = f"fp8ray: error: source {arch} is an fp8ray archive, not blocks to compress or compare"
+    for argv in (["compress", arch, tmp_path / "again"], ["verify", arch, "--against", arch]):
+        code, _, err = run_cli(capsys, *argv, "--address", "inline")
+        assert code == 1 and err.startswith(said) and err.count("\n") == 1, err
+    assert not (tmp_path / "again").exists()
 
 
 def test_a_missing_optional_extra_is_a_one_line_error(tmp_path):
