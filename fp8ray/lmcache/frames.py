@@ -28,7 +28,7 @@ import torch
 from ..codec import frame
 from ..codec.blocks import decode_frames_into, encode_tensors_into
 from ..codec.formats import DTYPE_NAMES, DTYPES
-from ..codec.fp8codec import Fp8Codec
+from ..codec.fp8codec import Fp8Codec, copy_into
 from ..codec.options import CodecOptions
 from ..errors import BadInputError, CorruptFrameError, InvalidOptionError, MismatchError, block_error
 from .objects import Shape, byte_view, check_dtype, check_group, is_group, kv_tensors, layout_pairs, one_byte
@@ -179,7 +179,7 @@ class Fp8FrameSerializer(_FramePair):
                     encode_tensors_into(self.codec, [(name, t)], piece, [size])
                 offset += size
         if target.device.type != "cpu":
-            target[:total].copy_(torch.from_numpy(host))
+            copy_into(target[:total], torch.from_numpy(host))
         return total
 
 
@@ -249,7 +249,7 @@ class Fp8FrameDeserializer(_FramePair):
             else:
                 to_decode.append((where, chunk, t))
         for chunk, t in passed:
-            t.copy_(torch.from_numpy(chunk.copy()).view(t.dtype).reshape(t.shape).to(t.device))
+            copy_into(t, torch.from_numpy(chunk.copy()).view(t.dtype).reshape(t.shape).to(t.device))
         decode_frames_into([(where, chunk) for where, chunk, _ in to_decode], [t for *_, t in to_decode])
 
     def _placements(self, data: np.ndarray, tensors: Sequence[torch.Tensor | None]) -> list[tuple[int, int, torch.Tensor]]:

@@ -21,7 +21,7 @@ import torch
 
 from ..codec import cpu, reference
 from ..codec.formats import DTYPES, NONFINITE_POLICIES, Fp8Format, get_format
-from ..codec.fp8codec import raise_nonfinite
+from ..codec.fp8codec import copy_into, raise_nonfinite
 from ..errors import BadInputError, CorruptDataError, InvalidOptionError
 from .objects import Shape, byte_view, kv_tensors, layout_pairs
 
@@ -85,7 +85,7 @@ class Fp8QuantizationSerializer(_Fp8Serde):
                 bad = cpu.quantize(cpu.kernel_array(t.resolve_neg().contiguous()), self._fmt, "none", 0, codes.numpy(), None)
             else:
                 ref_codes, _, bad = reference.quantize(t, self._fmt, "none", 0, self._keep_nonfinite)
-                codes.copy_(ref_codes.reshape(-1).to(codes.device))
+                copy_into(codes, ref_codes.reshape(-1).to(codes.device))
             if bad and not self._keep_nonfinite:
                 raise_nonfinite(given, bad)  # named as given (a float64's, not its float32 cast's)
         return sum(codes.numel() for _, codes in spans)
@@ -117,7 +117,7 @@ class Fp8QuantizationDeserializer(_Fp8Serde):
             if fast:
                 cpu.dequantize(codes.numpy(), None, self._fmt, "none", tuple(t.shape), 0, cpu.kernel_array(t))
             else:
-                t.copy_(codes.to(t.device).view(self._fmt.dtype).reshape(t.shape).to(t.dtype))
+                copy_into(t, codes.to(t.device).view(self._fmt.dtype).reshape(t.shape).to(t.dtype))
 
 
 def make_fp8_serde(kwargs: dict | None = None) -> tuple[Fp8QuantizationSerializer, Fp8QuantizationDeserializer]:

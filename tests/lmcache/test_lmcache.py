@@ -687,3 +687,24 @@ def test_passthrough_writes_nothing_when_a_later_frame_holds_another_dtype():
 def test_a_layout_naming_its_dtype_as_text_is_refused_by_name():
     with pytest.raises(TypeError, match=r"^layout dtype 0 is 'bfloat16', not a torch dtype"):
         Fp8FrameSerializer().estimate_serialized_size(MemoryLayoutDesc([[4]], ["bfloat16"]))
+
+
+def test_deserializers_write_buffers_made_under_inference_mode():
+    """vLLM makes its KV buffers under torch.inference_mode(), and LMCache's serde threads
+    run outside it: the fp8 passthrough of the frame deserializer and the seed serde's
+    strided path raised torch's "Inplace update to inference tensor outside InferenceMode"."""
+    src = torch.randn(8, 64).to(torch.float8_e4m3fn)
+    serializer = Fp8FrameSerializer(fp8_input="passthrough")
+    buf = torch.empty(1 << 16, dtype=torch.uint8)
+    total = serializer.serialize(SimpleNamespace(tensor=src), SimpleNamespace(tensor=buf))
+    with torch.inference_mode():
+        dst = torch.empty(8, 64, dtype=torch.float8_e4m3fn)
+        strided = torch.empty(64, 8, dtype=torch.bfloat16).t()
+    Fp8FrameDeserializer(fp8_input="passthrough").deserialize(SimpleNamespace(tensor=buf[:total]), SimpleNamespace(tensor=dst))
+    assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
+    seed_serializer, seed_deserializer = make_fp8_serde({"fp8_dtype": "float8_e4m3fn"})
+    bf16 = torch.randn(8, 64, dtype=torch.bfloat16)
+    codes = torch.empty(bf16.numel(), dtype=torch.uint8)
+    seed_serializer.serialize(SimpleNamespace(tensor=bf16), SimpleNamespace(tensor=codes))
+    seed_deserializer.deserialize(SimpleNamespace(tensor=codes), SimpleNamespace(tensor=strided))
+    assert torch.equal(strided, codes.view(torch.float8_e4m3fn).reshape(8, 64).to(torch.bfloat16))
