@@ -177,8 +177,7 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
     too_large = [size for size in sizes if size > service.max_body_bytes]
     if too_large:  # the service would answer 413, after Ray and Serve had started
         raise InvalidOptionError(
-            f"block size {too_large[0]} bytes is over --max-body-mb {service_options['max_body_mb']:g}: "
-            "raise it, or bench smaller sizes",
+            f"block size {too_large[0]} bytes is over --max-body-mb {service.max_body_mb:g}: raise it, or bench smaller sizes",
             field="sizes",
         )
     state = tempfile.mkdtemp(prefix="fp8ray-serve-")

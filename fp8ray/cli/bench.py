@@ -45,7 +45,7 @@ def add_commands(commands) -> None:
         default=16,
         metavar="KIB",
         help="the small-blocks row cuts the same bytes into blocks of this many KiB (a divisor of a "
-        "sample chunk's 5760 KiB; default 16)",
+        "sample chunk's 5760 KiB, smaller than it; default 16)",
     )
     pipeline.add_argument(
         "--lossless",
@@ -191,13 +191,14 @@ def run_bench_lossless(args) -> int:
 
     from ..bench.lossless import bench_lossless
     from ..errors import InvalidOptionError, SourceError
-    from ..io.archive import parse_lossless
+    from ..io.archive import canonical_lossless, parse_lossless
     from .demo import DEMO_DIR, captured_cache
 
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     for stage in stages:
         parse_lossless(stage)
-    if not stages or len(set(stages)) < len(stages):  # a row each: none, or one run twice as often
+    # A row each: none, or one run twice as often (zstd:03 is zstd:3).
+    if not stages or len({canonical_lossless(stage) for stage in stages}) < len(stages):
         raise InvalidOptionError(f"--stages {args.stages!r}: name each lossless stage once", field="stages")
     # The demo's capture of as many tokens by default: one of fewer is never taken for it.
     source = args.source if args.source is not None else str(captured_cache(DEMO_DIR, args.tokens))

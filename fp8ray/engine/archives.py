@@ -190,7 +190,7 @@ def _resumable_parts(
         return {}
     why = _why_not_resumable(previous, plan)
     if why:
-        raise ArchiveExistsError(f"cannot resume {redact(destination)}: {why}; pass --overwrite to start again")
+        raise ArchiveExistsError(f"cannot resume {redact(destination)}: {why}; {archive.START_AGAIN}")
     infos = {i: archive.resumable_part(fs, work, i, len(blocks)) for i, blocks in enumerate(plan.parts)}
     return {i: info for i, info in infos.items() if info is not None}
 

@@ -152,6 +152,8 @@ def fidelity_report(
             x = bytes_to_tensor(data, ref.dtype, ref.shape)
             try:
                 y = decode(frame)
+            except InvalidOptionError:
+                raise  # FP8RAY_NUM_THREADS, not the archive
             except (ValueError, TypeError) as exc:
                 raise CorruptArchiveError(f"key {ref.key!r} in {part.name}: {exc}") from exc
             if tuple(y.shape) != tuple(x.shape) or y.dtype != x.dtype:

@@ -116,10 +116,9 @@ def _tokenizer(auto_tokenizer, folder: str, **where):
         return auto_tokenizer.from_pretrained(folder, local_files_only=True, **where)
     except (OSError, ValueError) as exc:
         why = " ".join(str(exc).split()) or type(exc).__name__
-        raise SourceError(
-            f"model {where.get('gguf_file', folder)}: its tokenizer cannot be loaded (a model directory needs its "
-            f"tokenizer files, such as tokenizer.json): {why}"
-        ) from None
+        gguf = where.get("gguf_file")
+        named, needs = (f"{folder}/{gguf}", "") if gguf else (folder, " (a model directory needs its tokenizer files)")
+        raise SourceError(f"model {named}: its tokenizer cannot be loaded{needs}: {why}") from None
 
 
 @functools.lru_cache(maxsize=2)

@@ -38,6 +38,7 @@ from .provenance import Provenance
 from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, STORED_FRAMES_VERSION, Manifest, Part, Plan
 
 PLAN_NAME = "_plan.json"
+START_AGAIN = "pass --overwrite instead of --resume to start again"  # a plan that cannot be resumed
 DEFAULT_PART_BYTES = 64 << 20
 # A part's row groups hold, past their first block, at most 1 MiB of frames: reading one
 # block alone (fp8ray.io.reader) reads its row group's frames. Each row group costs about
@@ -203,9 +204,9 @@ def read_plan(fs: pafs.FileSystem, directory: str) -> Plan | None:
         with fs.open_input_stream(path) as f:
             return Plan.from_json(json.loads(f.read()), path)
     except CorruptArchiveError as exc:
-        raise CorruptArchiveError(f"{exc}; pass --overwrite to start again") from None
+        raise CorruptArchiveError(f"{exc}; {START_AGAIN}") from None
     except (ValueError, RecursionError) as exc:
-        raise CorruptArchiveError(f"{path}: unreadable plan ({exc}); pass --overwrite to start again") from None
+        raise CorruptArchiveError(f"{path}: unreadable plan ({exc}); {START_AGAIN}") from None
 
 
 def write_plan(fs: pafs.FileSystem, directory: str, plan: Plan) -> None:
@@ -472,7 +473,7 @@ def unlisted_entries(fs: pafs.FileSystem, directory: str, manifest: Manifest, ur
     return [
         f"archive {_shown(directory, uri)} holds {entries(len(names))} its manifest does not list "
         f"({name_list(names)}): fp8ray reads only the listed parts, but Parquet readers of the "
-        "directory (pyarrow, Ray Data) read those too; remove them"
+        "directory (pyarrow, Ray Data) read those too, or fail on them; remove them"
     ]
 
 

@@ -127,7 +127,7 @@ def test_bench_lossless_captures_its_source_when_missing(capsys, tmp_path, monke
     "argv, said",
     [
         (["--stages", ","], "--stages ',': name each lossless stage once"),  # an empty table, exit 0
-        (["--stages", "zstd:3,zstd:3"], "name each lossless stage once"),  # one row of twice the runs
+        (["--stages", "zstd:3,zstd:03"], "name each lossless stage once"),  # one row of twice the runs
         (["--source", "."], "--source . is not a file"),  # failed after all the work
         (["--source", "made.safetensors", "--tokens", "8"], "--tokens captures a missing --source"),  # ignored
         (["--source", "x/kv.parquet"], "--source x/kv.parquet does not exist"),  # x/ made first

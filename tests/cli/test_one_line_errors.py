@@ -176,10 +176,10 @@ def test_inspect_json_help_says_nothing_of_a_progress_bar():
 
 def test_bench_lossless_reads_by_default_what_the_demo_writes():
     from fp8ray.cli import build_parser
+    from fp8ray.cli.demo import DEMO_DIR
 
-    parser = build_parser()
-    demo_capture = parser.parse_args(["demo"]).out / "kv_smollm2.safetensors"  # cli/demo.py: out_dir / "kv_smollm2.safetensors"
-    assert Path(parser.parse_args(["bench", "lossless"]).source) == demo_capture
+    parser = build_parser()  # bench lossless with no --source takes demo.captured_cache(DEMO_DIR, --tokens)
+    assert parser.parse_args(["demo"]).out == DEMO_DIR and parser.parse_args(["bench", "lossless"]).source is None
 
 
 def test_a_fifo_given_as_the_source_is_refused_at_once(tmp_path):
@@ -208,7 +208,10 @@ def test_a_reader_that_leaves_the_pipe_early_gets_no_error_line(tmp_path):
 def test_a_failure_on_a_terminal_ends_the_progress_bar_before_its_error_line(tmp_path):
     """On a TTY the error was glued to the bar's line, and the bar drawn again below it
     (bars were closed only on success)."""
+    import fcntl
     import pty
+    import struct
+    import termios
 
     (tmp_path / "src").mkdir()
     for i in range(40):  # the last file holds a NaN: blocks are done when it fails
@@ -217,6 +220,7 @@ def test_a_failure_on_a_terminal_ends_the_progress_bar_before_its_error_line(tmp
             x[0, 0] = float("nan")
         save_file({"x": x}, str(tmp_path / "src" / f"f{i:02d}.safetensors"))
     leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal's width: a real bar
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
     argv = [str(FP8RAY), "compress", str(tmp_path / "src"), str(tmp_path / "arch"), "--workers", "1", "--part-mb", "0.5"]
@@ -235,5 +239,5 @@ def test_a_failure_on_a_terminal_ends_the_progress_bar_before_its_error_line(tmp
     os.close(leader)
     text = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
     before, said, after = text.partition("fp8ray: error: ")
-    assert said and before.endswith("\n"), text  # the bar ended, then the error on a line of its own
+    assert said and "block" in before and before.endswith("\n"), text  # the bar, ended; the error on a line of its own
     assert "non-finite" in after and after.count("\n") == 1 and after.endswith("\n"), text  # no bar below it

@@ -207,7 +207,8 @@ def test_what_the_directory_holds_beside_the_listed_parts_fails_verify_and_inspe
     (arch / "old").mkdir()
     said = (
         f"archive {arch} holds 3 entries its manifest does not list (notes.txt, old/, part-00007.parquet): fp8ray "
-        "reads only the listed parts, but Parquet readers of the directory (pyarrow, Ray Data) read those too; remove them"
+        "reads only the listed parts, but Parquet readers of the directory (pyarrow, Ray Data) read those too, "
+        "or fail on them; remove them"
     )
     assert verify_archive(str(arch), pool=INLINE).errors == [said]
     assert inspect_archive(str(arch)).problems == [said]

@@ -59,7 +59,8 @@ def test_a_source_rewritten_since_is_not_resumed(tmp_path):
     with pytest.raises(
         ArchiveExistsError,
         match=r"cannot resume .*kv.fp8: source file kv.safetensors changed since the interrupted run read it "
-        r"\(was \d+ bytes, modified at \d+ ns; now \d+ bytes, modified at \d+ ns\); pass --overwrite to start again$",
+        r"\(was \d+ bytes, modified at \d+ ns; now \d+ bytes, modified at \d+ ns\); "
+        r"pass --overwrite instead of --resume to start again$",
     ):
         compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE, resume=True)
     report = compress_archive(str(src), str(arch), part_bytes=PART, pool=INLINE, overwrite=True)
@@ -137,7 +138,8 @@ def test_a_refused_resume_says_what_differs_and_takes_the_same_source_spelled_ot
     for given, message in (
         (
             {"scaling": "token"},
-            "with other codec options: scaling 'block' (this run's: 'token'); pass --overwrite to start again",
+            "with other codec options: scaling 'block' (this run's: 'token'); "
+            "pass --overwrite instead of --resume to start again",
         ),
         ({"lossless": "none"}, "with another lossless stage, zstd:3 (this run's: none)"),
         ({"part_bytes": PART * 2}, "with another plan of parts ("),

@@ -243,7 +243,9 @@ def test_a_plan_records_its_source_files_and_reads_them_back(tmp_path):
 def test_a_damaged_plan_is_refused_by_name(tmp_path, change, message):
     plan = json.loads((SCRATCH / archive.PLAN_NAME).read_text())
     (tmp_path / archive.PLAN_NAME).write_text(json.dumps(change(plan)))
-    with pytest.raises(CorruptArchiveError, match=rf"_plan.json: {message}; pass --overwrite to start again$"):
+    with pytest.raises(
+        CorruptArchiveError, match=rf"_plan.json: {message}; pass --overwrite instead of --resume to start again$"
+    ):
         archive.read_plan(FS, str(tmp_path))
     assert Plan.from_json(plan, "p") == archive.read_plan(FS, str(SCRATCH))
 
