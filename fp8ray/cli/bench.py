@@ -33,7 +33,12 @@ def add_commands(commands) -> None:
     codec.set_defaults(handler=run_bench_codec)
 
     pipeline = kinds.add_parser("pipeline", help="compress and decompress against the machine's I/O bound, and the object store")
-    pipeline.add_argument("--mib", type=positive_int, default=512, help="MiB of bf16 sample KV cache in one file (default 512)")
+    pipeline.add_argument(
+        "--mib",
+        type=positive_int,
+        default=512,
+        help="MiB of bf16 sample KV cache, in whole 5.6 MiB chunks, at least one per file (default 512)",
+    )
     pipeline.add_argument("--max-workers", type=positive_int, default=2, help="measure 1 to N workers (default 2)")
     codec_arguments(pipeline)
     pipeline.add_argument(
