@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..codec.names import OPTION_NAMES
 from ..io.lossless import DEFAULT_LOSSLESS
-from .common import codec_arguments, codec_options, non_empty, positive_float, positive_int
+from .common import codec_arguments, codec_options, given_codec_options, non_empty, positive_float, positive_int
 from .serve import service_args, service_arguments
 
 
@@ -152,9 +151,8 @@ def run_bench_codec(args) -> int:
 
     # --scaling is a list here (a row each): the other options apply to every row, but
     # --block-size to block's only.
-    given = {n: getattr(args, n) for n in OPTION_NAMES if n != "scaling" and getattr(args, n, None) is not None}
-    if "block_size" in given and args.scaling and "block" not in args.scaling:
-        raise InvalidOptionError(f"--block-size applies to --scaling block, not {', '.join(args.scaling)}", field="block_size")
+    given = given_codec_options(args)
+    given.pop("scaling", None)
     CodecOptions.parse(given)  # a bad value fails here, not as every row left out
     modes = []
     for scaling in args.scaling or SCALINGS:

@@ -87,11 +87,12 @@ def given_codec_options(args: argparse.Namespace) -> dict:
     """The codec options given on the command line, by name; ``--block-size`` refused
     where it would do nothing (another scaling than block)."""
     given = {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name, None) is not None}
-    scaling = given.get("scaling", DEFAULT_MODE["scaling"])
-    if "block_size" in given and scaling != "block":
+    scalings = given.get("scaling", DEFAULT_MODE["scaling"])
+    scalings = scalings if isinstance(scalings, list) else [scalings]  # bench codec's: a row each
+    if "block_size" in given and "block" not in scalings:
         from ..errors import InvalidOptionError
 
-        raise InvalidOptionError(f"--block-size applies to --scaling block, not {scaling}", field="block_size")
+        raise InvalidOptionError(f"--block-size applies to --scaling block, not {', '.join(scalings)}", field="block_size")
     return given
 
 

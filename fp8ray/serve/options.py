@@ -58,18 +58,18 @@ def _converted(name: str, kind: type, value):
     """An option's value as its field's type: from a string (``serve run ... workers=2``)
     or a config file's number, never by cutting one (``workers: 2.9`` was 2, ``true`` 1,
     an empty ``archives:`` the directory ``'None'``)."""
-    whole = kind is int and isinstance(value, float) and value.is_integer()
+    refused = InvalidOptionError(f"fp8ray.serve option {name} must be {_KINDS[kind]}, got {value!r}", field=name)
     if (
         isinstance(value, bool)
         or not isinstance(value, (str, int, float))
         or (kind is str and not isinstance(value, str))
-        or (kind is int and isinstance(value, float) and not whole)
+        or (kind is int and isinstance(value, float) and not value.is_integer())
     ):
-        raise InvalidOptionError(f"fp8ray.serve option {name} must be {_KINDS[kind]}, got {value!r}", field=name)
+        raise refused
     try:
         return kind(value)
     except ValueError:
-        raise InvalidOptionError(f"fp8ray.serve option {name} must be {_KINDS[kind]}, got {value!r}", field=name) from None
+        raise refused from None
 
 
 _KINDS = {int: "a whole number", float: "a number", str: "a string"}
