@@ -126,15 +126,12 @@ def _finish(args, bar, report, summary: str) -> None:
 
 def run_compress(args) -> int:
     from ..engine.archives import compress_archive
-    from ..errors import InvalidOptionError
     from ..io.blocks import list_blocks
     from ..io.paths import counted
     from ..io.store_source import scan_store_source
 
     options = codec_options(args)  # bad options fail before Ray starts
     refuse_standard_output(args.destination, "compress writes an archive directory")
-    if args.plain_form is not None and args.lmcache_layout is None:
-        raise InvalidOptionError("--plain-form says what an LMCache store's files are: it goes with --lmcache-layout")
     if args.lmcache_layout is None:
         bar, update = progress(args, lambda: len(list_blocks(args.source)))
     else:

@@ -317,6 +317,10 @@ def compress_archive(
             "--resume keeps what an interrupted compress finished, --overwrite replaces the destination: pass one",
             field="resume",
         )
+    if lmcache_plain_form is not None and lmcache_layout is None:  # it would be ignored
+        raise InvalidOptionError(
+            "--plain-form says what an LMCache store's files are: it goes with --lmcache-layout", field="lmcache_plain_form"
+        )
     codec = CodecOptions.parse(codec_options, base=options)  # bad options fail before any work
     archive.check_block_size_fits(codec)
     made_for = Provenance.parse(provenance)
