@@ -308,7 +308,7 @@ def compress_archive(
     :class:`~fp8ray.io.lmcache_store.Layout`): every chunk file, raw or in the ``fp8`` or
     ``fp8ray`` serde's form, flat or in hash-prefix folders, becomes one block, recorded
     under its path in the store (:mod:`fp8ray.io.store_source`); ``decompress_archive``
-    with ``lmcache_form`` gives the store back. ``lmcache_plain_form``: ``"raw"`` or
+    with ``lmcache_form`` gives the store back. ``lmcache_plain_form`` (with ``lmcache_layout`` only): ``"raw"`` or
     ``"fp8"``, what the store's plain files are where their sizes cannot tell
     (:func:`~fp8ray.io.lmcache_store.scan_store`).
     """
