@@ -39,6 +39,7 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
     """Capture (or reuse), compress, verify, measure and decompress with ``options`` (a
     :class:`~fp8ray.codec.CodecOptions`; None: the default mode); return the report's lines."""
     from ..codec import CodecOptions
+    from ..engine.address import check_local_size
     from ..engine.archives import compress_archive, decompress_archive, verify_archive
     from ..engine.pool import QuantPool
     from ..engine.runtime import connect_ray, disconnect_ray
@@ -47,6 +48,8 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
     from ..io.paths import counted
 
     options = options or CodecOptions()
+    ray_cpus = max(workers, os.cpu_count() or 1)
+    check_local_size(ray_cpus, joinable=False)  # before the capture, which takes a while
 
     out_dir.mkdir(parents=True, exist_ok=True)
     source = captured_cache(out_dir, tokens)
@@ -61,7 +64,7 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
     # A rerun replaces the last run's outputs only once its own are complete.
     archive, restored = out_dir / "kv_smollm2.fp8", out_dir / "restored.safetensors"
 
-    owns_ray = connect_ray("local", max(workers, os.cpu_count() or 1))
+    owns_ray = connect_ray("local", ray_cpus)
     try:
         # Parts of 4 MiB, so that a small capture still spreads over every worker.
         with QuantPool(num_workers=workers) as pool:  # one set of workers for the three steps

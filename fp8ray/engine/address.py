@@ -16,9 +16,16 @@ import socket
 import sys
 import tempfile
 
+from ..errors import PoolStartError
+
 # The addresses fp8ray gives a meaning of its own; any other names a Ray cluster.
 INLINE = "inline"  # no Ray at all: QuantWorker objects on threads of this process
 LOCAL = "local"  # an embedded Ray, started for the pool and removed with it
+
+# Codec threads per CPU that may run on this machine alone (inline workers, or an embedded
+# Ray's): beyond that they only add memory (a process each, on Ray) and wait for the
+# cores, and a typo (``--workers 1000``) would start a thousand processes.
+LOCAL_THREADS_PER_CPU = 4
 
 # How long the GCS port of the address in ray_current_cluster gets to accept a connection.
 # The address is this machine's (or its cluster head's, from a `ray start --address`): a
@@ -32,10 +39,29 @@ def default_address() -> str:
     """The address a pool given none uses, in this order: the Ray this process already
     runs in (``ray.init`` done, or a Ray task or actor); ``RAY_ADDRESS`` (set in Ray
     jobs); the cluster a ``ray start`` runs on this machine; else :data:`INLINE`."""
-    ray = sys.modules.get("ray")  # imported only if something else already has
-    if ray is not None and ray.is_initialized():
-        return ray.get_runtime_context().gcs_address
+    if ray_connected():
+        return sys.modules["ray"].get_runtime_context().gcs_address
     return os.environ.get("RAY_ADDRESS") or running_local_cluster() or INLINE
+
+
+def ray_connected() -> bool:
+    """Whether this process runs in a Ray (``ray.init`` done, or a Ray task or actor),
+    without importing Ray: imported only if something else already has."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def check_local_size(threads: int, joinable: bool = True) -> None:
+    """Refuse ``threads`` codec threads (workers times CPUs each) on this machine alone
+    beyond :data:`LOCAL_THREADS_PER_CPU` per CPU. ``joinable``: whether the command
+    could join a cluster instead (``--address``), which the message offers."""
+    cpus = os.cpu_count() or 1
+    if threads > LOCAL_THREADS_PER_CPU * cpus:
+        raise PoolStartError(
+            f"{threads} codec threads (QuantWorkers times CPUs per worker) on this machine alone, which has {cpus} "
+            f"CPU(s): more than {LOCAL_THREADS_PER_CPU * cpus} only add memory and wait for the CPUs: lower --workers"
+            + (", or join a cluster with --address" if joinable else "")
+        )
 
 
 def running_local_cluster() -> str | None:

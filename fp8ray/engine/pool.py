@@ -35,7 +35,7 @@ from ..codec.devices import cuda_available, is_tensor
 from ..codec.fp8codec import is_array, source_tensor
 from ..codec.frame import as_byte_array
 from ..errors import BadInputError, InvalidOptionError, PoolStartError, WorkerLostError
-from .address import INLINE, default_address
+from .address import INLINE, LOCAL, check_local_size, default_address, ray_connected
 from .backends import SETTLE_SECONDS, InlineBackend, RayBackend, WorkerDied
 from .worker import QuantWorker, WorkerInfo
 
@@ -49,7 +49,10 @@ class PoolSettings:
     ``convert_store``...) takes as ``pool=`` when it is to start its own.
 
     Args:
-        num_workers: workers to start (actors spread across nodes).
+        num_workers: workers to start (actors spread across nodes). On this machine
+            alone (inline, or an embedded Ray) at most
+            :data:`~fp8ray.engine.address.LOCAL_THREADS_PER_CPU` codec threads per CPU
+            (workers times ``cpus_per_worker``, at least one each).
         gpus_per_worker: GPUs each actor asks Ray for; fractions share a GPU.
         cpus_per_worker: CPUs each actor asks for, and the codec threads it runs.
         address: a cluster to join; ``"local"``: an embedded Ray, started for the pool
@@ -126,6 +129,8 @@ class QuantPool:
         s = self.settings
         self.address = s.address or default_address()
         threads = max(1, int(s.cpus_per_worker))
+        if self.inline or (self.address == LOCAL and not ray_connected()):  # a process each, on Ray, whatever its CPUs
+            check_local_size(s.num_workers * threads)
         if self.inline:
             # Inline workers share this process's GPU when asked for one (Ray is not
             # there to hand out devices).

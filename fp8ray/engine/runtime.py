@@ -14,7 +14,7 @@ import psutil
 import ray
 
 from ..errors import InvalidOptionError, PoolStartError
-from .address import CONNECT_SECONDS, LOCAL, answers, endpoint
+from .address import CONNECT_SECONDS, LOCAL, answers, check_local_size, endpoint
 
 # What the embedded Ray this process started left on the machine, removed when it stops:
 # its temporary directory (the session's logs and sockets) and the processes it started.
@@ -67,6 +67,8 @@ def connect_ray(address: str | None, num_cpus: int | None, *, inline_possible: b
         raise PoolStartError(
             f"no Ray cluster answers at {address}{where}: start one (ray start --head), or pass {instead} (an embedded one)"
         )
+    if address == LOCAL and num_cpus is not None:  # the CPUs its caller's workers take
+        check_local_size(num_cpus)
     handlers = _signal_handlers()
     # An interrupt inside ray.init leaves a driver half connected that ray.shutdown does
     # not stop, and whose threads crash the process as it exits (SIGSEGV): one that comes

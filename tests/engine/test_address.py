@@ -276,6 +276,40 @@ def test_gpus_the_pools_own_ray_lacks_are_refused_at_once(ray_tmp):
     assert not processes_with_ray_tmp(ray_tmp)
 
 
+@pytest.mark.parametrize(
+    "settings, threads",
+    [
+        ("num_workers={many}, address='inline'", "{many}"),
+        ("num_workers={half}, cpus_per_worker=2.5, address='inline'", "{half2}"),  # 2 codec threads each
+        ("num_workers={many}, cpus_per_worker=0.01, address='local'", "{many}"),  # a process each, whatever its CPUs
+    ],
+)
+def test_a_pool_on_this_machine_alone_is_refused_beyond_four_threads_per_cpu(ray_tmp, settings, threads):
+    """``--workers 1000`` on a 2-CPU machine started a thousand Ray worker processes
+    (gigabytes of memory) and failed after the start timeout; inline, a thousand threads.
+    Refused at once, before Ray starts; up to the limit a pool starts."""
+    limit = addresses.LOCAL_THREADS_PER_CPU * (os.cpu_count() or 1)
+    sizes = {"many": limit + 1, "half": limit // 2 + 1, "half2": 2 * (limit // 2 + 1)}
+    said = pool_start(ray_tmp, settings.format(**sizes))
+    assert said == (
+        f"{threads.format(**sizes)} codec threads (QuantWorkers times CPUs per worker) on this machine alone, which "
+        f"has {os.cpu_count()} CPU(s): more than {limit} only add memory and wait for the CPUs: lower --workers, or "
+        "join a cluster with --address"
+    ), said
+    assert os.listdir(ray_tmp) == []  # no Ray started
+    assert pool_start(ray_tmp, f"num_workers={limit}, address='inline'") == "started"
+
+
+def test_a_pool_joining_a_cluster_is_not_bounded_by_this_machine(ray_session):
+    """The limit is for a pool on this machine alone: one joining a Ray (here the
+    session's, a cluster of its own) asks the cluster, which may grow."""
+    from fp8ray import QuantPool
+
+    many = addresses.LOCAL_THREADS_PER_CPU * (os.cpu_count() or 1) + 1
+    with QuantPool(num_workers=many, cpus_per_worker=0.01) as pool:
+        assert len(pool.worker_info()) == many
+
+
 def test_a_sigterm_inside_ray_init_is_held_as_any_other(ray_tmp):
     """ray.init puts its own SIGTERM handler (sys.exit(15)) in place of the one holding
     signals as it starts: a SIGTERM then ended the command with exit code 15 and no line
