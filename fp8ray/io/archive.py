@@ -548,7 +548,10 @@ def read_part(
     with open_part(fs, path, info, shown) as f:
         try:
             if not check:  # the footer checked by its own CRC first, where recorded
-                return _parquet_table(f, columns, part_checks.read_footer(f, info, shown))
+                footer = part_checks.read_footer(f, info, shown)
+                table = _parquet_table(f, columns, footer)
+                part_checks.check_frame_bytes(table, footer, info, shown)
+                return table
             data = f.read_buffer()
         except OSError as exc:
             if getattr(exc, "errno", None):

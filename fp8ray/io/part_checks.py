@@ -23,6 +23,7 @@ import json
 import crc32c
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import CorruptArchiveError
@@ -75,6 +76,28 @@ def check_frames(table: pa.Table, info: Part, shown: str) -> None:
             f"its frames are not the ones written in its rows (their own CRC-32Cs, in row order, have crc32c "
             f"{crc:#010x}, its entry records {info.frames_crc32c:#010x})",
         )
+
+
+def check_frame_bytes(table: pa.Table, metadata: pq.FileMetaData, info: Part, shown: str) -> None:
+    """Refuse a part whose ``frame_bytes`` column (read without the frames) claims more
+    bytes than its footer says the frame column holds uncompressed. The column and the
+    entry's totals may be made to agree, CRCs and all; the footer's sizes are pyarrow's
+    own count of the bytes it wrote, and outputs are sized from the claim (decompress
+    reserves a file's length before any frame is read). A frame column stored with a
+    dictionary (archives from before the KV default mode) holds repeated frames once:
+    not checked."""
+    if "frame_bytes" not in table.column_names or "frame" not in metadata.schema.names:
+        return
+    if not pa.types.is_integer(table.schema.field("frame_bytes").type):  # the rows' own checks name it
+        return
+    index = metadata.schema.names.index("frame")
+    chunks = [metadata.row_group(g).column(index) for g in range(metadata.num_row_groups)]
+    if any(chunk.has_dictionary_page for chunk in chunks):
+        return
+    claimed = pc.sum(table.column("frame_bytes")).as_py() or 0
+    held = sum(chunk.total_uncompressed_size for chunk in chunks)
+    if claimed > held:
+        raise _damaged(info, shown, f"its rows' frame_bytes add up to {claimed}, more than its frames' {held} bytes hold")
 
 
 def check_rows(rows: int, info: Part, shown: str) -> None:

@@ -121,20 +121,36 @@ def test_edited_columns_with_their_crcs_made_again_are_refused_before_they_size_
         assert not (tmp_path / "out.safetensors").exists()
 
 
-def test_a_frame_shorter_than_its_row_says_is_refused_before_its_bytes_are_allocated(made, tmp_path):
+def test_a_frame_shorter_than_its_row_says_is_refused_before_its_bytes_are_allocated(made, tmp_path, monkeypatch):
     """The columns agree with themselves and the entry (shape and frame_bytes both
-    edited, every CRC and total made again), but the frame is the one written: the worker
-    refuses the block by its frame's own length before it allocates its bytes."""
+    edited, every CRC and total made again), but the frame is the one written. The plan
+    refuses the part, as its footer's size of the frame column holds less than the rows
+    claim: before, a file of blocks from several parts (one output file, here) had the
+    claimed bytes reserved on disk (fallocate) first, and a claim larger than the disk
+    failed as "No space left on device". Where the footer agrees (a hand-made one, stood
+    in for by skipping that check), the worker refuses the block by its frame's own
+    length before it allocates its bytes."""
     arch = _copy(made, tmp_path)
     path = arch / "part-00000.parquet"
     table = pq.read_table(path)
     key, dtype = table.column("key")[0].as_py(), table.column("dtype")[0].as_py()
     frames, shapes = table.column("frame_bytes").to_pylist(), table.column("shape").to_pylist()
-    nbytes = 2**20 * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    rewrite_column(path, "shape", [[2**20], *shapes[1:]])
+    nbytes = 2**40 * torch.empty(0, dtype=getattr(torch, dtype)).element_size()  # far more than any disk here
+    rewrite_column(path, "shape", [[2**40], *shapes[1:]])
     rewrite_column(path, "raw_bytes", [nbytes, *table.column("raw_bytes").to_pylist()[1:]])
     entry = rewrite_column(path, "frame_bytes", [nbytes // 4 + 1, *frames[1:]])
     record_entry(arch, entry, *ALL_CRCS, "raw_bytes", "frame_bytes")
+    claimed = nbytes // 4 + 1 + sum(frames[1:])
+    for single_file in (False, True):
+        with pytest.raises(
+            CorruptArchiveError,
+            match=rf"part part-00000\.parquet of .* is damaged: its rows' frame_bytes add up to {claimed}, more than "
+            rf"its frames' \d+ bytes hold",
+        ):
+            decompress_archive(str(arch), str(tmp_path / "out"), single_file=single_file, pool=INLINE)
+        assert not (tmp_path / "out").exists()
+    assert verify_archive(str(arch), pool=INLINE).errors
+    monkeypatch.setattr(archive.part_checks, "check_frame_bytes", lambda *args: None)
     with pytest.raises(
         CorruptArchiveError, match=rf"block '{key}' of a\.safetensors .*more than its frame of {frames[0]} bytes holds"
     ):
