@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from ..codec.formats import DTYPE_CODES, DTYPE_ITEMSIZES
 from ..codec.frame import MAX_HEADER_BYTES, FrameHeader, parse_header
 from ..errors import BadInputError, CorruptFrameError, MismatchError
-from .paths import counted
+from .paths import counted, link_kind
 
 SEP = "@"
 SLASH_REPLACEMENT = "-SEP-"
@@ -290,10 +290,11 @@ def _scan_folder(root: str, prefix: str, layout: Layout, scan: StoreScan) -> Non
         scan.skipped.append({"name": prefix, "reason": "an empty hash-prefix folder"})
     for entry in entries:
         name = prefix + entry.name
-        folder = "/" if entry.is_dir() else ""  # a skipped folder's name ends in '/' (docs/FORMAT.md)
-        if entry.is_symlink():
+        if entry.is_symlink():  # a skipped folder's name ends in '/' (docs/FORMAT.md)
+            folder = "/" if link_kind(entry.path) == "folder link" else ""
             scan.skipped.append({"name": name + folder, "reason": "a symbolic link"})
             continue
+        folder = "/" if entry.is_dir() else ""
         if entry.is_dir() and is_hash_folder(entry.name):
             _scan_folder(root, name + "/", layout, scan)
             continue

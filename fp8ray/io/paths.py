@@ -445,12 +445,8 @@ def _list_local(root: str, prefix: str) -> list[TreeEntry]:
         if not is_utf8(child.name):  # recorded escaped, never entered: no name under it could be archived
             out.append(TreeEntry(printable(rel) + ("/" if child.is_dir(follow_symlinks=False) else ""), "not utf-8"))
         elif child.is_symlink():
-            if child.is_dir(follow_symlinks=True):
-                out.append(TreeEntry(rel + "/", "folder link"))
-            elif child.is_file(follow_symlinks=True):
-                out.append(TreeEntry(rel, "file link"))
-            else:
-                out.append(TreeEntry(rel, "broken link" if not os.path.exists(child.path) else "special"))
+            kind = link_kind(child.path)
+            out.append(TreeEntry(rel + "/" if kind == "folder link" else rel, kind))
         elif child.is_dir(follow_symlinks=False):
             if child.name.startswith("."):
                 out.append(TreeEntry(rel + "/", "hidden folder"))
@@ -461,6 +457,19 @@ def _list_local(root: str, prefix: str) -> list[TreeEntry]:
         else:
             out.append(TreeEntry(rel, "special"))
     return out
+
+
+def link_kind(path: str) -> str:
+    """What the symbolic link ``path`` leads to: ``"folder link"``, ``"file link"``,
+    ``"special"`` (a FIFO, a device), or ``"broken link"``: a target missing, a loop of
+    links (ELOOP), or a folder on the way this user cannot search."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "broken link"
+    if stat.S_ISDIR(mode):
+        return "folder link"
+    return "file link" if stat.S_ISREG(mode) else "special"
 
 
 def _list_store(fs: pafs.FileSystem, path: str) -> list[TreeEntry]:

@@ -324,9 +324,11 @@ def test_skipped_folders_end_in_a_slash(tmp_path):
     (tmp_path / "tmp").mkdir()  # not a hash-prefix folder
     (tmp_path / "9f").mkdir()  # an empty one
     (tmp_path / "link").symlink_to(tmp_path / "tmp")
+    (tmp_path / "loop1").symlink_to("loop2")  # a loop of links (ELOOP) failed the whole scan
+    (tmp_path / "loop2").symlink_to("loop1")
     (tmp_path / "notes.txt").write_text("x")
     scan = scan_store(str(tmp_path), parse_layout(LAYOUT))
-    assert [s["name"] for s in scan.skipped] == ["9f/", "link/", "notes.txt", "tmp/"]
+    assert [s["name"] for s in scan.skipped] == ["9f/", "link/", "loop1", "loop2", "notes.txt", "tmp/"]
 
 
 def test_unreadable_files_and_folders_are_skipped_whatever_their_size(tmp_path, monkeypatch):

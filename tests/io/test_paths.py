@@ -147,11 +147,15 @@ def test_a_tree_is_listed_alike_on_a_local_disk_and_on_a_store_without_folders(t
     (tmp_path / "link").symlink_to(tmp_path / "sub")
     (tmp_path / "file_link").symlink_to(tmp_path / "a.safetensors")
     (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop1.safetensors").symlink_to("loop2.safetensors")  # a loop: ELOOP aborted the listing
+    (tmp_path / "loop2.safetensors").symlink_to("loop1.safetensors")
     local = list_tree(pafs.LocalFileSystem(), str(tmp_path))
     assert [e for e in local if e not in expected] == [
         TreeEntry("broken", "broken link"),
         TreeEntry("file_link", "file link"),
         TreeEntry("link/", "folder link"),
+        TreeEntry("loop1.safetensors", "broken link"),
+        TreeEntry("loop2.safetensors", "broken link"),
     ]
 
 
