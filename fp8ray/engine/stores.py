@@ -110,7 +110,7 @@ def _check_paths(source: str, destination: str, overwrite: bool, parents: bool) 
     if not os.path.isdir(src):
         raise SourceError(f"source {source} is not a directory")
     check_apart(source, destination)
-    if os.path.lexists(dst):
+    if os.path.lexists(dst) or os.path.islink(destination):  # a link to nothing is the user's too
         if not overwrite:
             raise ArchiveExistsError(f"destination {destination} exists (pass --overwrite to replace it)")
         if not os.path.isdir(dst) or os.path.islink(destination):

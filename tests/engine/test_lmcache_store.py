@@ -607,6 +607,15 @@ def test_destination_rules(store, tmp_path):
         compress_store(str(src), str(src / "fp8"), LAYOUT)
     with pytest.raises(SourceError, match="not a directory"):
         compress_store(str(tmp_path / "missing"), str(tmp_path / "x"), LAYOUT)
+    # A symbolic link to nothing (planted in a shared folder, or left over) is the user's: the
+    # store was written at its target, and --parents made the target's folders.
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere" / "store")
+    with pytest.raises(ArchiveExistsError, match=r"destination .*link exists \(pass --overwrite"):
+        compress_store(str(src), str(link), LAYOUT, parents=True)
+    with pytest.raises(DestinationError, match="exists and is not a directory; not replacing it"):
+        compress_store(str(src), str(link), LAYOUT, overwrite=True, parents=True)
+    assert not (tmp_path / "elsewhere").exists() and link.is_symlink()
 
 
 def test_cli_json_overwrite_and_errors(store, tmp_path, capsys):
