@@ -256,7 +256,7 @@ def run_inspect(args) -> int:
     from dataclasses import asdict
 
     from ..engine.archives import inspect_archive
-    from ..io.paths import counted, redact
+    from ..io.paths import counted, printable, redact
 
     report = inspect_archive(args.archive)
     manifest = report.manifest
@@ -268,7 +268,7 @@ def run_inspect(args) -> int:
             f"{redact(args.archive)}: {counted(manifest.blocks, 'block')} in {counted(len(manifest.parts), 'part')}, "
             f"{manifest.options.label()}" + _stored_note(manifest.stored_blocks) + "; "
             f"{manifest.raw_bytes / 2**20:.1f} MiB -> {manifest.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x); "
-            f"fp8ray {manifest.fp8ray_version}"
+            f"fp8ray {printable(manifest.fp8ray_version)}"
             + (f"; made for {manifest.provenance.describe()}" if manifest.provenance else "")
             + skipped_summary(skipped).replace("; skipped", "; the source's tree skipped")
         )

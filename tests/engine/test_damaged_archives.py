@@ -16,7 +16,7 @@ import crc32c
 import pyarrow.parquet as pq
 import pytest
 import torch
-from _util import record_entry, rewrite_column
+from _util import record_entry, rewrite_column, run_cli
 from safetensors.torch import save_file
 
 import fp8ray
@@ -373,3 +373,13 @@ def test_a_lossless_stage_recorded_as_typed_reads_in_its_canonical_spelling(made
         arch = _copy(made, tmp_path, typed.replace(":", "_"))
         _edit_manifest(arch, lambda m, typed=typed: m.update(lossless=typed))
         assert fp8ray.open_archive(str(arch)).manifest.lossless == canonical
+
+
+def test_inspect_shows_a_manifests_version_string_escaped(made, tmp_path, capsys):
+    """The manifest's fp8ray_version was printed as it was: escape codes in it cleared the
+    user's screen or retitled the terminal, as any other string from an archive must not."""
+    arch = _copy(made, tmp_path)
+    _edit_manifest(arch, lambda m: m.update(fp8ray_version="0.1.0\x1b[2J\x1b]0;title\x07"))
+    code, out, _ = run_cli(capsys, "inspect", arch)
+    assert code == 0 and "\x1b" not in out and "\x07" not in out
+    assert out.rstrip("\n").endswith("fp8ray 0.1.0\\x1b[2J\\x1b]0;title\\x07"), out
