@@ -39,6 +39,9 @@ from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, STORED_FRAMES_VE
 
 PLAN_NAME = "_plan.json"
 START_AGAIN = "pass --overwrite instead of --resume to start again"  # a plan that cannot be resumed
+# The most a manifest, plan or part entry may hold. A manifest takes a few hundred bytes
+# per source file and part: one larger is no archive's, and is refused before it is read.
+MAX_RECORD_BYTES = 1 << 30
 DEFAULT_PART_BYTES = 64 << 20
 # A part's row groups hold, past their first block, at most 1 MiB of frames: reading one
 # block alone (fp8ray.io.reader) reads its row group's frames. Each row group costs about
@@ -201,8 +204,7 @@ def read_plan(fs: pafs.FileSystem, directory: str) -> Plan | None:
     if fs.get_file_info(path).type != pafs.FileType.File:
         return None
     try:
-        with fs.open_input_stream(path) as f:
-            return Plan.from_json(json.loads(f.read()), path)
+        return Plan.from_json(json.loads(_read_record(fs, path, path)), path)
     except CorruptArchiveError as exc:
         raise CorruptArchiveError(f"{exc}; {START_AGAIN}") from None
     except (ValueError, RecursionError) as exc:
@@ -327,9 +329,8 @@ def read_sidecar(fs: pafs.FileSystem, directory: str, index: int) -> Part | None
     if fs.get_file_info(path).type != pafs.FileType.File:
         return None
     try:
-        with fs.open_input_stream(path) as f:
-            info = Part.from_json(json.loads(f.read()), f"{path}: the part entry")
-    except (ValueError, RecursionError):  # damaged, e.g. by a writer killed mid-way: redo the part
+        info = Part.from_json(json.loads(_read_record(fs, path, path)), f"{path}: the part entry")
+    except (ValueError, RecursionError, CorruptArchiveError):  # damaged, e.g. by a writer killed mid-way: redo the part
         return None
     if info.name != part_name(index):
         return None
@@ -398,6 +399,16 @@ def _shown(directory: str, uri: str | None) -> str:
     return redact(uri) if uri is not None else directory
 
 
+def _read_record(fs: pafs.FileSystem, path: str, shown: str) -> bytes:
+    """The bytes of one of an archive's JSON records (manifest, plan, part entry), refused
+    unread beyond :data:`MAX_RECORD_BYTES` (``shown``: its path for messages)."""
+    size = fs.get_file_info(path).size
+    if size is not None and size > MAX_RECORD_BYTES:
+        raise CorruptArchiveError(f"{shown} is {size} bytes, more than an archive's record may hold ({MAX_RECORD_BYTES})")
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
 def read_manifest(fs: pafs.FileSystem, directory: str, uri: str | None = None) -> Manifest:
     """The checked manifest of the archive in ``directory`` (``uri``: the archive as the
     user gave it, for messages)."""
@@ -409,8 +420,7 @@ def read_manifest(fs: pafs.FileSystem, directory: str, uri: str | None = None) -
             raise CorruptArchiveError(f"archive {shown} does not exist")
         if fs.get_file_info(f"{directory}/{MANIFEST_NAME}").type != pafs.FileType.File:
             raise CorruptArchiveError(f"{shown} has no {MANIFEST_NAME}: not a complete fp8ray archive")
-        with fs.open_input_stream(f"{directory}/{MANIFEST_NAME}") as f:
-            text = f.read()
+        text = _read_record(fs, f"{directory}/{MANIFEST_NAME}", path)
     except OSError as exc:
         raise CorruptArchiveError(f"{path} cannot be read: {os_reason(exc)}") from None
     try:

@@ -383,3 +383,15 @@ def test_inspect_shows_a_manifests_version_string_escaped(made, tmp_path, capsys
     code, out, _ = run_cli(capsys, "inspect", arch)
     assert code == 0 and "\x1b" not in out and "\x07" not in out
     assert out.rstrip("\n").endswith("fp8ray 0.1.0\\x1b[2J\\x1b]0;title\\x07"), out
+
+
+def test_a_manifest_larger_than_any_archives_is_refused_unread(made, tmp_path, capsys):
+    """A 3 GB _manifest.json was read whole: a MemoryError traceback where memory is
+    limited. (A sparse file here: no disk is used.)"""
+    arch = _copy(made, tmp_path)
+    os.truncate(arch / archive.MANIFEST_NAME, archive.MAX_RECORD_BYTES + 1)
+    code, out, err = run_cli(capsys, "inspect", arch)
+    assert (code, out) == (1, "") and err == (
+        f"fp8ray: error: {arch}/_manifest.json is {archive.MAX_RECORD_BYTES + 1} bytes, more than an archive's record "
+        f"may hold ({archive.MAX_RECORD_BYTES})\n"
+    )
