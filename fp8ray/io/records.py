@@ -21,7 +21,7 @@ from ..errors import CorruptArchiveError, InvalidOptionError
 from .blocks import BACKSLASH, SUFFIXES, SourceLayout, parquet_schema, raw_schema_problem
 from .lmcache_store import STORE_KIND
 from .lossless import canonical_lossless
-from .paths import is_temporary
+from .paths import is_temporary, is_utf8
 from .provenance import Provenance, short_repr
 
 ARCHIVE_FORMAT = "fp8ray-archive"
@@ -204,6 +204,7 @@ def checked_file_name(name, where: str = "the archive") -> str:
         not parts
         or BACKSLASH in name
         or "\0" in name
+        or not is_utf8(name)  # a lone surrogate (\ud800): no file can be given that name
         or any(not part or part in (".", "..") or is_temporary(part) for part in parts)
         or any(folder.startswith(".") for folder in parts[:-1])
     ):
