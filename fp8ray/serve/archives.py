@@ -3,7 +3,8 @@
 The service reads archives only under the root directory it was started with
 (``fp8ray serve --archives DIR``). A request names an archive by its path relative to
 that root; a path that is absolute, or that resolves outside the root (``..``, or a
-symbolic link pointing out), is refused before anything is opened. Readers are opened
+symbolic link pointing out), is refused before anything is opened, and an archive whose
+manifest or a part is a symbolic link pointing out, before a block is read. Readers are opened
 on the root itself (a ``SubTreeFileSystem``), so messages name the archive as the
 request did, never the server's own paths.
 """
@@ -50,6 +51,14 @@ class ArchiveRoot:
             raise RequestError(f"no archive {archive!r} under the archives root", 404, "archive")
         return inside
 
+    def _check_files_inside(self, archive: str, inside: str, names: list[str]) -> None:
+        """Refuse (403) an archive whose manifest or a part is a symbolic link resolving
+        outside the root: the folder inside it, its files read from elsewhere."""
+        for name in names:
+            real = os.path.realpath(os.path.join(self.root, inside, name))
+            if not real.startswith(self.root + os.sep):
+                raise RequestError(f"archive {archive!r}: its {name} resolves outside the archives root", 403, "archive")
+
     def reader(self, archive: str | None) -> ArchiveReader:
         """An open reader of ``archive`` (checked by :meth:`relative`), reused while kept."""
         inside = self.relative(archive)
@@ -62,6 +71,7 @@ class ArchiveRoot:
             reader = self._readers.pop(version, None)
             if reader is None:
                 reader = open_archive(inside, filesystem=self._fs)
+                self._check_files_inside(archive, inside, [MANIFEST_NAME, *(p.name for p in reader.manifest.parts)])
             self._readers[version] = reader  # most recently used last
             while len(self._readers) > self._kept:
                 self._readers.popitem(last=False)

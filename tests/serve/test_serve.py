@@ -497,9 +497,17 @@ def test_archive_paths_outside_the_root_are_refused(service, archives_root, tmp_
             assert answer["field"] == "archive", answer
             assert os.path.isabs(archive) or str(root) not in answer["error"], answer  # the server's paths stay its own
         assert client.get("/v1/archive/block", params={"archive": "alias", "key": "only0"}).status_code == 200
+        # A folder inside the root whose files are links out of it: they were read and served.
+        (root / "links").mkdir()
+        for entry in outside.iterdir():
+            (root / "links" / entry.name).symlink_to(entry)
+        r = client.get("/v1/archive/block", params={"archive": "links", "key": "only0"})
+        assert r.status_code == 403 and error_of(r)["field"] == "archive", r.text
+        assert "resolves outside the archives root" in error_of(r)["error"] and str(outside) not in r.text
     finally:
         (root / "escape").unlink()
         (root / "alias").unlink()
+        shutil.rmtree(root / "links", ignore_errors=True)
 
 
 def test_body_over_the_limit_answers_413_before_it_is_read(service):
