@@ -15,7 +15,7 @@ _RANGES = {
     "replicas": (lambda n: n >= 0, "0 (Serve's default) or more"),
     "cpus_per_worker": (lambda x: math.isfinite(x) and x > 0, "a finite number above 0"),
     "gpus_per_worker": (lambda x: math.isfinite(x) and x >= 0, "a finite number of at least 0"),
-    "max_body_mb": (lambda x: math.isfinite(x) and x * 2**20 >= 1, "a finite number of MiB of at least one byte"),
+    "max_body_mb": (lambda x: math.isfinite(x * 2**20) and x * 2**20 >= 1, "a finite number of MiB of at least one byte"),
 }
 
 
@@ -59,6 +59,14 @@ def _converted(name: str, kind: type, value):
     or a config file's number, never by cutting one (``workers: 2.9`` was 2, ``true`` 1,
     an empty ``archives:`` the directory ``'None'``)."""
     refused = InvalidOptionError(f"fp8ray.serve option {name} must be {_KINDS[kind]}, got {value!r}", field=name)
+    if kind is int and isinstance(value, str):  # "2" or "2.0", as a config's 2.0 is taken
+        try:
+            value = int(value)
+        except ValueError:
+            try:
+                value = float(value)
+            except ValueError:
+                raise refused from None
     if (
         isinstance(value, bool)
         or not isinstance(value, (str, int, float))

@@ -111,6 +111,7 @@ def test_service_options():
         ("max_body_mb", "inf"),
         ("max_body_mb", "nan"),
         ("max_body_mb", "1e-9"),
+        ("max_body_mb", "1e303"),  # finite, but not in bytes: an OverflowError traceback
         ("cpus_per_worker", "inf"),
         ("gpus_per_worker", "nan"),
     ],
@@ -140,6 +141,8 @@ def test_service_options_are_converted_without_cutting_them(name, value, kind):
         ServiceOptions.from_args({name: value})
     assert info.value.field == name
     assert ServiceOptions.from_args({"workers": 2.0, "cpus_per_worker": 1}) == ServiceOptions(workers=2, cpus_per_worker=1.0)
+    # "2.0" from `serve run ... workers=2.0` as a config's 2.0 (it was refused as not a whole number)
+    assert ServiceOptions.from_args({"workers": "2.0", "replicas": "1e1"}) == ServiceOptions(workers=2, replicas=10)
 
 
 def test_a_block_error_keeps_its_class_and_field():
