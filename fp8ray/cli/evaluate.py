@@ -101,11 +101,17 @@ def check_output(option: str, path: str, *reads: str | None) -> None:
         raise DestinationError(f"{option}: directory {parent} does not exist")
 
 
-def check_plot(path: str, overwrite: bool, *reads: str | None) -> None:
+def check_plot(path: str | None, overwrite: bool, *reads: str | None) -> None:
     """:func:`check_output` of a ``--plot`` file, and its format (from its suffix), before
-    any work; an existing one is replaced only with ``overwrite``, as every output is."""
+    any work; an existing one is replaced only with ``overwrite``, as every output is,
+    which without a ``--plot`` (None) replaces nothing and is refused."""
     from ..errors import ArchiveExistsError
     from ..eval.plots import plot_format
+
+    if path is None:
+        if overwrite:
+            raise InvalidOptionError("--overwrite replaces a --plot file: give --plot FILE, or leave --overwrite out")
+        return
 
     check_output("--plot", path, *reads)
     if Path(path).is_dir():  # found only as it was written, after a long run
@@ -149,8 +155,7 @@ def run_fidelity(args) -> int:
     from ..eval.fidelity import DEFAULT_KEY_PATTERN, fidelity_report, format_report, plot_layers
 
     key_pattern = DEFAULT_KEY_PATTERN if args.key_pattern is None else args.key_pattern
-    if args.plot is not None:
-        check_plot(args.plot, args.overwrite, args.original, args.archive)
+    check_plot(args.plot, args.overwrite, args.original, args.archive)
     report = fidelity_report(args.original, args.archive, key_pattern=key_pattern)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1, allow_nan=False))
@@ -172,8 +177,7 @@ def run_eval_model(args) -> int:
         if not all(m.strip() for m in group.split(",")):
             raise InvalidOptionError(f"--modes {group!r} has an empty mode: name each mode, separated by commas", field="modes")
     modes = [m for group in args.modes for m in group.split(",")] if args.modes else list(DEFAULT_MODES)
-    if args.plot is not None:
-        check_plot(args.plot, args.overwrite, text, model_read(args.model))
+    check_plot(args.plot, args.overwrite, text, model_read(args.model))
     loaded, results = evaluate_text(text, args.prefix, args.continuation, modes, args.model)
     title = (
         f"fp8ray eval-model: {loaded.name} ({str(loaded.dtype).removeprefix('torch.')}), {Path(text).name}, "

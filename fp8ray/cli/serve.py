@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..errors import BadInputError
+from ..errors import BadInputError, InvalidOptionError
 from .common import non_empty, non_negative_float, port_number, positive_float, positive_int
 
 APP_NAME = "fp8ray"
@@ -79,7 +79,10 @@ def run_serve(args) -> int:
         options["archives"] = os.path.abspath(args.archives)  # the replicas' working directory is Ray's, not ours
     ServiceOptions.from_args(options)  # bad options fail before Ray starts
     state = None
-    if (args.address or os.environ.get("RAY_ADDRESS") or "local") == "local":
+    embedded = (args.address or os.environ.get("RAY_ADDRESS") or "local") == "local"
+    if args.haproxy and not embedded:  # a cluster's Serve proxies are set where the cluster starts
+        raise InvalidOptionError("--haproxy applies to an embedded Ray (no --address, no RAY_ADDRESS), not to a cluster's")
+    if embedded:
         # An embedded Ray's proxy binds here, on this machine, sharing a port another
         # service holds (SO_REUSEPORT) without a word: refuse first.
         _check_port(args.host, args.port)

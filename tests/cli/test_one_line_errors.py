@@ -78,6 +78,8 @@ def test_serve_on_a_port_in_use(address, reuse_port):
         (["compress", "x.safetensors", "y", "--lossless", "zstd:"], "zstd takes levels 1 to 22"),  # was taken as zstd
         (["eval-model", "--modes", "e4m3fn:row"], "unknown scaling 'row'"),
         (["compress", "x", "y", "--scaling", "token", "--block-size", "64"], "--block-size applies to --scaling block"),
+        # A cluster's Serve proxies are set where it starts: --haproxy was ignored, unsaid.
+        (["serve", "--haproxy", "--address", "127.0.0.1:1"], "--haproxy applies to an embedded Ray"),
     ],
 )
 def test_argument_mistakes(argv, fragment):

@@ -253,6 +253,12 @@ def test_cli_plot_replaces_a_file_only_with_overwrite_and_names_a_links_missing_
     (tmp_path / "plots").mkdir()  # refused only as it was written, after the work
     assert main([*argv, str(tmp_path / "plots"), "--overwrite"]) == 1
     assert capsys.readouterr().err == f"fp8ray: error: --plot: {tmp_path / 'plots'} is a directory; name a file\n"
+    # --overwrite without --plot replaces nothing: it was ignored, unsaid (eval-model's too, checked before its model loads)
+    for command in (argv[:-1], ["eval-model", "--model", str(tmp_path / "no-model")]):
+        assert main([*command, "--overwrite"]) == 1
+        assert capsys.readouterr().err == (
+            "fp8ray: error: --overwrite replaces a --plot file: give --plot FILE, or leave --overwrite out\n"
+        )
 
 
 def test_cli_plot_on_a_full_disk_names_it_and_leaves_nothing(stores, tmp_path, capsys, monkeypatch):
