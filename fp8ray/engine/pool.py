@@ -85,6 +85,8 @@ class PoolSettings:
         for name, value in whole.items():
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise InvalidOptionError(f"{name} must be a positive integer, got {value!r}", field=name)
+        if self.address is not None and not isinstance(self.address, str):
+            raise InvalidOptionError(f"address must be a string or None, got {self.address!r}", field="address")
         for name, above in (("gpus_per_worker", False), ("cpus_per_worker", True), ("start_timeout", True)):
             value = getattr(self, name)
             real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
@@ -105,6 +107,10 @@ class QuantPool:
     """
 
     def __init__(self, settings: PoolSettings | None = None, /, **fields):
+        if settings is not None and not isinstance(settings, PoolSettings):
+            raise TypeError(
+                f"QuantPool takes a PoolSettings, or its fields as keywords (num_workers=2), got {type(settings).__name__}"
+            )
         self.settings = replace(settings or PoolSettings(), **fields)
         self.num_workers = self.settings.num_workers
         self.window = self.settings.window or 2 * self.num_workers
@@ -160,9 +166,10 @@ class QuantPool:
 
     def __exit__(self, exc_type, *exc) -> None:
         backend, self._backend = self._backend, None
+        ends_ray = self._owns_ray and self._last_holder()  # its disconnect below ends the connection
         try:
-            # An interrupt does not wait; on an embedded Ray (removed below) the refs end anyway.
-            if backend is not None and not self._owns_ray and (exc_type is None or issubclass(exc_type, Exception)):
+            # An interrupt does not wait; where Ray ends below the refs end anyway.
+            if backend is not None and not ends_ray and (exc_type is None or issubclass(exc_type, Exception)):
                 self._wait_by_reference_calls()
             if backend is not None:
                 backend.close()
@@ -171,7 +178,7 @@ class QuantPool:
                 from .runtime import disconnect_ray
 
                 self._owns_ray = False
-                if self._handed_out_refs:
+                if self._handed_out_refs and ends_ray:
                     warnings.warn(
                         "fp8ray: this QuantPool connected to Ray itself and disconnects as it closes: the refs its "
                         "encode_refs/decode_refs returned end with the connection (ray.init first to keep them)",
@@ -179,6 +186,12 @@ class QuantPool:
                         stacklevel=2,
                     )
                 disconnect_ray()
+
+    @staticmethod
+    def _last_holder() -> bool:
+        from .runtime import holders
+
+        return holders() == 1
 
     @property
     def _running(self) -> InlineBackend | RayBackend:

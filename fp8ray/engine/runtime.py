@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -20,6 +21,8 @@ from .address import CONNECT_SECONDS, LOCAL, answers, check_local_size, endpoint
 # its temporary directory (the session's logs and sockets) and the processes it started.
 _started_dir: str | None = None
 _before: set[int] = set()  # this process's children before the embedded Ray started
+_holders = 0  # callers of connect_ray holding the connection it made (disconnect_ray lets go)
+_lock = threading.RLock()
 # How long the embedded Ray's processes get to end after ray.shutdown before they are told
 # to (its agents otherwise linger for a minute or two once the raylet has gone), and then
 # before they are killed.
@@ -28,9 +31,13 @@ KILL_SECONDS = 3.0
 
 
 def connect_ray(address: str | None, num_cpus: int | None, *, inline_possible: bool = False) -> bool:
-    """Connect to Ray, or start an embedded one. Returns whether this call connected it
-    (started one, or joined a cluster): then the caller disconnects it
-    (:func:`disconnect_ray`). :func:`started_embedded` tells the two apart.
+    """Connect to Ray, or start an embedded one. Returns whether the caller now holds a
+    connection this module made (this call started one or joined a cluster, or another
+    caller's is in place): then it calls :func:`disconnect_ray` once done, and the last
+    holder to do so ends the connection, so that two pools of one process (two threads)
+    share one embedded Ray and neither removes it under the other. A Ray this process
+    connected to itself (``ray.init``, a Ray task) is joined, not held: False.
+    :func:`started_embedded` tells an embedded Ray from a cluster.
     ``inline_possible``: whether the caller could run without Ray (a pool's ``"inline"``),
     which the messages then offer; otherwise ``"inline"`` is refused as needing no Ray.
 
@@ -45,11 +52,22 @@ def connect_ray(address: str | None, num_cpus: int | None, *, inline_possible: b
     installs its own). SIGINT or SIGTERM while Ray starts is held until it has started;
     then Ray is stopped (an embedded one removed) and the signal delivered.
     """
+    global _holders
+    with _lock:  # one start at a time: a second caller joins the first's Ray
+        if ray.is_initialized():
+            if address is not None:
+                _check_connected_to(address)
+            if not _holders:
+                return False
+        else:
+            _connect(address, num_cpus, inline_possible)
+        _holders += 1
+        return True
+
+
+def _connect(address: str | None, num_cpus: int | None, inline_possible: bool) -> None:
+    """:func:`connect_ray`'s start of a connection, none being in place."""
     global _started_dir, _before
-    if ray.is_initialized():
-        if address is not None:
-            _check_connected_to(address)
-        return False
     address = address or os.environ.get("RAY_ADDRESS") or LOCAL
     where = " (RAY_ADDRESS)" if address == os.environ.get("RAY_ADDRESS") else ""  # a pool's default is it too
     cluster = address not in (LOCAL, "auto")  # auto: Ray finds the cluster ray start runs here
@@ -94,18 +112,19 @@ def connect_ray(address: str | None, num_cpus: int | None, *, inline_possible: b
                     _temp_dir=_started_dir,
                 )
             except BaseException:
-                disconnect_ray()
+                _shutdown()
                 raise
         else:
             _init_holding_sigterm(held, address=address, log_to_driver=False, logging_level=logging.WARNING)
         if held:
-            disconnect_ray()
+            _shutdown()
     finally:
         _restore_signal_handlers(handlers)
     if held:
         signal.raise_signal(held[0])  # the caller's handler runs now (SIGINT: KeyboardInterrupt)
         raise KeyboardInterrupt  # a handler that returned: still, Ray is not connected
-    return True
+    if _started_dir is not None:  # removed at exit too, where no holder disconnects (a notebook's pool)
+        atexit.register(_shutdown)
 
 
 def _check_connected_to(address: str) -> None:
@@ -192,11 +211,25 @@ def check_placeable(workers: int, cpus_per_worker: float, gpus_per_worker: float
             )
 
 
+def holders() -> int:
+    """How many callers of :func:`connect_ray` hold the connection it made (0: none made)."""
+    return _holders
+
+
 def disconnect_ray() -> None:
-    """Shut down the Ray that :func:`connect_ray` started. An embedded one goes whole:
-    the processes it started (terminated if they linger, then killed)
-    and its temporary directory."""
+    """Let go of a connection :func:`connect_ray` made; the last holder shuts Ray down."""
+    global _holders
+    with _lock:
+        _holders = max(0, _holders - 1)
+        if not _holders:
+            _shutdown()
+
+
+def _shutdown() -> None:
+    """Shut down Ray. An embedded one goes whole: the processes it started (terminated if
+    they linger, then killed) and its temporary directory."""
     global _started_dir, _before
+    atexit.unregister(_shutdown)
     started, _started_dir = _started_dir, None
     ours = _children() - _before if started else set()
     family = _with_descendants(ours)

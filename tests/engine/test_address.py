@@ -310,6 +310,43 @@ def test_a_pool_joining_a_cluster_is_not_bounded_by_this_machine(ray_session):
         assert len(pool.worker_info()) == many
 
 
+def test_pools_of_two_threads_share_one_embedded_ray_which_the_last_to_close_removes(ray_tmp):
+    """Two threads entering ``QuantPool(address="local")`` at once both called ray.init:
+    one failed ("called ray.init twice"), its clean-up shut Ray down under the other, and
+    a stray default Ray and a session folder were left. Now the second joins the first's
+    Ray, which stays until the last pool closes; then the Ray and its folder are gone."""
+    code = (
+        "import threading, ray, torch\n"
+        "from fp8ray import QuantPool, decode\n"
+        "first_closed, results = threading.Event(), {}\n"
+        "def job(i):\n"
+        "    with QuantPool(num_workers=1, cpus_per_worker=0.5, address='local') as pool:\n"
+        "        x = torch.full((4, 8), float(i + 1))\n"
+        "        if i == 0:\n"
+        "            results[i] = torch.equal(decode(pool.encode_many([x])[0]), x)\n"
+        "        else:\n"
+        "            first_closed.wait(120)  # the other pool closed: this one's Ray must still be there\n"
+        "            results[i] = torch.equal(decode(pool.encode_many([x])[0]), x)\n"
+        "    if i == 0:\n"
+        "        first_closed.set()\n"
+        "threads = [threading.Thread(target=job, args=(i,)) for i in range(2)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "print(results == {0: True, 1: True}, ray.is_initialized())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=env_for(ray_tmp), capture_output=True, text=True, timeout=300)
+    assert (result.returncode, result.stdout) == (0, "True False\n"), result.stderr[-3000:]
+    assert os.listdir(ray_tmp) == []  # the embedded Ray's folder went with the last pool
+    assert "Started a local Ray instance" not in result.stderr  # no stray default Ray
+
+
+def test_an_embedded_ray_no_pool_closed_is_removed_as_the_process_exits(ray_tmp):
+    """A notebook's pool entered and never exited left the embedded Ray's session folder."""
+    code = "from fp8ray import QuantPool\nQuantPool(num_workers=1, cpus_per_worker=0.5, address='local').__enter__()\n"
+    result = subprocess.run([sys.executable, "-c", code], env=env_for(ray_tmp), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.listdir(ray_tmp) == []
+
+
 def test_a_sigterm_inside_ray_init_is_held_as_any_other(ray_tmp):
     """ray.init puts its own SIGTERM handler (sys.exit(15)) in place of the one holding
     signals as it starts: a SIGTERM then ended the command with exit code 15 and no line
