@@ -145,7 +145,7 @@ def run_compress(args) -> int:
         overwrite=args.overwrite,
         parents=args.parents,
         strict=args.strict,
-        part_bytes=int(args.part_mb * 2**20),
+        part_bytes=max(1, int(args.part_mb * 2**20)),  # a part holds a block at least
         lossless=args.lossless,
         progress=update,
         provenance=_provenance(args),

@@ -7,6 +7,7 @@ The archive format itself is :mod:`fp8ray.io.archive`.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import posixpath
 import time
@@ -323,6 +324,8 @@ def compress_archive(
         )
     codec = CodecOptions.parse(codec_options, base=options)  # bad options fail before any work
     archive.check_block_size_fits(codec)
+    if isinstance(part_bytes, bool) or not isinstance(part_bytes, numbers.Integral) or part_bytes < 1:
+        raise InvalidOptionError(f"part_bytes must be a positive integer, got {part_bytes!r}", field="part_bytes")
     made_for = Provenance.parse(provenance)
     source, destination = as_uri(source, "source"), as_uri(destination, "destination")
     check_pool(pool)

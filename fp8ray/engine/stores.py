@@ -200,11 +200,14 @@ def convert_store(
     on_scan=None,
     expect_model: str | None = None,
     plain_form: str | None = None,
+    **codec_options,
 ) -> StoreReport:
     """Write every chunk file of the LMCache FS store ``source`` in the ``target`` form
     (``"raw"``, ``"fp8"`` or ``"fp8ray"``) into the new directory ``destination``.
 
-    ``options`` are the codec options of the frames written (default: the default mode);
+    ``options`` are the codec options of the frames written (default: the default mode),
+    then any of :class:`~fp8ray.codec.CodecOptions`' fields as keywords
+    (``scaling="token"``), each overriding only itself, as ``compress_archive`` takes them;
     their format (``fp8``) and ``nonfinite`` apply to plain fp8 files too. Entries of no
     form are skipped and reported; files already in the target form are copied and
     listed (frames only in ``options``: one in other options is decoded and encoded
@@ -227,7 +230,7 @@ def convert_store(
     """
     if target not in FORMS:
         raise InvalidOptionError(f"target form must be one of {list(FORMS)}, got {target!r}", field="target")
-    options = options if options is not None else CodecOptions()
+    options = CodecOptions.parse(codec_options, base=options)
     fmt = options.fmt
     check_pool(pool)
     layout = parse_layout(layout) if isinstance(layout, str) else layout

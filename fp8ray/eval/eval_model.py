@@ -30,6 +30,7 @@ cache in 16 bits costs).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -119,19 +120,33 @@ def compare_logits(reference: torch.Tensor, logits: torch.Tensor, targets: torch
     }
 
 
+def _parsed_mode(mode) -> dict:
+    """A mode string parsed, or a dict :func:`parse_mode` returned as it is."""
+    if isinstance(mode, dict):
+        if not {"kind", "label", "codec"} <= mode.keys():
+            raise BadInputError(f"a mode given as a dict must be one parse_mode returned, got {mode!r}")
+        return mode
+    return parse_mode(mode)
+
+
 def evaluate_modes(model, input_ids: torch.Tensor, prefix: int, continuation: int, modes=DEFAULT_MODES) -> list[ModeResult]:
     """Evaluate each mode (strings or :func:`parse_mode` dicts) on one text; the first row
     is always ``reference``. ``input_ids`` (``[1, n]`` or ``[n]``) needs
     ``prefix + continuation + 1`` tokens (the last fed token's target is the one after it)."""
+    if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):  # reshaped, it ran texts as one
+        raise BadInputError(f"input_ids must be one text's ids, [1, n] or [n], got shape {list(input_ids.shape)}")
     ids = input_ids.reshape(1, -1)
+    counts = (prefix, continuation)
+    if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0 for n in counts):
+        raise BadInputError(f"prefix and continuation must be positive integers, got {prefix!r} and {continuation!r}")
     needed = prefix + continuation + 1
-    if prefix <= 0 or continuation <= 0:
-        raise BadInputError(f"prefix and continuation must be positive, got {prefix} and {continuation}")
+    if isinstance(modes, (str, dict)):  # a string's characters were taken as modes
+        raise BadInputError(f"modes must be a list of modes, got one: {modes!r}; pass [{modes!r}]")
     if ids.shape[1] < needed:
         raise BadInputError(
             f"the text has {ids.shape[1]} tokens; prefix {prefix} + continuation {continuation} + 1 target needs {needed}"
         )
-    parsed = [m if isinstance(m, dict) else parse_mode(m) for m in modes]
+    parsed = [_parsed_mode(m) for m in modes]
     unique = {m["label"]: m for m in parsed if m["kind"] != "reference"}  # a mode given twice runs once
     parsed = [parse_mode(REFERENCE), *unique.values()]
     fed, targets = ids[:, prefix : prefix + continuation], ids[0, prefix + 1 : needed]

@@ -11,6 +11,8 @@ LOSSLESS_CODECS = {"none": None, "zstd": (1, 22), "lz4": None, "snappy": None, "
 def parse_lossless(spec: str) -> tuple[str, int | None]:
     """``"zstd:3"`` -> ``("zstd", 3)``; ``"none"`` -> ``("none", None)``. A bad spec raises
     :class:`InvalidOptionError` naming the codecs and levels."""
+    if not isinstance(spec, str):
+        raise InvalidOptionError(f"lossless must be a string such as 'zstd:3' or 'none', got {spec!r}", field="lossless")
     name, colon, level = spec.partition(":")
     if name not in LOSSLESS_CODECS:
         raise InvalidOptionError(f"unknown lossless codec {name!r}; expected one of {list(LOSSLESS_CODECS)}", field="lossless")

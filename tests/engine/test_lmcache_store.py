@@ -492,6 +492,11 @@ def test_frames_in_other_codec_options_are_encoded_again_in_those_asked(tmp_path
     assert report.converted_from == {"fp8ray": 2} and report.unchanged == []
     for name in (token, same):
         assert parse_header((tmp_path / "again" / name).read_bytes()).scaling == "tensor"
+    # Or as keywords over them, as compress_archive takes them (a TypeError naming convert_store before).
+    report = compress_store(str(src), str(tmp_path / "kw"), LAYOUT, serde="fp8ray", scaling="channel", pool=pool)
+    for name in (token, same):
+        x = fp8ray.decode((src / name).read_bytes())
+        assert (tmp_path / "kw" / name).read_bytes() == bytes(Fp8Codec(scaling="channel").encode(x))
 
 
 def test_a_store_already_in_the_target_form_is_reported_not_converted_again(store, tmp_path):

@@ -85,6 +85,7 @@ def test_settings_are_checked_when_made_and_taken_by_every_operation(tmp_path):
         ("start_timeout", "60", "a number above 0"),
         ("max_attempts", 1.5, "a positive integer"),
         ("window", True, "a positive integer"),
+        ("address", 5, "a string or None"),  # an AttributeError ('removeprefix') as the pool started
     ]:
         with pytest.raises(InvalidOptionError, match=rf"^{name} must be {wanted}, got {re.escape(repr(value))}$") as caught:
             PoolSettings(**{name: value})
@@ -94,6 +95,15 @@ def test_settings_are_checked_when_made_and_taken_by_every_operation(tmp_path):
         fp8ray.compress_archive(str(tmp_path / "none.safetensors"), str(tmp_path / "a"), pool=4)
     with pytest.raises(InvalidOptionError, match="unknown codec option 'workers'"):  # pool=PoolSettings(num_workers=4)
         fp8ray.compress_archive(str(tmp_path / "none.safetensors"), str(tmp_path / "a"), workers=4)
+    with pytest.raises(TypeError, match=r"^QuantPool takes a PoolSettings, or its fields as keywords .*got dict$"):
+        QuantPool({"num_workers": 2})  # dataclasses.replace's "should be called on dataclass instances"
+    # Values an archive cannot be planned with: tracebacks from deep inside, or (0, -5, True, nan) one block a part.
+    for name, value in [("part_bytes", 0), ("part_bytes", -5), ("part_bytes", True), ("part_bytes", float("nan"))]:
+        with pytest.raises(InvalidOptionError, match=rf"^part_bytes must be a positive integer, got {re.escape(repr(value))}$"):
+            fp8ray.compress_archive(str(tmp_path / "none.safetensors"), str(tmp_path / "a"), **{name: value})
+    with pytest.raises(InvalidOptionError, match=r"^lossless must be a string such as 'zstd:3' or 'none', got None$"):
+        fp8ray.compress_archive(str(tmp_path / "none.safetensors"), str(tmp_path / "a"), lossless=None)
+    assert not (tmp_path / "a").exists()
     pool = QuantPool(PoolSettings(num_workers=3), address="inline")  # settings, then keywords over them
     assert (pool.settings.num_workers, pool.settings.address, pool.window) == (3, "inline", 6)
     with pytest.raises(RuntimeError, match="QuantPool is not running"):

@@ -324,6 +324,24 @@ def test_evaluate_needs_enough_tokens(loaded, text_ids):
         evaluate_modes(loaded.model, text_ids[:, :48], PREFIX, CONTINUATION, ["e4m3fn:token"])
 
 
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        # two texts were reshaped into one sequence, unsaid
+        ({"input_ids": "batch"}, r"input_ids must be one text's ids, \[1, n\] or \[n\], got shape \[2, \d+\]"),
+        ({"prefix": 10.5}, r"prefix and continuation must be positive integers, got 10\.5 and 16"),  # torch's slice error
+        ({"modes": "e4m3fn:token"}, r"modes must be a list of modes, got one: 'e4m3fn:token'; pass \['e4m3fn:token'\]"),
+        ({"modes": [{"fp8": "e4m3fn"}]}, r"a mode given as a dict must be one parse_mode returned"),  # KeyError 'kind'
+    ],
+)
+def test_evaluate_refuses_arguments_naming_them(loaded, text_ids, change, refusal):
+    args = {"input_ids": text_ids, "prefix": PREFIX, "continuation": CONTINUATION, "modes": ["e4m3fn:token"], **change}
+    if change.get("input_ids") == "batch":
+        args["input_ids"] = torch.cat([text_ids, text_ids])
+    with pytest.raises(ValueError, match=refusal):
+        evaluate_modes(loaded.model, **args)
+
+
 def test_markdown_table(results):
     lines = format_markdown(list(results.values())).splitlines()
     assert lines[0].startswith("| mode | bytes/elem |") and lines[1].startswith("|---|---:|")
