@@ -87,6 +87,7 @@ class ArchiveReader:
         self._fs, self._dir = (filesystem, uri.rstrip("/")) if filesystem is not None else resolve(uri)
         self._uri = uri
         self.manifest: Manifest = archive.read_manifest(self._fs, self._dir, uri)
+        self._manifest_stamp = self._stamp()
         check_provenance(self.manifest.provenance, expect, f"archive {self._shown}")
         self._parts: dict[int, _PartIndex] = {}
         # The rows of each file: (first, end) in the archive's order of blocks.
@@ -222,7 +223,7 @@ class ArchiveReader:
             values = {c: table.column(c)[at] for c in names}
             out = {c: v.as_buffer() if c == "frame" else v.as_py() for c, v in values.items()}
         except CorruptArchiveError as exc:
-            raise CorruptArchiveError(f"block {label!r}: {exc}") from None
+            raise self._replaced() or CorruptArchiveError(f"block {label!r}: {exc}") from None
         except (OSError, pa.ArrowException, KeyError, IndexError) as exc:
             raise self._damaged(label, part, f"not readable as Parquet ({one_line(exc)})") from None
         if out["key"] != key or out.get("file", file) != file:
@@ -235,7 +236,25 @@ class ArchiveReader:
         return redact(self._uri)
 
     def _damaged(self, label: str, part: Part, why: str) -> CorruptArchiveError:
-        return CorruptArchiveError(f"block {label!r} in part {part.name} of {self._shown} is damaged: {why}")
+        return self._replaced() or CorruptArchiveError(f"block {label!r} in part {part.name} of {self._shown} is damaged: {why}")
+
+    def _stamp(self) -> tuple | None:
+        """The manifest file's size and modification time (None: it is gone)."""
+        info = self._fs.get_file_info(f"{self._dir}/{archive.MANIFEST_NAME}")
+        return None if info.type == pafs.FileType.NotFound else (info.size, info.mtime_ns)
+
+    def _replaced(self) -> CorruptArchiveError | None:
+        """Where the archive's manifest is not the one this reader opened (the archive was
+        replaced, as by ``compress --overwrite``), the error saying so: what it kept of the
+        old one (manifest, footers) made the new one's parts look damaged."""
+        try:
+            if self._stamp() == self._manifest_stamp:
+                return None
+        except OSError:
+            return None
+        return CorruptArchiveError(
+            f"archive {self._shown} changed since it was opened (its manifest was replaced): open it again"
+        )
 
     def _check_file(self, file: str) -> None:
         if not isinstance(file, str):  # metadata(None), keys(3)
@@ -287,10 +306,10 @@ class ArchiveReader:
             part = self.manifest.parts[i]
             try:
                 self._parts[i] = self._read_index(part, self._part_starts[i])
-            except CorruptArchiveError:
-                raise
+            except CorruptArchiveError as exc:
+                raise self._replaced() or exc from None
             except (OSError, pa.ArrowException, KeyError, IndexError, ValueError, TypeError) as exc:
-                raise CorruptArchiveError(
+                raise self._replaced() or CorruptArchiveError(
                     f"part {part.name} of {self._shown} is damaged: not readable as Parquet ({one_line(exc)})"
                 ) from None
         return self._parts[i]
