@@ -56,7 +56,8 @@ class PoolSettings:
         gpus_per_worker: GPUs each actor asks Ray for; fractions share a GPU.
         cpus_per_worker: CPUs each actor asks for, and the codec threads it runs.
         address: a cluster to join; ``"local"``: an embedded Ray, started for the pool
-            and removed with it; ``"inline"``: no Ray at all, the workers are
+            and removed with it (with the last pool of the process using it, where
+            several are, or as the process exits); ``"inline"``: no Ray at all, the workers are
             ``QuantWorker`` objects run on threads of this process (the kernels, file
             I/O and Parquet release the GIL): no start-up cost, for local jobs; with
             ``gpus_per_worker > 0`` they all use this process's CUDA device. ``None``
