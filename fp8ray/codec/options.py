@@ -114,6 +114,8 @@ class CodecOptions:
         :class:`InvalidOptionError` naming it."""
         if base is not None and not isinstance(base, CodecOptions):
             raise TypeError(f"options must be a CodecOptions (or None), got {type(base).__name__}")
+        if not isinstance(values, Mapping):
+            raise TypeError(f"codec options must be a mapping of names to values, got {type(values).__name__}")
         given = {}
         for name, value in values.items():
             if name not in _FIELDS:

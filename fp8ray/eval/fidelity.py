@@ -116,6 +116,8 @@ def fidelity_report(
     two do not hold the same keys, or a key's shape or dtype differs.
     """
     original, archive_uri = as_uri(original, "original"), as_uri(archive_uri, "archive")
+    if not isinstance(key_pattern, str):  # re's "first argument must be string or compiled pattern" named nothing
+        raise InvalidOptionError(f"key pattern must be a string, got {type(key_pattern).__name__} {key_pattern!r}")
     try:
         pattern = re.compile(key_pattern, re.IGNORECASE)
     except re.error as exc:

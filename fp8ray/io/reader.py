@@ -83,6 +83,8 @@ class ArchiveReader:
         expect: Provenance | Mapping[str, str] | None = None,
     ):
         expect = Provenance.parse(expect)  # a bad field name fails before anything is read
+        if filesystem is not None and not isinstance(filesystem, pafs.FileSystem):
+            raise TypeError(f"filesystem must be a pyarrow.fs.FileSystem or None, got {type(filesystem).__name__}")
         uri = as_uri(uri, "an archive's path")
         self._fs, self._dir = (filesystem, uri.rstrip("/")) if filesystem is not None else resolve(uri)
         self._uri = uri
@@ -143,6 +145,7 @@ class ArchiveReader:
     def file_of(self, key: str) -> str:
         """The file holding ``key``, where one file does. Raises :class:`BadInputError`
         naming the key where no file holds it, and the files to choose from where several do."""
+        _check_names(key, None)
         return self._file_of(key)
 
     def get(self, key: str, file: str | None = None, device=None):
@@ -199,9 +202,7 @@ class ArchiveReader:
     def _read_row(self, key: str, file: str | None, *columns: str) -> tuple[str, Part, dict]:
         """The block's label, its part, and its values of ``columns`` (read from its row
         group alone), its row's key and file checked to be the ones asked for."""
-        for name, value in (("key", key), ("file", file)):
-            if not isinstance(value, str) and not (name == "file" and value is None):
-                raise BadInputError(f"{name} must be a string, got {type(value).__name__} {value!r}", field=name)
+        _check_names(key, file)
         file = self._file_of(key) if file is None else file
         self._check_file(file)
         label = f"{file}:{key}" if len(self._file_rows) > 1 else key
@@ -355,6 +356,13 @@ class ArchiveReader:
             overlap = min(end, first + count) - max(start, first)
             names += [name] * max(overlap, 0)
         return names
+
+
+def _check_names(key, file) -> None:
+    """Refuse a key that is not a string, or a file that is neither a string nor None."""
+    for name, value in (("key", key), ("file", file)):
+        if not isinstance(value, str) and not (name == "file" and value is None):
+            raise BadInputError(f"{name} must be a string, got {type(value).__name__} {value!r}", field=name)
 
 
 def _keys_in_footer(metadata: pq.FileMetaData) -> list[str] | None:

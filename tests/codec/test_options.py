@@ -120,3 +120,7 @@ def test_options_that_are_not_codec_options_are_a_type_error():
             Fp8Codec(options=options)
         with pytest.raises(TypeError, match="options must be a CodecOptions"):
             Fp8Codec(scaling="token", options=options)
+    for values in (None, [("scaling", "token")]):  # AttributeError: no attribute 'items'
+        said = rf"^codec options must be a mapping of names to values, got {type(values).__name__}$"
+        with pytest.raises(TypeError, match=said):
+            CodecOptions.parse(values)

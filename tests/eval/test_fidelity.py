@@ -180,6 +180,8 @@ def test_bad_key_pattern_is_refused(stores):
     root, _ = stores
     with pytest.raises(ValueError, match="named groups"):
         fidelity_report(str(root / "exact.safetensors"), str(root / "arch"), key_pattern=r"layer(\d+)")
+    with pytest.raises(InvalidOptionError, match=r"^key pattern must be a string, got int 5$"):  # re's TypeError before
+        fidelity_report(str(root / "exact.safetensors"), str(root / "arch"), key_pattern=5)
 
 
 def test_cli_json_and_plot(stores, tmp_path, capsys):

@@ -141,8 +141,11 @@ def test_a_missing_block_names_the_key_and_file(multi):
         reader.get("layer0.kv")
     with pytest.raises(BadInputError, match=r"^no block 'nope' in any file of archive"):
         reader.get("nope")
-    with pytest.raises(BadInputError, match=r"^key must be a string, got int 5$"):
-        reader.get(5)
+    for call in (reader.get, reader.file_of):  # file_of(3) said "no block 3 in any file"
+        with pytest.raises(BadInputError, match=r"^key must be a string, got int 5$"):
+            call(5)
+    with pytest.raises(TypeError, match=r"^filesystem must be a pyarrow.fs.FileSystem or None, got str$"):
+        fp8ray.open_archive(str(arch), filesystem="local")  # an AttributeError ('get_file_info') before
     with pytest.raises(BadInputError) as caught:  # escaped once, by repr (printable() then repr escaped twice)
         reader.get("no\x1b[31mpe")
     assert str(caught.value).startswith("no block 'no\\x1b[31mpe' in any file")
