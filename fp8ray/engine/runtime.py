@@ -14,8 +14,10 @@ import threading
 import psutil
 import ray
 
-from ..errors import InvalidOptionError, PoolStartError
+from ..errors import Fp8rayError, InvalidOptionError, PoolStartError
+from ..io.paths import one_line
 from .address import CONNECT_SECONDS, LOCAL, answers, check_local_size, endpoint
+from .dispositions import keeping_dispositions
 
 # What the embedded Ray this process started left on the machine, removed when it stops:
 # its temporary directory (the session's logs and sockets) and the processes it started.
@@ -124,7 +126,7 @@ def _connect(address: str | None, num_cpus: int | None, inline_possible: bool) -
         signal.raise_signal(held[0])  # the caller's handler runs now (SIGINT: KeyboardInterrupt)
         raise KeyboardInterrupt  # a handler that returned: still, Ray is not connected
     if _started_dir is not None:  # removed at exit too, where no holder disconnects (a notebook's pool)
-        atexit.register(_shutdown)
+        atexit.register(_shutdown, False)
 
 
 def _check_connected_to(address: str) -> None:
@@ -180,13 +182,19 @@ def _init_holding_sigterm(held: list[int], **kwargs) -> None:
     """``ray.init(**kwargs)``. As it starts it puts its own SIGTERM handler in place of
     the one holding signals (``sys.exit(SIGTERM)``): a SIGTERM then ends the process with
     exit code 15 and no word. That exit is taken back here and the signal held as any
-    other (``held``)."""
+    other (``held``). A start that fails (Ray raises a bare ``Exception`` for a node that
+    timed out starting) is a :class:`PoolStartError` saying so."""
     try:
         ray.init(**kwargs)
     except SystemExit as exc:
         if exc.code != signal.SIGTERM:
             raise
         held.append(signal.SIGTERM)
+    except Fp8rayError:
+        raise
+    except Exception as exc:
+        what = "the embedded Ray did not start" if kwargs["address"] == LOCAL else f"cannot join Ray at {kwargs['address']}"
+        raise PoolStartError(f"{what}: {one_line(exc)}") from exc
 
 
 def started_embedded() -> bool:
@@ -225,26 +233,34 @@ def disconnect_ray() -> None:
             _shutdown()
 
 
-def _shutdown() -> None:
+def _shutdown(deliver_held: bool = True) -> None:
     """Shut down Ray. An embedded one goes whole: the processes it started (terminated if
-    they linger, then killed) and its temporary directory."""
+    they linger, then killed) and its temporary directory. SIGINT and SIGTERM are held
+    meanwhile, so that they cannot cut the clean-up short, then delivered to the
+    process's handlers (``deliver_held``; not as the process exits). ``ray.shutdown``
+    resets SIGTERM to the default action, which would end the process at once: it is
+    put back as soon as it is (:mod:`fp8ray.engine.dispositions`)."""
     global _started_dir, _before
     atexit.unregister(_shutdown)
     started, _started_dir = _started_dir, None
     ours = _children() - _before if started else set()
     family = _with_descendants(ours)
     handlers = _signal_handlers()
+    held: list[int] = []
+    for sig, handler in (handlers or {}).items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, _: held.append(signum))
     try:
-        if handlers is not None:  # an interrupt must not cut the clean-up short
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            ray.shutdown()
+            keeping_dispositions(ray.shutdown)
         finally:
             if started:
                 _end(family)
                 shutil.rmtree(started, ignore_errors=True)
     finally:
         _restore_signal_handlers(handlers)
+    if held and deliver_held:
+        signal.raise_signal(held[0])  # the caller's handler runs now (SIGINT: KeyboardInterrupt)
 
 
 def _signal_handlers():

@@ -492,3 +492,43 @@ def test_a_signal_waits_until_the_main_thread_leaves_code_an_exception_would_bre
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert result.stdout.strip().splitlines() == said, result.stdout + result.stderr[-2000:]
+
+
+def test_a_sigterm_as_the_embedded_ray_stops_is_held_not_fatal(reference, tmp_path):
+    """ray.shutdown sets SIGTERM back to the default action (RayLog::UninstallSignalAction):
+    a SIGTERM in the second it takes (timeout, systemd, Kubernetes near a run's end) ended
+    the command at once, exit 143 with no line, leaving a hidden partial output and the
+    embedded Ray's folder. The disposition is now put back as Ray resets it, and the
+    signal held until the clean-up is done: exit 130 with the command's line, nothing left.
+    Here the signal is sent from inside ray.shutdown, once Ray has reset it."""
+    ray_tmp = tempfile.mkdtemp(prefix="fst", dir="/tmp")
+    out = tmp_path / "out"
+    code = (
+        "import os, signal, sys, time, ray\n"
+        "from fp8ray.cli import main\n"
+        "real = ray.shutdown\n"
+        "def shutdown(*args, **kwargs):\n"
+        "    real(*args, **kwargs)\n"
+        "    time.sleep(0.05)  # Ray's reset is in place, for the watcher to find\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.05)\n"
+        "ray.shutdown = shutdown\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    argv = ["decompress", str(reference / "ref.fp8"), str(out), "--address", "local", "--workers", "1"]
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled")
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", code, *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+        )
+        assert result.returncode == 130, (result.returncode, result.stderr[-3000:])
+        assert result.stderr.startswith("fp8ray: interrupted") and result.stderr.count("\n") == 1, result.stderr
+        assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []  # no hidden partial output
+        assert os.listdir(ray_tmp) == [] and not processes_with_ray_tmp(ray_tmp)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
