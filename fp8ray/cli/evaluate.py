@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from ..errors import DestinationError, InvalidOptionError
@@ -83,8 +84,9 @@ def check_output(option: str, path: str, *reads: str | None) -> None:
     """Refuse, before any work, an output ``path`` that is, holds or lies inside a file or
     directory the command reads (``reads``; None skipped): writing it could destroy what
     is read; or that is a device or a FIFO (its rename would put a file in its place).
-    Its directory must exist."""
-    from ..io.paths import check_apart, check_not_special, resolve
+    Its directory must exist, and take a new file (a read-only one was found only as the
+    output was written, after the model ran)."""
+    from ..io.paths import check_apart, check_not_special, os_reason, resolve
 
     try:
         check_not_special(*resolve(path), path)
@@ -99,6 +101,12 @@ def check_output(option: str, path: str, *reads: str | None) -> None:
     parent = Path(path).resolve().parent  # a link's target's (a link to nothing included)
     if not parent.is_dir():
         raise DestinationError(f"{option}: directory {parent} does not exist")
+    try:  # a file made and removed: permissions, a read-only mount, ACLs, as the write will meet them
+        fd, probe = tempfile.mkstemp(prefix=".fp8ray-check-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise DestinationError(f"{option}: cannot write in directory {parent}: {os_reason(exc)}") from None
 
 
 def check_plot(path: str | None, overwrite: bool, *reads: str | None) -> None:

@@ -152,6 +152,17 @@ def test_capture_never_writes_over_what_it_reads(tmp_path, capsys, where):
     assert text.read_text() == "The lighthouse stood on the rock.\n" and (model / "model.safetensors").read_bytes() == b"weights"
 
 
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs a folder nobody may write in, root included")
+def test_capture_refuses_an_out_it_cannot_write_before_the_model_runs(tmp_path, capsys):
+    """A read-only --out folder was found only as the output was written, after the
+    model had run (34 s); here the missing model would be said next, had it not been."""
+    text = tmp_path / "story.txt"
+    text.write_text("The lighthouse stood on the rock.\n")
+    code, _, err = run_cli(capsys, "capture", "--out", "/sys/kernel/kv.safetensors", "--text", text, "--model", tmp_path / "none")
+    assert code == 1 and err.startswith("fp8ray: error: --out: cannot write in directory /sys/kernel: "), err
+    assert err.count("\n") == 1
+
+
 def test_capture_never_puts_a_file_in_place_of_a_fifo(tmp_path, capsys):
     """With --overwrite, the rename made the FIFO a plain file (a device node too)."""
     text, out = tmp_path / "story.txt", tmp_path / "kv.safetensors"
