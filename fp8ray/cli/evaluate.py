@@ -202,6 +202,7 @@ def run_eval_model(args) -> int:
                     "results": [r.as_dict() for r in results],
                 },
                 indent=1,
+                allow_nan=False,
             )
         )
     else:

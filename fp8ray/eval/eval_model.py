@@ -39,7 +39,7 @@ import torch
 
 from ..codec import CodecOptions, Fp8Codec, decode
 from ..codec.formats import FORMATS, SCALINGS
-from ..codec.metrics import relative_error
+from ..codec.metrics import json_safe, relative_error
 from ..errors import BadInputError, MismatchError
 from .models import LoadedModel, cache_tensors, forward, load_model, make_cache, read_text, tokenize
 from .plots import save_figure
@@ -90,7 +90,9 @@ class ModeResult:
         return self.ppl - self.ppl_reference
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "ppl_delta": self.ppl_delta}
+        """The row as JSON takes it: a non-finite figure (a float16 cast of values past its
+        range) as ``"inf"``, ``"-inf"`` or ``"nan"``."""
+        return json_safe({**asdict(self), "ppl_delta": self.ppl_delta})
 
 
 def round_trip(tensor: torch.Tensor, mode: dict) -> tuple[torch.Tensor, int]:

@@ -23,9 +23,12 @@ and ``.values``, each ``[batch, kv_heads, tokens, head_dim]``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import io
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +127,19 @@ def _tokenizer(auto_tokenizer, folder: str, **where):
 @functools.lru_cache(maxsize=2)
 def _load(folder: str, gguf_file: str | None, dtype: torch.dtype) -> LoadedModel:
     os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers/huggingface_hub are imported
+    import transformers
+
+    # transformers draws its own progress bars as it loads ("Loading weights", the GGUF
+    # conversion's, through tqdm directly): carriage returns in a log or a job's output.
+    # Only on a terminal; its logged warnings still show (its handler is made first, on
+    # the real stderr).
+    transformers.utils.logging.get_logger()
+    quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
+    with quiet:
+        return _load_model(folder, gguf_file, dtype)
+
+
+def _load_model(folder: str, gguf_file: str | None, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if gguf_file is None:

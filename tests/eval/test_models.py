@@ -7,6 +7,8 @@ import json
 import math
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,6 +113,16 @@ def test_capture_command(loaded, tmp_path, capsys):
 
     code, _, err = run_cli(capsys, "capture", "--out", out, "--text", TEXT)
     assert code == 1 and "already exists" in err and err.count("\n") == 1
+
+
+def test_capture_writes_no_progress_bar_into_a_log(tmp_path):
+    """transformers' own bars as it loads the model (the GGUF conversion's, through tqdm)
+    went to a log as carriage-returned lines, --json or not: stderr is empty now."""
+    out = tmp_path / "kv.safetensors"
+    argv = [sys.executable, "-m", "fp8ray", "capture", "--out", str(out), "--text", str(TEXT), "--tokens", "8", "--json"]
+    result = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr[-2000:]
+    assert json.loads(result.stdout)["tokens"] == 8 and out.is_file()
 
 
 def test_capture_on_a_full_disk_names_the_output(loaded, tmp_path, capsys, monkeypatch):
@@ -405,6 +417,24 @@ def test_eval_model_refuses_an_empty_mode_before_the_model_loads(capsys, modes):
     """A missing model would be reported if it were loaded: the empty mode is refused first."""
     code, _, err = run_cli(capsys, "eval-model", "--text", TEXT, "--model", "/nonexistent/model.gguf", "--modes", modes)
     assert code == 1 and err.count("\n") == 1 and f"--modes {modes!r} has an empty mode" in err
+
+
+def test_a_row_of_non_finite_figures_is_valid_json():
+    """A float16 cast of K/V values past its range gives NaN and inf figures: the --json
+    report printed them as NaN and Infinity, which JSON parsers refuse."""
+    from fp8ray.eval.eval_model import ModeResult
+
+    nan, inf = float("nan"), float("inf")
+    row = ModeResult("float16", nan, nan, 0.5, nan, 9.0, 2.0, inf, 0.1, [inf, 0.1], [0.1, -inf]).as_dict()
+    assert json.loads(json.dumps(row, allow_nan=False)) == {
+        **row,
+        "kl_nats": "nan",
+        "ppl_delta": "nan",
+        "k_rel_fro": "inf",
+        "k_rel_fro_layers": ["inf", 0.1],
+        "v_rel_fro_layers": [0.1, "-inf"],
+    }
+    assert row["kl_max_nats"] == "nan" and row["top1_agreement"] == 0.5
 
 
 def test_a_plot_of_modes_that_are_all_exact_is_refused_by_name(tmp_path):
