@@ -14,7 +14,12 @@ No Ray, no files; torch only where a tensor is given or asked for.
 - :mod:`~fp8ray.codec.blocks`: blocks, and the one batch path (``encode_into``, ``decode_into``).
 - :mod:`~fp8ray.codec.runs`: runs of same-shape small blocks, coded in one kernel call.
 - :mod:`~fp8ray.codec.metrics`: error metrics of a round trip.
+- :mod:`~fp8ray.codec.numba_cache`: where numba caches the kernels, where it cannot choose.
 """
+
+from .numba_cache import choose_cache_folder
+
+choose_cache_folder()  # before any kernel module imports numba
 
 # The public names, each loaded from its module on first use: importing a submodule
 # (fp8ray.codec.names, for the command line's help) then does not load torch.
