@@ -39,6 +39,7 @@ from .paths import (
     TreeEntry,
     delete_quietly,
     list_tree,
+    name_list,
     os_reason,
     printable,
     redact,
@@ -171,7 +172,12 @@ def select_files(entries: list[TreeEntry], uri: str) -> tuple[str, list[str], li
             f"({printable(pq_files[0])}, ...): compress one kind at a time"
         )
     if not st and not pq_files:
-        raise SourceError(f"source {redact(uri)} holds no .safetensors or .parquet files, in any folder")
+        # What was left may be the files meant (a name not UTF-8, a hidden one): said with why.
+        left = [f"{s.name} ({s.reason})" for s in skipped if os.path.splitext(s.name.rstrip("/"))[1] in SUFFIXES]
+        raise SourceError(
+            f"source {redact(uri)} holds no .safetensors or .parquet files, in any folder"
+            + (f"; skipped {name_list(left)}" if left else "")
+        )
     kind, files = ("safetensors", st) if st else ("parquet", pq_files)
     skipped += [SkippedEntry(name, f"not a .{kind} file") for name in others]
     return kind, files, sorted(skipped, key=lambda s: s.name)

@@ -41,7 +41,14 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
             query = "&".join(filter(None, [parts.query, f"retry_limit_seconds={GCS_RETRY_LIMIT_S}"]))
             uri = urlunsplit(parts._replace(query=query))
         return pafs.FileSystem.from_uri(uri)
-    path = os.path.abspath(uri)
+    try:
+        path = os.path.abspath(uri)
+    except FileNotFoundError:  # a relative path, from a working directory deleted since: os.getcwd()
+        raise BadInputError(
+            f"path {printable(uri)} is relative to the working directory, which no longer exists: "
+            "cd to one that does, or give an absolute path",
+            field="path",
+        ) from None
     if not is_utf8(path):  # pyarrow's filesystems take UTF-8 paths only (its own error names no path)
         raise BadInputError(f"path {printable(path)} is not UTF-8, which fp8ray cannot open: rename it", field="path")
     return pafs.LocalFileSystem(), path

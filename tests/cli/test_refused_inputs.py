@@ -5,6 +5,7 @@ that is not the one compressed."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -23,6 +24,37 @@ def raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
     text = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
     return path
+
+
+def test_a_folder_whose_only_files_are_skipped_names_them_with_why(tmp_path, capsys):
+    """Its only .safetensors files left (a hidden one, a name not UTF-8) gave "holds no
+    .safetensors or .parquet files", naming neither."""
+    src = tmp_path / "kv"
+    src.mkdir()
+    save_file({"k": torch.ones(4)}, str(src / ".hidden.safetensors"))
+    os.rename(str(src / ".hidden.safetensors").encode(), os.path.join(str(src).encode(), b"x\xe9.safetensors"))
+    save_file({"k": torch.ones(4)}, str(src / ".hidden.safetensors"))
+    (src / "notes.txt").write_text("not a candidate: not named")
+    code, _, err = run_cli(capsys, "compress", src, tmp_path / "arch")
+    assert (code, err) == (
+        1,
+        f"fp8ray: error: source {src} holds no .safetensors or .parquet files, in any folder; skipped .hidden.safetensors "
+        "(hidden file), x\\udce9.safetensors (a name that is not UTF-8, which an archive cannot record)\n",
+    )
+
+
+def test_a_relative_path_from_a_deleted_working_directory_says_so(tmp_path, capsys, monkeypatch):
+    """os.getcwd()'s FileNotFoundError was the whole message: "[Errno 2] No such file or directory"."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    code, _, err = run_cli(capsys, "compress", "kv.safetensors", "arch")
+    assert (code, err) == (
+        1,
+        "fp8ray: error: path kv.safetensors is relative to the working directory, which no longer exists: cd to one "
+        "that does, or give an absolute path\n",
+    )
 
 
 @pytest.mark.parametrize("ndim", [65, 66, 300])
