@@ -107,7 +107,42 @@ def _parsed_quietly(argv: list[str] | None):
             return None
 
 
+class _StandardOutput:
+    """``sys.stdout`` as a command runs, telling its own failed writes (a report to a full
+    disk, ``> /dev/full``) from the command's: ``failed`` is set before the error goes on."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.failed = False
+
+    def write(self, text: str) -> int:
+        return self._checked(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._checked(self._stream.flush)
+
+    def _checked(self, call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:  # the reader left: said as such
+            raise
+        except OSError:
+            self.failed = True
+            raise
+
+    def __getattr__(self, name):  # isatty, fileno, buffer (get -o - writes there, checked itself)...
+        return getattr(self._stream, name)
+
+
 def _run(args) -> int:
+    stdout = sys.stdout = _StandardOutput(sys.stdout)
+    try:
+        return _run_command(args, stdout)
+    finally:
+        sys.stdout = stdout._stream
+
+
+def _run_command(args, stdout: _StandardOutput) -> int:
     try:
         if os.environ.get("FP8RAY_NUM_THREADS"):  # checked once: a bad value inside a decode read as damage
             from ..codec.cpu import num_threads
@@ -125,7 +160,15 @@ def _run(args) -> int:
         # Python would meet the closed pipe again as it flushes standard output at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except (ValueError, TypeError, OSError, Fp8rayError) as exc:
+    except OSError as exc:
+        if stdout.failed:  # its reason alone named nothing: the work may be whole, the report not
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            print(f"fp8ray: error: cannot write to standard output: {reason}", file=sys.stderr)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())  # the exit's flush would fail again
+        else:
+            print(f"fp8ray: error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, Fp8rayError) as exc:
         print(f"fp8ray: error: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:

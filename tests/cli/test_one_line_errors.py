@@ -243,3 +243,20 @@ def test_a_failure_on_a_terminal_ends_the_progress_bar_before_its_error_line(tmp
     before, said, after = text.partition("fp8ray: error: ")
     assert said and "block" in before and before.endswith("\n"), text  # the bar, ended; the error on a line of its own
     assert "non-finite" in after and after.count("\n") == 1 and after.endswith("\n"), text  # no bar below it
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_report_standard_output_cannot_take_is_said_to_be_that(tmp_path):
+    """`compress --json > /dev/full` (or a report on a full disk) said only "[Errno 28] No
+    space left on device": a script took the compress for failed, and a rerun was refused
+    as the archive was there, complete. The message names standard output now."""
+    from safetensors.torch import save_file
+
+    save_file({"k": torch.ones(4, 64, dtype=torch.bfloat16)}, str(tmp_path / "kv.safetensors"))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    with open("/dev/full", "w") as full:
+        argv = [str(FP8RAY), "compress", str(tmp_path / "kv.safetensors"), str(tmp_path / "arch"), "--address", "inline"]
+        result = subprocess.run([*argv, "--json"], stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    assert (result.returncode, result.stderr) == (1, "fp8ray: error: cannot write to standard output: No space left on device\n")
+    assert (tmp_path / "arch" / "_manifest.json").is_file()  # the archive is whole: only its report was lost
+    assert fp8ray("inspect", tmp_path / "nowhere").stderr.startswith("fp8ray: error: archive ")  # others as before
