@@ -135,6 +135,8 @@ class _StandardOutput:
 
 
 def _run(args) -> int:
+    if sys.stdout is None:  # started with it closed (>&-): get -o - says so, the rest print nothing
+        return _run_command(args, None)
     stdout = sys.stdout = _StandardOutput(sys.stdout)
     try:
         return _run_command(args, stdout)
@@ -142,7 +144,7 @@ def _run(args) -> int:
         sys.stdout = stdout._stream
 
 
-def _run_command(args, stdout: _StandardOutput) -> int:
+def _run_command(args, stdout: _StandardOutput | None) -> int:
     try:
         if os.environ.get("FP8RAY_NUM_THREADS"):  # checked once: a bad value inside a decode read as damage
             from ..codec.cpu import num_threads
@@ -161,7 +163,7 @@ def _run_command(args, stdout: _StandardOutput) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except OSError as exc:
-        if stdout.failed:  # its reason alone named nothing: the work may be whole, the report not
+        if stdout is not None and stdout.failed:  # its reason alone named nothing: the work may be whole, the report not
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
             print(f"fp8ray: error: cannot write to standard output: {reason}", file=sys.stderr)
             os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())  # the exit's flush would fail again
