@@ -61,7 +61,14 @@ def element_scales(scales: torch.Tensor, scaling: str, shape: tuple[int, ...], b
     if scaling == "channel":
         return scales.repeat(numel // last if last else 0)
     group = last if scaling == "token" else block_size
-    return scales.repeat_interleave(group)[:numel]
+    if not numel:
+        return scales[:0]
+    # Each scale repeated for its group's elements, the last group's as many as it holds:
+    # repeat_interleave(group)[:numel] made scales x group elements first (a block size may
+    # be 2**32 - 1: gigabytes for a tensor of 15 elements).
+    counts = torch.full((scales.numel(),), group, dtype=torch.int64)
+    counts[-1] = numel - group * (scales.numel() - 1)
+    return scales.repeat_interleave(counts, output_size=numel)
 
 
 def element_bound(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, constants: dict[str, float]) -> torch.Tensor:
