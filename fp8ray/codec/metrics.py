@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     import torch
 
 
+# Elements summed at a time by error_sums.
+SUM_ELEMENTS = 1 << 22
+
+
 @dataclass
 class ErrorSums:
     """Running sums over a group of elements, from which its metrics follow exactly."""
@@ -98,10 +102,16 @@ def row_sums(original: torch.Tensor, decoded: torch.Tensor) -> list[ErrorSums]:
 
 
 def error_sums(original: torch.Tensor, decoded: torch.Tensor) -> ErrorSums:
-    """:class:`ErrorSums` of a whole tensor against its round trip (same shape)."""
+    """:class:`ErrorSums` of a whole tensor against its round trip (same shape), summed
+    :data:`SUM_ELEMENTS` at a time: each sum holds float64 copies of its elements (a
+    block of a billion whole: tens of GB)."""
     if original.shape != decoded.shape:
         raise MismatchError(f"shapes differ: original {tuple(original.shape)}, decoded {tuple(decoded.shape)}")
-    (sums,) = row_sums(original.reshape(1, -1), decoded.reshape(1, -1))
+    x, y = original.reshape(1, -1), decoded.reshape(1, -1)
+    sums = ErrorSums()
+    for start in range(0, max(x.shape[1], 1), SUM_ELEMENTS):
+        (piece,) = row_sums(x[:, start : start + SUM_ELEMENTS], y[:, start : start + SUM_ELEMENTS])
+        sums.add(piece)
     return sums
 
 

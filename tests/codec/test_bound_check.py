@@ -69,6 +69,23 @@ def test_a_non_finite_value_where_the_source_is_finite_fails_with_an_infinite_er
     )
 
 
+@pytest.mark.parametrize("piece", [7, 1024, 4095])
+def test_a_block_checked_in_pieces_says_what_it_says_whole(block, monkeypatch, piece):
+    """The check takes a block CHECK_ELEMENTS at a time (its float64 temporaries, about
+    75 bytes an element, held 2.9 GB for a 64 MiB block): the count and the first element
+    are the whole block's, wherever the pieces fall."""
+    import fp8ray.codec.bound as bound
+
+    x, y, scales = block
+    wrong = y.clone()
+    wrong[2, 1000], wrong[3, 5], wrong[3, 900] = 50.0, math.nan, -7.0  # past their bounds, in different pieces
+    whole = check(x, wrong, scales)
+    assert whole.startswith("3 of 4096 elements out of their bound; the first, element [2, 1000], decodes to 50.0 ")
+    monkeypatch.setattr(bound, "CHECK_ELEMENTS", piece)
+    assert check(x, wrong, scales) == whole
+    assert check(*block) is None
+
+
 def test_a_0d_block_past_its_bound_is_the_only_one():
     x = torch.tensor(1.0)
     scales = element_scales(torch.ones(1), "none", (), 0)
@@ -96,3 +113,21 @@ def test_a_block_size_far_past_the_tensor_costs_no_memory_of_its_size():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert int(result.stdout) < 1_500_000, result.stdout  # KiB: torch itself takes a few hundred MB
+
+
+@pytest.mark.parametrize("piece", [7, 4096, 1 << 22])
+def test_a_blocks_error_sums_in_pieces_are_its_sums_whole(block, monkeypatch, piece):
+    """verify --against sums a block's errors SUM_ELEMENTS at a time (each sum held float64
+    copies of the whole block): the same sums, up to float64 rounding of the additions (a
+    sum of n positive terms in another order: within n 2^-53 relative, 4.5e-13 for these
+    4096), the count and the largest error exactly, non-finite elements still out."""
+    import fp8ray.codec.metrics as metrics
+
+    x, y, _ = block
+    whole = metrics.row_sums(x.reshape(1, -1), y.reshape(1, -1))[0]
+    monkeypatch.setattr(metrics, "SUM_ELEMENTS", piece)
+    pieces = metrics.error_sums(x, y)
+    assert (pieces.elements, pieces.max_abs) == (whole.elements, whole.max_abs) == (4096, whole.max_abs)
+    for name in ("err2", "ref2", "dec2", "dot"):
+        assert getattr(pieces, name) == pytest.approx(getattr(whole, name), rel=1e-12), name
+    assert math.isfinite(pieces.err2) and pieces.err2 > 0
