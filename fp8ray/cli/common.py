@@ -141,15 +141,15 @@ def json_argument(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON (no progress bar)")
 
 
-def progress(args, total):
+def progress(args, total, unit: str = "block"):
     """``(bar, update)``: a tqdm bar on stderr for interactive runs, ``(None, None)``
-    under --json or without a TTY. ``total`` is a callable, so the blocks are counted
+    under --json or without a TTY. ``total`` is a callable, so the ``unit`` s are counted
     only when a bar is shown."""
     if getattr(args, "json", False) or not sys.stderr.isatty():
         return None, None
     from tqdm import tqdm
 
-    bar = tqdm(total=total(), unit="block", file=sys.stderr)
+    bar = tqdm(total=total(), unit=unit, file=sys.stderr)
     _BARS.append(bar)
     return bar, bar.update
 

@@ -78,7 +78,7 @@ def run_store_command(args) -> int:
     state: dict = {}
 
     def on_scan(total: int) -> None:
-        state["bar"], state["update"] = progress(args, lambda: total)
+        state["bar"], state["update"] = progress(args, lambda: total, unit="file")
 
     report = convert_store(
         args.source,
