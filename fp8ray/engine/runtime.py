@@ -15,7 +15,7 @@ import psutil
 import ray
 
 from ..errors import Fp8rayError, InvalidOptionError, PoolStartError
-from ..io.paths import one_line
+from ..io.paths import one_line, os_reason
 from .address import CONNECT_SECONDS, LOCAL, answers, check_local_size, endpoint
 from .dispositions import keeping_dispositions
 
@@ -102,7 +102,12 @@ def _connect(address: str | None, num_cpus: int | None, inline_possible: bool) -
             os.environ["RAY_AUTH_MODE"] = os.environ.get("FP8RAY_RAY_AUTH_MODE", "disabled")
             _before = _children()
             # Short, own and removed whole: Ray's socket paths are limited to ~100 bytes.
-            _started_dir = tempfile.mkdtemp(prefix="fp8ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
+            parent = os.environ.get("RAY_TMPDIR") or "/tmp"
+            try:
+                _started_dir = tempfile.mkdtemp(prefix="fp8ray-", dir=parent)
+            except OSError as exc:  # its message named the folder it would have made, not RAY_TMPDIR
+                where = " (RAY_TMPDIR)" if os.environ.get("RAY_TMPDIR") else ""
+                raise PoolStartError(f"cannot make the embedded Ray's folder in {parent}{where}: {os_reason(exc)}") from None
             try:
                 _init_holding_sigterm(
                     held,

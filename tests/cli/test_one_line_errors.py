@@ -260,3 +260,20 @@ def test_a_report_standard_output_cannot_take_is_said_to_be_that(tmp_path):
     assert (result.returncode, result.stderr) == (1, "fp8ray: error: cannot write to standard output: No space left on device\n")
     assert (tmp_path / "arch" / "_manifest.json").is_file()  # the archive is whole: only its report was lost
     assert fp8ray("inspect", tmp_path / "nowhere").stderr.startswith("fp8ray: error: archive ")  # others as before
+
+
+def test_a_ray_tmpdir_that_is_not_there_is_named(tmp_path):
+    """`[Errno 2] No such file or directory: '/nonexistent/r/fp8ray-ian8eh43'` named a
+    folder of fp8ray's making, not the RAY_TMPDIR it was to be made in."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(tmp_path / "none"))
+    env.pop("RAY_ADDRESS", None)
+    argv = [str(FP8RAY), "compress", str(tmp_path / "kv.safetensors"), str(tmp_path / "arch"), "--address", "local"]
+    from safetensors.torch import save_file
+
+    save_file({"k": torch.ones(4, 64, dtype=torch.bfloat16)}, str(tmp_path / "kv.safetensors"))
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert (result.returncode, result.stderr) == (
+        1,
+        f"fp8ray: error: cannot make the embedded Ray's folder in {tmp_path / 'none'} (RAY_TMPDIR): No such file or directory\n",
+    )
+    assert not (tmp_path / "arch").exists()
