@@ -194,7 +194,9 @@ def scan_source(uri: str) -> tuple[SourceLayout, list[BlockRef]]:
         if info.type == pafs.FileType.Directory:
             entries = list_tree(fs, path)
     except OSError as exc:
-        raise SourceError(f"source {redact(uri)} cannot be read: {os_reason(exc)}") from None
+        failed = exc.filename if isinstance(exc.filename, str) else ""
+        inside = f" ({printable(os.path.relpath(failed, path))})" if failed.startswith(path.rstrip("/") + "/") else ""
+        raise SourceError(f"source {redact(uri)} cannot be read{inside}: {os_reason(exc)}") from None  # which folder
     skipped: list[SkippedEntry] = []
     if info.type == pafs.FileType.NotFound:
         raise SourceError(f"source {redact(uri)} does not exist")

@@ -325,3 +325,22 @@ def test_a_destination_it_may_not_create_is_named_once(tree, tmp_path, capsys):
     assert err.startswith(f"fp8ray: error: cannot write destination {dst}: ") and err.count(dst) == 1
     reason = err.rstrip("\n").rpartition(": ")[2]
     assert reason in ("Operation not permitted", "Permission denied") and err.count(reason) == 1
+
+
+def test_an_unreadable_folder_of_a_source_is_named(tmp_path, capsys, monkeypatch):
+    """`source srcu cannot be read: Permission denied` named the top folder, not the one
+    that failed. (As root nothing is unreadable: the system's answer is stood in for.)"""
+    src = tmp_path / "src"
+    (src / "sub" / "deep").mkdir(parents=True)
+    save_file({"k": torch.ones(4)}, str(src / "a.safetensors"))
+    locked = str(src / "sub" / "deep")
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if os.path.normpath(str(path)) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    code, _, err = run_cli(capsys, "compress", src, tmp_path / "arch", *INLINE)
+    assert (code, err) == (1, f"fp8ray: error: source {src} cannot be read (sub/deep): Permission denied\n")
