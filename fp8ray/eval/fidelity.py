@@ -126,10 +126,10 @@ def fidelity_report(
         raise InvalidOptionError(f"key pattern {key_pattern!r} needs the named groups (?P<layer>...) and (?P<kv>...)")
 
     fs, path = resolve(archive_uri)
-    manifest = archive.read_manifest(fs, path)
+    manifest = archive.read_manifest(fs, path, archive_uri)  # messages name it as given
     layout = manifest.layout
     refs = archive.blocks_by_ident(layout, *scan_source(original), original)
-    columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key"])
+    columns = archive.read_metadata_columns(fs, path, manifest, ["file", "key"], archive_uri)
     index = [(part, list(zip(c["file"], c["key"]))) for part, c in zip(manifest.parts, columns)]
     name_files = layout is not None and len(layout.files) > 1
 
@@ -148,7 +148,7 @@ def fidelity_report(
     per_kind = {kind: ErrorSums() for kind in KINDS}
     per_layer: dict[str, dict[int, ErrorSums]] = {kind: {} for kind in KINDS}
     for part, ids in index:
-        table = archive.read_part(fs, path, part, columns=["frame"])
+        table = archive.read_part(fs, path, part, columns=["frame"], uri=archive_uri)
         part_refs = [refs[i] for i in ids]
         for ident, ref, data, frame in zip(ids, part_refs, read_blocks(part_refs), archive.iter_frames(table)):
             x = bytes_to_tensor(data, ref.dtype, ref.shape)

@@ -306,3 +306,18 @@ def test_shape_mismatch_is_named(stores, tmp_path):
     save_file(other, str(tmp_path / "reshaped.safetensors"))
     with pytest.raises(MismatchError, match=r"key 'misc': the archive holds \[5, 7\] bfloat16"):
         fidelity_report(str(tmp_path / "reshaped.safetensors"), str(root / "arch"))
+
+
+def test_a_damaged_archive_is_named_as_the_user_gave_it(stores, tmp_path, capsys, monkeypatch):
+    """fidelity named the archive by its absolute path in its errors, where every other
+    command echoes the path as typed."""
+    import shutil
+
+    root, _ = stores
+    shutil.copytree(root / "arch", tmp_path / "arch")
+    part = sorted((tmp_path / "arch").glob("part-*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[:-20])  # truncated: its size is not its entry's
+    monkeypatch.chdir(tmp_path)
+    code = main(["fidelity", str(root / "exact.safetensors"), "arch"])
+    err = capsys.readouterr().err
+    assert code == 1 and " of arch " in err and str(tmp_path) not in err, err
