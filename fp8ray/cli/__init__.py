@@ -151,7 +151,10 @@ def _run_command(args, stdout: _StandardOutput | None) -> int:
 
             num_threads()
         try:
-            return args.handler(args)
+            code = args.handler(args)
+            if stdout is not None:  # a buffered report fails here, not in the exit's flush (exit 120)
+                stdout.flush()
+            return code
         finally:
             close_bars()
     except ImportError as exc:  # an optional extra that is not installed

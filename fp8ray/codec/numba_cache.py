@@ -44,7 +44,13 @@ def _user_cache(environ) -> str:
 def private_folder() -> str:
     """A folder under the temporary directory that only this user can write: the same one
     each run where it can be (the kernels compiled once), else a new one."""
-    folder = os.path.join(tempfile.gettempdir(), f"fp8ray-numba-{os.getuid()}")
+    parent = tempfile.gettempdir()
+    info = os.stat(parent)
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        # Others may write there and it is not sticky: they could rename this folder away
+        # and put theirs in its place. A new one each run, then.
+        return tempfile.mkdtemp(prefix="fp8ray-numba-")
+    folder = os.path.join(parent, f"fp8ray-numba-{os.getuid()}")
     try:
         os.mkdir(folder, 0o700)
     except FileExistsError:
@@ -67,6 +73,6 @@ def choose_cache_folder(environ=os.environ, source_folders=_SOURCE_FOLDERS) -> s
     folder = private_folder()
     environ["NUMBA_CACHE_DIR"] = folder
     numba = sys.modules.get("numba")
-    if numba is not None:  # imported before fp8ray: its configuration is read already
+    if numba is not None and environ is os.environ:  # imported before fp8ray: its configuration is read already
         numba.config.CACHE_DIR = folder
     return folder

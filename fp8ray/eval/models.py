@@ -134,7 +134,8 @@ def _load(folder: str, gguf_file: str | None, dtype: torch.dtype) -> LoadedModel
     # Only on a terminal; its logged warnings still show (its handler is made first, on
     # the real stderr).
     transformers.utils.logging.get_logger()
-    quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
+    shown = sys.stderr is None or sys.stderr.isatty()  # None: closed (2>&-), nothing shows anyway
+    quiet = contextlib.nullcontext() if shown else contextlib.redirect_stderr(io.StringIO())
     with quiet:
         return _load_model(folder, gguf_file, dtype)
 

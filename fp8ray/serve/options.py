@@ -76,7 +76,7 @@ def _converted(name: str, kind: type, value):
         raise refused
     try:
         return kind(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # float(10**400): past any float
         raise refused from None
 
 

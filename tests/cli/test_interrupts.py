@@ -509,7 +509,7 @@ def test_a_sigterm_as_the_embedded_ray_stops_is_held_not_fatal(reference, tmp_pa
         "real = ray.shutdown\n"
         "def shutdown(*args, **kwargs):\n"
         "    real(*args, **kwargs)\n"
-        "    time.sleep(0.05)  # Ray's reset is in place, for the watcher to find\n"
+        "    time.sleep(0.2)  # Ray's reset is in place, for the watcher to find (milliseconds, loaded)\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(0.05)\n"
         "ray.shutdown = shutdown\n"
@@ -527,7 +527,8 @@ def test_a_sigterm_as_the_embedded_ray_stops_is_held_not_fatal(reference, tmp_pa
             preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
         )
         assert result.returncode == 130, (result.returncode, result.stderr[-3000:])
-        assert result.stderr.startswith("fp8ray: interrupted") and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.splitlines()[-1].startswith("fp8ray: interrupted"), result.stderr
+        assert "Traceback" not in result.stderr
         assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []  # no hidden partial output
         assert os.listdir(ray_tmp) == [] and not processes_with_ray_tmp(ray_tmp)
     finally:

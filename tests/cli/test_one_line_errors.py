@@ -246,7 +246,8 @@ def test_a_failure_on_a_terminal_ends_the_progress_bar_before_its_error_line(tmp
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_a_report_standard_output_cannot_take_is_said_to_be_that(tmp_path):
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_a_report_standard_output_cannot_take_is_said_to_be_that(tmp_path, unbuffered):
     """`compress --json > /dev/full` (or a report on a full disk) said only "[Errno 28] No
     space left on device": a script took the compress for failed, and a rerun was refused
     as the archive was there, complete. The message names standard output now."""
@@ -254,6 +255,9 @@ def test_a_report_standard_output_cannot_take_is_said_to_be_that(tmp_path):
 
     save_file({"k": torch.ones(4, 64, dtype=torch.bfloat16)}, str(tmp_path / "kv.safetensors"))
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env.pop("PYTHONUNBUFFERED", None)  # buffered, the report failed only in the exit's flush (exit 120)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
     with open("/dev/full", "w") as full:
         argv = [str(FP8RAY), "compress", str(tmp_path / "kv.safetensors"), str(tmp_path / "arch"), "--address", "inline"]
         result = subprocess.run([*argv, "--json"], stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=300)

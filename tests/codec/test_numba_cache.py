@@ -20,9 +20,13 @@ NOWHERE = "/proc/fp8ray-nowhere"  # no folder can be made there, root included
 
 
 def test_a_private_folder_is_chosen_only_where_numba_has_none(tmp_path):
+    import numba
+
+    before = numba.config.CACHE_DIR
     environ = {"HOME": NOWHERE}
     folder = choose_cache_folder(environ, [NOWHERE])
     assert environ["NUMBA_CACHE_DIR"] == folder
+    assert before == numba.config.CACHE_DIR  # another environment than the process's: numba's own left alone
     info = os.lstat(folder)
     assert stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and info.st_mode & 0o077 == 0
     # numba's own places, where it can write, and a folder the user named: left alone
@@ -38,8 +42,13 @@ def test_a_private_folder_is_chosen_only_where_numba_has_none(tmp_path):
 
 def test_a_folder_of_that_name_another_could_write_is_not_used(tmp_path, monkeypatch):
     """numba's cache index is a pickle: a folder group or others can write (or a link
-    planted in a shared /tmp) would run their code."""
+    planted in a shared /tmp, or one in a temporary directory others can write that is
+    not sticky, where they could swap it) would run their code."""
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    tmp_path.chmod(0o777)  # not sticky: a new folder each time
+    assert Path(private_folder()).parent == tmp_path and Path(private_folder()) != Path(private_folder())
+    assert not (tmp_path / f"fp8ray-numba-{os.getuid()}").exists()
+    tmp_path.chmod(0o700)
     shared = tmp_path / f"fp8ray-numba-{os.getuid()}"
     shared.mkdir()
     shared.chmod(0o777)

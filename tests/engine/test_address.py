@@ -280,7 +280,7 @@ def test_gpus_the_pools_own_ray_lacks_are_refused_at_once(ray_tmp):
     "settings, threads",
     [
         ("num_workers={many}, address='inline'", "{many}"),
-        ("num_workers={half}, cpus_per_worker=2.5, address='inline'", "{half2}"),  # 2 codec threads each
+        ("num_workers={half}, cpus_per_worker=2.5, address='inline'", "{half2}"),  # 2 codec threads each, 2.5 CPUs
         ("num_workers={many}, cpus_per_worker=0.01, address='local'", "{many}"),  # a process each, whatever its CPUs
     ],
 )
@@ -289,7 +289,7 @@ def test_a_pool_on_this_machine_alone_is_refused_beyond_four_threads_per_cpu(ray
     (gigabytes of memory) and failed after the start timeout; inline, a thousand threads.
     Refused at once, before Ray starts; up to the limit a pool starts."""
     limit = addresses.LOCAL_THREADS_PER_CPU * (os.cpu_count() or 1)
-    sizes = {"many": limit + 1, "half": limit // 2 + 1, "half2": 2 * (limit // 2 + 1)}
+    sizes = {"many": limit + 1, "half": limit // 2 + 1, "half2": int(2.5 * (limit // 2 + 1))}  # as the Ray it starts counts
     said = pool_start(ray_tmp, settings.format(**sizes))
     assert said == (
         f"{threads.format(**sizes)} codec threads (QuantWorkers times CPUs per worker) on this machine alone, which "
@@ -298,6 +298,26 @@ def test_a_pool_on_this_machine_alone_is_refused_beyond_four_threads_per_cpu(ray
     ), said
     assert os.listdir(ray_tmp) == []  # no Ray started
     assert pool_start(ray_tmp, f"num_workers={limit}, address='inline'") == "started"
+
+
+def test_a_pool_joining_another_pools_embedded_ray_is_bounded_too(ray_tmp):
+    """The embedded Ray another pool of this process started is this machine's alone as
+    well: a pool joining it (by no address: the one connected) was not checked."""
+    many = addresses.LOCAL_THREADS_PER_CPU * (os.cpu_count() or 1) + 1
+    code = (
+        "from fp8ray import QuantPool\n"
+        "from fp8ray.errors import PoolStartError\n"
+        "with QuantPool(num_workers=1, cpus_per_worker=0.5, address='local'):\n"
+        "    try:\n"
+        f"        with QuantPool(num_workers={many}, cpus_per_worker=0.01):\n"
+        "            print('started')\n"
+        "    except PoolStartError as exc:\n"
+        "        print(exc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=env_for(ray_tmp), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith(f"{many} codec threads (QuantWorkers times CPUs per worker) on this machine alone")
+    assert os.listdir(ray_tmp) == []
 
 
 def test_a_pool_joining_a_cluster_is_not_bounded_by_this_machine(ray_session):

@@ -150,6 +150,12 @@ def test_a_frame_shorter_than_its_row_says_is_refused_before_its_bytes_are_alloc
             decompress_archive(str(arch), str(tmp_path / "out"), single_file=single_file, pool=INLINE)
         assert not (tmp_path / "out").exists()
     assert verify_archive(str(arch), pool=INLINE).errors
+    # Claims whose int64 sum wraps (4 x 2**62 is 0 to pyarrow's sum) are added as Python's integers.
+    record_entry(arch, rewrite_column(path, "frame_bytes", [2**62] * len(frames)), *ALL_CRCS, "frame_bytes")
+    with pytest.raises(CorruptArchiveError, match=rf"frame_bytes add up to {2**64}, more than its frames' \d+ bytes hold"):
+        decompress_archive(str(arch), str(tmp_path / "out"), pool=INLINE)
+    entry = rewrite_column(path, "frame_bytes", [nbytes // 4 + 1, *frames[1:]])
+    record_entry(arch, entry, *ALL_CRCS, "raw_bytes", "frame_bytes")
     monkeypatch.setattr(archive.part_checks, "check_frame_bytes", lambda *args: None)
     with pytest.raises(
         CorruptArchiveError, match=rf"block '{key}' of a\.safetensors .*more than its frame of {frames[0]} bytes holds"

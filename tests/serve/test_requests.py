@@ -132,6 +132,7 @@ def test_service_options_that_no_comparison_catches_are_named(name, value):
         ("replicas", True, "a whole number"),  # YAML's true: it was 1
         ("archives", None, "a string"),  # an empty `archives:`: it was the directory 'None'
         ("max_body_mb", [8], "a number"),
+        ("max_body_mb", 10**400, "a number"),  # a config's integer past any float: an OverflowError traceback
     ],
 )
 def test_service_options_are_converted_without_cutting_them(name, value, kind):
