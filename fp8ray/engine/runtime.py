@@ -244,7 +244,8 @@ def _shutdown(deliver_held: bool = True) -> None:
     meanwhile, so that they cannot cut the clean-up short, then delivered to the
     process's handlers (``deliver_held``; not as the process exits). ``ray.shutdown``
     resets SIGTERM to the default action, which would end the process at once: it is
-    put back as soon as it is (:mod:`fp8ray.engine.dispositions`)."""
+    put back within milliseconds (:mod:`fp8ray.engine.dispositions`), which narrows that
+    window from the second ``ray.shutdown`` takes."""
     global _started_dir, _before
     atexit.unregister(_shutdown)
     started, _started_dir = _started_dir, None
