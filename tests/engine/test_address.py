@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -211,18 +212,20 @@ def test_on_a_cluster_workers_it_cannot_hold_yet_wait_for_it_to_grow(ray_tmp, lo
     ), said
 
 
-def pool_start(ray_tmp: str, settings: str) -> str:
+def pool_start(ray_tmp: str, settings: str, inside: str | None = None) -> str:
     """What a QuantPool of ``PoolSettings(<settings>)`` says as it starts, in a fresh
-    Python with ``RAY_TMPDIR=ray_tmp``: 'started', or its PoolStartError."""
-    code = (
-        "from fp8ray import PoolSettings, QuantPool\n"
-        "from fp8ray.errors import PoolStartError\n"
+    Python with ``RAY_TMPDIR=ray_tmp``: 'started', or its PoolStartError; ``inside``: the
+    settings of a pool started first, and running meanwhile."""
+    start = (
         "try:\n"
         f"    with QuantPool(PoolSettings({settings})):\n"
         "        print('started')\n"
         "except PoolStartError as exc:\n"
         "    print(exc)\n"
     )
+    if inside is not None:
+        start = f"with QuantPool(PoolSettings({inside})):\n" + textwrap.indent(start, "    ")
+    code = "from fp8ray import PoolSettings, QuantPool\nfrom fp8ray.errors import PoolStartError\n" + start
     result = subprocess.run([sys.executable, "-c", code], env=env_for(ray_tmp), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip()
@@ -304,19 +307,9 @@ def test_a_pool_joining_another_pools_embedded_ray_is_bounded_too(ray_tmp):
     """The embedded Ray another pool of this process started is this machine's alone as
     well: a pool joining it (by no address: the one connected) was not checked."""
     many = addresses.LOCAL_THREADS_PER_CPU * (os.cpu_count() or 1) + 1
-    code = (
-        "from fp8ray import QuantPool\n"
-        "from fp8ray.errors import PoolStartError\n"
-        "with QuantPool(num_workers=1, cpus_per_worker=0.5, address='local'):\n"
-        "    try:\n"
-        f"        with QuantPool(num_workers={many}, cpus_per_worker=0.01):\n"
-        "            print('started')\n"
-        "    except PoolStartError as exc:\n"
-        "        print(exc)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], env=env_for(ray_tmp), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith(f"{many} codec threads (QuantWorkers times CPUs per worker) on this machine alone")
+    first = "num_workers=1, cpus_per_worker=0.5, address='local'"
+    said = pool_start(ray_tmp, f"num_workers={many}, cpus_per_worker=0.01", inside=first)
+    assert said.startswith(f"{many} codec threads (QuantWorkers times CPUs per worker) on this machine alone"), said
     assert os.listdir(ray_tmp) == []
 
 
