@@ -134,6 +134,12 @@ class _StandardOutput:
         return getattr(self._stream, name)
 
 
+def _drop_standard_output() -> None:
+    """Point standard output at /dev/null once writing to it failed (a closed pipe, a full
+    disk): Python would meet the failure again as it flushes standard output at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _run(args) -> int:
     if sys.stdout is None:  # started with it closed (>&-): get -o - says so, the rest print nothing
         return _run_command(args, None)
@@ -162,14 +168,13 @@ def _run_command(args, stdout: _StandardOutput | None) -> int:
         print(f"fp8ray: error: {exc}; install fp8ray with its extras: pip install 'fp8ray[{extra}]'", file=sys.stderr)
         return 1
     except BrokenPipeError:  # the output's reader left (`| head`): it took what it wanted, as a killed writer says nothing
-        # Python would meet the closed pipe again as it flushes standard output at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_standard_output()
         return 128 + signal.SIGPIPE
     except OSError as exc:
         if stdout is not None and stdout.failed:  # its reason alone named nothing: the work may be whole, the report not
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
             print(f"fp8ray: error: cannot write to standard output: {reason}", file=sys.stderr)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())  # the exit's flush would fail again
+            _drop_standard_output()
         else:
             print(f"fp8ray: error: {exc}", file=sys.stderr)
         return 1

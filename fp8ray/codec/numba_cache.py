@@ -45,22 +45,28 @@ def private_folder() -> str:
     """A folder under the temporary directory that only this user can write: the same one
     each run where it can be (the kernels compiled once), else a new one."""
     parent = tempfile.gettempdir()
-    info = os.stat(parent)
-    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
-        # Others may write there and it is not sticky: they could rename this folder away
-        # and put theirs in its place. A new one each run, then.
-        return tempfile.mkdtemp(prefix="fp8ray-numba-")
     folder = os.path.join(parent, f"fp8ray-numba-{os.getuid()}")
+    return folder if _kept_apart(parent) and _own(folder) else tempfile.mkdtemp(prefix="fp8ray-numba-")
+
+
+def _kept_apart(parent: str) -> bool:
+    """Whether a folder of ours in ``parent`` stays ours: others may not write there, or it
+    is sticky (else they could rename it away and put theirs in its place)."""
+    mode = os.stat(parent).st_mode
+    return not mode & 0o022 or bool(mode & stat.S_ISVTX)
+
+
+def _own(folder: str) -> bool:
+    """Whether ``folder`` is (made now, or found) a folder of this user's alone: not another
+    user's, not a link, not one others can write."""
     try:
         os.mkdir(folder, 0o700)
     except FileExistsError:
         pass
     except OSError:
-        return tempfile.mkdtemp(prefix="fp8ray-numba-")
+        return False
     info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        return tempfile.mkdtemp(prefix="fp8ray-numba-")  # another user's, or a link: not trusted
-    return folder
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
 
 
 def choose_cache_folder(environ=os.environ, source_folders=_SOURCE_FOLDERS) -> str | None:

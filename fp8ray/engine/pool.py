@@ -138,9 +138,8 @@ class QuantPool:
         threads = max(1, int(s.cpus_per_worker))
         # A process each on Ray, whatever its CPUs; counted as the embedded Ray's CPUs are.
         local_threads = max(s.num_workers * threads, int(s.num_workers * s.cpus_per_worker))
-        if self.inline or (self.address == LOCAL and not ray_connected()):
-            check_local_size(local_threads)
         if self.inline:
+            check_local_size(local_threads)
             # Inline workers share this process's GPU when asked for one (Ray is not
             # there to hand out devices).
             device = "cuda" if s.gpus_per_worker > 0 else "cpu"
@@ -152,7 +151,8 @@ class QuantPool:
             return self
         from .runtime import check_placeable, connect_ray, disconnect_ray, started_embedded
 
-        if started_embedded():  # another pool's embedded Ray, this machine's alone too
+        # An embedded Ray it starts, or the one another pool of this process started.
+        if started_embedded() or (self.address == LOCAL and not ray_connected()):
             check_local_size(local_threads)
         embedded_cpus = max(int(s.num_workers * s.cpus_per_worker), os.cpu_count() or 1)
         self._owns_ray = connect_ray(self.address, embedded_cpus, inline_possible=True)

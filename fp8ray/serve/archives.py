@@ -44,19 +44,22 @@ class ArchiveRoot:
         if "\0" in archive or os.path.isabs(archive) or archive.startswith("~"):
             raise RequestError(f"archive {archive!r} must be a path relative to the archives root", 400, "archive")
         real = os.path.realpath(os.path.join(self.root, archive))  # ".." and symbolic links resolved
-        if real != self.root and not real.startswith(self.root + os.sep):
+        if self._outside(real):
             raise RequestError(f"archive {archive!r} resolves outside the archives root", 403, "archive")
         inside = os.path.relpath(real, self.root)
         if not os.path.isfile(os.path.join(real, MANIFEST_NAME)):
             raise RequestError(f"no archive {archive!r} under the archives root", 404, "archive")
         return inside
 
+    def _outside(self, real: str) -> bool:
+        """Whether the resolved path ``real`` lies outside the root (the root itself is inside)."""
+        return real != self.root and not real.startswith(self.root + os.sep)
+
     def _check_files_inside(self, archive: str, inside: str, names: list[str]) -> None:
         """Refuse (403) an archive whose manifest or a part is a symbolic link resolving
         outside the root: the folder inside it, its files read from elsewhere."""
         for name in names:
-            real = os.path.realpath(os.path.join(self.root, inside, name))
-            if not real.startswith(self.root + os.sep):
+            if self._outside(os.path.realpath(os.path.join(self.root, inside, name))):
                 raise RequestError(f"archive {archive!r}: its {name} resolves outside the archives root", 403, "archive")
 
     def reader(self, archive: str | None) -> ArchiveReader:
