@@ -24,6 +24,7 @@ from ..codec.formats import DTYPES, NONFINITE_POLICIES, Fp8Format, get_format
 from ..codec.fp8codec import copy_into, raise_nonfinite
 from ..errors import BadInputError, CorruptDataError, InvalidOptionError
 from .objects import Shape, byte_view, kv_tensors, layout_pairs
+from .settings import kwargs_dict
 
 
 def _code_spans(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], roles: tuple[str, str], error: type[Exception]):
@@ -122,7 +123,7 @@ class Fp8QuantizationDeserializer(_Fp8Serde):
 
 def make_fp8_serde(kwargs: dict | None = None) -> tuple[Fp8QuantizationSerializer, Fp8QuantizationDeserializer]:
     """The pair LMCache's ``"fp8"`` serde factory builds, from the same kwargs (``fp8_dtype`` by name)."""
-    kwargs = kwargs or {}
+    kwargs = kwargs_dict(kwargs)
     name = str(kwargs.get("fp8_dtype", "float8_e4m3fn"))
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):

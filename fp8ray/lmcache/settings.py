@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from ..codec.options import CodecOptions
-from ..errors import InvalidOptionError
+from ..errors import BadInputError, InvalidOptionError
 from ..io.provenance import Provenance
 from .frames import check_fp8_input
 
@@ -28,7 +28,7 @@ def serde_options(kwargs: Mapping[str, object] | None = None) -> SerdeSettings:
     worker thread, as LMCache's own serdes, and 1-byte sources refused. An unknown key
     or a bad value raises :class:`~fp8ray.errors.InvalidOptionError` (a ``ValueError``)
     naming it."""
-    values = dict(kwargs or {})
+    values = kwargs_dict(kwargs)
     for name in values:
         if name in Provenance.names():  # asked for by users of archives' provenance: say why not here
             raise InvalidOptionError(
@@ -48,3 +48,16 @@ def serde_options(kwargs: Mapping[str, object] | None = None) -> SerdeSettings:
     fp8_input = values.pop("fp8_input", "refuse")
     check_fp8_input(fp8_input)
     return SerdeSettings(CodecOptions.parse(values), max_workers, fp8_input)
+
+
+def kwargs_dict(kwargs: Mapping[str, object] | None) -> dict:
+    """A serde factory's kwargs as a new dict; anything but a mapping (a JSON list or
+    string where the adapter's config wants an object) raises :class:`BadInputError`."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise BadInputError(
+            f"a serde's kwargs must be a mapping of option names to values (a JSON object), got {type(kwargs).__name__} "
+            f"{kwargs!r:.80}"
+        )
+    return dict(kwargs)

@@ -377,6 +377,15 @@ def test_serde_options_default_to_the_default_mode_and_name_what_is_wrong():
         serde_options({"max_workers": True})
 
 
+@pytest.mark.parametrize("kwargs", [["scaling"], "scaling=token", 5])
+@pytest.mark.parametrize("factory", [serde_options, make_fp8_serde])
+def test_serde_kwargs_that_are_not_a_mapping_are_refused_by_type(factory, kwargs):
+    """An adapter config with a list or string where its "serde" object goes: named, not
+    an AttributeError from inside the factory."""
+    with pytest.raises(BadInputError, match=f"must be a mapping .* got {type(kwargs).__name__}"):
+        factory(kwargs)
+
+
 def test_fp8ray_lmcache_imports_without_lmcache_and_register_says_what_is_missing():
     code = (
         "import sys; sys.modules['lmcache'] = None\n"  # as if not installed
