@@ -74,6 +74,11 @@ def byte_view(t: torch.Tensor | None, role: str) -> torch.Tensor:
     not bytes."""
     if t is None:
         raise BadInputError("Fp8 serde requires src and dst to have tensors")
+    if not isinstance(t, torch.Tensor):  # wrapping would hide whether writes land in the caller's memory
+        raise BadInputError(
+            f"{role} must be a torch tensor of 1-byte elements, got {type(t).__name__} "
+            "(torch.frombuffer or torch.from_numpy wraps a writable buffer without a copy)"
+        )
     if t.element_size() != 1:
         raise BadInputError(f"{role} must be a 1-byte buffer (e.g. uint8), got a {t.dtype} tensor")
     if not t.is_contiguous():

@@ -165,6 +165,17 @@ def test_missing_tensors_and_bad_buffers():
         Fp8QuantizationSerializer().serialize(obj(torch.ones(3, dtype=torch.complex64)), obj(torch.empty(3, dtype=torch.uint8)))
     with pytest.raises(ValueError, match="Unknown torch dtype: 'float8_e9m9'"):
         make_fp8_serde({"fp8_dtype": "float8_e9m9"})
+    buffers = [np.zeros(64, np.uint8), bytearray(64), memoryview(bytearray(64))]
+    for pair in (make_fp8_serde(), (Fp8FrameSerializer(), Fp8FrameDeserializer())):
+        for buffer in buffers:  # not a tensor: named, not an AttributeError
+            with pytest.raises(
+                BadInputError, match=f"dst must be a torch tensor of 1-byte elements, got {type(buffer).__name__}"
+            ):
+                pair[0].serialize_tensors([torch.ones(4)], buffer)
+            with pytest.raises(
+                BadInputError, match=f"src must be a torch tensor of 1-byte elements, got {type(buffer).__name__}"
+            ):
+                pair[1].deserialize_tensors(buffer, [torch.empty(4)])
 
 
 # --- LMCache's current interface: a key, and objects of several kernel groups ---------
