@@ -101,7 +101,9 @@ class PoolSettings:
 
 
 class QuantPool:
-    """A pool of ``QuantWorker`` s, used as a context manager.
+    """A pool of ``QuantWorker`` s, used as a context manager, or started and closed by
+    hand where a ``with`` block does not fit (a notebook): ``pool = QuantPool(...).start()``,
+    then ``pool.close()``.
 
     ``QuantPool(num_workers=4, address="inline")`` or ``QuantPool(settings)``: the fields
     of :class:`PoolSettings` as keywords, each overriding only itself.
@@ -132,7 +134,9 @@ class QuantPool:
 
     def __enter__(self) -> QuantPool:
         if self._backend is not None:  # a second start would orphan the first's workers (and its Ray)
-            raise PoolStartError("this QuantPool is running already: enter it once, and use it inside that block")
+            raise PoolStartError(
+                "this QuantPool is running already: start it once (with, or start()), and use it until it closes"
+            )
         s = self.settings
         self.address = s.address or default_address()
         threads = max(1, int(s.cpus_per_worker))
@@ -169,6 +173,15 @@ class QuantPool:
             raise
         return self
 
+    def start(self) -> QuantPool:
+        """Start the workers (what entering ``with`` does); returns the pool."""
+        return self.__enter__()
+
+    def close(self) -> None:
+        """Stop the workers, as leaving ``with`` without an error does (waiting for the
+        by-reference calls whose refs it handed out); a second call does nothing."""
+        self.__exit__(None, None, None)
+
     def __exit__(self, exc_type, *exc) -> None:
         backend, self._backend = self._backend, None
         ends_ray = self._owns_ray and self._last_holder()  # its disconnect below ends the connection
@@ -201,7 +214,9 @@ class QuantPool:
     @property
     def _running(self) -> InlineBackend | RayBackend:
         if self._backend is None:
-            raise PoolStartError("QuantPool is not running: use it as a context manager (`with QuantPool(...) as pool:`)")
+            raise PoolStartError(
+                "QuantPool is not running: use it as a context manager (`with QuantPool(...) as pool:`), or start() it"
+            )
         return self._backend
 
     def worker_info(self) -> list[WorkerInfo]:

@@ -242,3 +242,17 @@ def test_refs_handed_out_stay_readable_after_the_pool_closes(ray_session, tmp_pa
     go.touch()
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(late, timeout=60)
+
+
+def test_a_pool_started_by_hand_on_ray_closes_its_actors_as_a_with_block_does(ray_session):
+    """close() waits for the calls of the refs it handed out, then ends the actors."""
+    ray = ray_session
+    x = torch.randn(64, 256).to(torch.bfloat16)
+    pool = QuantPool(num_workers=1, cpus_per_worker=0.5).start()
+    [frame] = pool.encode_refs([ray.put(x)])
+    [actor] = pool._backend.workers
+    pool.close()
+    assert ray.get(frame).tobytes() == bytes(Fp8Codec().encode(x))  # waited for, still there
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.info.remote(), timeout=60)
+    pool.close()

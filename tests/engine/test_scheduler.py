@@ -143,12 +143,32 @@ def test_a_running_pool_cannot_be_entered_again():
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     with QuantPool(num_workers=1, address="inline") as pool:
         backend = pool._backend
-        with pytest.raises(PoolStartError, match="this QuantPool is running already: enter it once"):
+        with pytest.raises(PoolStartError, match=r"this QuantPool is running already: start it once \(with, or start\(\)\)"):
             with pool:
                 pass
         assert pool._backend is backend and torch.equal(
             pool.decode_many(pool.encode_many([x]))[0], fp8ray.decode(fp8ray.Fp8Codec().encode(x))
         )
+    assert pool._backend is None
+
+
+def test_a_pool_started_and_closed_by_hand_is_the_pool_of_a_with_block():
+    """Where a ``with`` block does not fit (a notebook): start() returns the running pool,
+    close() stops it, a second close does nothing, and it can start again."""
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    expected = bytes(fp8ray.Fp8Codec().encode(x))
+    pool = QuantPool(num_workers=2, address="inline")
+    assert pool.start() is pool
+    with pytest.raises(PoolStartError, match=r"running already: start it once"):
+        pool.start()
+    assert [bytes(f) for f in pool.encode_many([x])] == [expected]
+    pool.close()
+    with pytest.raises(PoolStartError, match=r"not running: use it as a context manager .*, or start\(\) it"):
+        pool.encode_many([x])
+    pool.close()
+    pool.start()
+    assert [bytes(f) for f in pool.encode_many([x])] == [expected]
+    pool.close()
     assert pool._backend is None
 
 
