@@ -178,7 +178,15 @@ def run_fidelity(args) -> int:
 
 
 def run_eval_model(args) -> int:
-    from ..eval.eval_model import DEFAULT_MODES, DEFAULT_TEXT, evaluate_text, format_markdown, format_text, plot
+    from ..eval.eval_model import (
+        DEFAULT_MODES,
+        DEFAULT_TEXT,
+        evaluate_text,
+        format_markdown,
+        format_text,
+        plot,
+        report_dict,
+    )
 
     text = args.text or str(DEFAULT_TEXT)
     for group in args.modes or ():  # "--modes ,", "a,,b": refused before the model loads, not run as fewer modes
@@ -192,19 +200,8 @@ def run_eval_model(args) -> int:
         f"prefix {args.prefix} + continuation {args.continuation} tokens"
     )
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": loaded.name,
-                    "text": text,
-                    "prefix": args.prefix,
-                    "continuation": args.continuation,
-                    "results": [r.as_dict() for r in results],
-                },
-                indent=1,
-                allow_nan=False,
-            )
-        )
+        report = report_dict(loaded.name, text, args.prefix, args.continuation, results)
+        print(json.dumps(report, indent=1, allow_nan=False))
     else:
         print(title + "\n")
         print(format_markdown(results) if args.markdown else format_text(results))

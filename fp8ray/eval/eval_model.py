@@ -192,6 +192,17 @@ def evaluate_modes(model, input_ids: torch.Tensor, prefix: int, continuation: in
 _COLUMNS = ("mode", "bytes/elem", "K rel err", "V rel err", "KL nats/token", "max KL", "top-1 agree", "ppl", "ppl change")
 
 
+def report_dict(model: str, text: str, prefix: int, continuation: int, results: list[ModeResult]) -> dict:
+    """What ``fp8ray eval-model --json`` prints (docs/REPORTS.md)."""
+    return {
+        "model": model,
+        "text": text,
+        "prefix": prefix,
+        "continuation": continuation,
+        "results": [r.as_dict() for r in results],
+    }
+
+
 def _cells(r: ModeResult) -> list[str]:
     change = r.ppl_delta / r.ppl_reference if r.ppl_reference else math.nan
     return [
