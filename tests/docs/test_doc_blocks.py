@@ -11,12 +11,13 @@ A marker, an HTML comment on the line before a block, says what a block needs:
   README types it (127.0.0.1:8000), and gives the block the ``RAY_ADDRESS`` it prints.
 - ``<!-- doc-run: lmcache -->``: the ``lmcache`` extra, which the test environment has.
 - ``<!-- doc-run: cluster -->``: the block starts a local ``ray start --head`` cluster;
-  it runs with its own ``RAY_TMPDIR``, and the cluster's processes (found by it) are
-  stopped by PID after the block.
+  it runs with its temporary folder as ``RAY_TMPDIR``, and the cluster's processes
+  (found by it) are stopped by PID after the block.
 - ``<!-- doc-run: skip REASON -->``: not run, for the reason given; only for what cannot
   run here (a cloud cluster, the environment's own installation).
 
-Words after the marker's kind (a reason, a note) are free text. Blocks run in order
+Every block runs with a ``TMPDIR`` of its own, removed after it, so what a block makes
+with ``tempfile`` is not left behind. Words after the marker's kind (a reason, a note) are free text. Blocks run in order
 within their file, in one scratch directory per file, so a later block may use what an
 earlier one wrote (running one block's test runs the earlier ones of its file first). The
 scratch directory looks like a checkout (links to the repository's entries, `.venv`
@@ -225,10 +226,12 @@ class FileRun:
             assert importlib.util.find_spec("lmcache"), f"{block.name} needs the lmcache extra, which scripts/setup installs"
         if block.kind == "server":
             env["RAY_ADDRESS"] = self.server().ray_address
-        ray_tmp = None
+        # A temporary folder of the block's own, removed after it: what a block makes with
+        # tempfile is not left in /tmp. Short: Ray's socket paths are limited.
+        block_tmp = tempfile.mkdtemp(prefix="fdb", dir="/tmp")
+        env["TMPDIR"] = block_tmp
         if block.kind == "cluster":
-            ray_tmp = tempfile.mkdtemp(prefix="fdr", dir="/tmp")  # short: Ray's socket paths are limited
-            env["RAY_TMPDIR"] = ray_tmp
+            env["RAY_TMPDIR"] = block_tmp
         source = self.scratch / f".block_{block.line}.{'py' if block.lang in PYTHON else 'sh'}"
         source.write_text(block.code)
         argv = [sys.executable, str(source)] if block.lang in PYTHON else ["bash", "-e", str(source)]
@@ -239,9 +242,9 @@ class FileRun:
                 f"{block.name} ran over {BLOCK_TIMEOUT_S} s: {str(exc.stdout)[-1000:]} {str(exc.stderr)[-2000:]}"
             ) from None
         finally:
-            if ray_tmp:
-                kill_all(processes_with("RAY_TMPDIR", ray_tmp))
-                shutil.rmtree(ray_tmp, ignore_errors=True)
+            if block.kind == "cluster":
+                kill_all(processes_with("RAY_TMPDIR", block_tmp))
+            shutil.rmtree(block_tmp, ignore_errors=True)
         assert result.returncode == 0, (
             f"{block.name} exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
         )
