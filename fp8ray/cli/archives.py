@@ -151,6 +151,7 @@ def run_compress(args) -> int:
         provenance=_provenance(args),
         lmcache_layout=args.lmcache_layout,
         lmcache_plain_form=args.plain_form,
+        announce=warn,
     )
     _finish(
         args,

@@ -93,6 +93,7 @@ def run_store_command(args) -> int:
         on_scan=on_scan,
         expect_model=args.expect_model,
         plain_form=args.plain_form,
+        announce=warn,
     )
     if state.get("bar") is not None:
         state["bar"].close()

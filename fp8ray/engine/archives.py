@@ -42,6 +42,7 @@ from ..io.destinations import (
     prepare_destination,
     undo_compress,
 )
+from ..io.leftovers import ScratchMark, sweep_leftovers
 from ..io.lmcache_store import STORE_KIND, Layout
 from ..io.paths import (
     as_uri,
@@ -270,6 +271,7 @@ def compress_archive(
     provenance: Provenance | Mapping[str, str] | None = None,
     lmcache_layout: Layout | str | None = None,
     lmcache_plain_form: str | None = None,
+    announce: Callable[[str], None] | None = None,
     **codec_options,
 ) -> CompressReport:
     """Compress a safetensors file, a directory of them or a raw-block Parquet archive
@@ -312,6 +314,9 @@ def compress_archive(
     with ``lmcache_form`` gives the store back. ``lmcache_plain_form`` (with ``lmcache_layout`` only): ``"raw"`` or
     ``"fp8"``, what the store's plain files are where their sizes cannot tell
     (:func:`~fp8ray.io.lmcache_store.scan_store`).
+
+    The scratch folders that runs killed outright left beside the destination are
+    removed first (:mod:`fp8ray.io.leftovers`), ``announce`` called with what went.
     """
     if resume and overwrite:  # overwrite would win, and the finished parts be thrown away unsaid
         raise InvalidOptionError(
@@ -342,10 +347,13 @@ def compress_archive(
     except OSError as exc:
         raise _destination_error(exc, destination) from None
     fs, work = dest.fs, dest.work
-    held, run = False, None
+    sweep_leftovers(fs, dest.path, destination, announce)
+    held, run, mark = False, None, None
     try:
         try:
             make_work(dest)
+            if dest.replacing:
+                mark = ScratchMark(fs, work)
         except OSError as exc:
             raise _destination_error(exc, destination) from None
         with hold_destination(dest, destination):  # one compress at a time writes a directory
@@ -388,10 +396,13 @@ def compress_archive(
                 raise _destination_error(exc, destination, "" if dest.replacing else _parts_left(fs, work, len(parts))) from None
             archive.clean_scratch(fs, work)
         if dest.replacing:  # the old archive goes only now
+            mark.release()
             replace_directory(fs, work, dest.path, destination, replace=True)
     except BaseException as exc:
         if dest.replacing:
             remove_quietly(fs, work)  # the old archive stays as it was (or, once replaced, work is gone)
+            if mark is not None:
+                mark.release()
         elif not held and isinstance(exc, ArchiveExistsError):
             pass  # another compress holds the directory: what is in it is its own
         elif run is None:  # before any work: what is there is an earlier run's, or nothing
@@ -486,7 +497,9 @@ def decompress_archive(
     complete, and a damaged part or frame leaves nothing behind. Nothing decompress did
     not write is removed: ``overwrite`` replaces an output holding only what the archive
     describes (an earlier decompress of it); ``force_replace`` replaces one holding other
-    files too, calling ``announce`` with what it will delete before any work. ``pool``:
+    files too, calling ``announce`` with what it will delete before any work. The scratch
+    folders that runs killed outright left beside ``output`` are removed
+    (:mod:`fp8ray.io.leftovers`), ``announce`` called with what went. ``pool``:
     as for :func:`compress_archive`. ``expect``: the provenance the archive must record
     (some of ``model``, ``revision``, ``kv_layout``); an archive made for anything else,
     or recording none, is refused with a :class:`~fp8ray.errors.MismatchError` naming
@@ -531,10 +544,13 @@ def decompress_archive(
         )
     report = DecompressReport(redact(archive_uri), redact(output), 0, 0, 0.0, 0, deleted=foreign)
     report.lmcache_serde = restored_serde(manifest, lmcache_form)
+    sweep_leftovers(out_fs, out_path, output, announce)
     nodes = set()
     scratch = temporary_name(out_path)
+    mark = None
     try:
         out_fs.create_dir(scratch)  # in the try: an interrupt that lands as it is made removes it
+        mark = ScratchMark(out_fs, scratch)
         with use_pool(pool) as running:
             start = time.perf_counter()
             if plan.shared and not running.on_this_machine():  # workers elsewhere cannot write this disk's files
@@ -558,6 +574,7 @@ def decompress_archive(
             report.seconds = time.perf_counter() - start
             report.nodes = len(nodes - {None})
         clean_temporaries(out_fs, scratch)  # of workers killed mid-file; their files were rewritten
+        mark.release()
         if plan.container == "directory":
             replace_directory(out_fs, scratch, out_path, output, replace=replace)
         else:
@@ -575,6 +592,9 @@ def decompress_archive(
         if isinstance(exc, CorruptDataError) and _replaced(fs, path, manifest):
             raise SourceError(_replaced_message(archive_uri, "decompress") + "; nothing written") from None
         raise
+    finally:
+        if mark is not None:
+            mark.release()
     return report
 
 

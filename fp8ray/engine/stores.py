@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from pyarrow.fs import LocalFileSystem
@@ -42,6 +43,7 @@ from ..errors import (
     SourceError,
     WriteError,
 )
+from ..io.leftovers import ScratchMark, sweep_leftovers
 from ..io.lmcache_store import (
     FORMS,
     FP8,
@@ -200,6 +202,7 @@ def convert_store(
     on_scan=None,
     expect_model: str | None = None,
     plain_form: str | None = None,
+    announce: Callable[[str], None] | None = None,
     **codec_options,
 ) -> StoreReport:
     """Write every chunk file of the LMCache FS store ``source`` in the ``target`` form
@@ -219,7 +222,9 @@ def convert_store(
     ``progress(n)`` is called with the files just written; ``on_scan(n)`` with the
     number of files to write, before the work starts. ``pool``: a running
     :class:`QuantPool` to use (and leave running), or the :class:`PoolSettings` of one to
-    start for this call (default: ``PoolSettings()``).
+    start for this call (default: ``PoolSettings()``). The scratch folders that runs
+    killed outright left beside ``destination`` are removed (:mod:`fp8ray.io.leftovers`),
+    ``announce`` called with what went.
 
     ``expect_model``: the model every chunk must be of (LMCache names each chunk file
     after its model); a store holding a chunk of another model is refused with a
@@ -242,6 +247,7 @@ def convert_store(
     todo = [c for c in scan.chunks if c.form != target or (target == FRAMES and c.header != wanted)]
     if not todo:
         raise _nothing_to_convert(source, layout, target, scan.chunks, scan.skipped)
+    sweep_leftovers(LocalFileSystem(), dst, destination, announce)
     if on_scan is not None:
         on_scan(len(scan.chunks))
 
@@ -251,9 +257,11 @@ def convert_store(
     conversion = StoreConversion(src, scratch, layout, target, fmt.name, options)
     done = []
     cannot_write = f"cannot write destination {printable(destination)}"
+    mark = None
     try:
         try:
             os.mkdir(scratch)  # in the try: an interrupt that lands as it is made removes it
+            mark = ScratchMark(LocalFileSystem(), scratch)
         except OSError as exc:
             raise DestinationError(f"{cannot_write}: {os_reason(exc)}") from None
         with use_pool(pool) as running:
@@ -268,6 +276,7 @@ def convert_store(
             except WriteError as exc:  # a chunk file's write: a full disk, above all
                 raise DestinationError(f"{cannot_write} ({exc})") from None
             seconds = time.perf_counter() - start
+        mark.release()
         try:
             replace_directory(LocalFileSystem(), scratch, dst, destination, replace=replace)  # the old store goes only now
         except Fp8rayError:  # its own, named already (an output made meanwhile, an old store it could not delete)
@@ -277,6 +286,9 @@ def convert_store(
     except BaseException:
         remove_quietly(LocalFileSystem(), scratch)
         raise
+    finally:
+        if mark is not None:
+            mark.release()
     converted = [f for f in done if not f.copied]
     copied = [f for f in done if f.copied]
     return StoreReport(

@@ -92,10 +92,14 @@ def temporary_name(path: str) -> str:
     """A hidden name beside ``path`` for writing it before the rename (``.NAME.tmp-<uuid>``),
     within the 255 bytes a file name may take: a long NAME is cut to fit (its file's own
     name, given at the rename, is whole)."""
-    suffix = f"{TMP_MARK}{uuid.uuid4().hex}"
-    room = NAME_MAX_BYTES - 1 - len(suffix)
+    return temporary_prefix(path) + uuid.uuid4().hex
+
+
+def temporary_prefix(path: str) -> str:
+    """What every :func:`temporary_name` of ``path`` starts with: ``.NAME.tmp-``."""
+    room = NAME_MAX_BYTES - 1 - len(TMP_MARK) - 32
     name = os.path.basename(path).encode("utf-8", "surrogateescape")[:room].decode("utf-8", "ignore")
-    return f"{os.path.dirname(path)}/.{name}{suffix}"
+    return f"{os.path.dirname(path)}/.{name}{TMP_MARK}"
 
 
 NAME_MAX_BYTES = 255  # a file name's limit on Linux's filesystems and on macOS
