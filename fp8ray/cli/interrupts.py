@@ -115,10 +115,12 @@ NATIVE_STATE_PACKAGES = ("numba", "llvmlite")
 
 def _unsafe_to_interrupt(frame) -> bool:
     """Whether ``frame`` or a frame that called it runs the import of a module other than
-    fp8ray's own (whose modules load again cleanly after an interrupted import), code of
+    fp8ray's own (whose modules load again cleanly after an interrupted import) or
+    importlib's own code outside a module's body, code of
     :data:`NATIVE_STATE_PACKAGES`, or a destructor; or whether, below fp8ray's innermost
     frame, another package's code is entering or leaving a context."""
     in_fp8ray = False  # whether a frame between here and ``frame`` is fp8ray's
+    in_module_body = False  # whether a frame between here and ``frame`` is an fp8ray module's import
     while frame is not None:
         module = frame.f_globals.get("__name__")
         module = module if isinstance(module, str) else ""  # code run from a string may set anything
@@ -127,11 +129,21 @@ def _unsafe_to_interrupt(frame) -> bool:
             return True
         if not in_fp8ray and frame.f_code.co_name in ("__enter__", "__exit__"):
             return True
-        loaded_by_import = frame.f_back is not None and frame.f_back.f_code.co_filename.startswith("<frozen importlib")
-        if frame.f_code.co_name == "<module>" and loaded_by_import and not module.startswith("fp8ray"):
+        loaded_by_import = frame.f_back is not None and _in_importlib(frame.f_back)
+        if frame.f_code.co_name == "<module>" and loaded_by_import:
+            if not module.startswith("fp8ray"):
+                return True
+            in_module_body = True
+        elif _in_importlib(frame) and not in_module_body:
+            # The import machinery itself, before or after a module's body (under load, a
+            # retry lands there): cut short, it drops the module from sys.modules.
             return True
         frame = frame.f_back
     return False
+
+
+def _in_importlib(frame) -> bool:
+    return frame.f_code.co_filename.startswith("<frozen importlib")
 
 
 ABSENT = "absent"  # an output_stamp: nothing at the output's path

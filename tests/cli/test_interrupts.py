@@ -494,6 +494,31 @@ def test_a_signal_waits_until_the_main_thread_leaves_code_an_exception_would_bre
     assert result.stdout.strip().splitlines() == said, result.stdout + result.stderr[-2000:]
 
 
+def test_the_import_machinery_itself_is_no_place_to_land(tmp_path, monkeypatch):
+    """Under load a retried signal landed in importlib's own frames, before or after a
+    module's body (the frame checked had no module body above it): the import failed and
+    the module was dropped, half loaded. Deterministically: the frames of a finder that
+    importlib calls."""
+    from fp8ray.cli.interrupts import _unsafe_to_interrupt
+
+    seen = []
+
+    class Finder:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name == "no_such_module_for_the_test":
+                seen.append(sys._getframe().f_back)  # importlib's _find_spec
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [Finder, *sys.meta_path])
+    with pytest.raises(ImportError):
+        import no_such_module_for_the_test  # noqa: F401
+    [importlib_frame] = seen
+    assert importlib_frame.f_code.co_filename.startswith("<frozen importlib")
+    assert _unsafe_to_interrupt(importlib_frame)
+    assert not _unsafe_to_interrupt(sys._getframe())  # this test's own frame: lands at once
+
+
 def test_a_sigterm_as_the_embedded_ray_stops_is_held_not_fatal(reference, tmp_path):
     """ray.shutdown sets SIGTERM back to the default action (RayLog::UninstallSignalAction):
     a SIGTERM in the second it takes (timeout, systemd, Kubernetes near a run's end) ended
