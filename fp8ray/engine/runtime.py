@@ -13,8 +13,10 @@ import threading
 
 import psutil
 import ray
+from pyarrow.fs import LocalFileSystem
 
 from ..errors import Fp8rayError, InvalidOptionError, PoolStartError
+from ..io.leftovers import ScratchMark, remove_dead
 from ..io.paths import one_line, os_reason
 from .address import CONNECT_SECONDS, LOCAL, answers, check_local_size, endpoint
 from .dispositions import keeping_dispositions
@@ -22,6 +24,8 @@ from .dispositions import keeping_dispositions
 # What the embedded Ray this process started left on the machine, removed when it stops:
 # its temporary directory (the session's logs and sockets) and the processes it started.
 _started_dir: str | None = None
+_started_mark: ScratchMark | None = None  # held while the embedded Ray runs (fp8ray.io.leftovers)
+RAY_FOLDER_PREFIX = "fp8ray-"
 _before: set[int] = set()  # this process's children before the embedded Ray started
 _holders = 0  # callers of connect_ray holding the connection it made (disconnect_ray lets go)
 _lock = threading.RLock()
@@ -69,7 +73,7 @@ def connect_ray(address: str | None, num_cpus: int | None, *, inline_possible: b
 
 def _connect(address: str | None, num_cpus: int | None, inline_possible: bool) -> None:
     """:func:`connect_ray`'s start of a connection, none being in place."""
-    global _started_dir, _before
+    global _started_dir, _before, _started_mark
     address = address or os.environ.get("RAY_ADDRESS") or LOCAL
     where = " (RAY_ADDRESS)" if address == os.environ.get("RAY_ADDRESS") else ""  # a pool's default is it too
     cluster = address not in (LOCAL, "auto")  # auto: Ray finds the cluster ray start runs here
@@ -103,12 +107,14 @@ def _connect(address: str | None, num_cpus: int | None, inline_possible: bool) -
             _before = _children()
             # Short, own and removed whole: Ray's socket paths are limited to ~100 bytes.
             parent = os.environ.get("RAY_TMPDIR") or "/tmp"
+            remove_dead(parent, lambda name: name.startswith(RAY_FOLDER_PREFIX))  # those of killed runs
             try:
-                _started_dir = tempfile.mkdtemp(prefix="fp8ray-", dir=parent)
+                _started_dir = tempfile.mkdtemp(prefix=RAY_FOLDER_PREFIX, dir=parent)
             except OSError as exc:  # its message named the folder it would have made, not RAY_TMPDIR
                 where = " (RAY_TMPDIR)" if os.environ.get("RAY_TMPDIR") else ""
                 raise PoolStartError(f"cannot make the embedded Ray's folder in {parent}{where}: {os_reason(exc)}") from None
             try:
+                _started_mark = ScratchMark(LocalFileSystem(), _started_dir)
                 _init_holding_sigterm(
                     held,
                     address="local",
@@ -246,7 +252,7 @@ def _shutdown(deliver_held: bool = True) -> None:
     resets SIGTERM to the default action, which would end the process at once: it is
     put back within milliseconds (:mod:`fp8ray.engine.dispositions`), which narrows that
     window from the second ``ray.shutdown`` takes."""
-    global _started_dir, _before
+    global _started_dir, _before, _started_mark
     atexit.unregister(_shutdown)
     started, _started_dir = _started_dir, None
     ours = _children() - _before if started else set()
@@ -263,6 +269,9 @@ def _shutdown(deliver_held: bool = True) -> None:
             if started:
                 _end(family)
                 shutil.rmtree(started, ignore_errors=True)
+                if _started_mark is not None:
+                    _started_mark.release()
+                    _started_mark = None
     finally:
         _restore_signal_handlers(handlers)
     if held and deliver_held:

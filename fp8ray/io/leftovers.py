@@ -8,9 +8,11 @@ it can do neither, and the folder, up to the size of the output, stays hidden.
 So, on a local filesystem, the process that makes a scratch folder marks it: a file
 ``MARK`` inside it, on which it holds an exclusive ``flock`` while it lives. The kernel
 drops the lock when the process dies, however it dies. A later command writing the same
-output removes the siblings whose mark it can lock: their writer is gone. A folder
-without a mark (another program's, an older fp8ray's, an output set aside while it is
-being replaced) is never touched. Object stores have no locks: nothing is swept there.
+output removes the siblings whose mark it can lock: their writer is gone. The embedded
+Ray's folder (``fp8ray-*`` in ``RAY_TMPDIR`` or ``/tmp``: its logs and sockets) is marked
+and swept alike, by the next embedded start. A folder without a mark (another program's,
+an older fp8ray's, an output set aside while it is being replaced) is never touched.
+Object stores have no locks: nothing is swept there.
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ class ScratchMark:
 def sweep_leftovers(fs: pafs.FileSystem, path: str, shown: str, announce: Callable[[str], None] | None = None) -> None:
     """Remove the scratch folders beside the output ``path`` (``shown`` as the user gave
     it) whose writer has died, telling ``announce`` what went."""
-    swept = _dead_scratch(fs, path)
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return
+    prefix = os.path.basename(temporary_prefix(path))
+    swept = remove_dead(os.path.dirname(path) or ".", lambda name: name.startswith(prefix) and is_temporary(name))
     if swept and announce:
         size = sum(size for _, size in swept)
         announce(
@@ -76,14 +81,11 @@ def sweep_leftovers(fs: pafs.FileSystem, path: str, shown: str, announce: Callab
         )
 
 
-def _dead_scratch(fs: pafs.FileSystem, path: str) -> list[tuple[str, int]]:
-    """Remove the scratch folders beside ``path`` whose mark nobody holds; returns each
-    one's name and the bytes it held on disk."""
-    if not isinstance(fs, pafs.LocalFileSystem):
-        return []
-    parent, prefix = os.path.dirname(path) or ".", os.path.basename(temporary_prefix(path))
+def remove_dead(parent: str, wanted: Callable[[str], bool]) -> list[tuple[str, int]]:
+    """Remove the marked folders in the local folder ``parent`` whose names are ``wanted``
+    and whose mark nobody holds; returns each one's name and the bytes it held on disk."""
     try:
-        names = [n for n in os.listdir(parent) if n.startswith(prefix) and is_temporary(n)]
+        names = [n for n in os.listdir(parent) if wanted(n)]
     except OSError:  # a parent not there yet, or not readable: the command says so itself
         return []
     removed = []
