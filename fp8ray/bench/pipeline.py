@@ -40,6 +40,7 @@ import time
 
 from ..codec import CodecOptions, Fp8Codec, cpu, decode
 from ..codec.blocks import Block
+from ..engine.address import INLINE, LOCAL, check_local_size, default_address
 from ..engine.archives import compress_archive, decompress_archive
 from ..engine.pool import QuantPool
 from ..engine.runtime import connect_ray, disconnect_ray
@@ -100,6 +101,8 @@ def bench_pipeline(
     """The table of the module docstring, for 1..``max_workers`` workers, on a source of
     ``files`` safetensors files (a directory, or one file for ``files=1``)."""
     options = options or CodecOptions()
+    if (address or default_address()) in (INLINE, LOCAL):  # at once, not after the runs of fewer workers
+        check_local_size(max_workers, option="--max-workers")
     chunk_kib = CHUNK_BYTES // 1024
     if small_block_kib >= chunk_kib or chunk_kib % small_block_kib:  # each chunk cut into whole [rows, 64] pieces
         raise InvalidOptionError(

@@ -51,15 +51,16 @@ def ray_connected() -> bool:
     return ray is not None and ray.is_initialized()
 
 
-def check_local_size(threads: int, joinable: bool = True) -> None:
+def check_local_size(threads: int, joinable: bool = True, option: str = "--workers") -> None:
     """Refuse ``threads`` codec threads (workers times CPUs each) on this machine alone
     beyond :data:`LOCAL_THREADS_PER_CPU` per CPU. ``joinable``: whether the command
-    could join a cluster instead (``--address``), which the message offers."""
+    could join a cluster instead (``--address``), which the message offers; ``option``:
+    the command's option that sets the number of workers."""
     cpus = os.cpu_count() or 1
     if threads > LOCAL_THREADS_PER_CPU * cpus:
         raise PoolStartError(
             f"{threads} codec threads (QuantWorkers times CPUs per worker) on this machine alone, which has {cpus} "
-            f"CPU(s): more than {LOCAL_THREADS_PER_CPU * cpus} only add memory and wait for the CPUs: lower --workers"
+            f"CPU(s): more than {LOCAL_THREADS_PER_CPU * cpus} only add memory and wait for the CPUs: lower {option}"
             + (", or join a cluster with --address" if joinable else "")
         )
 

@@ -7,11 +7,13 @@ records them); runs are in-process, on the session's Ray, as tests/cli's are.
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import pytest
 
 from fp8ray.cli import main
+from fp8ray.engine.address import LOCAL_THREADS_PER_CPU
 
 # The shipped text's first tokens and the smallest LMCache chunk worth a table: the
 # shipped model's KV cache, captured once per process (the model loads once) by the two
@@ -207,6 +209,16 @@ def test_bench_pipeline_refuses_a_small_block_that_does_not_cut_a_chunk_before_a
     assert main(["bench", *argv]) == 1
     out, err = capsys.readouterr()
     assert not out and err.startswith(f"fp8ray: error: --small-block-kib {kib}: a small block's KiB divide"), err
+
+
+def test_bench_pipeline_refuses_more_workers_than_the_machine_takes_before_any_work(capsys):
+    """Refused only once the runs of 1 to 8 workers had been measured, naming --workers."""
+    limit = LOCAL_THREADS_PER_CPU * (os.cpu_count() or 1)
+    argv = ["pipeline", "--mib", "1", "--files", "1", "--max-workers", limit + 1, "--address", "inline"]
+    assert main(["bench", *map(str, argv)]) == 1
+    out, err = capsys.readouterr()
+    assert not out and err.startswith(f"fp8ray: error: {limit + 1} codec threads"), err
+    assert err.rstrip().endswith("lower --max-workers, or join a cluster with --address"), err
 
 
 def test_bench_startup_times_a_file_of_the_size_it_names(tmp_path):
