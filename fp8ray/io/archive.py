@@ -43,6 +43,11 @@ START_AGAIN = "pass --overwrite instead of --resume to start again"  # a plan th
 # per source file and part: one larger is no archive's, and is refused before it is read.
 MAX_RECORD_BYTES = 1 << 30
 DEFAULT_PART_BYTES = 64 << 20
+# A part holds at most this many blocks, however small: a part is the unit of progress,
+# of parallel work and of a worker's per-block bookkeeping, so a source of a million
+# tiny blocks is not one part that shows no progress, runs on one worker and holds a
+# million rows' objects at once.
+PART_BLOCKS = 4096
 # A part's row groups hold, past their first block, at most 1 MiB of frames: reading one
 # block alone (fp8ray.io.reader) reads its row group's frames. Each row group costs about
 # a millisecond to write (ten column chunks): small blocks fill one to the byte bound.
@@ -132,10 +137,10 @@ def clean_scratch(fs: pafs.FileSystem, directory: str) -> None:
 
 def plan_parts(refs: list[BlockRef], part_bytes: int) -> list[list[BlockRef]]:
     """Consecutive blocks grouped into parts of about ``part_bytes`` of input (at least one
-    block each), following the source's files: a part holds whole files, or a slice of
-    one file larger than ``part_bytes``, so that decompress writes each file from as few
-    parts as possible. Depends only on the source, so any number of workers writes the
-    same parts."""
+    block each, at most :data:`PART_BLOCKS`), following the source's files: a part holds
+    whole files, or a slice of one file larger than ``part_bytes`` (or of more blocks
+    than :data:`PART_BLOCKS`), so that decompress writes each file from as few parts as
+    possible. Depends only on the source, so any number of workers writes the same parts."""
     file_bytes: dict[str, int] = {}
     for ref in refs:
         file_bytes[ref.file] = file_bytes.get(ref.file, 0) + ref.nbytes
@@ -143,7 +148,7 @@ def plan_parts(refs: list[BlockRef], part_bytes: int) -> list[list[BlockRef]]:
     size = 0
     for i, ref in enumerate(refs):
         new_file = i == 0 or ref.file != refs[i - 1].file
-        if not parts:
+        if not parts or len(parts[-1]) >= PART_BLOCKS:
             start = True
         elif new_file:
             start = size + file_bytes[ref.file] > part_bytes  # the whole file does not fit

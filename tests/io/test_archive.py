@@ -48,6 +48,16 @@ def test_parts_follow_the_files():
     assert all(len({r.file for r in p}) == 1 or sum(r.nbytes for r in p) <= 200 for p in parts)
 
 
+def test_a_part_holds_at_most_part_blocks_blocks_however_small():
+    """A million tiny blocks were one part: no progress until the end, one worker, and a
+    worker's per-row objects for all of them at once."""
+    n = 2 * archive.PART_BLOCKS + 5
+    blocks = refs([2] * n, "a" * (archive.PART_BLOCKS + 3) + "b" * (archive.PART_BLOCKS + 2))
+    parts = archive.plan_parts(blocks, archive.DEFAULT_PART_BYTES)
+    assert [len(p) for p in parts] == [archive.PART_BLOCKS, archive.PART_BLOCKS, 5]
+    assert [r for p in parts for r in p] == blocks
+
+
 def encoded_part(n: int = 3):
     codec = Fp8Codec(scaling="token")
     tensors = [torch.randn(4, 16 + i, dtype=torch.bfloat16) for i in range(n)]
