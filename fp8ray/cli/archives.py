@@ -16,6 +16,7 @@ from .common import (
     pool_settings,
     positive_float,
     progress,
+    rate,
     refuse_standard_output,
     warn,
 )
@@ -162,7 +163,7 @@ def run_compress(args) -> int:
             + _stored_note(report.stored)
             + f" into {counted(report.parts, 'part')} ({report.parts_reused} reused): "
             f"{report.raw_bytes / 2**20:.1f} MiB -> {report.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x), "
-            f"{report.input_gbps:.2f} GB/s of input on {counted(report.workers, 'worker')} "
+            f"{rate(report.input_gbps)} of input on {counted(report.workers, 'worker')} "
             f"({', '.join(report.devices) or 'no new parts'})" + skipped_summary(report.skipped)
         ),
     )
@@ -220,7 +221,7 @@ def run_decompress(args) -> int:
         (
             f"decompressed {counted(report.blocks, 'block')} ({report.raw_bytes / 2**20:.1f} MiB) "
             f"into {counted(report.files, 'file')}{as_store} at {report.output}, "
-            f"{report.output_gbps:.2f} GB/s of output on {counted(args.workers, 'worker')}{serde}"
+            f"{rate(report.output_gbps)} of output on {counted(args.workers, 'worker')}{serde}"
         ),
     )
     return 0

@@ -173,5 +173,11 @@ def refuse_standard_output(path: str, writes: str, instead: str = "") -> None:
         raise DestinationError(f"{writes}, not standard output ('-'): name the output (./- for one named -){instead}")
 
 
+def rate(gbps: float) -> str:
+    """A speed as a line shows it: GB/s, or MB/s below 0.1 GB/s (a job of small blocks
+    read "0.00 GB/s")."""
+    return f"{gbps:.2f} GB/s" if gbps >= 0.1 else f"{gbps * 1000:.2f} MB/s"
+
+
 def warn(message: str) -> None:
     print(f"fp8ray: {message}", file=sys.stderr)

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ..errors import Fp8rayError
-from .common import codec_arguments, codec_options, positive_int
+from .common import codec_arguments, codec_options, positive_int, rate
 
 SHIPPED_TEXT = Path(__file__).resolve().parents[1] / "eval" / "texts" / "lighthouse.txt"
 
@@ -87,7 +87,7 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
             f"compress ({mode}, {workers} QuantWorkers on {', '.join(compressed.devices)}): "
             f"{compressed.blocks} blocks, {compressed.raw_bytes / 2**20:.2f} MiB -> {compressed.archive_bytes / 2**20:.2f} MiB "
             f"({compressed.ratio:.2f}x) in {counted(compressed.parts, 'Parquet part')}, "
-            f"{compressed.input_gbps:.2f} GB/s of input",
+            f"{rate(compressed.input_gbps)} of input",
             f"verify against the source: {verified.blocks} blocks, every checksum ok",
             f"fidelity: keys   relative error {k['rel_fro']:.3%}, SNR {k['snr_db']:.1f} dB, cosine {k['cosine']:.6f}",
             f"          values relative error {v['rel_fro']:.3%}, SNR {v['snr_db']:.1f} dB, cosine {v['cosine']:.6f}",

@@ -12,6 +12,7 @@ from .common import (
     plain_form_argument,
     pool_settings,
     progress,
+    rate,
     refuse_standard_output,
     warn,
 )
@@ -109,6 +110,6 @@ def run_store_command(args) -> int:
         f"{report.mode}ed {report.files} chunk files ({sources}) to {target} into {printable(report.destination)} "
         f"({len(report.unchanged)} copied unchanged, {len(report.skipped)} skipped): "
         f"{report.bytes_before / 2**20:.1f} MiB -> {report.bytes_after / 2**20:.1f} MiB, "
-        f"{report.input_gbps:.2f} GB/s of input on {report.workers} workers"
+        f"{rate(report.input_gbps)} of input on {report.workers} workers"
     )
     return 0

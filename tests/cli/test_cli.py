@@ -7,8 +7,20 @@ import json
 import pytest
 import torch
 from _util import run_cli
+from safetensors.torch import save_file
 
 from fp8ray.cli import main
+
+
+def test_a_slow_rate_reads_in_mb_per_second_not_as_zero(tmp_path, capsys):
+    """A job of small blocks said "0.00 GB/s of input"."""
+    from fp8ray.cli.common import rate
+
+    assert (rate(1.234), rate(0.1), rate(0.0042), rate(0.0)) == ("1.23 GB/s", "0.10 GB/s", "4.20 MB/s", "0.00 MB/s")
+    torch.manual_seed(0)
+    save_file({"a": torch.randn(4, 64, dtype=torch.bfloat16)}, tmp_path / "small.safetensors")
+    code, out, _ = run_cli(capsys, "compress", tmp_path / "small.safetensors", tmp_path / "small.fp8", "--address", "inline")
+    assert code == 0 and " MB/s of input on " in out and "0.00 GB/s" not in out, out
 
 
 @pytest.mark.usefixtures("ray_session")
