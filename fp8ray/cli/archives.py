@@ -19,6 +19,7 @@ from .common import (
     rate,
     refuse_standard_output,
     warn,
+    warn_each,
 )
 
 
@@ -242,8 +243,7 @@ def run_verify(args) -> int:
         summary += f"; {counted(len(report.stored), 'stored block')} identical to the source"
     _finish(args, bar, report, summary)
     if not report.ok:
-        for error in report.errors:
-            warn(error)
+        warn_each(report.errors, "problems")
         warn(f"error: archive {report.archive} failed verification ({counted(len(report.errors), 'problem')})")
         return 1
     return 0
@@ -275,8 +275,7 @@ def run_inspect(args) -> int:
             + skipped_summary(skipped).replace("; skipped", "; the source's tree skipped")
         )
     if report.problems:
-        for problem in report.problems:
-            warn(problem)
+        warn_each(report.problems, "problems")
         warn(f"error: archive {redact(args.archive)} failed inspection ({counted(len(report.problems), 'problem')})")
         return 1
     return 0

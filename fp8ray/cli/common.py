@@ -181,3 +181,15 @@ def rate(gbps: float) -> str:
 
 def warn(message: str) -> None:
     print(f"fp8ray: {message}", file=sys.stderr)
+
+
+LISTED_LINES = 20  # of a list of problems or skipped entries on stderr; --json has them all
+
+
+def warn_each(lines: list[str], what: str) -> None:
+    """One stderr line each for the first :data:`LISTED_LINES` of ``lines``, then how many
+    more there are (a verify against the wrong tree printed 98,931 lines)."""
+    for line in lines[:LISTED_LINES]:
+        warn(line)
+    if len(lines) > LISTED_LINES:
+        warn(f"... and {len(lines) - LISTED_LINES} more {what} (--json lists them all)")

@@ -15,6 +15,7 @@ from .common import (
     rate,
     refuse_standard_output,
     warn,
+    warn_each,
 )
 
 FRAME_OPTIONS = ("scaling", "block_size", "scale_dtype", "scale_choice")  # only frames have them
@@ -101,8 +102,7 @@ def run_store_command(args) -> int:
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))  # ensure_ascii: names come out escaped
         return 0
-    for skipped in report.skipped:
-        warn(f"skipped {ascii(skipped['name'])}: {printable(skipped['reason'])}")
+    warn_each([f"skipped {ascii(s['name'])}: {printable(s['reason'])}" for s in report.skipped], "skipped")
     if report.unchanged:
         warn(f"{len(report.unchanged)} chunk files were already {target} files: copied unchanged")
     sources = ", ".join(f"{n} {form}" for form, n in sorted(report.converted_from.items()))

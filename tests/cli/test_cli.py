@@ -23,6 +23,29 @@ def test_a_slow_rate_reads_in_mb_per_second_not_as_zero(tmp_path, capsys):
     assert code == 0 and " MB/s of input on " in out and "0.00 GB/s" not in out, out
 
 
+def test_a_long_list_of_problems_is_cut_on_stderr_and_whole_in_json(tmp_path, capsys):
+    """verify against the wrong tree printed a line per problem: 98,931 lines."""
+    from fp8ray.cli.common import LISTED_LINES
+
+    src, other = tmp_path / "src", tmp_path / "other"
+    src.mkdir()
+    other.mkdir()
+    for i in range(LISTED_LINES + 5):
+        save_file({"a": torch.ones(4, 64, dtype=torch.bfloat16)}, src / f"f{i:02d}.safetensors")
+    save_file({"a": torch.ones(4, 64, dtype=torch.bfloat16)}, other / "g.safetensors")
+    assert run_cli(capsys, "compress", src, tmp_path / "arch", "--address", "inline")[0] == 0
+    code, out, err = run_cli(capsys, "verify", tmp_path / "arch", "--against", other, "--address", "inline", "--json")
+    problems = json.loads(out)["errors"]
+    assert code == 1 and len(problems) > LISTED_LINES + 5
+    code, _, err = run_cli(capsys, "verify", tmp_path / "arch", "--against", other, "--address", "inline")
+    lines = err.splitlines()
+    assert code == 1 and lines[:LISTED_LINES] == [f"fp8ray: {p}" for p in problems[:LISTED_LINES]]
+    assert lines[LISTED_LINES:] == [
+        f"fp8ray: ... and {len(problems) - LISTED_LINES} more problems (--json lists them all)",
+        f"fp8ray: error: archive {tmp_path / 'arch'} failed verification ({len(problems)} problems)",
+    ]
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_compress_inspect_verify_decompress(kv_source, tmp_path, capsys):
     src, tensors = kv_source

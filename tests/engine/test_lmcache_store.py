@@ -524,6 +524,21 @@ def test_a_wrong_layout_exits_non_zero_and_creates_nothing(store, tmp_path, caps
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"] and digests(src) == before
 
 
+def test_many_skipped_files_are_listed_up_to_a_limit(tmp_path, capsys):
+    """lmcache-compress printed a line per skipped file: 1500 lines for 1500 stray files."""
+    from fp8ray.cli.common import LISTED_LINES
+
+    src = tmp_path / "store"
+    src.mkdir()
+    (src / format_chunk_name(CHUNKS[0])).write_bytes(tensor_bytes(chunk_tensor(0)))
+    for i in range(LISTED_LINES + 7):
+        (src / f"stray{i:02d}.txt").write_bytes(b"x")
+    assert main(["lmcache-compress", str(src), str(tmp_path / "out"), "--layout", LAYOUT, "--workers", "1"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == LISTED_LINES + 1 and all(line.startswith("fp8ray: skipped 'stray") for line in lines[:-1])
+    assert lines[-1] == "fp8ray: ... and 7 more skipped (--json lists them all)"
+
+
 def test_names_from_the_store_are_printed_escaped(tmp_path, capsys):
     src = tmp_path / "store"
     src.mkdir()
