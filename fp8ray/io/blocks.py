@@ -504,7 +504,10 @@ class RawBlockParquetWriter(CompleteOrNothing):
     with the given Arrow schema, streamed in row groups; written to a temporary name and
     renamed when complete. Use as a context manager."""
 
-    ROWS_PER_GROUP = 64
+    # A row group ends at whichever comes first: blocks of megabytes are not all held,
+    # tiny ones are not written 64 to a group (a million rows made a 1.4 MB footer).
+    GROUP_ROWS = 65536
+    GROUP_BYTES = 16 << 20
 
     def __init__(self, uri: str, schema: pa.Schema):
         self.fs, self.path = resolve(uri)
@@ -517,11 +520,14 @@ class RawBlockParquetWriter(CompleteOrNothing):
             delete_quietly(self.fs, self.tmp)
             raise
         self.rows: dict[str, list] = {name: [] for name in RAW_COLUMNS}
+        self.held = 0  # bytes of data in rows
 
     def write_block(self, key: str, dtype: str, shape: tuple[int, ...], data) -> None:
-        for name, value in zip(RAW_COLUMNS, (key, dtype, list(shape), bytes(memoryview(data).cast("B")))):
+        raw = bytes(memoryview(data).cast("B"))
+        for name, value in zip(RAW_COLUMNS, (key, dtype, list(shape), raw)):
             self.rows[name].append(value)
-        if len(self.rows["key"]) >= self.ROWS_PER_GROUP:
+        self.held += len(raw)
+        if len(self.rows["key"]) >= self.GROUP_ROWS or self.held >= self.GROUP_BYTES:
             self._flush()
 
     def write_blocks(self, tensors: list[tuple[str, str, tuple[int, ...]]], data) -> None:
@@ -538,6 +544,7 @@ class RawBlockParquetWriter(CompleteOrNothing):
         if self.rows["key"]:
             self.writer.write_table(arrow_columns.table(self.rows, self.schema))
             self.rows = {name: [] for name in RAW_COLUMNS}
+            self.held = 0
 
     def close(self) -> None:
         self._flush()

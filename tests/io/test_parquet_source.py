@@ -124,3 +124,23 @@ def test_dictionary_and_large_types_are_taken_and_the_schema_kept_with_its_metad
     kept = parquet_schema(layout.files[0].schema)
     assert kept.equals(pq.read_schema(tmp_path / "src.parquet"), check_metadata=True)
     assert kept.metadata == {b"owner": b"me"}
+
+
+def test_a_written_raw_block_file_groups_rows_by_count_and_bytes(tmp_path):
+    """Rows were written 64 to a row group whatever their size: a million tiny rows made
+    15,625 groups and a 1.4 MB footer; now a group ends at GROUP_ROWS rows or GROUP_BYTES."""
+    from fp8ray.io.blocks import RawBlockParquetWriter
+
+    schema = pa.schema([("key", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("data", pa.binary())])
+    tiny = tmp_path / "tiny.parquet"
+    with RawBlockParquetWriter(str(tiny), schema) as writer:
+        for i in range(5000):
+            writer.write_block(f"k{i}", "uint8", (2,), b"ab")
+    assert pq.ParquetFile(tiny).metadata.num_row_groups == 1 and pq.read_table(tiny).num_rows == 5000
+    big = tmp_path / "big.parquet"
+    block = bytes(RawBlockParquetWriter.GROUP_BYTES // 2)
+    with RawBlockParquetWriter(str(big), schema) as writer:
+        for i in range(5):
+            writer.write_block(f"b{i}", "uint8", (len(block),), block)
+    groups = pq.ParquetFile(big).metadata
+    assert [groups.row_group(g).num_rows for g in range(groups.num_row_groups)] == [2, 2, 1]
