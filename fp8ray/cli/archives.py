@@ -128,16 +128,15 @@ def _finish(args, bar, report, summary: str) -> None:
 
 def run_compress(args) -> int:
     from ..engine.archives import compress_archive
-    from ..io.blocks import list_blocks
     from ..io.paths import counted
-    from ..io.store_source import scan_store_source
 
     options = codec_options(args)  # bad options fail before Ray starts
     refuse_standard_output(args.destination, "compress writes an archive directory")
-    if args.lmcache_layout is None:
-        bar, update = progress(args, lambda: len(list_blocks(args.source)))
-    else:
-        bar, update = progress(args, lambda: len(scan_store_source(args.source, args.lmcache_layout, args.plain_form)[1]))
+    bars: dict = {}  # the bar, once the source is scanned (scanning it twice took seconds on a large tree)
+
+    def on_scan(blocks: int) -> None:
+        bars["bar"], bars["update"] = progress(args, lambda: blocks)
+
     report = compress_archive(
         args.source,
         args.destination,
@@ -149,15 +148,16 @@ def run_compress(args) -> int:
         strict=args.strict,
         part_bytes=max(1, int(args.part_mb * 2**20)),  # a part holds a block at least
         lossless=args.lossless,
-        progress=update,
+        progress=lambda n: bars.get("update") and bars["update"](n),
         provenance=_provenance(args),
         lmcache_layout=args.lmcache_layout,
         lmcache_plain_form=args.plain_form,
         announce=warn,
+        on_scan=on_scan,
     )
     _finish(
         args,
-        bar,
+        bars.get("bar"),
         report,
         (
             f"compressed {counted(report.blocks, 'block')}"

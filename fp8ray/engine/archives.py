@@ -272,6 +272,7 @@ def compress_archive(
     lmcache_layout: Layout | str | None = None,
     lmcache_plain_form: str | None = None,
     announce: Callable[[str], None] | None = None,
+    on_scan: Callable[[int], None] | None = None,
     **codec_options,
 ) -> CompressReport:
     """Compress a safetensors file, a directory of them or a raw-block Parquet archive
@@ -317,6 +318,9 @@ def compress_archive(
 
     The scratch folders that runs killed outright left beside the destination are
     removed first (:mod:`fp8ray.io.leftovers`), ``announce`` called with what went.
+    ``on_scan(n)`` is called with the number of blocks once the source is scanned and the
+    destination checked, before any work; ``progress(n)`` with the blocks just finished
+    (those of resumed parts first).
     """
     if resume and overwrite:  # overwrite would win, and the finished parts be thrown away unsaid
         raise InvalidOptionError(
@@ -348,6 +352,8 @@ def compress_archive(
         raise _destination_error(exc, destination) from None
     fs, work = dest.fs, dest.work
     sweep_leftovers(fs, dest.path, destination, announce)
+    if on_scan is not None:
+        on_scan(len(refs))
     held, run, mark = False, None, None
     try:
         try:

@@ -46,6 +46,25 @@ def test_a_long_list_of_problems_is_cut_on_stderr_and_whole_in_json(tmp_path, ca
     ]
 
 
+def test_compress_on_a_terminal_scans_its_source_once(tmp_path, capsys, monkeypatch):
+    """The bar's total came from a scan of its own before the work's: seconds more on a
+    large tree. Now the engine gives it (on_scan) from the one scan."""
+    import sys
+
+    import fp8ray.io.blocks
+
+    def scanned_again(*_):
+        raise AssertionError("the source was scanned for the progress bar")
+
+    monkeypatch.setattr(fp8ray.io.blocks, "list_blocks", scanned_again)
+    (tmp_path / "src").mkdir()
+    for i in range(3):
+        save_file({"a": torch.ones(4, 64, dtype=torch.bfloat16)}, tmp_path / "src" / f"f{i}.safetensors")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run_cli(capsys, "compress", tmp_path / "src", tmp_path / "arch", "--address", "inline")
+    assert code == 0 and "compressed 3 blocks" in out and "3/3" in err, err
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_compress_inspect_verify_decompress(kv_source, tmp_path, capsys):
     src, tensors = kv_source
