@@ -396,6 +396,7 @@ def compress_archive(
             manifest = archive.build_manifest(
                 source, layout, codec.as_dict(), lossless, bound, len(refs), part_infos, __version__, made_for, stored
             )
+            _check_parts_arrived(fs, work, run, destination)
             try:
                 archive.write_manifest(fs, work, manifest)
             except OSError as exc:
@@ -453,6 +454,26 @@ class _PartsRun:
     seconds: float = 0.0
     workers: int = 0
     replaced: int = 0
+
+
+def _check_parts_arrived(fs: pafs.FileSystem, work: str, run: _PartsRun, destination: str) -> None:
+    """Refuse to write the manifest unless every part this run wrote is in the destination,
+    as this process sees it, with the size its worker reported: a worker on another node
+    writes a local path on its own disk (one listing, not a request per part)."""
+    found = {e.base_name: e.size for e in fs.get_file_info(pafs.FileSelector(work)) if e.type == pafs.FileType.File}
+    absent = [p.name for i, p in sorted(run.infos.items()) if found.get(p.name) != p.file_bytes]
+    if absent:
+        nodes = len(run.nodes - {None})
+        why = (
+            f" (the workers ran on {counted(nodes, 'Ray node')}: on a cluster, a local path must be on storage every node "
+            "mounts, or give an s3:// destination)"
+            if nodes
+            else ""
+        )
+        raise DestinationError(
+            f"{counted(len(absent), 'part')} the workers wrote ({name_list(absent)}) not in {redact(destination)} as this "
+            f"process sees it, or not at the size written{why}; no manifest was written"
+        )
 
 
 def _write_parts(run: _PartsRun, pool, method: Callable, parts: list, todo: list[int], common: tuple, progress) -> None:

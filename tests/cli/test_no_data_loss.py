@@ -352,3 +352,29 @@ def test_a_store_made_while_lmcache_compress_runs_is_never_replaced(tmp_path, ca
     assert (code, err) == (1, appeared(out))
     assert [p.name for p in out.iterdir()] == ["theirs.txt"]
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_parts_written_where_this_process_does_not_see_them_get_no_manifest(kvdir, tmp_path, capsys, monkeypatch):
+    """On a cluster a worker on another node writes a local destination on its own disk:
+    compress said "compressed ... into 1 part", exit 0, and wrote a manifest over no part.
+    Here a worker whose part lands elsewhere (moved away as it is written), on a node."""
+    import dataclasses
+
+    from fp8ray.engine.worker import QuantWorker
+
+    elsewhere = tmp_path / "other-node-disk"
+    elsewhere.mkdir()
+    write_part = QuantWorker.compress_part
+
+    def on_another_node(self, blocks, codec, directory, index, lossless):
+        result = write_part(self, blocks, codec, directory, index, lossless)
+        shutil.move(Path(directory) / result.info.name, elsewhere / result.info.name)
+        return dataclasses.replace(result, node_id="another-node")
+
+    on_another_node.__name__ = "compress_part"  # the pool runs QuantWorker's own methods, by name
+    monkeypatch.setattr(QuantWorker, "compress_part", on_another_node)
+    arch = tmp_path / "arch"
+    code, err = run(capsys, "compress", kvdir, arch, "--address", "inline")
+    assert code == 1 and err.startswith("fp8ray: error: 1 part the workers wrote (part-00000.parquet) not in "), err
+    assert "the workers ran on 1 Ray node: on a cluster, a local path must be on storage every node mounts" in err
+    assert err.rstrip().endswith("no manifest was written") and not (arch / "_manifest.json").exists()
