@@ -8,17 +8,22 @@ worker object has a thread of its own.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from ..errors import PoolStartError
+from ..errors import PoolStartError, WorkerLostError
 from .worker import QuantWorker, WorkerInfo
 
 # After a failure, how long the pool waits for the calls already running to end: a worker
 # cannot be interrupted mid-call, and one still writing a part or a file after the caller
 # cleaned up would leave it behind.
 SETTLE_SECONDS = 120.0
+# How often a pool waiting for results looks whether a replacement worker has started:
+# one the cluster cannot place (its node gone, no other with room) would be waited on
+# for ever.
+REPLACEMENT_CHECK_SECONDS = 5.0
 
 
 class WorkerDied(Exception):
@@ -73,6 +78,9 @@ class RayBackend:
         self._ray = ray
         self._actor_class = ray.remote(QuantWorker).options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy="SPREAD")
         self._threads = max(1, int(cpus))
+        self._needs = (cpus, gpus)
+        self._start_timeout = start_timeout
+        self._starting: dict[int, tuple[Any, float]] = {}  # replaced worker -> (its info ref, start deadline)
         self.workers: list = []
         try:  # an interrupt or failure while the workers start stops those started
             for _ in range(num_workers):
@@ -82,13 +90,17 @@ class RayBackend:
             self.close()
             raise
         if len(ready) < num_workers:
-            have = ray.cluster_resources()
+            needs = self._needs_message()
             self.close()
-            raise PoolStartError(
-                f"only {len(ready)} of {num_workers} QuantWorkers started within {start_timeout:.0f} s: each needs "
-                f"{cpus:g} CPU(s) and {gpus:g} GPU(s), and the cluster has {have.get('CPU', 0):g} CPU(s) and "
-                f"{have.get('GPU', 0):g} GPU(s) in all (other actors, another QuantPool's, may hold some)"
-            )
+            raise PoolStartError(f"only {len(ready)} of {num_workers} QuantWorkers started within {start_timeout:.0f} s: {needs}")
+
+    def _needs_message(self) -> str:
+        have = self._ray.cluster_resources()
+        cpus, gpus = self._needs
+        return (
+            f"each needs {cpus:g} CPU(s) and {gpus:g} GPU(s), and the cluster has {have.get('CPU', 0):g} CPU(s) and "
+            f"{have.get('GPU', 0):g} GPU(s) in all (other actors, another QuantPool's, may hold some)"
+        )
 
     def submit(self, worker: int, method: Callable, args: tuple):
         # The actor's method of the same function: `method` is QuantWorker's own.
@@ -101,8 +113,29 @@ class RayBackend:
         return [refs] if results == 1 else refs
 
     def wait_one(self, running: Collection):
-        [ref], _ = self._ray.wait(list(running), num_returns=1)
-        return ref
+        while True:
+            ready, _ = self._ray.wait(list(running), num_returns=1, timeout=REPLACEMENT_CHECK_SECONDS)
+            if ready:
+                return ready[0]
+            self._check_replacements()
+
+    def _forget_started(self) -> None:
+        """Drop the replaced workers that have started from those awaited."""
+        for worker, (ref, _) in list(self._starting.items()):
+            started, _ = self._ray.wait([ref], timeout=0)
+            if started:
+                del self._starting[worker]
+
+    def _check_replacements(self) -> None:
+        """Raise :class:`WorkerLostError` if a replaced worker has not started within the
+        start timeout: the calls queued on it would wait for ever."""
+        self._forget_started()
+        for _, deadline in self._starting.values():
+            if time.monotonic() > deadline:
+                raise WorkerLostError(
+                    f"a QuantWorker died and the one replacing it did not start within {self._start_timeout:.0f} s "
+                    f"(its node gone, and no other with room?): {self._needs_message()}"
+                )
 
     def result(self, ref) -> Any:
         from ray.exceptions import RayActorError, RayTaskError
@@ -146,6 +179,7 @@ class RayBackend:
         """A new actor in place of worker ``worker`` (killed first: it may only be stuck)."""
         self._ray.kill(self.workers[worker])
         self.workers[worker] = self._actor_class.remote(self._threads)
+        self._starting[worker] = (self.workers[worker].info.remote(), time.monotonic() + self._start_timeout)
 
     def settle(self, running: dict[Any, int]) -> None:
         """Drop the calls still queued, and let those running end."""
@@ -155,9 +189,11 @@ class RayBackend:
             except (ValueError, TypeError):
                 pass
         # A cancelled ref resolves at once while its call runs on, so wait instead for a
-        # call queued behind it on each busy actor (an actor runs one call at a time).
-        busy = {w for w in running.values() if w < len(self.workers)}
+        # call queued behind it on each busy actor (an actor runs one call at a time); a
+        # replacement not started yet runs none of its calls: nothing to wait for there.
         try:
+            self._forget_started()
+            busy = {w for w in running.values() if w < len(self.workers) and w not in self._starting}
             if busy:
                 self._ray.wait([self.workers[w].info.remote() for w in busy], num_returns=len(busy), timeout=SETTLE_SECONDS)
         except Exception:  # Ray gone or leaving: nothing left to wait for; keep the real error

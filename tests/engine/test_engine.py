@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -284,6 +286,38 @@ def test_sigkill_of_a_worker_mid_job_gives_identical_output(long_source, tmp_pat
     assert report.workers_replaced >= 1
     assert part_bytes(faulty) == part_bytes(tmp_path / "clean")
     assert (faulty / "_manifest.json").read_bytes() == (tmp_path / "clean/_manifest.json").read_bytes()
+
+
+def test_a_replacement_worker_the_cluster_cannot_place_fails_the_call_not_hangs(ray_session, monkeypatch):
+    """A node died and no other had room: the replacement actor stayed pending and the
+    pool waited on it for ever, silent (and a Ctrl-C then waited 120 s more in settle)."""
+    from fp8ray.engine import backends
+    from fp8ray.engine.worker import QuantWorker
+    from fp8ray.errors import WorkerLostError
+
+    ray = ray_session
+    monkeypatch.setattr(backends, "REPLACEMENT_CHECK_SECONDS", 0.2)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with QuantPool(num_workers=1, cpus_per_worker=0.5) as pool:
+        backend = pool._backend
+        backend._start_timeout = 2.0
+        # Its replacement asks for what no node has, as one for a lost node's place may.
+        backend._actor_class = ray.remote(QuantWorker).options(num_cpus=0.5, resources={"fp8ray-test-absent": 1})
+        ray.kill(backend.workers[0])
+        raised = []
+
+        def call() -> None:
+            try:
+                pool.encode_many([x])
+            except WorkerLostError as exc:
+                raised.append(str(exc))
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(timeout=120)  # the old pool never returned: a bound for the test, not a speed
+        assert not caller.is_alive(), "the pool waits for ever on a replacement that cannot start"
+    [said] = raised
+    assert re.search(r"the one replacing it did not start within 2 s .*each needs 0.5 CPU", said), said
 
 
 @pytest.mark.slow
