@@ -25,6 +25,7 @@ answers the frame's bytes, ``handle.decode.remote(frame)`` the tensor.
 import asyncio
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -66,6 +67,9 @@ STATS_ACTOR = "service-stats"
 HEALTH_TIMEOUT_S = 10.0
 BLOCK_PARAMS = ("archive", "key", "file")  # the query of GET /v1/archive/block
 CLIENT_CLOSED = 499  # the status recorded for a request whose client hung up (nginx's)
+# How long a stop waits for the requests in flight to finish (new ones are answered 503
+# meanwhile): past a 30 s body timeout and the longest request of BENCHMARKS.md.
+DRAIN_S = 30.0
 BATCH_BLOCKS = 16  # raw requests answered by one round of QuantWorker calls, at most
 # Raw bodies larger than this go to a QuantWorker alone: a batch of them would hold
 # BATCH_BLOCKS bodies' results in one worker, and small requests would wait behind them.
@@ -112,9 +116,11 @@ async def _routing_refusal(request: Request, exc: StarletteHTTPException) -> JSO
 class Fp8Service:
     """The ingress replica: request checks, then awaited calls on the shared QuantWorkers."""
 
-    def __init__(self, num_workers: int, max_body_bytes: int, archives: str = ""):
+    def __init__(self, num_workers: int, max_body_bytes: int, archives: str = "", body_timeout_s: float = 30.0):
         self.num_workers = num_workers
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self._archives_root = archives
         self._archives = ArchiveRoot(archives) if archives else None  # GET /v1/archive/block reads under it
         self._handles: dict[int, object] = {}
         self._next = itertools.count()
@@ -133,6 +139,12 @@ class Fp8Service:
         self._stats = None  # the stats actor's handle, looked up when first reported to
         self._counts = ReplicaCounts()
         self._reporter: asyncio.Task | None = None
+        self._in_flight = 0  # HTTP requests being answered
+        self._draining = False  # the service is stopping: new requests are answered 503
+        try:  # reporting from the start, so that an idle replica too hears of a stop
+            self._start_reporting()
+        except RuntimeError:  # no event loop here: started by the first request
+            pass
 
     # --- the worker pool -------------------------------------------------------------
 
@@ -220,6 +232,9 @@ class Fp8Service:
     def _record(self, **deltas: int) -> None:
         """Count in this replica; :meth:`_report_loop` reports the totals now and then."""
         self._counts.add(**deltas)
+        self._start_reporting()
+
+    def _start_reporting(self) -> None:
         if self._reporter is None:
             self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
 
@@ -228,8 +243,17 @@ class Fp8Service:
             await asyncio.sleep(REPORT_INTERVAL_S)
             try:
                 await self._report()
+                # Told of a stop here, by the replica that the stopping command called.
+                if await self._stats_actor().poll.remote(self._replica_id(), self._in_flight):
+                    self._draining = True  # a stop is never taken back
+            except (ValueError, RayActorError, ActorUnavailableError):  # being recreated: asked again next time
+                self._stats = None
             except Exception:  # a bug: say so, and keep counting
                 logger.exception("reporting the replica's counts failed")
+
+    @staticmethod
+    def _replica_id() -> str:
+        return serve.get_replica_context().replica_id.unique_id
 
     def _stats_actor(self):
         """The stats actor's handle; ``ValueError`` while the controller recreates it."""
@@ -243,7 +267,7 @@ class Fp8Service:
         if totals is None:
             return True
         try:
-            await self._stats_actor().report.remote(serve.get_replica_context().replica_id.unique_id, totals)
+            await self._stats_actor().report.remote(self._replica_id(), totals)
         except (ValueError, RayActorError, ActorUnavailableError):  # being recreated: the next report carries them
             self._stats = None
             return False
@@ -253,7 +277,8 @@ class Fp8Service:
     # --- HTTP --------------------------------------------------------------------------
 
     async def _read_body(self, request: Request) -> bytes:
-        """The body, refused with 413 as soon as it is known to be over the limit."""
+        """The body, refused with 413 as soon as it is known to be over the limit, and
+        with 408 once no byte of it has come for ``body_timeout_s``."""
         declared = request.headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -261,7 +286,16 @@ class Fp8Service:
             if int(declared) > self.max_body_bytes:
                 raise RequestError(f"body of {declared} bytes exceeds the limit of {self.max_body_bytes}", 413, "body")
         chunks, total = [], 0
-        async for chunk in request.stream():
+        stream = request.stream()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), self.body_timeout_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise RequestError(
+                    f"no byte of the body came for {self.body_timeout_s:g} s (after {total} bytes); send it again", 408, "body"
+                ) from None
             total += len(chunk)
             if total > self.max_body_bytes:
                 raise RequestError(f"body exceeds the limit of {self.max_body_bytes} bytes", 413, "body")
@@ -273,6 +307,17 @@ class Fp8Service:
         bound its request gives (``response_limit``), with what the handler carries beyond
         it (``request.state.carried_bytes``)."""
         start = time.perf_counter()
+        if self._draining:  # not started: its client can send it again, to another service
+            response = _refusal_response(503, "the service is stopping", None)
+            self._count(route, response.status_code, 0, len(response.body), start)
+            return response
+        self._in_flight += 1
+        try:
+            return await self._answer_now(route, request, handler, start)
+        finally:
+            self._in_flight -= 1
+
+    async def _answer_now(self, route: str, request: Request, handler, start: float) -> Response:
         bytes_in = 0
         try:
             query = request.query_params
@@ -310,13 +355,16 @@ class Fp8Service:
         """One request answered (or dropped) on ``route``: the Prometheus metrics and the
         replica's totals (``/v1/stats``)."""
         self._requests.inc(tags={"route": route, "status": str(status)})
-        if status >= 400:
+        error = status >= 400 and status != CLIENT_CLOSED  # a client that hung up is no failure of the service
+        if error:
             self._errors.inc(tags={"route": route, "status": str(status)})
         for direction, count in (("in", bytes_in), ("out", bytes_out)):
             if count:  # a Counter takes only positive increments
                 self._bytes.inc(count, tags={"route": route, "direction": direction})
         self._latency.observe(time.perf_counter() - start, tags={"route": route})
-        self._record(requests=1, bytes_in=bytes_in, bytes_out=bytes_out, errors=int(status >= 400))
+        self._record(
+            requests=1, bytes_in=bytes_in, bytes_out=bytes_out, errors=int(error), client_closed=int(status == CLIENT_CLOSED)
+        )
 
     @api.post("/v1/encode")
     async def http_encode(self, request: Request) -> Response:
@@ -467,7 +515,14 @@ class Fp8Service:
         alive = await self._alive_workers()
         if not alive:
             raise RequestError(f"none of the {self.num_workers} QuantWorkers answers", 503)
-        return JSONResponse({"status": "ok", "workers_alive": alive, "workers": self.num_workers})
+        return JSONResponse({"status": "ok", "workers_alive": alive, "workers": self.num_workers, **self._archives_state()})
+
+    def _archives_state(self) -> dict:
+        """The archives root the block route reads (None: off), and whether it is there:
+        a root removed since the start makes every block read a 404, the service otherwise well."""
+        if not self._archives_root:
+            return {"archives": None}
+        return {"archives": self._archives_root, "archives_present": os.path.isdir(self._archives_root)}
 
     async def _stats_body(self, request: Request, body: bytes) -> Response:
         """The totals of every replica: this one's as of now, the others' as of their last
@@ -479,7 +534,28 @@ class Fp8Service:
         except (ValueError, RayActorError, ActorUnavailableError):  # being recreated
             self._stats = None
             raise RequestError("the stats actor is restarting", 503) from None
-        return JSONResponse({**counts, "workers": self.num_workers, "workers_alive": await self._alive_workers()})
+        alive = await self._alive_workers()
+        return JSONResponse({**counts, "workers": self.num_workers, "workers_alive": alive, **self._archives_state()})
+
+    # --- Stopping ------------------------------------------------------------------------
+
+    async def drain(self) -> int:
+        """Called once by the command stopping the service: every replica answers new HTTP
+        requests 503 (each hears of it within ``REPORT_INTERVAL_S``), and this call returns
+        once none has a request in flight, or after ``DRAIN_S``; returns how many are
+        still in flight (or replicas not yet told)."""
+        self._draining = True
+        deadline = time.monotonic() + DRAIN_S
+        busy = -1
+        while time.monotonic() < deadline:
+            try:
+                busy = await self._stats_actor().drain.remote()
+            except (ValueError, RayActorError, ActorUnavailableError):
+                self._stats = None
+            if busy == 0:
+                break
+            await asyncio.sleep(REPORT_INTERVAL_S / 4)
+        return busy
 
     # --- Python handle API -------------------------------------------------------------
 
@@ -516,4 +592,4 @@ def build_app(args: dict | None = None) -> serve.Application:
     deployment = Fp8Service.options(deployment_actors=actors)
     if options.replicas:
         deployment = deployment.options(num_replicas=options.replicas)
-    return deployment.bind(options.workers, options.max_body_bytes, options.archives)
+    return deployment.bind(options.workers, options.max_body_bytes, options.archives, options.body_timeout_s)

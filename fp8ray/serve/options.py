@@ -16,6 +16,7 @@ _RANGES = {
     "cpus_per_worker": (lambda x: math.isfinite(x) and x > 0, "a finite number above 0"),
     "gpus_per_worker": (lambda x: math.isfinite(x) and x >= 0, "a finite number of at least 0"),
     "max_body_mb": (lambda x: math.isfinite(x * 2**20) and x * 2**20 >= 1, "a finite number of MiB of at least one byte"),
+    "body_timeout_s": (lambda x: math.isfinite(x) and x > 0, "a finite number of seconds above 0"),
 }
 
 
@@ -30,6 +31,11 @@ class ServiceOptions:
     max_body_mb: float = 256.0  # larger bodies are answered 413
     # The directory whose archives GET /v1/archive/block reads ("": the route is off).
     archives: str = ""
+    # A request whose body sends no byte for this long is answered 408, freeing its slot
+    # (a replica takes 64 requests at a time: 64 stalled uploads held it for ever). Long
+    # enough for a client's or a network's hiccup; a slow upload that keeps sending is
+    # not cut, however long it takes.
+    body_timeout_s: float = 30.0
 
     @classmethod
     def from_args(cls, args: dict | None) -> ServiceOptions:

@@ -30,6 +30,7 @@ from fp8ray.io.safetensors import build_body as build_safetensors
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_BODY_MB = 32
+BODY_TIMEOUT_S = 3.0  # the service's wait for a stalled body, short for the test (30 s by default)
 
 
 def digest(data) -> str:
@@ -74,7 +75,7 @@ def service(ray_session, archives_root):
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    options = {"workers": 2, "max_body_mb": MAX_BODY_MB, "archives": str(archives_root[0])}
+    options = {"workers": 2, "max_body_mb": MAX_BODY_MB, "archives": str(archives_root[0]), "body_timeout_s": BODY_TIMEOUT_S}
     handle = serve.run(build_app(options), name="fp8ray", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     with httpx.Client(base_url=url, timeout=120) as client:
@@ -526,10 +527,12 @@ def test_body_over_the_limit_answers_413_before_it_is_read(service):
     assert r.status_code == 413
 
 
-def test_health_stats_and_prometheus_metrics(service, ray_session):
+def test_health_stats_and_prometheus_metrics(service, ray_session, archives_root):
     client, _ = service
     r = client.get("/healthz")
     assert r.status_code == 200 and r.json()["workers_alive"] == 2
+    # Where the block route reads, and that it is there (nothing said so).
+    assert (r.json()["archives"], r.json()["archives_present"]) == (str(archives_root[0]), True)
     before = client.get("/v1/stats").json()
     t = torch.randn(8, 64)
     body = tensor_to_bytes(t).tobytes()
@@ -546,7 +549,7 @@ def test_health_stats_and_prometheus_metrics(service, ray_session):
     assert after["errors"] - before["errors"] == 1
     assert after["bytes_in"] - before["bytes_in"] == 2 * len(body)
     assert after["bytes_out"] - before["bytes_out"] >= len(ok.content) + len(bad.content)
-    assert after["workers"] == 2
+    assert after["workers"] == 2 and after["archives"] == str(archives_root[0])
 
     port = ray_session.nodes()[0]["MetricsExportPort"]
     names = ("fp8ray_serve_requests", "fp8ray_serve_errors", "fp8ray_serve_bytes", "fp8ray_serve_latency_seconds_bucket")
@@ -649,7 +652,8 @@ def test_no_access_log_line_per_request(service, ray_session):
 
 def test_a_client_hanging_up_mid_body_is_recorded_not_logged_as_a_failure(service, ray_session):
     """Logged with a traceback as 'POST /v1/encode failed' (a 500) before; now recorded
-    with status 499, as Serve's proxy records it."""
+    with status 499, as Serve's proxy records it, and counted apart from the errors (it
+    was counted as one: no failure of the service)."""
     from ray._private.worker import _global_node
 
     client, _ = service
@@ -668,10 +672,54 @@ def test_a_client_hanging_up_mid_body_is_recorded_not_logged_as_a_failure(servic
         s.sendall(b"POST /v1/encode?dtype=float32&shape=256 HTTP/1.1\r\nHost: x\r\nContent-Length: 1024\r\n\r\n" + b"\0" * 10)
         time.sleep(1)  # the replica is reading the body when the client hangs up
     deadline = time.monotonic() + 20
-    while (after := client.get("/v1/stats").json())["errors"] == stats["errors"] and time.monotonic() < deadline:
-        time.sleep(0.2)  # until the hung-up request is recorded (the stats reads count as requests, not errors)
-    assert after["errors"] == stats["errors"] + 1 and after["bytes_in"] == stats["bytes_in"], (stats, after)
+    while (after := client.get("/v1/stats").json()).get("client_closed") == stats.get("client_closed"):
+        assert time.monotonic() < deadline, (stats, after)  # until the hung-up request is recorded
+        time.sleep(0.2)
+    assert after["client_closed"] == stats["client_closed"] + 1 and after["bytes_in"] == stats["bytes_in"], (stats, after)
+    assert after["errors"] == stats["errors"], (stats, after)
     assert failures() == before, failures()[len(before) :]
+
+
+def read_response(s: socket.socket) -> tuple[bytes, bytes]:
+    """An HTTP/1.1 response's status line and headers, and its body (of Content-Length bytes)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, data  # closed before its answer
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])
+    while len(body) < length:
+        chunk = s.recv(65536)
+        assert chunk, (head, body)
+        body += chunk
+    return head, body
+
+
+def test_stalled_bodies_are_answered_408_and_free_the_replica(service):
+    """As many clients as the replica takes at a time each send part of a body, then
+    nothing: every request waited for ever behind them, /healthz too. Each is answered
+    408 once its body has been silent for body_timeout_s, and the service answers again."""
+    from fp8ray.serve.deployment import Fp8Service
+
+    client, _ = service
+    port = client.base_url.port
+    stalled = []
+    try:
+        for _ in range(Fp8Service.max_ongoing_requests):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.settimeout(20 * BODY_TIMEOUT_S)  # only so that a failure ends: the answer comes after BODY_TIMEOUT_S
+            s.sendall(b"POST /v1/encode?dtype=bfloat16&shape=64 HTTP/1.1\r\nHost: x\r\nContent-Length: 128\r\n\r\n" + b"\0" * 8)
+            stalled.append(s)
+        r = client.get("/healthz")  # queued behind them until they time out
+        assert r.status_code == 200, r.text
+        for s in stalled:
+            head, body = read_response(s)
+            assert head.startswith(b"HTTP/1.1 408 "), head
+            assert b'"field":"body"' in body and b"no byte of the body came for 3 s (after 8 bytes)" in body, body
+    finally:
+        for s in stalled:
+            s.close()
 
 
 async def _load(url: str, clients: int, requests: int, blocks: list[tuple[dict, bytes, str]], kill=None) -> dict:

@@ -36,3 +36,19 @@ def test_the_stats_actor_sums_the_latest_totals_of_each_replica():
     stats.report("a", {**dict.fromkeys(COUNTS, 0), "requests": 6, "bytes_out": 9})  # a's newer totals replace its older
     assert stats.snapshot() == {**dict.fromkeys(COUNTS, 0), "requests": 7, "bytes_out": 9}
     assert stats.report_count() == 3
+
+
+def test_a_stop_waits_for_each_replica_to_hear_of_it_and_finish_its_requests():
+    """The stats actor tells the replicas of a stop as they poll it; :meth:`drain` counts
+    what is left: requests in flight, and one for a replica not yet told (it may be
+    taking requests still). A replica silent for GONE_S has stopped: not waited for."""
+    from fp8ray.serve.stats import GONE_S
+
+    stats = ServiceStats()
+    assert stats.poll("a", 2, now=0.0) is False and stats.poll("b", 0, now=0.0) is False
+    assert stats.poll("gone", 5, now=-GONE_S) is False
+    assert stats.drain(now=0.5) == 2 + 1  # a's two requests; b not yet told
+    assert stats.poll("a", 1, now=1.0) is True and stats.poll("b", 0, now=1.0) is True
+    assert stats.drain(now=1.0) == 1
+    stats.poll("a", 0, now=2.0)
+    assert stats.drain(now=2.0) == 0
