@@ -13,7 +13,9 @@ APP_NAME = "fp8ray"
 
 def add_commands(commands) -> None:
     serve = commands.add_parser("serve", help="run the HTTP encode/decode service on Ray Serve until SIGINT/SIGTERM")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument(
+        "--host", type=non_empty, default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
     serve.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
     service_arguments(serve)
     serve.add_argument(
@@ -68,17 +70,17 @@ def _check_port(host: str, port: int) -> None:
 
 
 def run_serve(args) -> int:
-    import shutil
-    import tempfile
-
     from ..serve import ServiceOptions
-    from ..serve.environment import apply_serve_environment
+    from ..serve.environment import apply_serve_environment, check_haproxy_sockets
 
+    # No call of this process may start a Ray of its own (Ray's auto-init): one left waiting
+    # on the GCS of an embedded Ray killed with this process did, as Ray was being removed.
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     options = service_args(args)
     if args.archives:
         options["archives"] = os.path.abspath(args.archives)  # the replicas' working directory is Ray's, not ours
     ServiceOptions.from_args(options)  # bad options fail before Ray starts
-    state = None
+    state = mark = None
     embedded = (args.address or os.environ.get("RAY_ADDRESS") or "local") == "local"
     if args.haproxy and not embedded:  # a cluster's Serve proxies are set where the cluster starts
         raise InvalidOptionError("--haproxy applies to an embedded Ray (no --address, no RAY_ADDRESS), not to a cluster's")
@@ -87,13 +89,43 @@ def run_serve(args) -> int:
         # service holds (SO_REUSEPORT) without a word: refuse first.
         _check_port(args.host, args.port)
         # Serve reads these as it is imported, in every process of the Ray started below.
-        state = tempfile.mkdtemp(prefix="fp8ray-serve-")
-        apply_serve_environment(state, args.haproxy)
+        state, mark = _state_folder()
+        try:
+            apply_serve_environment(state, args.haproxy)
+            if args.haproxy:
+                check_haproxy_sockets(os.environ)
+        except BaseException:
+            _remove_state(state, mark)
+            raise
     try:
         return _serve(args, options)
     finally:
         if state:
-            shutil.rmtree(state, ignore_errors=True)
+            _remove_state(state, mark)
+
+
+# The run's own folder (HAProxy's files), beside the embedded Ray's: short, as HAProxy's
+# socket paths must be, and marked, so that the embedded start of a later command removes
+# one whose command was killed outright (its sweep of RAY_FOLDER_PREFIX, which this shares).
+STATE_PREFIX = "fp8ray-srv-"
+
+
+def _state_folder():
+    import tempfile
+
+    from pyarrow.fs import LocalFileSystem
+
+    from ..io.leftovers import ScratchMark
+
+    state = tempfile.mkdtemp(prefix=STATE_PREFIX, dir=os.environ.get("RAY_TMPDIR") or "/tmp")
+    return state, ScratchMark(LocalFileSystem(), state)
+
+
+def _remove_state(state: str, mark) -> None:
+    import shutil
+
+    mark.release()
+    shutil.rmtree(state, ignore_errors=True)
 
 
 def _serve(args, options: dict) -> int:
@@ -112,6 +144,7 @@ def _serve(args, options: dict) -> int:
     # applied" from its second start inside serve.run, ready) say nothing ours does not.
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     deployed = False
+    ray_lost = False
     try:
         if started_embedded():  # nothing else will join it: QuantWorkers it cannot hold would wait forever
             service = ServiceOptions.from_args(options)
@@ -124,20 +157,67 @@ def _serve(args, options: dict) -> int:
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        where = f"http://{args.host}:{args.port}" if owns_ray else "the cluster's Serve HTTP address (its first start set it)"
         ray_address = ray.get_runtime_context().gcs_address
+        archives = f"reading the archives under {options['archives']}" if options.get("archives") else "no --archives"
         print(
-            f"fp8ray serve: listening on {where} with {args.workers} QuantWorkers; Serve handles join "
-            f"RAY_ADDRESS={ray_address} (serve.get_app_handle({APP_NAME!r})); SIGINT or SIGTERM stops it",
+            f"fp8ray serve: listening on {listening_on(args.host, args.port)} with {args.workers} QuantWorkers, "
+            f"{archives}; Serve handles join RAY_ADDRESS={ray_address} (serve.get_app_handle({APP_NAME!r})); "
+            "SIGINT or SIGTERM stops it",
             flush=True,
         )
         stop.wait()
         print("fp8ray serve: shutting down", flush=True)
     finally:
-        # Only what this run deployed; an embedded Ray then goes whole, Serve's controller
-        # with it (serve.shutdown would have it kill itself mid-call: "graceful_shutdown failed").
         if deployed:
-            serve.delete(APP_NAME)
+            ray_lost = not _stop_service(started_embedded())
         if owns_ray:
             disconnect_ray()
+    if ray_lost:
+        print("fp8ray serve: the embedded Ray's processes were stopped by the same signal: requests in flight were lost")
+        raise KeyboardInterrupt  # exit 130, the interrupted line: not a clean stop
     return 0
+
+
+def listening_on(host: str, port: int) -> str:
+    """Where the service answers HTTP: ``host:port`` on a Serve this command started; on a
+    cluster whose Serve already ran, its own (Serve keeps the first start's)."""
+    from ..engine.runtime import started_embedded
+
+    return f"http://{host}:{port}" if started_embedded() else "the cluster's Serve HTTP address (its first start set it)"
+
+
+def _stop_service(embedded: bool) -> bool:
+    """Drain the service (new requests 503, those in flight finished, up to DRAIN_S), then
+    remove it: on a cluster, the application this run deployed; an embedded Ray goes whole
+    next (serve.delete would answer new requests 404 as it ran). Returns False where the
+    embedded Ray died meanwhile (a signal to the whole process group): nothing waits for it."""
+    import asyncio
+    import threading
+
+    from ray import serve
+
+    from ..engine.runtime import embedded_ray_alive
+    from ..serve.deployment import DRAIN_S
+
+    async def drain():  # in an event loop: Serve's throughput setting routes a handle's calls on the caller's
+        await asyncio.wait_for(serve.get_app_handle(APP_NAME).drain.remote(), DRAIN_S + 10)
+
+    def drain_and_delete():
+        try:
+            asyncio.run(drain())
+        except Exception as exc:  # noqa: BLE001 (the stop goes on: say why it did not drain)
+            print(f"fp8ray serve: draining failed ({type(exc).__name__}: {exc}); stopping now", flush=True)
+        if not embedded:
+            serve.delete(APP_NAME)
+
+    if not embedded:
+        drain_and_delete()
+        return True
+    # In a thread: a call to a GCS that has died waits a minute, then ends the process.
+    worker = threading.Thread(target=drain_and_delete, daemon=True)
+    worker.start()
+    while worker.is_alive():
+        if not embedded_ray_alive():
+            return False
+        worker.join(0.2)
+    return True

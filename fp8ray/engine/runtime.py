@@ -214,6 +214,15 @@ def started_embedded() -> bool:
     return _started_dir is not None
 
 
+def embedded_ray_alive() -> bool:
+    """Whether the GCS of the embedded Ray this process started still answers (False where
+    none was started). A signal to this process's whole group (``timeout``, ``kill --
+    -PGID``, systemd) stops Ray's processes too; a call needing the GCS then waits a minute
+    for it before Ray ends the process. (A GCS told to stop closes its port at once, its
+    process lingering on for seconds.)"""
+    return _started_dir is not None and answers(ray.get_runtime_context().gcs_address, CONNECT_SECONDS)
+
+
 def check_placeable(workers: int, cpus_per_worker: float, gpus_per_worker: float, have: dict, joinable: bool = True) -> None:
     """On a Ray the caller started (``have``: its ``ray.cluster_resources()``), which
     nothing else will ever join: QuantWorkers asking for more CPUs or GPUs than it has

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+
+from ..errors import InvalidOptionError
 
 # Serve's switches (and one of Ray's), each kept where the environment sets it already.
 SERVE_SWITCHES = {
@@ -52,6 +54,12 @@ HAPROXY_FILES = {
     "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
     "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock",
 }
+# Serve puts each node's HAProxy files in a folder named by the node's id (56 hex digits),
+# and HAProxy refuses a UNIX socket path of more bytes than this ("Fatal errors found in
+# configuration", naming neither), so the run's directory must be short.
+HAPROXY_SOCKETS = ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH")
+NODE_ID_CHARS = 56
+HAPROXY_SOCKET_MAX = 97
 # HAProxy's statistics and Prometheus ports, by default 8404 and 9101 on every interface:
 # a free port each, so that two services on one machine do not collide.
 HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
@@ -79,3 +87,16 @@ def apply_serve_environment(
     for name, value in wanted.items():
         environ.setdefault(name, value)
     return {name: environ[name] for name in wanted}
+
+
+def check_haproxy_sockets(environ: Mapping[str, str]) -> None:
+    """Refuse, in one line naming it, a HAProxy socket path longer than HAProxy takes."""
+    for name in HAPROXY_SOCKETS:
+        folder, leaf = os.path.split(environ[name])
+        path = os.path.join(folder, "<node id>", leaf)
+        size = len(os.fsencode(path)) - len("<node id>") + NODE_ID_CHARS
+        if size > HAPROXY_SOCKET_MAX:
+            raise InvalidOptionError(
+                f"--haproxy: HAProxy's socket {path} would be {size} bytes long, over HAProxy's limit of "
+                f"{HAPROXY_SOCKET_MAX}: set RAY_TMPDIR to a shorter folder (such as /tmp) or {name} to a shorter path"
+            )

@@ -56,3 +56,38 @@ def test_workers_the_commands_own_ray_cannot_place_are_refused_naming_what_is_sh
         _placeable(ServiceOptions(workers=3), two_cpus)
     with pytest.raises(PoolStartError, match=r"need 1 GPU\(s\), and the Ray this command started has 0: .*--gpus-per-worker"):
         _placeable(ServiceOptions(workers=1, gpus_per_worker=1.0), two_cpus)
+
+
+def test_a_haproxy_socket_path_longer_than_haproxy_takes_is_refused_naming_it():
+    """HAProxy refuses a socket path over 97 bytes with only "Fatal errors found in
+    configuration"; Serve puts the sockets under a folder named by the 56-digit node id.
+    Refused before Ray starts, naming the path, the limit and what to change."""
+    import pytest
+
+    from fp8ray.errors import InvalidOptionError
+    from fp8ray.serve.environment import HAPROXY_SOCKET_MAX, HAPROXY_SOCKETS, NODE_ID_CHARS, check_haproxy_sockets
+
+    def environ_in(folder: str) -> dict[str, str]:
+        environ: dict[str, str] = {}
+        apply_serve_environment(folder, haproxy=True, environ=environ)
+        return environ
+
+    longest_leaf = max(len(HAPROXY_FILES[name]) for name in HAPROXY_SOCKETS)
+    fits = HAPROXY_SOCKET_MAX - NODE_ID_CHARS - longest_leaf - 2  # the two slashes
+    check_haproxy_sockets(environ_in("/" + "d" * (fits - 1)))
+    long = "/" + "d" * fits
+    shown = rf"{long}/<node id>/metrics.sock would be 98 bytes long, over HAProxy's limit of 97: set RAY_TMPDIR"
+    with pytest.raises(InvalidOptionError, match=rf"^--haproxy: HAProxy's socket {shown}"):
+        check_haproxy_sockets(environ_in(long))
+
+
+def test_the_serve_commands_folder_is_short_and_swept_as_the_embedded_rays():
+    """Its HAProxy sockets fit under /tmp, and its prefix is one the embedded start sweeps."""
+    from fp8ray.cli.serve import STATE_PREFIX
+    from fp8ray.engine.runtime import RAY_FOLDER_PREFIX
+    from fp8ray.serve.environment import check_haproxy_sockets
+
+    assert STATE_PREFIX.startswith(RAY_FOLDER_PREFIX)
+    environ: dict[str, str] = {}
+    apply_serve_environment(f"/tmp/{STATE_PREFIX}xxxxxxxx", haproxy=True, environ=environ)  # mkdtemp's 8 characters
+    check_haproxy_sockets(environ)

@@ -803,34 +803,46 @@ def readme_handle_snippet() -> str:
     return snippet
 
 
+def start_serve(tmp_path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
+    """`fp8ray serve ARGS` on a free port, in a session (process group) of its own, once
+    it says it listens; its output in tmp_path/serve.log."""
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
+    env.pop("RAY_ADDRESS", None)
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fp8ray.cli", "serve", "--port", str(port), "--workers", "1", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 180
+    while "listening on" not in (tmp_path / "serve.log").read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)  # only the group this test started
+            raise AssertionError((tmp_path / "serve.log").read_text()[-3000:])
+        time.sleep(0.5)
+    return proc, port
+
+
 @pytest.mark.slow
 def test_fp8ray_serve_command_serves_until_sigterm(tmp_path):
-    """`fp8ray serve` starts its own Ray, answers on 127.0.0.1, and on SIGTERM shuts
-    down cleanly (exit 0, port closed)."""
-    port = free_port()
+    """`fp8ray serve` starts its own Ray, answers on 127.0.0.1, and on SIGTERM drains:
+    a request in flight is answered, new ones 503 in the service's JSON (Serve's plain
+    404 before, and in-flight requests dropped); then it shuts down cleanly (exit 0,
+    port closed)."""
+    proc, port = start_serve(tmp_path, "--archives", str(tmp_path))
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 (the server writes it until the finally below closes it)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fp8ray.cli", "serve", "--port", str(port), "--workers", "1"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=tmp_path,
-        start_new_session=True,
-    )
     try:
-        deadline = time.monotonic() + 180
-        while "listening on" not in (tmp_path / "serve.log").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.5)
+        assert f"1 QuantWorkers, reading the archives under {tmp_path};" in (tmp_path / "serve.log").read_text()
         t = torch.randn(4, 64)
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/encode", params=encode_params(t), content=tensor_to_bytes(t).tobytes(), timeout=60
         )
         assert r.status_code == 200 and digest(r.content) == digest(service_codec().encode(t))
-        r = httpx.get(f"http://127.0.0.1:{port}/v1/archive/block", params={"archive": "kv.fp8", "key": "a"}, timeout=60)
-        assert r.status_code == 404 and "without --archives" in r.json()["error"], r.text
         # The README's Serve-handle snippet, as written, in the Ray the command printed.
         address = re.search(r"RAY_ADDRESS=(\S+)", (tmp_path / "serve.log").read_text())[1]
         (tmp_path / "handle.py").write_text(readme_handle_snippet() + "\nassert tensor.shape == (2, 30, 256, 192)\n")
@@ -843,18 +855,61 @@ def test_fp8ray_serve_command_serves_until_sigterm(tmp_path):
             timeout=180,
         )
         assert client.returncode == 0, client.stderr[-3000:]
-        proc.send_signal(signal.SIGTERM)
+        body = tensor_to_bytes(t).tobytes()
+        with socket.create_connection(("127.0.0.1", port)) as in_flight:
+            in_flight.settimeout(120)  # only so that a failure ends
+            head = f"POST /v1/encode?dtype=float32&shape=4,64 HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+            in_flight.sendall(head.encode() + body[:100])
+            proc.send_signal(signal.SIGTERM)
+            answers = []
+            while not answers or answers[-1] != "closed" and answers[-1].status_code == 200:  # until the stop is known
+                try:
+                    answers.append(httpx.post(f"http://127.0.0.1:{port}/v1/encode", params=encode_params(t), content=body))
+                except httpx.TransportError:
+                    answers.append("closed")
+            assert answers[-1] != "closed" and answers[-1].status_code == 503, answers
+            assert error_of(answers[-1]) == {"error": "the service is stopping", "status": 503}
+            assert answers[-1].headers["retry-after"] == "1"
+            in_flight.sendall(body[100:])  # the rest, once new requests are refused
+            status, answer = read_response(in_flight)
+            assert status.startswith(b"HTTP/1.1 200 ") and digest(answer) == digest(service_codec().encode(t)), status
         assert proc.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # only the group this test started
-        log.close()
     text = (tmp_path / "serve.log").read_text()
     assert "shutting down" in text
     # Nothing but fp8ray's own lines: no Serve start-up chatter, no failed shutdown call.
     assert [line for line in text.splitlines() if not line.startswith("fp8ray serve: ")] == [], text[-3000:]
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_the_whole_process_group_ends_the_command_at_once(tmp_path):
+    """`timeout`, `kill -- -PGID` and systemd signal the command's whole group, the
+    embedded Ray's GCS and raylet with it: the stop waited a minute on the dead GCS, then
+    Ray ended the process (exit 1), leaving its folders. Now it sees the GCS gone, tears
+    down at once and exits 130 with the interrupted line, leaving nothing."""
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="fp8t-", dir="/tmp")  # short: Ray's socket paths are limited
+    try:
+        proc, port = start_serve(tmp_path, env={"RAY_TMPDIR": ray_tmp})
+        try:
+            assert "1 QuantWorkers, no --archives;" in (tmp_path / "serve.log").read_text()
+            r = httpx.get(f"http://127.0.0.1:{port}/v1/archive/block", params={"archive": "kv.fp8", "key": "a"}, timeout=60)
+            assert r.status_code == 404 and "without --archives" in r.json()["error"], r.text
+            os.killpg(proc.pid, signal.SIGTERM)
+            code = proc.wait(timeout=120)  # Ray's own end of it: exit 1 after a minute
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # only the group this test started
+        text = (tmp_path / "serve.log").read_text()
+        assert code == 130 and text.endswith("fp8ray: interrupted: serve stopped before it finished\n"), text[-3000:]
+        assert os.listdir(ray_tmp) == []  # the embedded Ray's folder and the command's own
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_fp8ray_serve_refuses_an_archives_root_that_is_not_a_directory(tmp_path):
