@@ -199,8 +199,11 @@ def _stop_service(embedded: bool) -> bool:
     from ..engine.runtime import embedded_ray_alive
     from ..serve.deployment import DRAIN_S
 
-    async def drain():  # in an event loop: Serve's throughput setting routes a handle's calls on the caller's
-        await asyncio.wait_for(serve.get_app_handle(APP_NAME).drain.remote(), DRAIN_S + 10)
+    # In an event loop: Serve's throughput setting routes a handle's calls on the caller's.
+    # The replica drains for DRAIN_S at most; the call may first wait as long for a slot
+    # (stalled uploads hold them until the body timeout, of the same default).
+    async def drain():
+        await asyncio.wait_for(serve.get_app_handle(APP_NAME).drain.remote(), 2 * DRAIN_S)
 
     def drain_and_delete():
         try:

@@ -68,8 +68,8 @@ HEALTH_TIMEOUT_S = 10.0
 BLOCK_PARAMS = ("archive", "key", "file")  # the query of GET /v1/archive/block
 CLIENT_CLOSED = 499  # the status recorded for a request whose client hung up (nginx's)
 # How long a stop waits for the requests in flight to finish (new ones are answered 503
-# meanwhile): past a 30 s body timeout and the longest request of BENCHMARKS.md.
-DRAIN_S = 30.0
+# meanwhile): as long as the default body timeout, by which a stalled upload is answered.
+DRAIN_S = ServiceOptions.body_timeout_s
 BATCH_BLOCKS = 16  # raw requests answered by one round of QuantWorker calls, at most
 # Raw bodies larger than this go to a QuantWorker alone: a batch of them would hold
 # BATCH_BLOCKS bodies' results in one worker, and small requests would wait behind them.
@@ -116,7 +116,9 @@ async def _routing_refusal(request: Request, exc: StarletteHTTPException) -> JSO
 class Fp8Service:
     """The ingress replica: request checks, then awaited calls on the shared QuantWorkers."""
 
-    def __init__(self, num_workers: int, max_body_bytes: int, archives: str = "", body_timeout_s: float = 30.0):
+    def __init__(
+        self, num_workers: int, max_body_bytes: int, archives: str = "", body_timeout_s: float = ServiceOptions.body_timeout_s
+    ):
         self.num_workers = num_workers
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -543,7 +545,8 @@ class Fp8Service:
         """Called once by the command stopping the service: every replica answers new HTTP
         requests 503 (each hears of it within ``REPORT_INTERVAL_S``), and this call returns
         once none has a request in flight, or after ``DRAIN_S``; returns how many are
-        still in flight (or replicas not yet told)."""
+        still in flight, counting a replica not yet told as one (-1: the stats actor never
+        answered)."""
         self._draining = True
         deadline = time.monotonic() + DRAIN_S
         busy = -1
