@@ -100,6 +100,32 @@ def answers(address: str, seconds: float) -> bool:
         return False
 
 
+# What an HTTP/2 client sends first (RFC 9113, 3.4): the preface, then a SETTINGS frame.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def answers_grpc(address: str, seconds: float) -> bool:
+    """Whether the port of a Ray address with an :func:`endpoint` answers as a gRPC
+    server does (Ray's GCS and client server are): its first frame a SETTINGS frame. Ray
+    retries any other port that accepts connections for a quarter of an hour (a
+    dashboard's, whose port ``ray job submit`` takes, is the easy mistake). Where Ray's
+    TLS is on (``RAY_USE_TLS``) the question cannot be asked in plain text: True."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return True
+    try:
+        with socket.create_connection(endpoint(address), timeout=seconds) as connection:
+            connection.sendall(_HTTP2_PREFACE)
+            header = b""
+            while len(header) < 9:
+                chunk = connection.recv(9 - len(header))
+                if not chunk:
+                    break
+                header += chunk
+    except OSError:
+        return False
+    return len(header) == 9 and header[3] == 4  # a frame header: 3 bytes of length, then the type
+
+
 def ray_temp_dir() -> str:
     """Ray's default temporary directory, where ``ray start`` records its cluster
     (``ray._common.utils.get_default_ray_temp_dir`` in Ray 2.60): under ``RAY_TMPDIR``,

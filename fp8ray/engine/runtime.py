@@ -18,7 +18,16 @@ from pyarrow.fs import LocalFileSystem
 from ..errors import Fp8rayError, InvalidOptionError, PoolStartError
 from ..io.leftovers import ScratchMark, remove_dead
 from ..io.paths import one_line, os_reason
-from .address import CONNECT_SECONDS, LOCAL, answers, check_local_size, endpoint
+from .address import (
+    CONNECT_SECONDS,
+    LOCAL,
+    answers,
+    answers_grpc,
+    check_local_size,
+    endpoint,
+    ray_temp_dir,
+    running_local_cluster,
+)
 from .dispositions import keeping_dispositions
 
 # What the embedded Ray this process started left on the machine, removed when it stops:
@@ -76,10 +85,25 @@ def _connect(address: str | None, num_cpus: int | None, inline_possible: bool) -
     global _started_dir, _before, _started_mark
     address = address or os.environ.get("RAY_ADDRESS") or LOCAL
     where = " (RAY_ADDRESS)" if address == os.environ.get("RAY_ADDRESS") else ""  # a pool's default is it too
-    cluster = address not in (LOCAL, "auto")  # auto: Ray finds the cluster ray start runs here
     forms = "HOST:PORT or ray://HOST:PORT (a cluster), auto (the cluster ray start runs here), local (an embedded Ray)"
     if address == "inline" and not inline_possible:
         raise InvalidOptionError(f"address 'inline'{where} runs no Ray, and this needs one: give {forms}", field="address")
+    if address == "auto":
+        # Found as the default address finds it, its port answering: Ray's own search
+        # retried a cluster gone for minutes, or joined another process's embedded Ray.
+        found = running_local_cluster()
+        if found is None:
+            raise PoolStartError(
+                f"no Ray cluster runs on this machine (address 'auto'{where} is the one ray start records in "
+                f"{os.path.join(ray_temp_dir(), 'ray_current_cluster')}, its port answering): start one (ray start "
+                "--head), or give its HOST:PORT"
+            )
+        address, where = found, f" (auto){where}"
+    cluster = address != LOCAL
+    if address.startswith(("http://", "https://")):  # a dashboard's, as ray job submit takes it
+        raise InvalidOptionError(
+            f"address {address!r}{where} is a URL (the dashboard's, for ray job submit): give {forms}", field="address"
+        )
     if cluster and endpoint(address) is None:  # Ray's own message names no form
         raise InvalidOptionError(
             f"address {address!r}{where} is not a Ray address: give {forms}" + (" or inline (no Ray)" if inline_possible else ""),
@@ -90,6 +114,11 @@ def _connect(address: str | None, num_cpus: int | None, inline_possible: bool) -
         instead = "--address inline (no Ray) or --address local" if inline_possible else "--address local"
         raise PoolStartError(
             f"no Ray cluster answers at {address}{where}: start one (ray start --head), or pass {instead} (an embedded one)"
+        )
+    if cluster and not answers_grpc(address, CONNECT_SECONDS):
+        raise PoolStartError(
+            f"{address}{where} answers, but not as a Ray cluster's GCS or client server does (gRPC): the dashboard's "
+            "port (8265, ray job submit's)? Give the port ray start printed (6379 by default; ray:// takes 10001)"
         )
     if address == LOCAL and num_cpus is not None:  # the CPUs its caller's workers take
         check_local_size(num_cpus)
@@ -131,6 +160,10 @@ def _connect(address: str | None, num_cpus: int | None, inline_possible: bool) -
             _init_holding_sigterm(held, address=address, log_to_driver=False, logging_level=logging.WARNING)
         if held:
             _shutdown()
+    except BaseException:
+        if not held:
+            raise
+        # Ray did not start, and an interrupt came meanwhile: the interrupt is answered (it was dropped).
     finally:
         _restore_signal_handlers(handlers)
     if held:

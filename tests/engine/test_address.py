@@ -197,6 +197,8 @@ def test_with_a_local_cluster_running_a_command_joins_it(source, tmp_path, ray_t
     # in its session (an embedded Ray's would be in a session of its own, removed with it).
     logs = glob.glob(os.path.join(ray_tmp, "ray", "session_latest", "logs", f"python-core-driver-*_{pid}.log"))
     assert len(logs) == 2, sorted(os.listdir(os.path.join(ray_tmp, "ray", "session_latest", "logs")))
+    result = compress_at("auto", "--address", source, tmp_path / "auto.fp8", ray_tmp)  # auto: that cluster too
+    assert result.returncode == 0 and (tmp_path / "auto.fp8" / "_manifest.json").exists(), result.stderr
 
 
 def test_on_a_cluster_workers_it_cannot_hold_yet_wait_for_it_to_grow(ray_tmp, local_cluster):
@@ -275,6 +277,75 @@ def test_an_address_where_no_cluster_answers_is_refused_at_once(source, tmp_path
     named = f"{gone} (RAY_ADDRESS)" if given == "RAY_ADDRESS" else f"{gone}:"
     assert result.returncode == 1 and result.stderr.startswith(f"fp8ray: error: no Ray cluster answers at {named}"), result.stderr
     assert result.stderr.count("\n") == 1 and not (tmp_path / "out.fp8").exists()
+
+
+@pytest.fixture
+def http_port():
+    """A port that answers HTTP/1, as a dashboard's does."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def test_a_port_that_is_not_a_gcs_is_refused_at_once(source, tmp_path, ray_tmp, http_port):
+    """The dashboard's port (ray job submit's) passed the check that something answers;
+    Ray then retried it for 14 minutes, holding Ctrl-C."""
+    result = compress_at(f"127.0.0.1:{http_port}", "--address", source, tmp_path / "out.fp8", ray_tmp)
+    assert result.returncode == 1 and result.stderr.startswith(
+        f"fp8ray: error: 127.0.0.1:{http_port} answers, but not as a Ray cluster's GCS or client server does (gRPC): "
+        "the dashboard's port"
+    ), result.stderr
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "out.fp8").exists()
+    result = compress_at(f"http://127.0.0.1:{http_port}", "--address", source, tmp_path / "out.fp8", ray_tmp)
+    assert result.returncode == 1 and f"address 'http://127.0.0.1:{http_port}' is a URL" in result.stderr, result.stderr
+
+
+def test_an_interrupt_while_ray_fails_to_start_is_answered_not_dropped(ray_tmp):
+    """A SIGINT held while ray.init ran was dropped when the start then failed: the
+    command ended with the start's error, not exit 130."""
+    code = (
+        "import os, signal\n"
+        "import fp8ray.engine.runtime as runtime\n"
+        "def failing_init(**_):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    raise RuntimeError('the start failed')\n"
+        "runtime.ray.init = failing_init\n"
+        "try:\n"
+        "    runtime.connect_ray('local', 1)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted')\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env_for(ray_tmp),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert result.stdout.strip() == "interrupted", result.stdout + result.stderr[-2000:]
+    assert os.listdir(ray_tmp) == []  # the embedded Ray's folder went with it
+
+
+def test_auto_is_the_cluster_ray_start_records_or_refused_at_once(source, tmp_path, ray_tmp):
+    """Ray's own 'auto' retried a cluster gone (a stale ray_current_cluster) for minutes,
+    and without one joined any embedded Ray it found running."""
+    result = compress_at("auto", "--address", source, tmp_path / "out.fp8", ray_tmp)
+    recorded = os.path.join(ray_tmp, "ray", "ray_current_cluster")
+    assert result.returncode == 1 and result.stderr == (
+        f"fp8ray: error: no Ray cluster runs on this machine (address 'auto' is the one ray start records in {recorded}, "
+        "its port answering): start one (ray start --head), or give its HOST:PORT\n"
+    ), result.stderr
+    os.makedirs(os.path.dirname(recorded), exist_ok=True)
+    Path(recorded).write_text(f"127.0.0.1:{free_port()}")  # a cluster gone
+    result = compress_at("auto", "RAY_ADDRESS", source, tmp_path / "out.fp8", ray_tmp)
+    assert result.returncode == 1 and "no Ray cluster runs on this machine (address 'auto' (RAY_ADDRESS)" in result.stderr
 
 
 @pytest.mark.parametrize("address", ["bogus", "host:notaport", ":6379"])
