@@ -71,7 +71,7 @@ def _check_port(host: str, port: int) -> None:
 
 def run_serve(args) -> int:
     from ..serve import ServiceOptions
-    from ..serve.environment import apply_serve_environment, check_haproxy_sockets
+    from ..serve.environment import StateFolder, apply_serve_environment, check_haproxy_sockets
 
     # No call of this process may start a Ray of its own (Ray's auto-init): one left waiting
     # on the GCS of an embedded Ray killed with this process did, as Ray was being removed.
@@ -80,7 +80,7 @@ def run_serve(args) -> int:
     if args.archives:
         options["archives"] = os.path.abspath(args.archives)  # the replicas' working directory is Ray's, not ours
     ServiceOptions.from_args(options)  # bad options fail before Ray starts
-    state = mark = None
+    state = None
     embedded = (args.address or os.environ.get("RAY_ADDRESS") or "local") == "local"
     if args.haproxy and not embedded:  # a cluster's Serve proxies are set where the cluster starts
         raise InvalidOptionError("--haproxy applies to an embedded Ray (no --address, no RAY_ADDRESS), not to a cluster's")
@@ -89,43 +89,19 @@ def run_serve(args) -> int:
         # service holds (SO_REUSEPORT) without a word: refuse first.
         _check_port(args.host, args.port)
         # Serve reads these as it is imported, in every process of the Ray started below.
-        state, mark = _state_folder()
+        state = StateFolder()
         try:
-            apply_serve_environment(state, args.haproxy)
+            apply_serve_environment(state.path, args.haproxy)
             if args.haproxy:
                 check_haproxy_sockets(os.environ)
         except BaseException:
-            _remove_state(state, mark)
+            state.remove()
             raise
     try:
         return _serve(args, options)
     finally:
         if state:
-            _remove_state(state, mark)
-
-
-# The run's own folder (HAProxy's files), beside the embedded Ray's: short, as HAProxy's
-# socket paths must be, and marked, so that the embedded start of a later command removes
-# one whose command was killed outright (its sweep of RAY_FOLDER_PREFIX, which this shares).
-STATE_PREFIX = "fp8ray-srv-"
-
-
-def _state_folder():
-    import tempfile
-
-    from pyarrow.fs import LocalFileSystem
-
-    from ..io.leftovers import ScratchMark
-
-    state = tempfile.mkdtemp(prefix=STATE_PREFIX, dir=os.environ.get("RAY_TMPDIR") or "/tmp")
-    return state, ScratchMark(LocalFileSystem(), state)
-
-
-def _remove_state(state: str, mark) -> None:
-    import shutil
-
-    mark.release()
-    shutil.rmtree(state, ignore_errors=True)
+            state.remove()
 
 
 def _serve(args, options: dict) -> int:

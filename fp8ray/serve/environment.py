@@ -100,3 +100,30 @@ def check_haproxy_sockets(environ: Mapping[str, str]) -> None:
                 f"--haproxy: HAProxy's socket {path} would be {size} bytes long, over HAProxy's limit of "
                 f"{HAPROXY_SOCKET_MAX}: set RAY_TMPDIR to a shorter folder (such as /tmp) or {name} to a shorter path"
             )
+
+
+# A service's own folder (HAProxy's files), beside the embedded Ray's: short, as HAProxy's
+# socket paths must be, and marked, so that the embedded start of a later command removes
+# one whose command was killed outright (its sweep of RAY_FOLDER_PREFIX, which this shares).
+STATE_PREFIX = "fp8ray-srv-"
+
+
+class StateFolder:
+    """The folder :func:`apply_serve_environment` puts HAProxy's files in, made now and
+    marked (:mod:`fp8ray.io.leftovers`); :meth:`remove` when the service has stopped."""
+
+    def __init__(self):
+        import tempfile
+
+        from pyarrow.fs import LocalFileSystem
+
+        from ..io.leftovers import ScratchMark
+
+        self.path = tempfile.mkdtemp(prefix=STATE_PREFIX, dir=os.environ.get("RAY_TMPDIR") or "/tmp")
+        self._mark = ScratchMark(LocalFileSystem(), self.path)
+
+    def remove(self) -> None:
+        import shutil
+
+        self._mark.release()
+        shutil.rmtree(self.path, ignore_errors=True)

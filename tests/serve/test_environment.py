@@ -83,9 +83,8 @@ def test_a_haproxy_socket_path_longer_than_haproxy_takes_is_refused_naming_it():
 
 def test_the_serve_commands_folder_is_short_and_swept_as_the_embedded_rays():
     """Its HAProxy sockets fit under /tmp, and its prefix is one the embedded start sweeps."""
-    from fp8ray.cli.serve import STATE_PREFIX
     from fp8ray.engine.runtime import RAY_FOLDER_PREFIX
-    from fp8ray.serve.environment import check_haproxy_sockets
+    from fp8ray.serve.environment import STATE_PREFIX, check_haproxy_sockets
 
     assert STATE_PREFIX.startswith(RAY_FOLDER_PREFIX)
     environ: dict[str, str] = {}
