@@ -60,6 +60,14 @@ def ray_head():
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        killed = []
+        for pid in family:
+            try:
+                killed.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(killed, timeout=10)
+        shutil.rmtree(temp_dir, ignore_errors=True)  # its session folder was left in /tmp on every run
 
 
 def readme_submit_lines(address: str) -> list[str]:
