@@ -184,24 +184,6 @@ def test_bench_serve_refuses_a_block_over_the_body_limit_before_starting_anythin
     assert "bad block size 'infM'" in capsys.readouterr().err  # OverflowError's traceback before
 
 
-def test_bench_serve_refuses_haproxy_sockets_too_long_before_starting_anything(tmp_path):
-    """Its HAProxy files went under TMPDIR, where a long path made HAProxy refuse its
-    configuration once Ray had started ("Fatal errors found in configuration")."""
-    import subprocess
-    import sys
-
-    deep = tmp_path / ("x" * 40)
-    deep.mkdir()
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(deep))
-    env.pop("RAY_ADDRESS", None)
-    argv = ["bench", "serve", "--sizes", "4K", "--mib-per-size", "0.01", "--workers", "1"]
-    result = subprocess.run([sys.executable, "-m", "fp8ray.cli", *argv], capture_output=True, text=True, timeout=300, env=env)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
-    assert lines[0].startswith(f"fp8ray: error: --haproxy: HAProxy's socket {deep}/fp8ray-srv-"), lines
-    assert list(deep.iterdir()) == []  # its folder went with it
-
-
 @pytest.mark.slow  # starts an embedded Ray
 def test_bench_serve_runs_on_a_ray_of_its_own_and_refuses_workers_it_cannot_place():
     """On a cluster's Ray (RAY_ADDRESS) it tore down every Serve application there
