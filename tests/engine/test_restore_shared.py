@@ -175,10 +175,13 @@ def test_sigkill_of_a_worker_mid_write_gives_identical_output(tmp_path):
     def writing() -> bool:
         """A worker is writing: a block of the presized file is no longer zeros (its
         blocks are allocated as it is created, so its size on disk says nothing)."""
-        for p in tmp_path.glob(".back.*.tmp-*/*"):
-            with open(p, "rb") as f:
-                if any(os.pread(f.fileno(), 8, data_start + i * BLOCK_BYTES).strip(b"\0") for i in range(96)):
-                    return True
+        for p in tmp_path.glob(".back.*.tmp-*/*.safetensors"):  # the file, not the folder's lock mark
+            try:
+                with open(p, "rb") as f:
+                    if any(os.pread(f.fileno(), 8, data_start + i * BLOCK_BYTES).strip(b"\0") for i in range(96)):
+                        return True
+            except FileNotFoundError:  # the folder was renamed into place between glob and open
+                pass
         return False
 
     def kill_one_when_writing():
