@@ -117,6 +117,12 @@ def engine_arguments(parser: argparse.ArgumentParser, gpus: bool = True) -> None
         "workers on threads of this process (default: RAY_ADDRESS, else the cluster a `ray start` runs on "
         "this machine, else inline)",
     )
+    group.add_argument(
+        "--start-timeout",
+        type=positive_float,
+        default=120.0,
+        help="seconds to wait for the workers to start on a Ray cluster before failing (default 120)",
+    )
     json_argument(group)
 
 
@@ -124,7 +130,12 @@ def pool_settings(args: argparse.Namespace):
     """The :class:`~fp8ray.engine.pool.PoolSettings` that ``engine_arguments`` asked for."""
     from ..engine.pool import PoolSettings
 
-    return PoolSettings(num_workers=args.workers, gpus_per_worker=getattr(args, "gpus_per_worker", 0.0), address=args.address)
+    return PoolSettings(
+        num_workers=args.workers,
+        gpus_per_worker=getattr(args, "gpus_per_worker", 0.0),
+        address=args.address,
+        start_timeout=args.start_timeout,
+    )
 
 
 def plain_form_argument(parser, applies: str = "") -> None:

@@ -8,6 +8,7 @@ worker object has a thread of its own.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -24,6 +25,12 @@ SETTLE_SECONDS = 120.0
 # one the cluster cannot place (its node gone, no other with room) would be waited on
 # for ever.
 REPLACEMENT_CHECK_SECONDS = 5.0
+# How long the pool waits for its workers before saying what it waits for: one the
+# cluster cannot place (no node with room yet) would otherwise hold the command silently
+# for the whole start timeout.
+START_NOTICE_SECONDS = 10.0
+
+log = logging.getLogger("fp8ray")
 
 
 class WorkerDied(Exception):
@@ -85,7 +92,19 @@ class RayBackend:
         try:  # an interrupt or failure while the workers start stops those started
             for _ in range(num_workers):
                 self.workers.append(self._actor_class.remote(self._threads))
-            ready, _ = ray.wait([w.info.remote() for w in self.workers], num_returns=num_workers, timeout=start_timeout)
+            started = [w.info.remote() for w in self.workers]
+            ready, _ = ray.wait(started, num_returns=num_workers, timeout=min(start_timeout, START_NOTICE_SECONDS))
+            if len(ready) < num_workers and start_timeout > START_NOTICE_SECONDS:
+                log.warning(
+                    "fp8ray: %d of %d QuantWorkers started in %.0f s; waiting up to %.0f s in all (start_timeout, "
+                    "--start-timeout): %s",
+                    len(ready),
+                    num_workers,
+                    START_NOTICE_SECONDS,
+                    start_timeout,
+                    self._needs_message(),
+                )
+                ready, _ = ray.wait(started, num_returns=num_workers, timeout=start_timeout - START_NOTICE_SECONDS)
         except BaseException:
             self.close()
             raise

@@ -201,7 +201,7 @@ def test_with_a_local_cluster_running_a_command_joins_it(source, tmp_path, ray_t
     assert result.returncode == 0 and (tmp_path / "auto.fp8" / "_manifest.json").exists(), result.stderr
 
 
-def test_on_a_cluster_workers_it_cannot_hold_yet_wait_for_it_to_grow(ray_tmp, local_cluster):
+def test_on_a_cluster_workers_it_cannot_hold_yet_wait_for_it_to_grow(source, tmp_path, ray_tmp, local_cluster):
     """A cluster's autoscaler may add nodes (cluster.yaml's head has no CPU): QuantWorkers
     it cannot place now wait, up to the start timeout. They were refused at once, as on
     an embedded Ray: "3 QuantWorkers need 3 CPU(s), and the Ray this command started has 2"."""
@@ -212,6 +212,18 @@ def test_on_a_cluster_workers_it_cannot_hold_yet_wait_for_it_to_grow(ray_tmp, lo
         r"has \d+ CPU\(s\) and 0 GPU\(s\) in all \(other actors, another QuantPool's, may hold some\)$",
         said,
     ), said
+    # The command says what it waits for once START_NOTICE_SECONDS have gone, then fails
+    # at its --start-timeout (it was silent for the whole timeout, 120 s by default).
+    argv = [str(BIN / "fp8ray"), "compress", str(source), str(tmp_path / "kv.fp8"), "--address", local_cluster, "--workers", "3"]
+    result = subprocess.run([*argv, "--start-timeout", "12"], env=env_for(ray_tmp), capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 2, result.stderr
+    assert re.match(
+        r"fp8ray: [0-2] of 3 QuantWorkers started in 10 s; waiting up to 12 s in all \(start_timeout, --start-timeout\): "
+        r"each needs 1 CPU",
+        lines[0],
+    ), lines
+    assert re.match(r"fp8ray: error: only [0-2] of 3 QuantWorkers started within 12 s: each needs", lines[1]), lines
 
 
 @pytest.mark.slow
