@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import shutil
+import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -170,7 +169,7 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
     """Start a local Ray, the service and the bare app; run both per block size; a table."""
     import ray
 
-    from ..serve.environment import apply_serve_environment
+    from ..serve.environment import StateFolder, apply_serve_environment, check_haproxy_sockets
     from ..serve.options import ServiceOptions
 
     service = ServiceOptions.from_args(service_options)
@@ -180,10 +179,15 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
             f"block size {too_large[0]} bytes is over --max-body-mb {service.max_body_mb:g}: raise it, or bench smaller sizes",
             field="sizes",
         )
-    state = tempfile.mkdtemp(prefix="fp8ray-serve-")
-    if not ray.is_initialized():
-        # The Ray started below runs Serve as `fp8ray serve --haproxy` does: set before it starts.
-        apply_serve_environment(state, haproxy=True)  # measured as `fp8ray serve --haproxy` runs
+    state = StateFolder()
+    try:
+        if not ray.is_initialized():
+            # The Ray started below runs Serve as `fp8ray serve --haproxy` does: set before it starts.
+            apply_serve_environment(state.path, haproxy=True)  # measured as `fp8ray serve --haproxy` runs
+            check_haproxy_sockets(os.environ)
+    except BaseException:
+        state.remove()
+        raise
     from ray import serve
 
     from ..engine.address import LOCAL
@@ -264,7 +268,7 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
             serve.delete(BENCH_APP)
         if owns_ray:
             disconnect_ray()
-        shutil.rmtree(state, ignore_errors=True)
+        state.remove()
 
 
 def _human(nbytes: int) -> str:

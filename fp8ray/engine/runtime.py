@@ -136,7 +136,8 @@ def _connect(address: str | None, num_cpus: int | None, inline_possible: bool) -
             _before = _children()
             # Short, own and removed whole: Ray's socket paths are limited to ~100 bytes.
             parent = os.environ.get("RAY_TMPDIR") or "/tmp"
-            remove_dead(parent, lambda name: name.startswith(RAY_FOLDER_PREFIX))  # those of killed runs
+            for folder in {parent, "/tmp"}:  # those of killed runs (a service's in /tmp where RAY_TMPDIR is long)
+                remove_dead(folder, lambda name: name.startswith(RAY_FOLDER_PREFIX))
             try:
                 _started_dir = tempfile.mkdtemp(prefix=RAY_FOLDER_PREFIX, dir=parent)
             except OSError as exc:  # its message named the folder it would have made, not RAY_TMPDIR

@@ -94,18 +94,35 @@ def check_haproxy_sockets(environ: Mapping[str, str]) -> None:
     for name in HAPROXY_SOCKETS:
         folder, leaf = os.path.split(environ[name])
         path = os.path.join(folder, "<node id>", leaf)
-        size = len(os.fsencode(path)) - len("<node id>") + NODE_ID_CHARS
+        size = _socket_bytes(folder, leaf)
         if size > HAPROXY_SOCKET_MAX:
             raise InvalidOptionError(
                 f"--haproxy: HAProxy's socket {path} would be {size} bytes long, over HAProxy's limit of "
-                f"{HAPROXY_SOCKET_MAX}: set RAY_TMPDIR to a shorter folder (such as /tmp) or {name} to a shorter path"
+                f"{HAPROXY_SOCKET_MAX}: set {name} to a shorter path"
             )
 
 
-# A service's own folder (HAProxy's files), beside the embedded Ray's: short, as HAProxy's
-# socket paths must be, and marked, so that the embedded start of a later command removes
-# one whose command was killed outright (its sweep of RAY_FOLDER_PREFIX, which this shares).
+def _socket_bytes(folder: str, leaf: str) -> int:
+    """The length of the path Serve gives a HAProxy socket ``leaf`` under ``folder``."""
+    return len(os.fsencode(os.path.join(folder, "x" * NODE_ID_CHARS, leaf)))
+
+
+# A service's own folder (HAProxy's files), beside the embedded Ray's where HAProxy's
+# socket paths fit under it, else in /tmp; marked, so that the embedded start of a later
+# command removes one whose command was killed outright (its sweep of RAY_FOLDER_PREFIX,
+# which this shares, in both places).
 STATE_PREFIX = "fp8ray-srv-"
+SHORT_PARENT = "/tmp"
+MKDTEMP_CHARS = 8  # the random part tempfile.mkdtemp adds to the prefix
+
+
+def state_parent() -> str:
+    """Where :class:`StateFolder` makes its folder: ``RAY_TMPDIR`` (else /tmp), or /tmp
+    where a socket path would be too long under it (a test's or a job's deep RAY_TMPDIR)."""
+    parent = os.environ.get("RAY_TMPDIR") or SHORT_PARENT
+    folder = os.path.join(parent, STATE_PREFIX + "x" * MKDTEMP_CHARS)
+    fits = all(_socket_bytes(folder, HAPROXY_FILES[name]) <= HAPROXY_SOCKET_MAX for name in HAPROXY_SOCKETS)
+    return parent if fits else SHORT_PARENT
 
 
 class StateFolder:
@@ -119,7 +136,7 @@ class StateFolder:
 
         from ..io.leftovers import ScratchMark
 
-        self.path = tempfile.mkdtemp(prefix=STATE_PREFIX, dir=os.environ.get("RAY_TMPDIR") or "/tmp")
+        self.path = tempfile.mkdtemp(prefix=STATE_PREFIX, dir=state_parent())
         self._mark = ScratchMark(LocalFileSystem(), self.path)
 
     def remove(self) -> None:

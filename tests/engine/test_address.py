@@ -230,23 +230,26 @@ def test_on_a_cluster_workers_it_cannot_hold_yet_wait_for_it_to_grow(source, tmp
 def test_the_embedded_rays_folder_of_a_killed_run_goes_at_the_next_start(ray_tmp):
     """A driver killed outright (SIGKILL, the OOM killer) takes its embedded Ray with it,
     but left its folder (logs, sockets) in RAY_TMPDIR for ever; the next start removes it,
-    and leaves alone a folder not marked as one of its own."""
+    and leaves alone a folder not marked as one of its own. A service's folder (HAProxy's
+    files) too, in /tmp where RAY_TMPDIR is too long for HAProxy's sockets."""
     die = (
         "import os\n"
         "import fp8ray.engine.runtime as runtime\n"
+        "from fp8ray.serve.environment import StateFolder\n"
         "runtime.connect_ray('local', 1)\n"
-        "print(runtime._started_dir, flush=True)\n"
+        "print(runtime._started_dir, StateFolder().path, flush=True)\n"
         "os._exit(0)\n"  # as SIGKILL would: no clean-up
     )
     result = subprocess.run([sys.executable, "-c", die], env=env_for(ray_tmp), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    left = Path(result.stdout.strip())
+    left, service_left = map(Path, result.stdout.split())
+    assert service_left.parent == Path("/tmp") and service_left.is_dir()
     _, alive = psutil.wait_procs(processes_with_ray_tmp(ray_tmp), timeout=30)  # Ray's processes end with their driver
     assert not alive and left.parent == Path(ray_tmp) and left.is_dir()
     unmarked = Path(ray_tmp, "fp8ray-numba-0")  # another folder of the same prefix: not the embedded Ray's
     unmarked.mkdir()
     assert pool_start(ray_tmp, "num_workers=1, address='local'") == "started"
-    assert not left.exists() and unmarked.is_dir()
+    assert not left.exists() and not service_left.exists() and unmarked.is_dir()
     assert [p.name for p in Path(ray_tmp).iterdir()] == ["fp8ray-numba-0"]  # the second run's own went with it
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from fp8ray.serve.environment import HAPROXY_FILES, HAPROXY_PORTS, HAPROXY_SWITCHES, SERVE_SWITCHES, apply_serve_environment
@@ -76,7 +77,7 @@ def test_a_haproxy_socket_path_longer_than_haproxy_takes_is_refused_naming_it():
     fits = HAPROXY_SOCKET_MAX - NODE_ID_CHARS - longest_leaf - 2  # the two slashes
     check_haproxy_sockets(environ_in("/" + "d" * (fits - 1)))
     long = "/" + "d" * fits
-    shown = rf"{long}/<node id>/metrics.sock would be 98 bytes long, over HAProxy's limit of 97: set RAY_TMPDIR"
+    shown = rf"{long}/<node id>/metrics.sock would be 98 bytes long, over HAProxy's limit of 97: set RAY_SERVE_HAPROXY"
     with pytest.raises(InvalidOptionError, match=rf"^--haproxy: HAProxy's socket {shown}"):
         check_haproxy_sockets(environ_in(long))
 
@@ -90,3 +91,25 @@ def test_the_serve_commands_folder_is_short_and_swept_as_the_embedded_rays():
     environ: dict[str, str] = {}
     apply_serve_environment(f"/tmp/{STATE_PREFIX}xxxxxxxx", haproxy=True, environ=environ)  # mkdtemp's 8 characters
     check_haproxy_sockets(environ)
+
+
+def test_the_serve_commands_folder_goes_to_tmp_where_ray_tmpdir_is_too_long_for_haproxy(tmp_path, monkeypatch):
+    """A deep RAY_TMPDIR (a test's, a job's) put HAProxy's sockets past its limit: `bench
+    serve` failed once Ray had started. The folder then goes to /tmp, where they fit."""
+    from fp8ray.serve.environment import StateFolder, check_haproxy_sockets, state_parent
+
+    monkeypatch.setenv("RAY_TMPDIR", "/r")  # short enough (only its name is looked at)
+    assert state_parent() == "/r"
+    deep = tmp_path / ("d" * 40)
+    deep.mkdir()
+    monkeypatch.setenv("RAY_TMPDIR", str(deep))
+    assert state_parent() == "/tmp"
+    state = StateFolder()
+    try:
+        assert os.path.dirname(state.path) == "/tmp"
+        environ: dict[str, str] = {}
+        apply_serve_environment(state.path, haproxy=True, environ=environ)
+        check_haproxy_sockets(environ)
+    finally:
+        state.remove()
+    assert not os.path.exists(state.path)
