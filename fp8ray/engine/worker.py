@@ -361,52 +361,53 @@ class QuantWorker:
                 for f, r, data in zip((i[0] for i in result.idents if i in against), present, read_blocks(present))
             }
         block_errors = raw_total = frame_total = 0
-        for row, f in enumerate(archive.iter_frames(table)):
-            ident = result.idents[row]
-            result.blocks += 1
-            try:
-                buf = frame.as_byte_array(f)
-                header = frame.parse(buf)
-                result.stored_frames += header.stored
-                raw_bytes = header.tensor_nbytes
-                raw_total, frame_total = raw_total + raw_bytes, frame_total + buf.size
-                if not header.stored and frame.suspect_scales(buf, header):
-                    decode_raw(buf, header.dtype, header.shape)  # refuses a scale not valid, or too large for its codes
-                shape, dtype, said_raw, said_frame = (
-                    columns[name][row] for name in ("shape", "dtype", "raw_bytes", "frame_bytes")
-                )
-                if [shape, dtype, said_raw, said_frame] != [list(header.shape), header.dtype, raw_bytes, buf.size]:
-                    raise MismatchError(
-                        f"columns say {shape} {dtype} of {said_raw} bytes in a frame of {said_frame}, "
-                        f"the frame holds {list(header.shape)} {header.dtype} of {raw_bytes} bytes in {buf.size}"
+        with _torch_threads(self.threads if against is not None else None):
+            for row, f in enumerate(archive.iter_frames(table)):
+                ident = result.idents[row]
+                result.blocks += 1
+                try:
+                    buf = frame.as_byte_array(f)
+                    header = frame.parse(buf)
+                    result.stored_frames += header.stored
+                    raw_bytes = header.tensor_nbytes
+                    raw_total, frame_total = raw_total + raw_bytes, frame_total + buf.size
+                    if not header.stored and frame.suspect_scales(buf, header):
+                        decode_raw(buf, header.dtype, header.shape)  # refuses a scale not valid, or too large for its codes
+                    shape, dtype, said_raw, said_frame = (
+                        columns[name][row] for name in ("shape", "dtype", "raw_bytes", "frame_bytes")
                     )
-                if codec is not None and header != frame.header_for(codec, header.dtype, header.shape):
-                    written, recorded = frame.layout_label(header), frame.layout_label(codec)
-                    raise MismatchError(f"the frame is in {written}, the manifest records {recorded}")
-                if against is not None:
-                    if ident not in originals:
-                        raise MismatchError("not in the source it is verified against")
-                    ref, data = originals[ident]
-                    if (ref.dtype, tuple(ref.shape)) != (header.dtype, tuple(header.shape)):
+                    if [shape, dtype, said_raw, said_frame] != [list(header.shape), header.dtype, raw_bytes, buf.size]:
                         raise MismatchError(
-                            f"the source holds {list(ref.shape)} {ref.dtype}, the archive {list(header.shape)} {header.dtype}"
+                            f"columns say {shape} {dtype} of {said_raw} bytes in a frame of {said_frame}, "
+                            f"the frame holds {list(header.shape)} {header.dtype} of {raw_bytes} bytes in {buf.size}"
                         )
-                    if header.stored:  # no error to measure: identical, or named below
-                        stray = check_identical(data, frame.codes_of(buf, header), header.dtype, header.shape)
-                        if stray is None:
-                            result.stored.append(_label(ident, name_files))
-                    else:
-                        x, y = bytes_to_tensor(data, ref.dtype, ref.shape), decode(buf)
-                        result.metrics[_label(ident, name_files)] = error_metrics(x, y)
-                        scales = torch.from_numpy(frame.scales_of(buf, header).copy())
-                        stray = check_within_bound(
-                            x, y, element_scales(scales, header.scaling, header.shape, header.block_size), bound
-                        )
-                    if stray is not None:
-                        raise MismatchError(f"{stray}: not the data this block was compressed from")
-            except (ValueError, TypeError, RuntimeError) as exc:
-                block_errors += 1
-                result.errors.append(f"block {_label(ident, name_files)!r} in {part.name}: {exc}")
+                    if codec is not None and header != frame.header_for(codec, header.dtype, header.shape):
+                        written, recorded = frame.layout_label(header), frame.layout_label(codec)
+                        raise MismatchError(f"the frame is in {written}, the manifest records {recorded}")
+                    if against is not None:
+                        if ident not in originals:
+                            raise MismatchError("not in the source it is verified against")
+                        ref, data = originals[ident]
+                        if (ref.dtype, tuple(ref.shape)) != (header.dtype, tuple(header.shape)):
+                            raise MismatchError(
+                                f"the source holds {list(ref.shape)} {ref.dtype}, the archive {list(header.shape)} {header.dtype}"
+                            )
+                        if header.stored:  # no error to measure: identical, or named below
+                            stray = check_identical(data, frame.codes_of(buf, header), header.dtype, header.shape)
+                            if stray is None:
+                                result.stored.append(_label(ident, name_files))
+                        else:
+                            x, y = bytes_to_tensor(data, ref.dtype, ref.shape), decode(buf)
+                            result.metrics[_label(ident, name_files)] = error_metrics(x, y)
+                            scales = torch.from_numpy(frame.scales_of(buf, header).copy())
+                            stray = check_within_bound(
+                                x, y, element_scales(scales, header.scaling, header.shape, header.block_size), bound
+                            )
+                        if stray is not None:
+                            raise MismatchError(f"{stray}: not the data this block was compressed from")
+                except (ValueError, TypeError, RuntimeError) as exc:
+                    block_errors += 1
+                    result.errors.append(f"block {_label(ident, name_files)!r} in {part.name}: {exc}")
         totals = part_checks.totals_problem(raw_total, frame_total, part)
         if totals and not block_errors:  # each row checks, their sum not the entry's
             result.errors.append(f"part {part.name} of {archive.redact(directory)} is damaged: {totals}")
@@ -449,6 +450,30 @@ class QuantWorker:
 
         done = restore_chunk_files(archive_uri, parts, task, directory, form, self.threads)
         return RestoreResult(files=done.files, blocks=done.files, raw_bytes=done.raw_bytes, node_id=_node_id())
+
+
+@contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads at ``threads`` in the calling thread for the block (None:
+    left as they are). Inline workers are threads of one process, where torch gives every
+    op as many threads as the machine has cores: two workers ran four OpenMP threads on two
+    cores, spinning on each other over small tensors (verify --against of 4000 small blocks
+    took 2x the time under load). A Ray actor's are one per CPU already (Ray sets
+    OMP_NUM_THREADS)."""
+    if threads is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    if threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)  # this thread's OpenMP threads, and the default of threads started meanwhile
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _batches(blocks) -> Iterator[list[tuple]]:

@@ -116,6 +116,29 @@ def test_compress_verify_decompress_round_trip(kv_source, tmp_path):
         assert torch.equal(back[key], fp8ray.decode(codec.encode(t)))
 
 
+def test_inline_workers_run_verifys_torch_ops_on_their_own_threads(kv_source, tmp_path, monkeypatch):
+    """Inline workers are threads of one process, where each torch op took every core's
+    OpenMP threads: two workers spun four threads on two cores (verify --against of small
+    blocks 2-5x slower under load). Each worker's ops use its own CPUs; the caller's
+    setting is left as it was."""
+    import fp8ray.codec.metrics as metrics
+
+    src, _ = kv_source
+    arch = tmp_path / "arch"
+    compress_archive(str(src), str(arch), part_bytes=PART, pool=fp8ray.PoolSettings(address="inline"))
+    seen = []
+    measure = metrics.error_metrics
+    monkeypatch.setattr(metrics, "error_metrics", lambda x, y: (seen.append(torch.get_num_threads()), measure(x, y))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # what an idle machine of 2 cores or more gives each thread
+    try:
+        verified = verify_archive(str(arch), against=str(src), pool=fp8ray.PoolSettings(num_workers=2, address="inline"))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert verified.ok and len(seen) == 12 and set(seen) == {1}, (verified.errors, seen)
+
+
 def test_scale_options_round_trip_through_an_archive(kv_source, tmp_path):
     """bfloat16 scales and the scale search reach the workers, the frames and the manifest."""
     src, tensors = kv_source
