@@ -359,7 +359,7 @@ def compress_archive(
         try:
             make_work(dest)
             if dest.replacing:
-                mark = ScratchMark(fs, work)
+                mark = ScratchMark(work, fs)
         except OSError as exc:
             raise _destination_error(exc, destination) from None
         with hold_destination(dest, destination):  # one compress at a time writes a directory
@@ -577,7 +577,7 @@ def decompress_archive(
     mark = None
     try:
         out_fs.create_dir(scratch)  # in the try: an interrupt that lands as it is made removes it
-        mark = ScratchMark(out_fs, scratch)
+        mark = ScratchMark(scratch, out_fs)
         with use_pool(pool) as running:
             start = time.perf_counter()
             if plan.shared and not running.on_this_machine():  # workers elsewhere cannot write this disk's files

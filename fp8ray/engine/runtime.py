@@ -13,7 +13,6 @@ import threading
 
 import psutil
 import ray
-from pyarrow.fs import LocalFileSystem
 
 from ..errors import Fp8rayError, InvalidOptionError, PoolStartError
 from ..io.leftovers import ScratchMark, remove_dead
@@ -144,7 +143,7 @@ def _connect(address: str | None, num_cpus: int | None, inline_possible: bool) -
                 where = " (RAY_TMPDIR)" if os.environ.get("RAY_TMPDIR") else ""
                 raise PoolStartError(f"cannot make the embedded Ray's folder in {parent}{where}: {os_reason(exc)}") from None
             try:
-                _started_mark = ScratchMark(LocalFileSystem(), _started_dir)
+                _started_mark = ScratchMark(_started_dir)
                 _init_holding_sigterm(
                     held,
                     address="local",

@@ -261,7 +261,7 @@ def convert_store(
     try:
         try:
             os.mkdir(scratch)  # in the try: an interrupt that lands as it is made removes it
-            mark = ScratchMark(LocalFileSystem(), scratch)
+            mark = ScratchMark(scratch)
         except OSError as exc:
             raise DestinationError(f"{cannot_write}: {os_reason(exc)}") from None
         with use_pool(pool) as running:

@@ -36,10 +36,11 @@ class ScratchMark:
     filesystem). :meth:`release` before the folder is renamed into place; removing the
     folder removes the mark too."""
 
-    def __init__(self, fs: pafs.FileSystem, directory: str):
+    def __init__(self, directory: str, fs: pafs.FileSystem | None = None):
+        """``fs``: the filesystem ``directory`` is in (None: the local one)."""
         self._fd: int | None = None
         self._path = f"{directory}/{MARK}"
-        if not isinstance(fs, pafs.LocalFileSystem):
+        if fs is not None and not isinstance(fs, pafs.LocalFileSystem):
             return
         # Locked under another name, then renamed: a sweeper never sees the mark unlocked.
         pending = f"{self._path}.{os.getpid()}"

@@ -132,12 +132,10 @@ class StateFolder:
     def __init__(self):
         import tempfile
 
-        from pyarrow.fs import LocalFileSystem
-
         from ..io.leftovers import ScratchMark
 
         self.path = tempfile.mkdtemp(prefix=STATE_PREFIX, dir=state_parent())
-        self._mark = ScratchMark(LocalFileSystem(), self.path)
+        self._mark = ScratchMark(self.path)
 
     def remove(self) -> None:
         import shutil

@@ -28,7 +28,7 @@ from fp8ray.io.leftovers import ScratchMark
 from fp8ray.io.paths import temporary_name
 scratch = temporary_name(sys.argv[1])
 os.mkdir(scratch)
-ScratchMark(pafs.LocalFileSystem(), scratch)
+ScratchMark(scratch)
 with open(os.path.join(scratch, "half.safetensors"), "wb") as f:
     f.write(b"x" * 2**20)
 print(scratch, flush=True)
@@ -48,7 +48,7 @@ def test_a_dead_writers_folder_goes_and_a_live_ones_stays(tmp_path):
     dead = killed_run_left(output)
     live = Path(temporary_name(str(output)))
     live.mkdir()
-    mark = ScratchMark(LOCAL, str(live))  # held by this process: another open of it cannot lock it
+    mark = ScratchMark(str(live))  # held by this process: another open of it cannot lock it
     said = []
     sweep_leftovers(LOCAL, str(output), "out.safetensors", said.append)
     assert not dead.exists() and (live / MARK).exists()
