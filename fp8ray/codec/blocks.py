@@ -88,8 +88,8 @@ def bytes_to_tensor(data: np.ndarray, dtype: str, shape):
     from .devices import host_tensor
 
     if data.size == 0:  # torch cannot view an empty array of another itemsize
-        return torch.empty(tuple(shape), dtype=formats.DTYPES_BY_NAME[dtype])
-    return host_tensor(data.view(np.uint8)).view(formats.DTYPES_BY_NAME[dtype]).reshape(tuple(shape))
+        return torch.empty(tuple(shape), dtype=formats.torch_dtype(dtype))
+    return host_tensor(data.view(np.uint8)).view(formats.torch_dtype(dtype)).reshape(tuple(shape))
 
 
 def dtype_name(t) -> str:

@@ -37,7 +37,7 @@ from functools import cache
 
 import numpy as np
 
-from ..errors import InvalidOptionError
+from ..errors import BadInputError, InvalidOptionError
 from .names import (  # noqa: F401 (re-exported: the formats module names them all)
     DTYPE_CODES,
     FP8_CODES,
@@ -169,13 +169,28 @@ TORCH_TABLES = ("DTYPES_BY_NAME", "DTYPE_NAMES", "DTYPES", "FORMATS_BY_DTYPE")
 def _torch_tables() -> dict:
     import torch
 
-    by_name = {name: getattr(torch, name) for name in DTYPE_ITEMSIZES}
+    # Those this torch has: float8_e8m0fnu came in torch 2.7 (torch_dtype names it).
+    by_name = {name: getattr(torch, name) for name in DTYPE_ITEMSIZES if hasattr(torch, name)}
     return {
         "DTYPES_BY_NAME": by_name,
         "DTYPE_NAMES": {dtype: name for name, dtype in by_name.items()},
         "DTYPES": {by_name[name]: code for name, code in DTYPE_CODES.items()},
         "FORMATS_BY_DTYPE": {f.dtype: f for f in FORMATS.values()},
     }
+
+
+def torch_dtype(name: str):
+    """The torch dtype of ``name`` (a name of :data:`DTYPE_ITEMSIZES`); loads torch.
+    Raises :class:`~fp8ray.errors.BadInputError` naming it where this torch has none."""
+    by_name = _torch_tables()["DTYPES_BY_NAME"]
+    if name not in by_name:
+        import torch
+
+        raise BadInputError(
+            f"dtype {name} is not in this torch ({torch.__version__}; a later one has it): read the block "
+            "without torch (ArchiveReader.block, fp8ray.decode_raw), or upgrade torch"
+        )
+    return by_name[name]
 
 
 def is_torch_dtype(value) -> bool:

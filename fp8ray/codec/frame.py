@@ -83,9 +83,9 @@ class FrameHeader:
     @property
     def torch_dtype(self):
         """The source dtype as torch's (``torch.bfloat16``); loads torch."""
-        from .formats import DTYPES_BY_NAME
+        from .formats import torch_dtype
 
-        return DTYPES_BY_NAME[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def numel(self) -> int:

@@ -42,7 +42,11 @@ def column(values, arrow_type: pa.DataType) -> pa.Array | pa.ChunkedArray:
             raise TypeError(f"an Arrow array of {values.type} where {arrow_type} is expected")
         return values
     if pa.types.is_integer(arrow_type):
-        return _integers(np.asarray(values, dtype=arrow_type.to_pandas_dtype()), arrow_type)  # a value out of range raises
+        # Not arrow_type.to_pandas_dtype(): before pyarrow 26 it imports pandas, which
+        # fp8ray does not depend on ("No module named 'pandas'" from a compress).
+        kind = "i" if pa.types.is_signed_integer(arrow_type) else "u"
+        dtype = np.dtype(f"{kind}{arrow_type.bit_width // 8}")
+        return _integers(np.asarray(values, dtype=dtype), arrow_type)  # a value out of range raises
     if arrow_type in _OFFSETS:
         text = arrow_type in (pa.string(), pa.large_string())
         items = [value.encode() if text else memoryview(value).cast("B") for value in values]

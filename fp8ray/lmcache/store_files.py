@@ -28,7 +28,7 @@ import pyarrow.fs as pafs
 import torch
 
 from ..codec import CodecOptions, Fp8Codec, decode, frame
-from ..codec.formats import DTYPES_BY_NAME, tensor_nbytes
+from ..codec.formats import tensor_nbytes, torch_dtype
 from ..errors import BadInputError, CorruptArchiveError, MismatchError, SourceError, WriteError, block_error
 from ..io import archive
 from ..io.blocks import BlockRef, bytes_to_tensor
@@ -85,7 +85,7 @@ def chunk_tensor(data: bytearray, form: str, layout: Layout, fp8_reader: Fp8Quan
     """A chunk file's tensor in the layout's dtype, read in its ``form``: raw bytes as
     they are, plain fp8 bytes through LMCache's deserializer (exact), a frame, checksum
     verified, through :func:`~fp8ray.codec.decode`, whatever its options (it describes itself)."""
-    dtype = DTYPES_BY_NAME[layout.dtype]
+    dtype = torch_dtype(layout.dtype)
     raw = torch.frombuffer(data, dtype=torch.uint8)
     if form == RAW:
         return raw.view(dtype).reshape(layout.shape)

@@ -166,3 +166,25 @@ def test_header_for_gives_the_stored_header_under_any_options():
     assert header == frame.stored_header("uint8", (2, 3)) and header.stored
     assert frame.layout_label(header) == "stored as is"
     assert frame.parse(np.frombuffer(bytes(Fp8Codec().encode(torch.zeros(2, 3, dtype=torch.uint8))), np.uint8)) == header
+
+
+def test_a_torch_without_a_dtype_still_encodes_and_names_the_one_it_lacks(monkeypatch):
+    """torch before 2.7 has no float8_e8m0fnu: building the dtype tables raised, and the
+    first encode of any tensor failed ("cannot import name 'DTYPE_NAMES'"). The codec works;
+    only a block of that dtype, as a tensor, is refused, naming it; its bytes still read."""
+    from fp8ray.codec import formats
+    from fp8ray.errors import BadInputError
+
+    codes = np.arange(16, dtype=np.uint8)
+    stored = bytes(Fp8Codec().encode(torch.from_numpy(codes).view(torch.float8_e8m0fnu)))
+    monkeypatch.delattr(torch, "float8_e8m0fnu")
+    formats._torch_tables.cache_clear()
+    try:
+        x = torch.randn(4, 64).bfloat16()
+        assert torch.equal(fp8ray.decode(Fp8Codec().encode(x)), fp8ray.decode(Fp8Codec().encode(x)))
+        with pytest.raises(BadInputError, match=r"^dtype float8_e8m0fnu is not in this torch \("):
+            fp8ray.decode(stored)
+        assert decode_raw(stored, "float8_e8m0fnu", (16,)).tobytes() == codes.tobytes()
+    finally:
+        monkeypatch.undo()
+        formats._torch_tables.cache_clear()
