@@ -26,15 +26,30 @@ from .common import close_bars
 from .interrupts import forget_caught_interrupt, interrupted_state, interrupts, output_stamp, quiet_teardown
 
 # Which extra brings a missing module (pyproject.toml [project.optional-dependencies]).
-EXTRAS = (
-    ("transformers", "models"),
-    ("gguf", "models"),
-    ("matplotlib", "models"),
-    ("ray.serve", "serve"),
-    ("fastapi", "serve"),
-    ("httpx", "serve"),
-    ("lmcache", "lmcache"),
-)
+# The extra that brings each module an optional feature imports (the module a failed
+# import names, or a package of it). A module not named here has no extra: the error
+# alone is said.
+EXTRAS = {
+    "models": ("transformers", "gguf", "matplotlib", "safetensors"),
+    "serve": ("ray.serve", "fastapi", "starlette", "uvicorn", "httpx"),
+    # LMCache's own imports (lmcache itself: LMCACHE_INSTALL below)
+    "lmcache": ("cpuinfo", "cachetools", "aiofiles", "sortedcontainers", "cryptography", "msgspec", "zmq", "blake3"),
+}
+
+
+def install_hint(exc: ImportError) -> str:
+    """What installs the module ``exc`` says is missing: a pip command, or "" where
+    fp8ray has no extra for it (its own failure, or a broken environment)."""
+    missing = exc.name or ""
+
+    def names(module: str) -> bool:
+        return missing == module or missing.startswith(module + ".")
+
+    if names("lmcache"):
+        from ..lmcache.install import INSTALL_COMMAND
+
+        return INSTALL_COMMAND
+    return next((f"pip install 'fp8ray[{extra}]'" for extra, modules in EXTRAS.items() if any(map(names, modules))), "")
 
 
 def build_parser():
@@ -164,8 +179,8 @@ def _run_command(args, stdout: _StandardOutput | None) -> int:
         finally:
             close_bars()
     except ImportError as exc:  # an optional extra that is not installed
-        extra = next((e for prefix, e in EXTRAS if (exc.name or "").startswith(prefix)), "models,serve,lmcache")
-        print(f"fp8ray: error: {exc}; install fp8ray with its extras: pip install 'fp8ray[{extra}]'", file=sys.stderr)
+        hint = install_hint(exc)
+        print(f"fp8ray: error: {exc}" + (f"; install it with: {hint}" if hint else ""), file=sys.stderr)
         return 1
     except BrokenPipeError:  # the output's reader left (`| head`): it took what it wanted, as a killed writer says nothing
         _drop_standard_output()

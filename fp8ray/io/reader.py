@@ -27,7 +27,6 @@ import itertools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Self
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -110,7 +109,7 @@ class ArchiveReader:
         else:
             self._file_rows[""] = (0, starts[-1])
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> ArchiveReader:  # not typing.Self: Python 3.10 has none
         return self
 
     def __exit__(self, *exc) -> None:

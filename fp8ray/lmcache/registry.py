@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from ..errors import BadInputError
 from .frames import Fp8FrameDeserializer, Fp8FrameMultiDeserializer, Fp8FrameMultiSerializer, Fp8FrameSerializer
+from .install import INSTALL_COMMAND
 from .settings import serde_options
 
 SERDE_TYPE = "fp8ray"  # the name register() gives the frame serde in LMCache by default
@@ -30,10 +31,10 @@ def _lmcache_serde():
     except ImportError as exc:
         missing = getattr(exc, "name", None) or str(exc)
         if missing == "lmcache" or missing.startswith("lmcache."):
-            reason = "the 'lmcache' package is not installed (pip install lmcache)"
+            reason = f"the 'lmcache' package is not installed ({INSTALL_COMMAND})"
         else:
             reason = f"the 'lmcache' package failed to import: it needs {missing!r}, which is not installed ({exc})"
-        raise ImportError(f"fp8ray's LMCache serde needs LMCache: {reason}") from exc
+        raise ImportError(f"fp8ray's LMCache serde needs LMCache: {reason}", name=missing) from exc
     return serde
 
 

@@ -281,3 +281,30 @@ def test_a_ray_tmpdir_that_is_not_there_is_named(tmp_path):
         f"fp8ray: error: cannot make the embedded Ray's folder in {tmp_path / 'none'} (RAY_TMPDIR): No such file or directory\n",
     )
     assert not (tmp_path / "arch").exists()
+
+
+@pytest.mark.parametrize(
+    "missing, hint",
+    [
+        ("transformers.models", "pip install 'fp8ray[models]'"),
+        ("starlette", "pip install 'fp8ray[serve]'"),
+        ("cachetools", "pip install 'fp8ray[lmcache]'"),
+        ("lmcache", "pip install 'fp8ray[lmcache]' && pip install --no-deps lmcache==0.5.6"),
+        ("pandas", ""),  # fp8ray has no extra for it: no extra named (it said 'fp8ray[models,serve,lmcache]')
+    ],
+)
+def test_a_missing_module_is_named_with_what_installs_it(missing, hint):
+    from fp8ray.cli import install_hint
+
+    assert install_hint(ImportError(f"No module named {missing!r}", name=missing)) == hint
+
+
+def test_bench_lmcache_without_lmcache_says_so_before_any_work(tmp_path):
+    """It captured the model's cache for about a minute first; and the extra it named,
+    lmcache, does not install LMCache itself."""
+    code = "import sys; sys.modules['lmcache'] = None; from fp8ray.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    argv = [sys.executable, "-c", code, "bench", "lmcache", "--tokens", "64", "--chunk-tokens", "64"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert_one_line(result, "the 'lmcache' package is not installed", "pip install --no-deps lmcache==0.5.6")
+    assert "install it with" in result.stderr
