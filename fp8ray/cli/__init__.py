@@ -180,7 +180,8 @@ def _run_command(args, stdout: _StandardOutput | None) -> int:
             close_bars()
     except ImportError as exc:  # an optional extra that is not installed
         hint = install_hint(exc)
-        print(f"fp8ray: error: {exc}" + (f"; install it with: {hint}" if hint else ""), file=sys.stderr)
+        said = hint and hint not in str(exc)  # fp8ray's own message may give it already
+        print(f"fp8ray: error: {exc}" + (f"; install it with: {hint}" if said else ""), file=sys.stderr)
         return 1
     except BrokenPipeError:  # the output's reader left (`| head`): it took what it wanted, as a killed writer says nothing
         _drop_standard_output()
