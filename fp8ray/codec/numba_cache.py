@@ -14,7 +14,9 @@ run their code). It touches nothing where numba finds a place itself, or where
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -43,10 +45,15 @@ def _user_cache(environ) -> str:
 
 def private_folder() -> str:
     """A folder under the temporary directory that only this user can write: the same one
-    each run where it can be (the kernels compiled once), else a new one."""
+    each run where it can be (the kernels compiled once), else a new one, removed as the
+    process exits (one was left per run, on a host where another user held the name)."""
     parent = tempfile.gettempdir()
     folder = os.path.join(parent, f"fp8ray-numba-{os.getuid()}")
-    return folder if _kept_apart(parent) and _own(folder) else tempfile.mkdtemp(prefix="fp8ray-numba-")
+    if _kept_apart(parent) and _own(folder):
+        return folder
+    folder = tempfile.mkdtemp(prefix="fp8ray-numba-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def _kept_apart(parent: str) -> bool:

@@ -61,6 +61,19 @@ def test_a_folder_of_that_name_another_could_write_is_not_used(tmp_path, monkeyp
     assert Path(private_folder()) == shared
 
 
+def test_a_new_folder_goes_as_the_process_exits(tmp_path):
+    """Where the kept folder cannot be used, each run made a new one and left it behind."""
+    tmp_path.chmod(0o777)  # not sticky: a new folder
+    code = (
+        "import tempfile; from fp8ray.codec.numba_cache import private_folder; "
+        f"tempfile.tempdir = {str(tmp_path)!r}; print(private_folder())"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    made = Path(result.stdout.strip())
+    assert made.parent == tmp_path and made.name.startswith("fp8ray-numba-") and not made.exists()
+
+
 def test_a_read_only_install_without_a_home_runs_its_commands(tmp_path):
     """The real case: the repository bound read-only in a mount namespace of its own, HOME
     a folder nobody can write in."""
