@@ -185,15 +185,15 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
             # The Ray started below runs Serve as `fp8ray serve --haproxy` does: set before it starts.
             apply_serve_environment(state.path, haproxy=True)  # measured as `fp8ray serve --haproxy` runs
             check_haproxy_sockets(os.environ)
+        from ray import serve  # after the environment (Serve reads it as it is imported); the serve extra may be missing
+
+        from ..engine.address import LOCAL
+        from ..engine.runtime import check_placeable, connect_ray, disconnect_ray
+        from ..serve.deployment import build_app
+        from .codec import describe_machine
     except BaseException:
         state.remove()
         raise
-    from ray import serve
-
-    from ..engine.address import LOCAL
-    from ..engine.runtime import check_placeable, connect_ray, disconnect_ray
-    from ..serve.deployment import build_app
-    from .codec import describe_machine
 
     bare, bare_url = _start_bare_app()
     owns_ray = deployed = False

@@ -45,14 +45,17 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
     from ..engine.runtime import connect_ray, disconnect_ray
     from ..eval.capture import capture
     from ..eval.fidelity import fidelity_report
+    from ..eval.models import shipped_model_path
     from ..io.paths import counted
 
     options = options or CodecOptions()
     ray_cpus = max(workers, os.cpu_count() or 1)
     check_local_size(ray_cpus, joinable=False)  # before the capture, which takes a while
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     source = captured_cache(out_dir, tokens)
+    if not source.exists():
+        shipped_model_path()  # the model's wheel missing: said before a folder is made for its cache
+    out_dir.mkdir(parents=True, exist_ok=True)
     if source.exists():
         captured = f"reusing the captured KV cache {source} (delete it to capture again)"
     else:

