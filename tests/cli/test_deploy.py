@@ -30,6 +30,8 @@ def test_cluster_yaml_is_valid_for_the_installed_ray():
     assert prepared["docker"]["image"] == f"rayproject/ray:{ray.__version__}-py311-gpu"
     assert "ray-ml" not in (REPO / "cluster.yaml").read_text()
     assert any("pip install" in c and "fp8ray" in c for c in prepared["setup_commands"])
+    # The checkout is copied to every node without what git ignores (a .venv: gigabytes).
+    assert prepared["rsync_filter"] == [".gitignore"] and ".venv/" in (REPO / ".gitignore").read_text().split()
 
 
 def test_schema_check_can_fail():
