@@ -285,7 +285,7 @@ def raw_schema_problem(schema: pa.Schema) -> str | None:
     types = {c: schema.field(c).type for c in RAW_COLUMNS}
     plain = {c: t.value_type if pa.types.is_dictionary(t) else t for c, t in types.items()}  # repeated strings
     expected = {
-        "key": (_is_text(plain["key"]) or pa.types.is_integer(plain["key"]), "a string"),
+        "key": (_is_text(plain["key"]) or pa.types.is_integer(plain["key"]), "a string or an integer"),
         "dtype": (_is_text(plain["dtype"]), "a string"),
         "shape": (_is_int_list(plain["shape"]), "a list of integers"),
         "data": (_is_bytes(types["data"]), "binary"),
@@ -478,7 +478,7 @@ def _checked(ref: BlockRef, data: np.ndarray, path: str) -> np.ndarray:
     if data.size != ref.nbytes:
         raise SourceError(
             f"{redact(path)}: key {ref.key!r} has {data.size} bytes, "
-            f"its shape {list(ref.shape)} {ref.dtype} needs {ref.nbytes} (truncated?)"
+            f"its shape {list(ref.shape)} {ref.dtype} needs {ref.nbytes}" + (" (truncated?)" if data.size < ref.nbytes else "")
         )
     return data
 

@@ -56,7 +56,7 @@ def write(tmp_path, name="src.parquet", row_group_size=None, **over):
             {"data": pa.array([[0] * 16, [0] * 6, [0] * 8], pa.list_(pa.uint8()))},
             r"column 'data' is list<.*uint8>; expected binary",
         ),
-        ({"key": pa.array([1.0, 2.0, 3.0])}, r"column 'key' is double; expected a string"),
+        ({"key": pa.array([1.0, 2.0, 3.0])}, r"column 'key' is double; expected a string or an integer$"),
     ],
 )
 def test_a_bad_column_is_refused_naming_the_file_row_and_key(tmp_path, over, message):
@@ -144,3 +144,15 @@ def test_a_written_raw_block_file_groups_rows_by_count_and_bytes(tmp_path):
             writer.write_block(f"b{i}", "uint8", (len(block),), block)
     groups = pq.ParquetFile(big).metadata
     assert [groups.row_group(g).num_rows for g in range(groups.num_row_groups)] == [2, 2, 1]
+
+
+@pytest.mark.parametrize("data, said", [(b"\0" * 20, "needs 16$"), (b"\0" * 12, r"needs 16 \(truncated\?\)$")])
+def test_a_row_of_more_or_fewer_bytes_than_its_shape_is_refused_saying_which(tmp_path, data, said):
+    """A row of too many bytes was called truncated too."""
+    import fp8ray
+    from fp8ray.engine.archives import compress_archive
+
+    path = write(tmp_path, data=pa.array([data, b"\0" * 6, b"\0" * 8], pa.binary()))
+    said = rf"key 'k0' has {len(data)} bytes, its shape \[2, 4\] bfloat16 {said}"
+    with pytest.raises(SourceError, match=said):
+        compress_archive(path, str(tmp_path / "arch"), pool=fp8ray.PoolSettings(num_workers=1, address="inline"))
