@@ -363,5 +363,6 @@ def run_get(args) -> int:
             writer.write(block.data)
     except OSError as exc:  # a full disk
         raise output_error(args.output, exc) from None
-    print(f"wrote {args.key!r} ({block.dtype} {list(block.shape)}) of {file!r} to {redact(args.output)}")
+    of_file = f" of {file!r}" if file else ""  # a version 1 archive names no files
+    print(f"wrote {args.key!r} ({block.dtype} {list(block.shape)}){of_file} to {redact(args.output)}")
     return 0

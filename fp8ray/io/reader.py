@@ -209,7 +209,8 @@ class ArchiveReader:
         try:
             located = self._locate(file, key)
             if located is None:
-                raise BadInputError(f"no block {key!r} in file {file!r} of archive {self._shown}", field="key")
+                in_file = f" in file {file!r}" if file else ""  # a version 1 archive names no files
+                raise BadInputError(f"no block {key!r}{in_file} of archive {self._shown}", field="key")
             index, row = located
             part, meta = self.manifest.parts[index], self._parts[index]
             group = bisect.bisect_right(meta.group_starts, row) - 1

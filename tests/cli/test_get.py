@@ -4,8 +4,10 @@ command: the same tensor decompress gives, and every refusal in one line."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_one_line_errors import FP8RAY, assert_one_line, fp8ray
 
+import fp8ray as fp8ray_api
 from fp8ray.engine.archives import compress_archive, decompress_archive
 from fp8ray.engine.pool import PoolSettings
 
@@ -61,6 +64,14 @@ def test_every_block_gotten_equals_decompress(archive, tmp_path):
     assert piped.returncode == 0, piped.stderr
     (tmp_path / "only1.safetensors").write_bytes(piped.stdout)
     assert torch.equal(load_file(tmp_path / "only1.safetensors")["only1"], restored[FILES[1]]["only1"])
+
+
+def test_a_block_of_a_version_1_archive_is_said_without_a_file(tmp_path):
+    """Its one file has no name: "of ''" was said of it."""
+    v1 = Path(__file__).resolve().parents[1] / "io" / "data" / "v1_archive"
+    key = fp8ray_api.open_archive(str(v1)).keys()[0]
+    result = fp8ray("get", v1, key, "-o", tmp_path / "one.safetensors")
+    assert result.returncode == 0 and re.match(rf"^wrote '{re.escape(key)}' \(\w+ \[[\d, ]+\]\) to ", result.stdout), result
 
 
 def test_standard_output_closed_is_refused_in_one_line(archive):

@@ -128,6 +128,8 @@ def test_archives_written_before_read_by_block():
     v1 = fp8ray.open_archive(str(DATA / "v1_archive"))
     assert v1.files() == [""] and v1.keys() == list(sources)
     assert all(torch.equal(v1.get(key), tensor) for key, tensor in sources.items())
+    with pytest.raises(BadInputError, match=r"^no block 'nope' of archive "):  # not "in file ''"
+        v1.get("nope", "")
 
 
 def test_a_missing_block_names_the_key_and_file(multi):
