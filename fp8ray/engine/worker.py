@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from pyarrow.fs import LocalFileSystem
 
-from ..codec import CodecOptions, Fp8Codec, checksum, decode, decode_raw, frame
+from ..codec import CodecOptions, Fp8Codec, checksum, decode_raw, frame
 from ..codec.blocks import (
     Block,
     BlockSpec,
@@ -41,7 +41,7 @@ from ..codec.fp8codec import is_array, source_tensor
 from ..codec.runs import RUN_BYTES
 from ..errors import BadInputError, BlockError, CorruptArchiveError, MismatchError, block_error
 from ..io import archive, part_checks
-from ..io.blocks import BlockReader, BlockRef, bytes_to_tensor, read_blocks
+from ..io.blocks import BlockReader, BlockRef, read_blocks
 from ..io.paths import resolve, uri_for
 from ..io.restore import RestoreTask
 from ..io.safetensors import RangeWriter
@@ -349,21 +349,26 @@ class QuantWorker:
         result.keys = columns["key"]
         result.idents = list(zip(files, columns["key"]))
         originals = {}
+        problems: list[tuple[int, str]] = []  # (row, what is wrong with its block): said in row order
+
+        def failed(row: int, label: str, exc: Exception) -> None:
+            problems.append((row, f"block {label!r} in {part.name}: {exc}"))
+
         if against is not None:  # one read of the source for the whole part
-            import torch  # the error metrics and the bound are taken on tensors
+            from ..codec.bound import check_identical
+            from .comparison import SourceBlock, SourceComparison  # the error metrics and the bound are taken on tensors
 
-            from ..codec.bound import check_identical, check_within_bound, element_scales
-            from ..codec.metrics import error_metrics
-
+            comparison = SourceComparison(bound, result.metrics, failed)
             present = [against[i] for i in result.idents if i in against]
             originals = {
                 (f, r.key): (r, data)
                 for f, r, data in zip((i[0] for i in result.idents if i in against), present, read_blocks(present))
             }
-        block_errors = raw_total = frame_total = 0
+        raw_total = frame_total = 0
         with _torch_threads(self.threads if against is not None else None):
             for row, f in enumerate(archive.iter_frames(table)):
                 ident = result.idents[row]
+                label = _label(ident, name_files)
                 result.blocks += 1
                 try:
                     buf = frame.as_byte_array(f)
@@ -384,30 +389,29 @@ class QuantWorker:
                     if codec is not None and header != frame.header_for(codec, header.dtype, header.shape):
                         written, recorded = frame.layout_label(header), frame.layout_label(codec)
                         raise MismatchError(f"the frame is in {written}, the manifest records {recorded}")
-                    if against is not None:
-                        if ident not in originals:
-                            raise MismatchError("not in the source it is verified against")
-                        ref, data = originals[ident]
-                        if (ref.dtype, tuple(ref.shape)) != (header.dtype, tuple(header.shape)):
-                            raise MismatchError(
-                                f"the source holds {list(ref.shape)} {ref.dtype}, the archive {list(header.shape)} {header.dtype}"
-                            )
-                        if header.stored:  # no error to measure: identical, or named below
-                            stray = check_identical(data, frame.codes_of(buf, header), header.dtype, header.shape)
-                            if stray is None:
-                                result.stored.append(_label(ident, name_files))
-                        else:
-                            x, y = bytes_to_tensor(data, ref.dtype, ref.shape), decode(buf)
-                            result.metrics[_label(ident, name_files)] = error_metrics(x, y)
-                            scales = torch.from_numpy(frame.scales_of(buf, header).copy())
-                            stray = check_within_bound(
-                                x, y, element_scales(scales, header.scaling, header.shape, header.block_size), bound
-                            )
-                        if stray is not None:
-                            raise MismatchError(f"{stray}: not the data this block was compressed from")
+                    if against is None:
+                        continue
+                    if ident not in originals:
+                        raise MismatchError("not in the source it is verified against")
+                    ref, data = originals[ident]
+                    if (ref.dtype, tuple(ref.shape)) != (header.dtype, tuple(header.shape)):
+                        raise MismatchError(
+                            f"the source holds {list(ref.shape)} {ref.dtype}, the archive {list(header.shape)} {header.dtype}"
+                        )
+                    if not header.stored:  # its metrics, and the bound: with the blocks of its layout around it
+                        comparison.add(SourceBlock(row, label, data, buf, header))
+                        continue
+                    # A stored frame: no error to measure, identical or named.
+                    stray = check_identical(data, frame.codes_of(buf, header), header.dtype, header.shape)
+                    if stray is not None:
+                        raise MismatchError(f"{stray}: not the data this block was compressed from")
+                    result.stored.append(label)
                 except (ValueError, TypeError, RuntimeError) as exc:
-                    block_errors += 1
-                    result.errors.append(f"block {_label(ident, name_files)!r} in {part.name}: {exc}")
+                    failed(row, label, exc)
+            if against is not None:
+                comparison.flush()
+        block_errors = len(problems)
+        result.errors += [problem for _, problem in sorted(problems)]
         totals = part_checks.totals_problem(raw_total, frame_total, part)
         if totals and not block_errors:  # each row checks, their sum not the entry's
             result.errors.append(f"part {part.name} of {archive.redact(directory)} is damaged: {totals}")

@@ -122,13 +122,16 @@ def test_inline_workers_run_verifys_torch_ops_on_their_own_threads(kv_source, tm
     blocks 2-5x slower under load). Each worker's ops use its own CPUs; the caller's
     setting is left as it was."""
     import fp8ray.codec.metrics as metrics
+    import fp8ray.engine.comparison as comparison
 
     src, _ = kv_source
     arch = tmp_path / "arch"
     compress_archive(str(src), str(arch), part_bytes=PART, pool=fp8ray.PoolSettings(address="inline"))
     seen = []
-    measure = metrics.error_metrics
-    monkeypatch.setattr(metrics, "error_metrics", lambda x, y: (seen.append(torch.get_num_threads()), measure(x, y))[1])
+    measure = metrics.row_sums
+    spy = lambda x, y: (seen.append((torch.get_num_threads(), len(x))), measure(x, y))[1]  # noqa: E731
+    monkeypatch.setattr(metrics, "row_sums", spy)  # a block's sums alone
+    monkeypatch.setattr(comparison, "row_sums", spy)  # a run's
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # what an idle machine of 2 cores or more gives each thread
     try:
@@ -136,7 +139,7 @@ def test_inline_workers_run_verifys_torch_ops_on_their_own_threads(kv_source, tm
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-    assert verified.ok and len(seen) == 12 and set(seen) == {1}, (verified.errors, seen)
+    assert verified.ok and sum(rows for _, rows in seen) == 12 and {threads for threads, _ in seen} == {1}, seen
 
 
 def test_scale_options_round_trip_through_an_archive(kv_source, tmp_path):

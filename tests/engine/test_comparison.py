@@ -1,0 +1,79 @@
+"""verify --against's comparison, a run of blocks of one layout at a time: each block's
+metrics and errors are exactly what it gets compared alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _util import tensor_bytes
+
+import fp8ray.engine.comparison as comparison
+from fp8ray import Fp8Codec
+from fp8ray.codec import CodecOptions, frame
+from fp8ray.codec.bound import bound_constants
+from fp8ray.engine.comparison import SourceBlock, SourceComparison
+
+
+def blocks_of(options: CodecOptions, tensors: list[torch.Tensor], sources: list[torch.Tensor] | None = None):
+    """A SourceBlock of each tensor, encoded in ``options``, compared with ``sources`` (else itself)."""
+    codec = Fp8Codec(options=options)
+    out = []
+    for row, (t, s) in enumerate(zip(tensors, sources or tensors)):
+        buf = frame.as_byte_array(bytes(codec.encode(t)))
+        out.append(SourceBlock(row, f"b{row}", np.frombuffer(tensor_bytes(s), np.uint8), buf, frame.parse(buf)))
+    return out
+
+
+def compare(blocks, options: CodecOptions, run: bool):
+    """(metrics, failures) of ``blocks`` compared as runs (``run``) or each alone."""
+    metrics, failures = {}, []
+    bound = bound_constants(options.fmt, options.scaling)
+    c = SourceComparison(bound, metrics, lambda row, label, exc: failures.append((row, label, str(exc))))
+    for block in blocks:
+        c.add(block)
+        if not run:
+            c.flush()
+    c.flush()
+    return metrics, failures
+
+
+MODES = ["", "e4m3fn:tensor", "e4m3fn:channel", "e4m3fn:token", "e4m3fn:none", "e5m2:block:block_size=16:scale_choice=amax"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_run_gives_each_block_its_metrics_alone(mode, monkeypatch):
+    options = CodecOptions.from_mode(mode) if mode else CodecOptions()
+    g = torch.Generator().manual_seed(1)
+    shapes = [(2, 8, 40)] * 5 + [(3, 33)] * 3 + [(2, 8, 40)] * 2  # two layouts: three runs
+    tensors = [(torch.randn(s, generator=g) * 10 ** torch.randint(-3, 3, (1,), generator=g)).bfloat16() for s in shapes]
+    runs = []
+    whole = comparison.SourceComparison._compare_run
+    monkeypatch.setattr(comparison.SourceComparison, "_compare_run", lambda self, r: runs.append(len(r)) or whole(self, r))
+    together, failures = compare(blocks_of(options, tensors), options, run=True)
+    assert not failures and runs == [5, 3, 2]
+    alone, _ = compare(blocks_of(options, tensors), options, run=False)
+    assert together == alone and list(together) == [f"b{i}" for i in range(10)]
+
+
+def test_a_stray_block_in_a_run_is_named_as_alone_and_the_others_measured():
+    options = CodecOptions()
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(4, 64, generator=g).bfloat16() for _ in range(6)]
+    sources = list(tensors)
+    sources[3] = tensors[3] * 2  # not the data block 3 was compressed from
+    metrics, failures = compare(blocks_of(options, tensors, sources), options, run=True)
+    alone_metrics, alone_failures = compare(blocks_of(options, tensors, sources), options, run=False)
+    assert failures == alone_failures and [(row, label) for row, label, _ in failures] == [(3, "b3")]
+    assert "not the data this block was compressed from" in failures[0][2]
+    assert metrics == alone_metrics and set(metrics) == {f"b{i}" for i in range(6)}  # the stray one's too
+
+
+def test_a_run_stops_at_its_element_budget(monkeypatch):
+    monkeypatch.setattr(comparison, "RUN_ELEMENTS", 3 * 256)
+    runs = []
+    whole = comparison.SourceComparison._compare_run
+    monkeypatch.setattr(comparison.SourceComparison, "_compare_run", lambda self, r: runs.append(len(r)) or whole(self, r))
+    tensors = [torch.randn(4, 64).bfloat16() for _ in range(7)]
+    _, failures = compare(blocks_of(CodecOptions(), tensors), CodecOptions(), run=True)
+    assert not failures and runs == [3, 3]  # and the last alone
