@@ -25,14 +25,13 @@ from ..errors import Fp8rayError
 from .common import close_bars
 from .interrupts import forget_caught_interrupt, interrupted_state, interrupts, output_stamp, quiet_teardown
 
-# Which extra brings a missing module (pyproject.toml [project.optional-dependencies]).
-# The extra that brings each module an optional feature imports (the module a failed
-# import names, or a package of it). A module not named here has no extra: the error
-# alone is said.
+# The extra (pyproject.toml [project.optional-dependencies]) that brings each module an
+# optional feature imports (the module a failed import names, or a package of it). A
+# module not named here has no extra: the error alone is said.
 EXTRAS = {
     "models": ("transformers", "gguf", "matplotlib", "safetensors"),
     "serve": ("ray.serve", "fastapi", "starlette", "uvicorn", "httpx"),
-    # LMCache's own imports (lmcache itself: LMCACHE_INSTALL below)
+    # LMCache's own imports (lmcache itself: fp8ray.lmcache.install)
     "lmcache": ("cpuinfo", "cachetools", "aiofiles", "sortedcontainers", "cryptography", "msgspec", "zmq", "blake3"),
 }
 
