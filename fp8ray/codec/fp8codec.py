@@ -196,6 +196,13 @@ class Fp8Codec:
     def nonfinite(self) -> str:
         return self.options.nonfinite
 
+    def __eq__(self, other) -> bool:
+        """Codecs of the same options are equal: they write the same frames (a codec is its options)."""
+        return self.options == other.options if isinstance(other, Fp8Codec) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.options)
+
     def __repr__(self) -> str:
         o = self.options
         return (

@@ -73,6 +73,14 @@ def test_options_are_values():
     assert CodecOptions.parse(a.as_dict()) == a
 
 
+def test_codecs_of_the_same_options_are_equal():
+    """A codec is its options: two spelt differently but writing the same frames are
+    equal (and one key of a dict), those of other options not."""
+    a, b = Fp8Codec(scaling="block"), Fp8Codec(options=CodecOptions(), block_size=32)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != Fp8Codec(scaling="token") and a != CodecOptions() and a != "fp8"
+
+
 @pytest.mark.parametrize(
     "given, field, pattern",
     [
