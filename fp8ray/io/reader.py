@@ -113,6 +113,11 @@ class ArchiveReader:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the footers and keys kept of the parts looked into (what leaving ``with``
+        does). The reader may still be used: it reads them again."""
         self._parts.clear()
 
     def files(self) -> list[str]:

@@ -552,3 +552,13 @@ def test_a_reader_of_an_archive_replaced_since_says_so_not_that_it_is_damaged(tm
         with pytest.raises(CorruptArchiveError, match=r"changed since it was opened \(its manifest was replaced\): open it"):
             reader.get(key)
     assert fp8ray.open_archive(str(arch)).get("k3").shape == (96, 64)
+
+
+def test_close_drops_what_the_reader_kept_and_it_reads_again(multi):
+    arch, _ = multi
+    reader = fp8ray.open_archive(str(arch))
+    first = reader.get("layer0.kv", "deep/c.safetensors")
+    assert reader._parts  # the footer and keys of the part looked into
+    reader.close()
+    assert not reader._parts
+    assert torch.equal(reader.get("layer0.kv", "deep/c.safetensors"), first)
