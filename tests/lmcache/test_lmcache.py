@@ -407,7 +407,7 @@ def test_fp8ray_lmcache_imports_without_lmcache_and_register_says_what_is_missin
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert "'lmcache' package is not installed" in lines[0] and "pip install lmcache" in lines[0]
+    assert "'lmcache' package is not installed" in lines[0] and "pip install --no-deps lmcache==" in lines[0]
     assert lines[1] == "ValueError scaling"  # bad options are refused before LMCache is needed
 
 
