@@ -24,6 +24,7 @@ import sys
 from ..errors import Fp8rayError
 from .common import close_bars
 from .interrupts import forget_caught_interrupt, interrupted_state, interrupts, output_stamp, quiet_teardown
+from .jobs import check_job_paths
 
 # The extra (pyproject.toml [project.optional-dependencies]) that brings each module an
 # optional feature imports (the module a failed import names, or a package of it). A
@@ -166,6 +167,7 @@ def _run(args) -> int:
 
 def _run_command(args, stdout: _StandardOutput | None) -> int:
     try:
+        check_job_paths(args)
         if os.environ.get("FP8RAY_NUM_THREADS"):  # checked once: a bad value inside a decode read as damage
             from ..codec.cpu import num_threads
 

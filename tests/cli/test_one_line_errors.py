@@ -335,3 +335,23 @@ def test_bench_serve_without_the_serve_extra_leaves_no_folder(tmp_path):
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert_one_line(result, "pip install 'fp8ray[serve]'")
     assert set(Path("/tmp").glob("fp8ray-srv-*")) <= before
+
+
+def test_a_command_run_as_a_ray_job_refuses_relative_paths(tmp_path):
+    """As a job's entrypoint (`ray job submit -- fp8ray ...`) a command runs in Ray's copy
+    of its working directory: a relative path would name a file the user never sees.
+    Standard output (-) and URIs are not paths here; outside a job, relative is fine."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_JOB_CONFIG_JSON_ENV_VAR="{}")
+    env.pop("RAY_ADDRESS", None)
+
+    def run(*argv) -> subprocess.CompletedProcess:
+        return subprocess.run([str(FP8RAY), *argv], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+
+    assert_one_line(run("get", "kv.fp8", "k", "-o", "-"), """not 'kv.fp8' (type "$PWD/kv.fp8")""")
+    result = run("compress", "kv", "s3://bucket/kv.fp8")
+    assert_one_line(result, "a job runs in Ray's copy of its working directory", """not 'kv' (type "$PWD/kv")""")
+    assert "s3://" not in result.stderr
+    result = run("inspect", str(tmp_path / "kv.fp8"))  # absolute: on to the command, which finds nothing there
+    assert_one_line(result, "does not exist")
+    env.pop("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    assert_one_line(run("inspect", "kv.fp8"), "does not exist")  # not in a job: relative is fine
