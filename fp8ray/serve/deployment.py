@@ -23,11 +23,12 @@ answers the frame's bytes, ``handle.decode.remote(frame)`` the tensor.
 # No `from __future__ import annotations`: FastAPI must see the real Request type in the
 # routes' signatures, which Serve's ingress rewrites.
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import ray
@@ -141,7 +142,7 @@ class Fp8Service:
         self._stats = None  # the stats actor's handle, looked up when first reported to
         self._counts = ReplicaCounts()
         self._reporter: asyncio.Task | None = None
-        self._in_flight = 0  # HTTP requests being answered
+        self._in_flight = 0  # HTTP requests and handle calls being answered
         self._draining = False  # the service is stopping: new requests are answered 503
         try:  # reporting from the start, so that an idle replica too hears of a stop
             self._start_reporting()
@@ -313,11 +314,22 @@ class Fp8Service:
             response = _refusal_response(503, "the service is stopping", None)
             self._count(route, response.status_code, 0, len(response.body), start)
             return response
+        with self._answering():
+            return await self._answer_now(route, request, handler, start)
+
+    @contextlib.contextmanager
+    def _answering(self) -> Iterator[None]:
+        """Count a request or handle call in flight while it is answered: a stop drains them."""
         self._in_flight += 1
         try:
-            return await self._answer_now(route, request, handler, start)
+            yield
         finally:
             self._in_flight -= 1
+
+    def _check_not_stopping(self) -> None:
+        """A handle call once the service is stopping: refused as an HTTP request is (503)."""
+        if self._draining:
+            raise RequestError("the service is stopping: call again once it runs (another service)", 503)
 
     async def _answer_now(self, route: str, request: Request, handler, start: float) -> Response:
         bytes_in = 0
@@ -565,15 +577,19 @@ class Fp8Service:
     async def encode(self, tensor, **codec_options_kw) -> bytes:
         """Encode a tensor (or a float16/float32 ndarray); returns the frame's bytes. What
         ``Fp8Codec.encode`` refuses is refused here, by the same message."""
+        self._check_not_stopping()
         tensor = source_tensor(tensor)  # loads torch: the HTTP routes take bytes, this API tensors
         # As the query gives them; None is the default, as Fp8Codec takes it (not "None").
         options = codec_options({k: str(v) for k, v in codec_options_kw.items() if v is not None})
-        [(f, _)] = await self._call(QuantWorker.encode_batch, [Block.of("tensor", tensor.detach())], options)
+        with self._answering():
+            [(f, _)] = await self._call(QuantWorker.encode_batch, [Block.of("tensor", tensor.detach())], options)
         return f.tobytes()
 
     async def decode(self, frame):
         """Decode a frame (bytes, memoryview or uint8 array); returns the tensor."""
-        [(raw, meta)] = await self._call(QuantWorker.decode_batch, [("frame", np.frombuffer(frame, dtype=np.uint8))])
+        self._check_not_stopping()
+        with self._answering():
+            [(raw, meta)] = await self._call(QuantWorker.decode_batch, [("frame", np.frombuffer(frame, dtype=np.uint8))])
         return bytes_to_tensor(raw, meta.dtype, meta.shape).clone()  # owns its memory
 
 
