@@ -79,7 +79,10 @@ class RayBackend:
     """``QuantWorker`` Ray actors, spread across the cluster's nodes. Ray must be
     connected (:func:`fp8ray.engine.runtime.connect_ray`)."""
 
-    def __init__(self, num_workers: int, cpus: float, gpus: float, start_timeout: float):
+    def __init__(self, num_workers: int, cpus: float, gpus: float, start_timeout: float, say_waiting: bool = True):
+        """``say_waiting``: say what the pool waits for once START_NOTICE_SECONDS have gone
+        (on a cluster that may not place the workers yet; not on a Ray checked to hold
+        them, whose actors are only slow to start)."""
         import ray
 
         self._ray = ray
@@ -95,15 +98,16 @@ class RayBackend:
             started = [w.info.remote() for w in self.workers]
             ready, _ = ray.wait(started, num_returns=num_workers, timeout=min(start_timeout, START_NOTICE_SECONDS))
             if len(ready) < num_workers and start_timeout > START_NOTICE_SECONDS:
-                log.warning(
-                    "fp8ray: %d of %d QuantWorkers started in %.0f s; waiting up to %.0f s in all (start_timeout, "
-                    "--start-timeout): %s",
-                    len(ready),
-                    num_workers,
-                    START_NOTICE_SECONDS,
-                    start_timeout,
-                    self._needs_message(),
-                )
+                if say_waiting:
+                    log.warning(
+                        "fp8ray: %d of %d QuantWorkers started in %.0f s; waiting up to %.0f s in all (start_timeout, "
+                        "--start-timeout): %s",
+                        len(ready),
+                        num_workers,
+                        START_NOTICE_SECONDS,
+                        start_timeout,
+                        self._needs_message(),
+                    )
                 ready, _ = ray.wait(started, num_returns=num_workers, timeout=start_timeout - START_NOTICE_SECONDS)
         except BaseException:
             self.close()

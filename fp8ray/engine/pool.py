@@ -161,11 +161,13 @@ class QuantPool:
         embedded_cpus = max(int(s.num_workers * s.cpus_per_worker), os.cpu_count() or 1)
         self._owns_ray = connect_ray(self.address, embedded_cpus, inline_possible=True)
         try:
-            if started_embedded():  # a GPU it lacks: said at once, not after the start timeout (a cluster may grow)
+            embedded = started_embedded()
+            if embedded:  # a GPU it lacks: said at once, not after the start timeout (a cluster may grow)
                 import ray
 
                 check_placeable(s.num_workers, s.cpus_per_worker, s.gpus_per_worker, ray.cluster_resources())
-            self._backend = RayBackend(s.num_workers, s.cpus_per_worker, s.gpus_per_worker, s.start_timeout)
+            settings = (s.num_workers, s.cpus_per_worker, s.gpus_per_worker, s.start_timeout)
+            self._backend = RayBackend(*settings, say_waiting=not embedded)
         except BaseException:
             if self._owns_ray:
                 self._owns_ray = False

@@ -226,6 +226,21 @@ def test_on_a_cluster_workers_it_cannot_hold_yet_wait_for_it_to_grow(source, tmp
     assert re.match(r"fp8ray: error: only [0-2] of 3 QuantWorkers started within 12 s: each needs", lines[1]), lines
 
 
+def test_an_embedded_ray_checked_to_hold_the_workers_says_nothing_while_they_start(ray_tmp):
+    """Its actors are only slow to start (a loaded machine): the line about waiting for a
+    cluster to place them would mislead (here after 1 ms, where it says it after 10 s)."""
+    code = (
+        "import fp8ray.engine.backends as backends\n"
+        "backends.START_NOTICE_SECONDS = 0.001\n"
+        "from fp8ray import PoolSettings, QuantPool\n"
+        "with QuantPool(PoolSettings(num_workers=1, address='local')):\n"
+        "    print('started')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=env_for(ray_tmp), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "started", result.stderr[-3000:]
+    assert "QuantWorkers started in" not in result.stderr, result.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_the_embedded_rays_folder_of_a_killed_run_goes_at_the_next_start(ray_tmp):
     """A driver killed outright (SIGKILL, the OOM killer) takes its embedded Ray with it,
