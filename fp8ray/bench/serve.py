@@ -195,9 +195,10 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
         state.remove()
         raise
 
-    bare, bare_url = _start_bare_app()
+    bare = None
     owns_ray = deployed = False
     try:
+        bare, bare_url = _start_bare_app()
         # Always a Ray of its own (or this process's, already connected): on a cluster's Ray
         # Serve's port, its route "/" and its shutdown would be another's (RAY_ADDRESS too).
         owns_ray = connect_ray(None if ray.is_initialized() else LOCAL, None)
@@ -261,8 +262,9 @@ def bench_serve(sizes: list[int], concurrency: int, bytes_per_size: int, service
             lines += [_cpu_line("bare", b), _cpu_line("serve", s)]
         return "\n".join(lines)
     finally:
-        bare.kill()
-        bare.wait()
+        if bare is not None:
+            bare.kill()
+            bare.wait()
         # Only what it deployed; its own Ray then goes whole (as `fp8ray serve` stops).
         if deployed:
             serve.delete(BENCH_APP)

@@ -42,14 +42,14 @@ def install_hint(exc: ImportError) -> str:
     fp8ray has no extra for it (its own failure, or a broken environment)."""
     missing = exc.name or ""
 
-    def names(module: str) -> bool:
+    def within(module: str) -> bool:
         return missing == module or missing.startswith(module + ".")
 
-    if names("lmcache"):
+    if within("lmcache"):
         from ..lmcache.install import INSTALL_COMMAND
 
         return INSTALL_COMMAND
-    return next((f"pip install 'fp8ray[{extra}]'" for extra, modules in EXTRAS.items() if any(map(names, modules))), "")
+    return next((f"pip install 'fp8ray[{extra}]'" for extra, modules in EXTRAS.items() if any(map(within, modules))), "")
 
 
 def build_parser():

@@ -328,13 +328,18 @@ def test_a_demo_without_the_model_says_so_and_makes_no_folder(tmp_path):
 
 
 def test_bench_serve_without_the_serve_extra_leaves_no_folder(tmp_path):
-    """Its HAProxy folder was made before Serve's import, which failed outside the clean-up."""
-    before = set(Path("/tmp").glob("fp8ray-srv-*"))
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    argv = [sys.executable, "-c", blocking("starlette", "fastapi"), "bench", "serve", "--sizes", "4K"]
+    """Its HAProxy folder was made before Serve's import, which failed outside the clean-up.
+    (The folder goes where a long RAY_TMPDIR sends it, made this test's own folder.)"""
+    deep = tmp_path / ("d" * 40)
+    deep.mkdir()
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(deep))
+    # Its folder in tmp_path, whose length HAProxy's sockets are not checked against here.
+    own_folder = f"import fp8ray.serve.environment as e; e.SHORT_PARENT = {str(tmp_path)!r}; "
+    own_folder += "e.check_haproxy_sockets = lambda environ: None; "
+    argv = [sys.executable, "-c", own_folder + blocking("starlette", "fastapi"), "bench", "serve", "--sizes", "4K"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert_one_line(result, "pip install 'fp8ray[serve]'")
-    assert set(Path("/tmp").glob("fp8ray-srv-*")) <= before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [deep.name] and not any(deep.iterdir())
 
 
 def test_a_command_run_as_a_ray_job_refuses_relative_paths(tmp_path):
