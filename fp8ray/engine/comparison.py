@@ -2,8 +2,8 @@
 metrics (:mod:`fp8ray.codec.metrics`) and against the codec's derived bound
 (:mod:`fp8ray.codec.bound`).
 
-Blocks of one layout (dtype, shape, scaling and block size) are compared a run at a time,
-up to :data:`RUN_ELEMENTS` elements: alone, a block of 4096 elements took about 25 torch
+Small blocks of one layout (dtype, shape, scaling and block size) are compared a run at
+a time, up to :data:`RUN_ELEMENTS` elements: alone, a block of 4096 elements took about 25 torch
 ops of a few microseconds each (0.8 ms a block, the archive's small blocks); a run takes
 those ops once. The sums of each block are its own row's, as alone. A run in which any
 element is out of its bound (or that cannot be compared whole) is compared again block by
@@ -26,6 +26,10 @@ from ..errors import MismatchError
 
 # Elements of a run: its bound check in one piece (about ten float64 temporaries each).
 RUN_ELEMENTS = CHECK_ELEMENTS
+# Blocks of fewer elements only go in runs: torch splits the sum of a longer row across
+# its threads (at::internal::GRAIN_SIZE), not the rows of a run, so a larger block's sums
+# could differ from its sums alone in the last bit; and a block that large gains nothing.
+RUN_BLOCK_ELEMENTS = 32768
 
 COMPARE_ERRORS = (ValueError, TypeError, RuntimeError)  # what a block's comparison raises
 
@@ -57,11 +61,12 @@ class SourceComparison:
         self._run: list[SourceBlock] = []
 
     def add(self, block: SourceBlock) -> None:
-        if self._run and (
-            _layout(self._run[0].header) != _layout(block.header) or (len(self._run) + 1) * block.header.numel > RUN_ELEMENTS
-        ):
+        numel = block.header.numel
+        if self._run and (_layout(self._run[0].header) != _layout(block.header) or (len(self._run) + 1) * numel > RUN_ELEMENTS):
             self.flush()
         self._run.append(block)
+        if numel >= RUN_BLOCK_ELEMENTS:  # alone
+            self.flush()
 
     def flush(self) -> None:
         run, self._run = self._run, []

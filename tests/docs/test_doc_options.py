@@ -23,12 +23,14 @@ def command_of(words: list[str], parser: argparse.ArgumentParser) -> tuple[str, 
     """The (sub)command a synopsis line names (``fp8ray bench codec``), and its parser."""
     names = []
     while words and not words[0].startswith("-") and any(isinstance(a, argparse._SubParsersAction) for a in parser._actions):
-        parser = subcommands(parser)[words[0]]
+        choices = subcommands(parser)
+        assert words[0] in choices, f"a synopsis names command 'fp8ray {' '.join([*names, words[0]])}', which is none"
+        parser = choices[words[0]]
         names.append(words.pop(0))
     return " ".join(names), parser
 
 
-def synopsis_options(text: str) -> list[tuple[str, str]]:
+def synopsis_options(text: str) -> list[tuple[str, str, argparse.ArgumentParser]]:
     """``(command, --option)`` for every option in a synopsis: a line ``fp8ray CMD ...``
     starts a command; an indented line goes on with the one before; a line ``(both) ...``
     holds options of every command of its block."""

@@ -46,7 +46,8 @@ def test_a_run_gives_each_block_its_metrics_alone(mode, monkeypatch):
     options = CodecOptions.from_mode(mode) if mode else CodecOptions()
     g = torch.Generator().manual_seed(1)
     shapes = [(2, 8, 40)] * 5 + [(3, 33)] * 3 + [(2, 8, 40)] * 2  # two layouts: three runs
-    tensors = [(torch.randn(s, generator=g) * 10 ** torch.randint(-3, 3, (1,), generator=g)).bfloat16() for s in shapes]
+    scale = [10.0 ** int(e) for e in torch.randint(-6, 4, (len(shapes),), generator=g)]  # the bound's subnormal terms too
+    tensors = [(torch.randn(s, generator=g) * k).bfloat16() for s, k in zip(shapes, scale)]
     runs = []
     whole = comparison.SourceComparison._compare_run
     monkeypatch.setattr(comparison.SourceComparison, "_compare_run", lambda self, r: runs.append(len(r)) or whole(self, r))
@@ -77,3 +78,15 @@ def test_a_run_stops_at_its_element_budget(monkeypatch):
     tensors = [torch.randn(4, 64).bfloat16() for _ in range(7)]
     _, failures = compare(blocks_of(CodecOptions(), tensors), CodecOptions(), run=True)
     assert not failures and runs == [3, 3]  # and the last alone
+
+
+def test_a_large_block_is_compared_alone_whatever_its_neighbours(monkeypatch):
+    """torch splits one long row's sum across threads, not a run's rows: a block of
+    RUN_BLOCK_ELEMENTS or more is compared alone, so its metrics are those of verify ever."""
+    runs = []
+    whole = comparison.SourceComparison._compare_run
+    monkeypatch.setattr(comparison.SourceComparison, "_compare_run", lambda self, r: runs.append(len(r)) or whole(self, r))
+    tensors = [torch.randn(8, 4096).bfloat16() for _ in range(3)]  # 32768 elements each
+    assert tensors[0].numel() == comparison.RUN_BLOCK_ELEMENTS
+    metrics, failures = compare(blocks_of(CodecOptions(), tensors), CodecOptions(), run=True)
+    assert not failures and runs == [] and len(metrics) == 3

@@ -95,7 +95,8 @@ def test_bad_columns_are_named():
 def test_a_one_shot_compress_and_decompress_import_no_pandas(tmp_path, pandas):
     """pandas costs 0.14 s of a one-shot command's start (issue 18 item 5), and fp8ray does
     not depend on it: without pandas (pyarrow before 26 imported it for
-    ``to_pandas_dtype``: "No module named 'pandas'") they run all the same."""
+    ``to_pandas_dtype``: "No module named 'pandas'") they run all the same. (With pyarrow
+    26 and later, as here, that case passes whatever fp8ray does; it guards older ones.)"""
     code = f"""
 import sys
 if {pandas == "not installed"}:
