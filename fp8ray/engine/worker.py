@@ -463,7 +463,10 @@ def _torch_threads(threads: int | None) -> Iterator[None]:
     op as many threads as the machine has cores: two workers ran four OpenMP threads on two
     cores, spinning on each other over small tensors (verify --against of 4000 small blocks
     took 2x the time under load). A Ray actor's are one per CPU already (Ray sets
-    OMP_NUM_THREADS)."""
+    OMP_NUM_THREADS where it is not set), and are held to its CPUs here too. torch's
+    setting is also its default for threads that first use torch meanwhile: another
+    worker's thread starting then keeps one per CPU, as it should; the caller's own
+    thread is not changed."""
     if threads is None:
         yield
         return
