@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..codec import decode, frame
-from ..codec.blocks import bytes_to_tensor
+from ..codec.blocks import bytes_to_tensor, decode_rows_into
 from ..codec.bound import CHECK_ELEMENTS, check_within_bound, element_scales
 from ..codec.metrics import error_metrics, row_sums
 from ..errors import MismatchError
@@ -45,8 +45,11 @@ class SourceBlock:
     header: frame.FrameHeader
 
 
-def _layout(header: frame.FrameHeader) -> tuple:
-    return header.dtype, tuple(header.shape), header.scaling, header.block_size
+def _layout(block: SourceBlock) -> tuple:
+    """What the blocks of a run share: their frames' layout and size (one row each of one
+    array, decoded as one)."""
+    h = block.header
+    return h.dtype, tuple(h.shape), h.scaling, h.block_size, block.buf.size
 
 
 class SourceComparison:
@@ -54,7 +57,8 @@ class SourceComparison:
     compares what is left. Each block's metrics go to ``metrics`` (by label), and a block
     that does not check to ``failed(row, label, error)``."""
 
-    def __init__(self, bound: dict, metrics: dict[str, dict], failed: Callable[[int, str, Exception], None]):
+    def __init__(self, bound: dict, metrics: dict[str, dict], failed: Callable[[int, str, Exception], None], threads: int = 1):
+        self._threads = threads  # the decode's
         self._bound = bound
         self._metrics = metrics
         self._failed = failed
@@ -62,7 +66,7 @@ class SourceComparison:
 
     def add(self, block: SourceBlock) -> None:
         numel = block.header.numel
-        if self._run and (_layout(self._run[0].header) != _layout(block.header) or (len(self._run) + 1) * numel > RUN_ELEMENTS):
+        if self._run and (_layout(self._run[0]) != _layout(block) or (len(self._run) + 1) * numel > RUN_ELEMENTS):
             self.flush()
         self._run.append(block)
         if numel >= RUN_BLOCK_ELEMENTS:  # alone
@@ -96,7 +100,10 @@ class SourceComparison:
         within its bound (each block's metrics recorded), else False (nothing recorded)."""
         h = run[0].header
         x = torch.stack([bytes_to_tensor(b.source, h.dtype, h.shape).reshape(-1) for b in run])
-        y = torch.stack([decode(b.buf).reshape(-1) for b in run])
+        decoded = np.empty(len(run) * h.tensor_nbytes, np.uint8)
+        rows = np.stack([b.buf for b in run])  # the frames as decompress decodes a part's: one call
+        decode_rows_into([b.label for b in run], rows, decoded, h.dtype, tuple(h.shape), threads=self._threads)
+        y = bytes_to_tensor(decoded, h.dtype, (len(run), h.numel))
         if h.scaling == "none":
             scale = torch.ones(x.shape, dtype=torch.float32)
         else:  # each block's scales, spread over its elements as element_scales spreads one block's

@@ -358,7 +358,7 @@ class QuantWorker:
             from ..codec.bound import check_identical
             from .comparison import SourceBlock, SourceComparison  # the error metrics and the bound are taken on tensors
 
-            comparison = SourceComparison(bound, result.metrics, failed)
+            comparison = SourceComparison(bound, result.metrics, failed, self.threads)
             present = [against[i] for i in result.idents if i in against]
             originals = {
                 (f, r.key): (r, data)

@@ -25,6 +25,20 @@ def blocks_of(options: CodecOptions, tensors: list[torch.Tensor], sources: list[
     return out
 
 
+def spy_runs(monkeypatch) -> list[int]:
+    """The sizes of the runs compared whole, each checked to have been (not fallen back)."""
+    runs: list[int] = []
+    whole = comparison.SourceComparison._compare_run
+
+    def compare_run(self, run):
+        ok = whole(self, run)
+        runs.append(len(run) if ok else -len(run))
+        return ok
+
+    monkeypatch.setattr(comparison.SourceComparison, "_compare_run", compare_run)
+    return runs
+
+
 def compare(blocks, options: CodecOptions, run: bool):
     """(metrics, failures) of ``blocks`` compared as runs (``run``) or each alone."""
     metrics, failures = {}, []
@@ -48,9 +62,7 @@ def test_a_run_gives_each_block_its_metrics_alone(mode, monkeypatch):
     shapes = [(2, 8, 40)] * 5 + [(3, 33)] * 3 + [(2, 8, 40)] * 2  # two layouts: three runs
     scale = [10.0 ** int(e) for e in torch.randint(-6, 4, (len(shapes),), generator=g)]  # the bound's subnormal terms too
     tensors = [(torch.randn(s, generator=g) * k).bfloat16() for s, k in zip(shapes, scale)]
-    runs = []
-    whole = comparison.SourceComparison._compare_run
-    monkeypatch.setattr(comparison.SourceComparison, "_compare_run", lambda self, r: runs.append(len(r)) or whole(self, r))
+    runs = spy_runs(monkeypatch)
     together, failures = compare(blocks_of(options, tensors), options, run=True)
     assert not failures and runs == [5, 3, 2]
     alone, _ = compare(blocks_of(options, tensors), options, run=False)
@@ -72,9 +84,7 @@ def test_a_stray_block_in_a_run_is_named_as_alone_and_the_others_measured():
 
 def test_a_run_stops_at_its_element_budget(monkeypatch):
     monkeypatch.setattr(comparison, "RUN_ELEMENTS", 3 * 256)
-    runs = []
-    whole = comparison.SourceComparison._compare_run
-    monkeypatch.setattr(comparison.SourceComparison, "_compare_run", lambda self, r: runs.append(len(r)) or whole(self, r))
+    runs = spy_runs(monkeypatch)
     tensors = [torch.randn(4, 64).bfloat16() for _ in range(7)]
     _, failures = compare(blocks_of(CodecOptions(), tensors), CodecOptions(), run=True)
     assert not failures and runs == [3, 3]  # and the last alone
@@ -83,9 +93,7 @@ def test_a_run_stops_at_its_element_budget(monkeypatch):
 def test_a_large_block_is_compared_alone_whatever_its_neighbours(monkeypatch):
     """torch splits one long row's sum across threads, not a run's rows: a block of
     RUN_BLOCK_ELEMENTS or more is compared alone, so its metrics are those of verify ever."""
-    runs = []
-    whole = comparison.SourceComparison._compare_run
-    monkeypatch.setattr(comparison.SourceComparison, "_compare_run", lambda self, r: runs.append(len(r)) or whole(self, r))
+    runs = spy_runs(monkeypatch)
     tensors = [torch.randn(8, 4096).bfloat16() for _ in range(3)]  # 32768 elements each
     assert tensors[0].numel() == comparison.RUN_BLOCK_ELEMENTS
     metrics, failures = compare(blocks_of(CodecOptions(), tensors), CodecOptions(), run=True)
