@@ -96,19 +96,19 @@ class RayBackend:
             for _ in range(num_workers):
                 self.workers.append(self._actor_class.remote(self._threads))
             started = [w.info.remote() for w in self.workers]
-            ready, _ = ray.wait(started, num_returns=num_workers, timeout=min(start_timeout, START_NOTICE_SECONDS))
-            if len(ready) < num_workers and start_timeout > START_NOTICE_SECONDS:
-                if say_waiting:
-                    log.warning(
-                        "fp8ray: %d of %d QuantWorkers started in %.0f s; waiting up to %.0f s in all (start_timeout, "
-                        "--start-timeout): %s",
-                        len(ready),
-                        num_workers,
-                        START_NOTICE_SECONDS,
-                        start_timeout,
-                        self._needs_message(),
-                    )
-                ready, _ = ray.wait(started, num_returns=num_workers, timeout=start_timeout - START_NOTICE_SECONDS)
+            first = min(start_timeout, START_NOTICE_SECONDS) if say_waiting else start_timeout
+            ready, _ = ray.wait(started, num_returns=num_workers, timeout=first)
+            if len(ready) < num_workers and first < start_timeout:
+                log.warning(
+                    "fp8ray: %d of %d QuantWorkers started in %.0f s; waiting up to %.0f s in all (start_timeout, "
+                    "--start-timeout): %s",
+                    len(ready),
+                    num_workers,
+                    first,
+                    start_timeout,
+                    self._needs_message(),
+                )
+                ready, _ = ray.wait(started, num_returns=num_workers, timeout=start_timeout - first)
         except BaseException:
             self.close()
             raise

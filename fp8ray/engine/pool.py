@@ -166,8 +166,9 @@ class QuantPool:
                 import ray
 
                 check_placeable(s.num_workers, s.cpus_per_worker, s.gpus_per_worker, ray.cluster_resources())
-            settings = (s.num_workers, s.cpus_per_worker, s.gpus_per_worker, s.start_timeout)
-            self._backend = RayBackend(*settings, say_waiting=not embedded)
+            self._backend = RayBackend(
+                s.num_workers, s.cpus_per_worker, s.gpus_per_worker, s.start_timeout, say_waiting=not embedded
+            )
         except BaseException:
             if self._owns_ray:
                 self._owns_ray = False

@@ -299,22 +299,21 @@ def test_a_missing_module_is_named_with_what_installs_it(missing, hint):
     assert install_hint(ImportError(f"No module named {missing!r}", name=missing)) == hint
 
 
-def test_bench_lmcache_without_lmcache_says_so_before_any_work(tmp_path):
-    """It captured the model's cache for about a minute first; and the extra it named,
-    lmcache, does not install LMCache itself."""
-    code = "import sys; sys.modules['lmcache'] = None; from fp8ray.cli import main; sys.exit(main(sys.argv[1:]))"
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    argv = [sys.executable, "-c", code, "bench", "lmcache", "--tokens", "64", "--chunk-tokens", "64"]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
-    assert_one_line(result, "the 'lmcache' package is not installed", "pip install --no-deps lmcache==0.5.6")
-    assert result.stderr.count("lmcache==0.5.6") == 1  # said once, by the registry's message
-
-
 def blocking(*modules: str) -> str:
     """``python -c`` code running the fp8ray command of its arguments with ``modules`` not installed."""
     return (
         f"import sys; sys.modules.update(dict.fromkeys({modules!r})); from fp8ray.cli import main; sys.exit(main(sys.argv[1:]))"
     )
+
+
+def test_bench_lmcache_without_lmcache_says_so_before_any_work(tmp_path):
+    """It captured the model's cache for about a minute first; and the extra it named,
+    lmcache, does not install LMCache itself."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    argv = [sys.executable, "-c", blocking("lmcache"), "bench", "lmcache", "--tokens", "64", "--chunk-tokens", "64"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert_one_line(result, "the 'lmcache' package is not installed", "pip install --no-deps lmcache==0.5.6")
+    assert result.stderr.count("lmcache==0.5.6") == 1  # said once, by the registry's message
 
 
 def test_a_demo_without_the_model_says_so_and_makes_no_folder(tmp_path):
