@@ -3,11 +3,13 @@ metrics (:mod:`fp8ray.codec.metrics`) and against the codec's derived bound
 (:mod:`fp8ray.codec.bound`).
 
 Small blocks of one layout (dtype, shape, scaling and block size) are compared a run at
-a time, up to :data:`RUN_ELEMENTS` elements: alone, a block of 4096 elements took about 25 torch
-ops of a few microseconds each (0.8 ms a block, the archive's small blocks); a run takes
-those ops once. The sums of each block are its own row's, as alone. A run in which any
-element is out of its bound (or that cannot be compared whole) is compared again block by
-block, so that each block's error names its own first element, as it would alone.
+a time: alone, a block of 4096 elements took about 25 torch ops of a few microseconds each
+(0.8 ms a block, the archive's small blocks); a run takes those ops once. Each layout has
+its run pending, so that blocks of two layouts in turn (an MLA model's K and V, say) still
+form runs; together they hold at most :data:`RUN_ELEMENTS` elements. The sums of each
+block are its own row's, as alone. A run in which any element is out of its bound (or
+that cannot be compared whole) is compared again block by block, so that each block's
+error names its own first element, as it would alone.
 """
 
 from __future__ import annotations
@@ -53,27 +55,42 @@ def _layout(block: SourceBlock) -> tuple:
 
 
 class SourceComparison:
-    """Blocks compared as they are added, a run of one layout at a time; :meth:`flush`
-    compares what is left. Each block's metrics go to ``metrics`` (by label), and a block
-    that does not check to ``failed(row, label, error)``."""
+    """Blocks compared as they are added, in runs of one layout; :meth:`finish` compares
+    what is left. Each block's metrics go to ``metrics`` (by label, in row order), and a
+    block that does not check to ``failed(row, label, error)``."""
 
     def __init__(self, bound: dict, metrics: dict[str, dict], failed: Callable[[int, str, Exception], None], threads: int = 1):
         self._threads = threads  # the decode's
         self._bound = bound
         self._metrics = metrics
         self._failed = failed
-        self._run: list[SourceBlock] = []
+        self._runs: dict[tuple, list[SourceBlock]] = {}  # by layout
+        self._pending = 0  # elements in them
+        self._compared: list[tuple[int, str, dict]] = []  # (row, label, metrics): in row order at the end
 
     def add(self, block: SourceBlock) -> None:
         numel = block.header.numel
-        if self._run and (_layout(self._run[0]) != _layout(block) or (len(self._run) + 1) * numel > RUN_ELEMENTS):
-            self.flush()
-        self._run.append(block)
         if numel >= RUN_BLOCK_ELEMENTS:  # alone
-            self.flush()
+            self._compare([block])
+            return
+        if self._pending + numel > RUN_ELEMENTS:
+            self._compare_pending()
+        self._runs.setdefault(_layout(block), []).append(block)
+        self._pending += numel
 
-    def flush(self) -> None:
-        run, self._run = self._run, []
+    def finish(self) -> None:
+        """Compare the runs still pending, and give every block's metrics in row order."""
+        self._compare_pending()
+        for _, label, metrics in sorted(self._compared, key=lambda compared: compared[0]):
+            self._metrics[label] = metrics
+        self._compared = []
+
+    def _compare_pending(self) -> None:
+        runs, self._runs, self._pending = self._runs, {}, 0
+        for run in runs.values():
+            self._compare(run)
+
+    def _compare(self, run: list[SourceBlock]) -> None:
         if len(run) > 1:
             try:
                 if self._compare_run(run):
@@ -89,7 +106,7 @@ class SourceComparison:
     def _compare_one(self, block: SourceBlock) -> None:
         h = block.header
         x, y = bytes_to_tensor(block.source, h.dtype, h.shape), decode(block.buf)
-        self._metrics[block.label] = error_metrics(x, y)
+        self._compared.append((block.row, block.label, error_metrics(x, y)))  # a stray block's too
         scales = torch.from_numpy(frame.scales_of(block.buf, h).copy())
         stray = check_within_bound(x, y, element_scales(scales, h.scaling, h.shape, h.block_size), self._bound)
         if stray is not None:
@@ -113,5 +130,5 @@ class SourceComparison:
         if check_within_bound(x.reshape(-1), y.reshape(-1), scale.reshape(-1), self._bound) is not None:
             return False
         for block, sums in zip(run, row_sums(x, y)):
-            self._metrics[block.label] = sums.metrics()
+            self._compared.append((block.row, block.label, sums.metrics()))
         return True

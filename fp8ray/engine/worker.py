@@ -409,7 +409,7 @@ class QuantWorker:
                 except (ValueError, TypeError, RuntimeError) as exc:
                     failed(row, label, exc)
             if against is not None:
-                comparison.flush()
+                comparison.finish()
         block_errors = len(problems)
         result.errors += [problem for _, problem in sorted(problems)]
         totals = part_checks.totals_problem(raw_total, frame_total, part)

@@ -1,5 +1,5 @@
-"""verify --against's comparison, a run of blocks of one layout at a time: each block's
-metrics and errors are exactly what it gets compared alone."""
+"""verify --against's comparison, in runs of blocks of one layout: each block's metrics
+and errors are exactly what it gets compared alone, and its metrics come in row order."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def compare(blocks, options: CodecOptions, run: bool):
     for block in blocks:
         c.add(block)
         if not run:
-            c.flush()
-    c.flush()
+            c.finish()
+    c.finish()
     return metrics, failures
 
 
@@ -59,14 +59,26 @@ MODES = ["", "e4m3fn:tensor", "e4m3fn:channel", "e4m3fn:token", "e4m3fn:none", "
 def test_a_run_gives_each_block_its_metrics_alone(mode, monkeypatch):
     options = CodecOptions.from_mode(mode) if mode else CodecOptions()
     g = torch.Generator().manual_seed(1)
-    shapes = [(2, 8, 40)] * 5 + [(3, 33)] * 3 + [(2, 8, 40)] * 2  # two layouts: three runs
+    shapes = [(2, 8, 40)] * 5 + [(3, 33)] * 3 + [(2, 8, 40)] * 2  # two layouts: two runs
     scale = [10.0 ** int(e) for e in torch.randint(-6, 4, (len(shapes),), generator=g)]  # the bound's subnormal terms too
     tensors = [(torch.randn(s, generator=g) * k).bfloat16() for s, k in zip(shapes, scale)]
     runs = spy_runs(monkeypatch)
     together, failures = compare(blocks_of(options, tensors), options, run=True)
-    assert not failures and runs == [5, 3, 2]
+    assert not failures and runs == [7, 3]
     alone, _ = compare(blocks_of(options, tensors), options, run=False)
     assert together == alone and list(together) == [f"b{i}" for i in range(10)]
+
+
+def test_layouts_in_turn_each_form_a_run(monkeypatch):
+    """An MLA model's K and V, say: blocks of two shapes one after the other."""
+    options = CodecOptions()
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn((4, 64) if row % 2 else (2, 96), generator=g).bfloat16() for row in range(12)]
+    runs = spy_runs(monkeypatch)
+    together, failures = compare(blocks_of(options, tensors), options, run=True)
+    assert not failures and runs == [6, 6]
+    alone, _ = compare(blocks_of(options, tensors), options, run=False)
+    assert together == alone and list(together) == [f"b{i}" for i in range(12)]
 
 
 def test_a_stray_block_in_a_run_is_named_as_alone_and_the_others_measured():
@@ -82,12 +94,18 @@ def test_a_stray_block_in_a_run_is_named_as_alone_and_the_others_measured():
     assert metrics == alone_metrics and set(metrics) == {f"b{i}" for i in range(6)}  # the stray one's too
 
 
-def test_a_run_stops_at_its_element_budget(monkeypatch):
+def test_runs_stop_at_their_element_budget(monkeypatch):
+    """Pending runs hold at most RUN_ELEMENTS together, whatever their layouts."""
     monkeypatch.setattr(comparison, "RUN_ELEMENTS", 3 * 256)
     runs = spy_runs(monkeypatch)
     tensors = [torch.randn(4, 64).bfloat16() for _ in range(7)]
     _, failures = compare(blocks_of(CodecOptions(), tensors), CodecOptions(), run=True)
     assert not failures and runs == [3, 3]  # and the last alone
+    runs.clear()
+    monkeypatch.setattr(comparison, "RUN_ELEMENTS", 4 * 256)
+    tensors = [torch.randn((4, 64) if row % 2 else (2, 128)).bfloat16() for row in range(8)]
+    _, failures = compare(blocks_of(CodecOptions(), tensors), CodecOptions(), run=True)
+    assert not failures and runs == [2] * 4  # two of each layout at a time
 
 
 def test_a_large_block_is_compared_alone_whatever_its_neighbours(monkeypatch):
