@@ -22,7 +22,7 @@ import signal
 import sys
 
 from ..errors import Fp8rayError
-from .common import close_bars
+from .common import close_bars, refuse_standard_input
 from .interrupts import forget_caught_interrupt, interrupted_state, interrupts, output_stamp, quiet_teardown
 from .jobs import check_job_paths
 
@@ -70,6 +70,21 @@ def build_parser():
         def error(self, message: str):
             self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+        def parse_args(self, args=None, namespace=None):
+            """As argparse's, but an unknown option is named by the command it was given
+            to (argparse leaves it to the top parser: "fp8ray: error: ... (see fp8ray --help)")."""
+            parsed, extras = self.parse_known_args(args, namespace)
+            if extras:
+                self._chosen(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+            return parsed
+
+        def _chosen(self, parsed):
+            """The parser of the (sub)command ``parsed`` holds, its innermost."""
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+                    return action.choices[getattr(parsed, action.dest)]._chosen(parsed)
+            return self
+
     parser = OneLineErrors(prog="fp8ray", description="Compress LLM KV caches to fp8.")
     parser.add_argument("--version", action="version", version=f"fp8ray {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +102,8 @@ _INTERRUPTS: list[KeyboardInterrupt] = []
 
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.stderr is None:  # started with it closed (2>&-): print(file=None) would write to standard output
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (for the process's life)
     # As the program itself (argv from the command line), an interrupt that comes once the
     # command has ended is ignored: the process is only exiting, its work done.
     with interrupts(exiting=argv is None):
@@ -168,6 +185,7 @@ def _run(args) -> int:
 def _run_command(args, stdout: _StandardOutput | None) -> int:
     try:
         check_job_paths(args)
+        refuse_standard_input(args)
         if os.environ.get("FP8RAY_NUM_THREADS"):  # checked once: a bad value inside a decode read as damage
             from ..codec.cpu import num_threads
 

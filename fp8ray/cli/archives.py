@@ -18,6 +18,7 @@ from .common import (
     progress,
     rate,
     refuse_standard_output,
+    size_text,
     warn,
     warn_each,
 )
@@ -163,7 +164,7 @@ def run_compress(args) -> int:
             f"compressed {counted(report.blocks, 'block')}"
             + _stored_note(report.stored)
             + f" into {counted(report.parts, 'part')} ({report.parts_reused} reused): "
-            f"{report.raw_bytes / 2**20:.1f} MiB -> {report.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x), "
+            f"{size_text(report.raw_bytes)} -> {size_text(report.archive_bytes)} ({report.ratio:.2f}x), "
             f"{rate(report.input_gbps)} of input on {counted(report.workers, 'worker')} "
             f"({', '.join(report.devices) or 'no new parts'})" + skipped_summary(report.skipped)
         ),
@@ -220,7 +221,7 @@ def run_decompress(args) -> int:
         bar,
         report,
         (
-            f"decompressed {counted(report.blocks, 'block')} ({report.raw_bytes / 2**20:.1f} MiB) "
+            f"decompressed {counted(report.blocks, 'block')} ({size_text(report.raw_bytes)}) "
             f"into {counted(report.files, 'file')}{as_store} at {report.output}, "
             f"{rate(report.output_gbps)} of output on {counted(args.workers, 'worker')}{serde}"
         ),
@@ -269,7 +270,7 @@ def run_inspect(args) -> int:
         print(
             f"{redact(args.archive)}: {counted(manifest.blocks, 'block')} in {counted(len(manifest.parts), 'part')}, "
             f"{manifest.options.label()}" + _stored_note(manifest.stored_blocks) + "; "
-            f"{manifest.raw_bytes / 2**20:.1f} MiB -> {manifest.archive_bytes / 2**20:.1f} MiB ({report.ratio:.2f}x); "
+            f"{size_text(manifest.raw_bytes)} -> {size_text(manifest.archive_bytes)} ({report.ratio:.2f}x); "
             f"fp8ray {printable(manifest.fp8ray_version)}"
             + (f"; made for {manifest.provenance.describe()}" if manifest.provenance else "")
             + skipped_summary(skipped).replace("; skipped", "; the source's tree skipped")
@@ -351,7 +352,9 @@ def run_get(args) -> int:
             raise output_error(args.output, exc) from None
     if to_stdout:
         try:
-            sys.stdout.buffer.write(build_body([(args.key, block.dtype, block.shape, block.data)], metadata))
+            body = memoryview(build_body([(args.key, block.dtype, block.shape, block.data)], metadata))
+            while body:  # a pipe's reader that leaves can cut a write short without an error: the rest raises
+                body = body[sys.stdout.buffer.write(body) :]
             sys.stdout.buffer.flush()
         except BrokenPipeError:
             raise

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import DestinationError, InvalidOptionError
-from .common import json_argument, non_empty, positive_int, warn
+from .common import json_argument, non_empty, positive_int, refuse_standard_output, warn
 
 SHIPPED_TEXT = "fp8ray/eval/texts/lighthouse.txt"
 
@@ -88,6 +88,7 @@ def check_output(option: str, path: str, *reads: str | None) -> None:
     output was written, after the model ran)."""
     from ..io.paths import check_apart, check_not_special, os_reason, resolve
 
+    refuse_standard_output(path, f"{option} writes a file")
     try:
         check_not_special(*resolve(path), path)
     except DestinationError as exc:

@@ -14,6 +14,7 @@ from .common import (
     progress,
     rate,
     refuse_standard_output,
+    size_text,
     warn,
     warn_each,
 )
@@ -109,7 +110,7 @@ def run_store_command(args) -> int:
     print(
         f"{report.mode}ed {report.files} chunk files ({sources}) to {target} into {printable(report.destination)} "
         f"({len(report.unchanged)} copied unchanged, {len(report.skipped)} skipped): "
-        f"{report.bytes_before / 2**20:.1f} MiB -> {report.bytes_after / 2**20:.1f} MiB, "
+        f"{size_text(report.bytes_before)} -> {size_text(report.bytes_after)}, "
         f"{rate(report.input_gbps)} of input on {report.workers} workers"
     )
     return 0

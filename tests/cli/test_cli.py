@@ -120,7 +120,10 @@ def test_bad_option_is_rejected_by_the_parser_in_one_line(capsys):
         (["compress", "a", "b", "--scaling", "row"], "fp8ray compress: error: argument --scaling: invalid choice: 'row'"),
         (["compress", "a"], "fp8ray compress: error: the following arguments are required: destination"),
         (["nope"], "fp8ray: error: argument command: invalid choice: 'nope'"),
-        (["verify", "a", "--no-such-flag"], "fp8ray: error: unrecognized arguments: --no-such-flag"),
+        # named by the command given it: "fp8ray: error: ... (see fp8ray --help)" before
+        (["verify", "a", "--no-such-flag"], "fp8ray verify: error: unrecognized arguments: --no-such-flag"),
+        (["bench", "lossless", "--no-such-flag"], "fp8ray bench lossless: error: unrecognized arguments: --no-such-flag"),
+        (["inspect", "a", "b"], "fp8ray inspect: error: unrecognized arguments: b (see fp8ray inspect --help)"),
     ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
@@ -176,6 +179,46 @@ def test_outputs_and_options_that_would_be_misread_are_refused(argv, said, tmp_p
     code, _, err = run_cli(capsys, *argv, "--address", "inline")
     assert code == 1 and err.startswith("fp8ray: error: ") and said in err and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["SRC"]
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["fidelity", "SRC", "SRC", "--plot", "-"], "--plot writes a file, not standard output ('-')"),
+        (["capture", "--out", "-", "--text", "SRC"], "--out writes a file, not standard output ('-')"),
+        (["compress", "-", "OUT", "--address", "inline"], "'-' as the source: fp8ray reads files, not standard input"),
+        (["verify", "-", "--address", "inline"], "'-' as the archive: fp8ray reads files, not standard input"),
+        (["verify", "SRC", "--against", "-"], "'-' as the against: fp8ray reads files, not standard input"),
+        (["fidelity", "-", "SRC"], "'-' as the original: fp8ray reads files, not standard input"),
+        (["eval-model", "--text", "-"], "'-' as the text: fp8ray reads files, not standard input"),
+    ],
+)
+def test_a_dash_for_a_file_is_refused_not_taken_as_a_name(argv, said, tmp_path, capsys, monkeypatch):
+    """--plot - wrote a PNG file named '-'; an input '-' was "source - does not exist"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "SRC").mkdir()
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 1 and err.startswith("fp8ray: error: ") and said in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["SRC"]
+
+
+def test_sizes_are_said_in_a_unit_that_shows_them(tmp_path, capsys):
+    """A small archive read "0.0 MiB -> 0.0 MiB (1.06x)"."""
+    from safetensors.torch import save_file
+
+    from fp8ray.cli.common import size_text
+
+    assert [size_text(n) for n in (0, 1023, 1024, 1536, 2**20 - 1, 5 * 2**30)] == [
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "1.5 KiB",
+        "1.0 MiB",
+        "5.0 GiB",
+    ]
+    save_file({"k": torch.ones(4, 64)}, str(tmp_path / "kv.safetensors"))
+    code, out, _ = run_cli(capsys, "compress", tmp_path / "kv.safetensors", tmp_path / "arch", "--address", "inline")
+    assert code == 0 and ": 1.0 KiB -> " in out, out
 
 
 def test_an_archive_given_as_a_source_is_named_as_one(tmp_path, capsys):

@@ -106,6 +106,44 @@ def test_a_full_standard_output_is_named(archive):
     )
 
 
+@pytest.fixture(scope="module")
+def large_block(tmp_path_factory):
+    """An archive of one block of 2 MiB, larger than a pipe holds."""
+    root = tmp_path_factory.mktemp("large")
+    save_file({"big": torch.randn(1024, 1024).to(torch.bfloat16)}, str(root / "big.safetensors"))
+    compress_archive(str(root / "big.safetensors"), str(root / "arch"), pool=INLINE)
+    return root / "arch"
+
+
+def test_a_reader_that_leaves_early_is_not_a_whole_output(large_block):
+    """One write of the body took what the pipe held and returned its count, without an
+    error: get exited 0 with the rest never written."""
+    piped = subprocess.run(
+        f"set -o pipefail; {FP8RAY} get {large_block} big -o - | head -c 100 > /dev/null",
+        shell=True,
+        executable="/bin/bash",
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, RAY_AUTH_MODE="disabled"),
+    )
+    assert (piped.returncode, piped.stderr) == (141, "")
+
+
+def test_a_file_size_limit_on_standard_output_is_named(large_block, tmp_path):
+    """Under `ulimit -f` the body was cut at the limit and get exited 0."""
+    limited = subprocess.run(
+        f"ulimit -f 1000; {FP8RAY} get {large_block} big -o - > {tmp_path / 'out.safetensors'}",
+        shell=True,
+        executable="/bin/bash",
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, RAY_AUTH_MODE="disabled"),
+    )
+    assert (limited.returncode, limited.stderr) == (1, "fp8ray: error: cannot write to standard output (-o -): File too large\n")
+
+
 def test_missing_and_ambiguous_keys_name_what_to_choose(archive, tmp_path):
     arch, _ = archive
     out = tmp_path / "x.safetensors"

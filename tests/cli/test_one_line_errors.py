@@ -4,6 +4,7 @@ here; a worker's errors through an embedded Ray too, `--address local`, where Ra
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -359,3 +360,24 @@ def test_a_command_run_as_a_ray_job_refuses_relative_paths(tmp_path):
     assert_one_line(result, "does not exist")
     env.pop("RAY_JOB_CONFIG_JSON_ENV_VAR")
     assert_one_line(run("inspect", "kv.fp8"), "does not exist")  # not in a job: relative is fine
+
+
+def test_standard_error_closed_leaves_the_work_and_standard_output_whole(tmp_path):
+    """Started with stderr closed (``2>&-``): compress and decompress exited 1 having done
+    nothing (the progress bar's ``sys.stderr.isatty()`` on None), and error lines went to
+    standard output, into a --json report."""
+    save_file({f"layer{i}.k": torch.randn(4, 64) for i in range(3)}, str(tmp_path / "kv.safetensors"))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+
+    def closed(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            f"{FP8RAY} {command} 2>&-", shell=True, stdout=subprocess.PIPE, text=True, timeout=300, env=env, cwd=tmp_path
+        )
+
+    made = closed("compress kv.safetensors kv.fp8 --address inline")
+    assert made.returncode == 0 and made.stdout.startswith("compressed 3 blocks"), made.stdout
+    back = closed("decompress kv.fp8 out.safetensors --address inline --json")
+    assert back.returncode == 0 and json.loads(back.stdout)["blocks"] == 3
+    missing = closed("inspect nothing.fp8 --json")
+    assert (missing.returncode, missing.stdout) == (1, "")
