@@ -167,6 +167,8 @@ def dimensions(shape) -> tuple[int, ...]:
     out = []
     for i, d in enumerate(given):
         try:
+            if isinstance(d, bool):  # an int to Python, not a size
+                raise TypeError
             out.append(operator.index(d))
         except TypeError:
             raise TypeError(f"shape {given}: dimension {i} is {d!r}, not an integer") from None

@@ -300,7 +300,7 @@ class Fp8FrameDeserializer(_FramePair):
         if last and at_end > offset and at_end not in places and self._run_fits(data, at_end, run, sizes):
             places.append(at_end)  # past a skipped slot of passthrough bytes, which have no header
         if len(places) > 1 and last and at_end in places:
-            places = [at_end]  # a group's frames end where src does
+            places = [at_end]  # a group's frames end where src does: src is taken to be what serialize wrote
         if len(places) != 1:
             found = "no place in src fits" if not places else f"{len(places)} places (offsets {places[:4]}) in src fit"
             raise MismatchError(

@@ -79,12 +79,23 @@ def byte_view(t: torch.Tensor | None, role: str) -> torch.Tensor:
             f"{role} must be a torch tensor of 1-byte elements, got {type(t).__name__} "
             "(torch.frombuffer or torch.from_numpy wraps a writable buffer without a copy)"
         )
+    check_dense(t, role)
     if t.element_size() != 1:
         raise BadInputError(f"{role} must be a 1-byte buffer (e.g. uint8), got a {t.dtype} tensor")
     if not t.is_contiguous():
         # reshape(-1) of a non-contiguous tensor is a copy: written bytes would be lost.
         raise BadInputError(f"{role} tensor must be contiguous, or the written bytes would land in a copy")
     return t.view(torch.uint8).reshape(-1)
+
+
+def check_dense(t: torch.Tensor, role: str) -> None:
+    """Refuse a ``role`` tensor with no dense memory to read or write: a meta one (its
+    writes went nowhere and the serde said it had written them), a sparse or nested one."""
+    if t.is_nested or t.layout != torch.strided:
+        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        raise BadInputError(f"{role} tensor is a {kind} tensor: the Fp8 serde takes dense ones (tensor.to_dense())")
+    if t.device.type == "meta":
+        raise BadInputError(f"{role} tensor is a meta tensor: it has no data")
 
 
 def check_dtype(t: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from ..codec import cpu, reference
 from ..codec.formats import DTYPES, NONFINITE_POLICIES, Fp8Format, get_format
 from ..codec.fp8codec import copy_into, raise_nonfinite
 from ..errors import BadInputError, CorruptDataError, InvalidOptionError
-from .objects import Shape, byte_view, kv_tensors, layout_pairs
+from .objects import Shape, byte_view, check_dense, kv_tensors, layout_pairs
 from .settings import kwargs_dict
 
 
@@ -42,6 +42,7 @@ def _castable(t: torch.Tensor) -> torch.Tensor:
     """``t``, or of a dtype the kernels do not take, ``t`` in float32: torch casts every
     real dtype to fp8 by way of float32 (float64 rounded twice), so the codes are the
     same. A complex tensor is refused, as it has no one real value per element."""
+    check_dense(t, "src")
     if t.dtype in DTYPES:
         return t
     if t.is_complex():
@@ -111,6 +112,8 @@ class Fp8QuantizationDeserializer(_Fp8Serde):
     def deserialize_tensors(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Decode one fp8 byte per element of ``tensors``, from the start of ``buffer`` (a
         contiguous tensor of 1-byte elements), into them in turn."""
+        for t in tensors:
+            check_dense(t, "dst")
         for t, codes in _code_spans(byte_view(buffer, "src"), tensors, ("src", "dst"), CorruptDataError):
             # A negative view (t.is_neg()) holds its values' negatives: torch's copy_ writes it.
             fast = t.dtype in DTYPES and t.device.type == "cpu" and codes.device.type == "cpu"

@@ -105,6 +105,8 @@ def test_raw_bytes_that_do_not_fit_are_refused_by_name():
         codec.encode_raw(data, "bfloat16", (2, 3.0))  # refused, not truncated
     with pytest.raises(TypeError, match=r"^shape \('2', 3\): dimension 0 is '2', not an integer$"):
         decode_raw(codec.encode_raw(data, "bfloat16", (2, 3)), "bfloat16", ("2", 3))
+    with pytest.raises(TypeError, match=r"^shape \(True, 3\): dimension 0 is True, not an integer$"):
+        codec.encoded_size((True, 3), "bfloat16")  # a bool is an int to Python: it was taken as 1
     with pytest.raises(TypeError, match=r"^shape must be a sequence of integers, got 6$"):
         codec.encoded_size(6, "bfloat16")
     with pytest.raises(BadInputError, match=r"out must be a writable contiguous 1-D uint8 array"):

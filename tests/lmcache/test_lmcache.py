@@ -152,6 +152,22 @@ def test_sizes_are_checked_and_named():
         Fp8QuantizationDeserializer().deserialize(obj(torch.zeros(5, dtype=torch.uint8)), obj(torch.empty(2, 3)))
 
 
+def test_tensors_with_no_dense_memory_are_refused_by_name():
+    """A meta dst was "written" (the bytes went nowhere, and the serde returned their
+    count); a meta or sparse src raised torch's own RuntimeError from deep inside."""
+    ser, de = Fp8QuantizationSerializer(), Fp8QuantizationDeserializer()
+    buf = torch.zeros(4, dtype=torch.uint8)
+    for call, said in (
+        (lambda: ser.serialize(obj(torch.ones(4, device="meta")), obj(buf)), "src tensor is a meta tensor: it has no data"),
+        (lambda: ser.serialize(obj(torch.eye(2).to_sparse()), obj(buf)), "src tensor is a sparse_coo tensor"),
+        (lambda: ser.serialize(obj(torch.eye(2, dtype=torch.int32).to_sparse()), obj(buf)), "src tensor is a sparse_coo"),
+        (lambda: ser.serialize(obj(torch.ones(4)), obj(buf.to("meta"))), "dst tensor is a meta tensor: it has no data"),
+        (lambda: de.deserialize(obj(buf), obj(torch.empty(4, device="meta"))), "dst tensor is a meta tensor: it has no data"),
+    ):
+        with pytest.raises(BadInputError, match=said):
+            call()
+
+
 def test_missing_tensors_and_bad_buffers():
     with pytest.raises(ValueError, match="requires src and dst to have tensors"):
         Fp8QuantizationSerializer().serialize(obj(None), obj(torch.empty(3, dtype=torch.uint8)))
