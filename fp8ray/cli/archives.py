@@ -87,7 +87,7 @@ def add_commands(commands) -> None:
     decompress.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an existing output of the same kind that holds only files the archive describes",
+        help="replace an existing output of the same kind that holds only files the archive describes (its source's too)",
     )
     decompress.add_argument(
         "--force-replace",
@@ -320,7 +320,7 @@ def run_get(args) -> int:
         output_exists,
         prepare_parent,
         redact,
-        resolve,
+        resolve_output,
     )
     from ..io.reader import open_archive
     from ..io.safetensors import SafetensorsWriter, build_body
@@ -330,7 +330,7 @@ def run_get(args) -> int:
         raise DestinationError("-o - writes to standard output, which is closed")
     if not to_stdout:  # the output is checked before anything is read
         check_apart(args.archive, args.output)
-        fs, path = resolve(args.output)
+        fs, path = resolve_output(args.output)
         try:  # a name too long, a file where a folder should be: pyarrow's words, named once
             check_not_special(fs, path, args.output)  # '-' is the way to write to standard output
             if fs.get_file_info(path).type == pafs.FileType.Directory:

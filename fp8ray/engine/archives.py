@@ -61,6 +61,7 @@ from ..io.paths import (
     remove_quietly,
     replace_directory,
     resolve,
+    resolve_output,
     temporary_name,
     uri_for,
 )
@@ -548,7 +549,7 @@ def decompress_archive(
     check_store_restore(manifest, lmcache_form, single_file, redact(archive_uri))
     check_apart(archive_uri, output)
     columns = archive.read_metadata_columns(fs, path, manifest, RESTORE_COLUMNS, archive_uri)
-    out_fs, out_path = resolve(output)
+    out_fs, out_path = resolve_output(output)
     # A local output is written at offsets: a safetensors file from several parts, by several
     # workers at once (a store's chunk files are one block each) where they share this disk.
     single_name = posixpath.basename(out_path) if single_file else None

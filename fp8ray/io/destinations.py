@@ -24,7 +24,7 @@ from .paths import (
     prepare_parent,
     redact,
     remove_quietly,
-    resolve,
+    resolve_output,
     temporary_name,
 )
 from .restore import RestorePlan
@@ -50,7 +50,7 @@ def prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) 
     :func:`make_work`, inside the caller's clean-up: an interrupt as it is made must not
     leave it behind). Nothing there is deleted: ``--overwrite`` builds the new archive
     beside the old one."""
-    fs, path = resolve(uri)
+    fs, path = resolve_output(uri)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.File:
         raise ArchiveExistsError(f"destination {redact(uri)} exists and is a file")

@@ -54,6 +54,17 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), path
 
 
+def resolve_output(uri: str) -> tuple[pafs.FileSystem, str]:
+    """:func:`resolve` of an output, through a symbolic link to something that exists: the
+    output is written where the link points, as without ``--overwrite``, whose renames had
+    put the new output in the link's place (on the link's filesystem) and left the old one
+    where it was. A link to nothing stays itself (replaced only with ``--overwrite``)."""
+    fs, path = resolve(uri)
+    if isinstance(fs, pafs.LocalFileSystem) and os.path.islink(path) and os.path.exists(path):
+        return fs, os.path.realpath(path)
+    return fs, path
+
+
 def uri_for(uri: str, path: str) -> str:
     """The URI of ``path`` on the filesystem ``uri`` names, keeping its scheme, credentials
     and options (``?endpoint_override=...``), so a worker's ``resolve`` finds the same file."""

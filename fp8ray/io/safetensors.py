@@ -33,7 +33,7 @@ import pyarrow.fs as pafs
 
 from ..codec.formats import DTYPE_ITEMSIZES, tensor_nbytes
 from ..errors import MismatchError, SafetensorsFormatError, SourceError
-from .paths import CompleteOrNothing, delete_quietly, is_utf8, move_into_place, os_reason, redact, resolve, temporary_name
+from .paths import CompleteOrNothing, delete_quietly, is_utf8, move_into_place, os_reason, redact, resolve_output, temporary_name
 
 MAX_HEADER = 100_000_000  # the safetensors package's limit on the JSON header
 MAX_USIZE = 2**64 - 1
@@ -434,7 +434,7 @@ class SafetensorsWriter(CompleteOrNothing):
         replace: bool = True,
     ):
         self.uri, self.replace = uri, replace
-        self.fs, self.path = resolve(uri)
+        self.fs, self.path = resolve_output(uri)
         self.tensors = tensors
         layout = SafetensorsLayout.of(tensors, metadata)
         self.sizes = layout.sizes

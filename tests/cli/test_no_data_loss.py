@@ -268,6 +268,33 @@ def test_a_symbolic_link_to_nothing_at_the_output_is_replaced_only_with_overwrit
         assert not out.is_symlink() and out.stat().st_size > 0
 
 
+def test_overwrite_through_a_symbolic_link_replaces_what_it_points_to(kvdir, tmp_path, capsys):
+    """A link to an archive, or to a decompressed file: --overwrite put the new output in
+    the link's place (on the link's filesystem) and left the old one where it pointed."""
+    from fp8ray import open_archive
+
+    inline = ("--address", "inline")
+    real, link = tmp_path / "disk" / "arch", tmp_path / "arch"
+    real.parent.mkdir()
+    assert run(capsys, "compress", kvdir, real, *inline)[0] == 0
+    link.symlink_to(real)
+    assert run(capsys, "compress", kvdir, link, "--overwrite", "--scaling", "token", *inline)[0] == 0
+    assert link.is_symlink() and open_archive(str(real)).manifest.codec["scaling"] == "token"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["arch", "disk", "kvdir"]
+    out_real, out_link = tmp_path / "disk" / "out", tmp_path / "out"
+    assert run(capsys, "decompress", real, out_real, *inline)[0] == 0
+    out_link.symlink_to(out_real)
+    (out_real / "a.safetensors").write_bytes(b"stale")
+    assert run(capsys, "decompress", real, out_link, "--overwrite", *inline)[0] == 0
+    assert out_link.is_symlink() and (out_real / "a.safetensors").stat().st_size > 5
+    key = next(iter(open_archive(str(real)).keys()))
+    got_real, got_link = tmp_path / "disk" / "got.safetensors", tmp_path / "got.safetensors"
+    got_real.write_bytes(b"stale")
+    got_link.symlink_to(got_real)
+    assert run(capsys, "get", real, key, "-o", got_link, "--overwrite")[0] == 0
+    assert got_link.is_symlink() and got_real.stat().st_size > 5
+
+
 def test_overwrite_never_puts_a_file_in_place_of_a_fifo_or_a_device(kvdir, tmp_path, capsys):
     """An output that is a FIFO, or a link to a device (/dev/null), is refused even with
     --overwrite: the output's rename would put a plain file in its place."""
