@@ -315,11 +315,13 @@ def run_get(args) -> int:
     from ..io.paths import (
         check_apart,
         check_not_special,
+        missing_folders,
         os_reason,
         output_error,
         output_exists,
         prepare_parent,
         redact,
+        remove_folders,
         resolve_output,
     )
     from ..io.reader import open_archive
@@ -345,7 +347,9 @@ def run_get(args) -> int:
     file = args.file if args.file is not None else reader.file_of(args.key)  # an ambiguous key is refused, naming the files
     block = reader.block(args.key, file)  # a missing key is refused, naming the key and file
     metadata = reader.metadata(file) or None
-    if not to_stdout and args.parents:  # after the refusals: they leave no folders behind
+    made = []  # folders --parents makes, after the refusals (they leave none behind); removed if the write fails
+    if not to_stdout and args.parents:
+        made = missing_folders(path) if isinstance(fs, pafs.LocalFileSystem) else []
         try:
             prepare_parent(fs, path, args.output, parents=True)
         except OSError as exc:
@@ -364,8 +368,11 @@ def run_get(args) -> int:
     try:
         with SafetensorsWriter(args.output, [(args.key, block.dtype, block.shape)], metadata, replace=args.overwrite) as writer:
             writer.write(block.data)
-    except OSError as exc:  # a full disk
-        raise output_error(args.output, exc) from None
+    except BaseException as exc:
+        remove_folders(made)
+        if isinstance(exc, OSError):  # a full disk
+            raise output_error(args.output, exc) from None
+        raise
     of_file = f" of {file!r}" if file else ""  # a version 1 archive names no files
     print(f"wrote {args.key!r} ({block.dtype} {list(block.shape)}){of_file} to {redact(args.output)}")
     return 0

@@ -40,6 +40,7 @@ from ..io.destinations import (
     hold_destination,
     make_work,
     prepare_destination,
+    remove_created,
     undo_compress,
 )
 from ..io.leftovers import ScratchMark, sweep_leftovers
@@ -415,7 +416,7 @@ def compress_archive(
             pass  # another compress holds the directory: what is in it is its own
         elif run is None:  # before any work: what is there is an earlier run's, or nothing
             if dest.created:
-                remove_quietly(fs, work)
+                remove_created(dest)
         elif fs.get_file_info(f"{work}/{archive.MANIFEST_NAME}").type == pafs.FileType.File:
             # Interrupted once the manifest was written: the archive is whole; its scratch goes.
             with contextlib.suppress(OSError):

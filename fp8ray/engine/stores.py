@@ -61,10 +61,12 @@ from ..io.paths import (
     check_apart,
     entries,
     list_tree,
+    missing_folders,
     name_list,
     os_reason,
     prepare_parent,
     printable,
+    remove_folders,
     remove_quietly,
     replace_directory,
     resolve,
@@ -128,7 +130,7 @@ def _check_paths(source: str, destination: str, overwrite: bool, parents: bool) 
                 f"that {'is' if len(foreign) == 1 else 'are'} not an LMCache store's ({name_list(foreign)}): "
                 "--overwrite replaces only a store; move them out first"
             )
-    else:
+    elif not parents:  # a missing folder is refused now; --parents makes it as the conversion starts
         fs, path = resolve(dst)
         prepare_parent(fs, path, destination, parents)
     return src, dst
@@ -258,8 +260,10 @@ def convert_store(
     done = []
     cannot_write = f"cannot write destination {printable(destination)}"
     mark = None
+    made = missing_folders(dst) if parents else []  # removed again if the conversion fails
     try:
         try:
+            prepare_parent(LocalFileSystem(), dst, destination, parents)
             os.mkdir(scratch)  # in the try: an interrupt that lands as it is made removes it
             mark = ScratchMark(scratch)
         except OSError as exc:
@@ -285,6 +289,7 @@ def convert_store(
             raise DestinationError(f"{cannot_write}: {os_reason(exc)}") from None
     except BaseException:
         remove_quietly(LocalFileSystem(), scratch)
+        remove_folders(made)
         raise
     finally:
         if mark is not None:

@@ -33,7 +33,7 @@ from . import columns as arrow_columns
 from . import part_checks
 from .blocks import MANIFEST_NAME, BlockRef, SourceLayout
 from .lossless import DEFAULT_LOSSLESS, canonical_lossless, parse_lossless  # noqa: F401 (re-exported)
-from .paths import entries, is_temporary, name_list, one_line, os_reason, printable, redact, resolve, write_atomic
+from .paths import delete_quietly, entries, is_temporary, name_list, one_line, os_reason, printable, redact, resolve, write_atomic
 from .provenance import Provenance
 from .records import ARCHIVE_VERSION, PART_PREFIX, PART_SUFFIX, STORED_FRAMES_VERSION, Manifest, Part, Plan
 
@@ -319,7 +319,8 @@ def write_part(fs: pafs.FileSystem, directory: str, index: int, rows: dict[str, 
     )
     try:
         write_sidecar(fs, directory, index, info)
-    except OSError as exc:
+    except OSError as exc:  # the part goes too: without its sidecar --resume writes it again, beside it, needing its room twice
+        delete_quietly(fs, f"{directory}/{part_name(index)}")
         raise WriteError(f"{sidecar_name(index)}: {os_reason(exc)}") from None
     return info
 
@@ -423,6 +424,8 @@ def read_manifest(fs: pafs.FileSystem, directory: str, uri: str | None = None) -
         info = fs.get_file_info(directory)
         if info.type == pafs.FileType.NotFound:
             raise CorruptArchiveError(f"archive {shown} does not exist")
+        if info.type != pafs.FileType.Directory:  # a source given as the archive, say (arguments swapped)
+            raise CorruptArchiveError(f"archive {shown} is a file, not an fp8ray archive (a directory)")
         if fs.get_file_info(f"{directory}/{MANIFEST_NAME}").type != pafs.FileType.File:
             raise CorruptArchiveError(f"{shown} has no {MANIFEST_NAME}: not a complete fp8ray archive")
         text = _read_record(fs, f"{directory}/{MANIFEST_NAME}", path)

@@ -8,7 +8,7 @@ import os
 import posixpath
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
@@ -19,10 +19,12 @@ from .paths import (
     entries,
     is_temporary,
     list_tree,
+    missing_folders,
     name_list,
     os_reason,
     prepare_parent,
     redact,
+    remove_folders,
     remove_quietly,
     resolve_output,
     temporary_name,
@@ -39,6 +41,7 @@ class ArchiveDestination:
     path: str  # the destination
     work: str  # where the parts go
     created: bool  # whether this run creates ``work`` (:func:`make_work`), and so may remove it
+    made: list[str] = field(default_factory=list)  # folders above it that --parents makes (deepest first)
 
     @property
     def replacing(self) -> bool:
@@ -84,8 +87,9 @@ def prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) 
                 f"destination {redact(uri)} holds an interrupted compress (pass --resume to continue, --overwrite to replace)"
             )
         return ArchiveDestination(fs, path, path, False)
+    made = missing_folders(path) if parents and isinstance(fs, pafs.LocalFileSystem) else []
     prepare_parent(fs, path, uri, parents)
-    return ArchiveDestination(fs, path, path, True)
+    return ArchiveDestination(fs, path, path, True, made)
 
 
 def make_work(dest: ArchiveDestination) -> None:
@@ -139,13 +143,20 @@ def hold_destination(dest: ArchiveDestination, uri: str) -> Iterator[None]:
             os.close(fd)
 
 
+def remove_created(dest: ArchiveDestination) -> None:
+    """Remove, quietly, the directory this run created and the folders --parents made
+    for it: a failed run leaves the destination as it found it."""
+    remove_quietly(dest.fs, dest.work)
+    remove_folders(dest.made)
+
+
 def undo_compress(dest: ArchiveDestination, todo: list[int]) -> None:
     """After a run in which no part finished before the failure, remove what it wrote
     (parts that ended while the run settled are its too): a directory it created goes
     whole; in one it found, its parts and the scratch files go. Quietly: an error here
     must not hide the one that caused it."""
     if dest.created:
-        remove_quietly(dest.fs, dest.work)
+        remove_created(dest)
         return
     ours = {archive.part_name(i) for i in todo}
     try:

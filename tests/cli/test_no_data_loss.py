@@ -169,6 +169,20 @@ def test_a_full_disk_mid_compress_names_the_destination_and_what_resume_keeps(tm
     code = main([str(a) for a in ["compress", src, arch, *one_worker, "--resume"]])
     out, _ = capsys.readouterr()
     assert code == 0 and (arch / "_manifest.json").exists() and f"({done} reused)" in out
+    # A part whose sidecar cannot be written goes too: --resume would write it again beside it.
+    def full_at_sidecar_1(fs, path, data):
+        if "_part-00001.json" in path:
+            no_space()
+        write_atomic(fs, path, data)
+
+    monkeypatch.setattr(fp8ray.io.archive, "write_atomic", full_at_sidecar_1)
+    code, err = run(capsys, "compress", src, tmp_path / "arch2", *one_worker)
+    assert code == 1 and "_part-00001.json: No space left on device" in err, err
+    assert not (tmp_path / "arch2" / "part-00001.parquet").exists() and (tmp_path / "arch2" / "part-00000.parquet").exists()
+    # No part done: the folders --parents made go with the archive's directory.
+    monkeypatch.setattr(fp8ray.io.archive, "write_atomic", no_space)
+    code, err = run(capsys, "compress", src, tmp_path / "made" / "deep" / "arch", *one_worker, "--parents")
+    assert code == 1 and "No space left on device" in err and not (tmp_path / "made").exists(), err
 
 
 def test_a_source_file_unreadable_mid_compress_says_what_resume_keeps(tmp_path):
@@ -230,8 +244,12 @@ def test_a_full_disk_under_get_and_a_store_conversion_names_the_output(kvdir, tm
     monkeypatch.setattr(fp8ray.lmcache.store_files, "open", open_for_reading_only, raising=False)
     out = tmp_path / "k.safetensors"
     assert run(capsys, "get", arch, key, "-o", out) == (1, f"fp8ray: error: cannot write output {out}: No space left on device\n")
-    code, err = run(capsys, "lmcache-compress", store, tmp_path / "fp8", "--layout", "bfloat16:2,2,16,64", "--address", "inline")
-    expected = f"cannot write destination {tmp_path / 'fp8'} ({name}: No space left on device)"
+    out = tmp_path / "made" / "deep" / "k.safetensors"  # the folders --parents made go too
+    said = f"fp8ray: error: cannot write output {out}: No space left on device\n"
+    assert run(capsys, "get", arch, key, "-o", out, "--parents") == (1, said)
+    fp8 = tmp_path / "made" / "fp8"
+    code, err = run(capsys, "lmcache-compress", store, fp8, "--layout", "bfloat16:2,2,16,64", "--address", "inline", "--parents")
+    expected = f"cannot write destination {fp8} ({name}: No space left on device)"
     assert (code, err) == (1, f"fp8ray: error: {expected}\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["arch", "kvdir", "store"]  # no temporary left either
 
