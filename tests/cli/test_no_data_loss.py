@@ -169,6 +169,7 @@ def test_a_full_disk_mid_compress_names_the_destination_and_what_resume_keeps(tm
     code = main([str(a) for a in ["compress", src, arch, *one_worker, "--resume"]])
     out, _ = capsys.readouterr()
     assert code == 0 and (arch / "_manifest.json").exists() and f"({done} reused)" in out
+
     # A part whose sidecar cannot be written goes too: --resume would write it again beside it.
     def full_at_sidecar_1(fs, path, data):
         if "_part-00001.json" in path:
