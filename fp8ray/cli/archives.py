@@ -330,6 +330,8 @@ def run_get(args) -> int:
     to_stdout = args.output == "-"
     if to_stdout and sys.stdout is None:  # started with it closed (>&-)
         raise DestinationError("-o - writes to standard output, which is closed")
+    if to_stdout and sys.stdout.isatty():  # as gzip and zstd refuse: binary on a terminal garbles it
+        raise DestinationError("-o - writes a safetensors file's bytes, and standard output is a terminal: redirect or pipe it")
     if not to_stdout:  # the output is checked before anything is read
         check_apart(args.archive, args.output)
         fs, path = resolve_output(args.output)

@@ -271,3 +271,26 @@ def test_verify_names_a_damaged_part_without_its_columns_in_one_line(archive, tm
     assert len(problems) == 1 and "is damaged" in problems[0], result.stderr
     result = fp8ray("get", damaged, "shared", "--file", FILES[0], "-o", tmp_path / "x.safetensors")
     assert_one_line(result, "part-00000.parquet", "is damaged: it has no 'key' column")
+
+
+def test_standard_output_on_a_terminal_is_refused(archive):
+    """128 KiB of binary went to the terminal, as gzip and zstd refuse to do."""
+    import pty
+
+    arch, _ = archive
+    leader, follower = pty.openpty()
+    try:
+        env = dict(os.environ, RAY_AUTH_MODE="disabled")
+        done = subprocess.run(
+            [str(FP8RAY), "get", str(arch), "only1", "-o", "-"],
+            stdout=follower,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+    finally:
+        os.close(follower)
+        os.close(leader)
+    said = "fp8ray: error: -o - writes a safetensors file's bytes, and standard output is a terminal: redirect or pipe it\n"
+    assert (done.returncode, done.stderr) == (1, said)
