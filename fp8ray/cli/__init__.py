@@ -103,7 +103,7 @@ _INTERRUPTS: list[KeyboardInterrupt] = []
 
 def main(argv: list[str] | None = None) -> int:
     if sys.stderr is None:  # started with it closed (2>&-): print(file=None) would write to standard output
-        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (for the process's life)
+        _null_standard_error()
     # As the program itself (argv from the command line), an interrupt that comes once the
     # command has ended is ignored: the process is only exiting, its work done.
     with interrupts(exiting=argv is None):
@@ -164,6 +164,17 @@ class _StandardOutput:
 
     def __getattr__(self, name):  # isatty, fileno, buffer (get -o - writes there, checked itself)...
         return getattr(self._stream, name)
+
+
+def _null_standard_error() -> None:
+    """Point descriptor 2 and ``sys.stderr`` at /dev/null, for a process started with
+    standard error closed: a file opened later would otherwise take descriptor 2, and
+    whatever native code (Ray, gRPC) writes there would land in it."""
+    fd = os.open(os.devnull, os.O_WRONLY)
+    if fd != 2:
+        os.dup2(fd, 2)
+        os.close(fd)
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 (for the process's life)
 
 
 def _drop_standard_output() -> None:

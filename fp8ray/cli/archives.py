@@ -18,7 +18,6 @@ from .common import (
     progress,
     rate,
     refuse_standard_output,
-    size_text,
     warn,
     warn_each,
 )
@@ -129,7 +128,7 @@ def _finish(args, bar, report, summary: str) -> None:
 
 def run_compress(args) -> int:
     from ..engine.archives import compress_archive
-    from ..io.paths import counted
+    from ..io.paths import counted, size_text
 
     options = codec_options(args)  # bad options fail before Ray starts
     refuse_standard_output(args.destination, "compress writes an archive directory")
@@ -195,7 +194,7 @@ def _manifest_blocks(uri: str) -> int:
 
 def run_decompress(args) -> int:
     from ..engine.archives import decompress_archive
-    from ..io.paths import counted
+    from ..io.paths import counted, size_text
 
     refuse_standard_output(  # as get takes it, not a file named '-'
         args.output, "decompress writes files", ", or write one block to standard output with fp8ray get ARCHIVE KEY -o -"
@@ -259,7 +258,7 @@ def run_inspect(args) -> int:
     from dataclasses import asdict
 
     from ..engine.archives import inspect_archive
-    from ..io.paths import counted, printable, redact
+    from ..io.paths import counted, printable, redact, size_text
 
     report = inspect_archive(args.archive)
     manifest = report.manifest
@@ -315,7 +314,6 @@ def run_get(args) -> int:
     from ..io.paths import (
         check_apart,
         check_not_special,
-        missing_folders,
         os_reason,
         output_error,
         output_exists,
@@ -323,6 +321,7 @@ def run_get(args) -> int:
         redact,
         remove_folders,
         resolve_output,
+        write_all,
     )
     from ..io.reader import open_archive
     from ..io.safetensors import SafetensorsWriter, build_body
@@ -351,16 +350,13 @@ def run_get(args) -> int:
     metadata = reader.metadata(file) or None
     made = []  # folders --parents makes, after the refusals (they leave none behind); removed if the write fails
     if not to_stdout and args.parents:
-        made = missing_folders(path) if isinstance(fs, pafs.LocalFileSystem) else []
         try:
-            prepare_parent(fs, path, args.output, parents=True)
+            made = prepare_parent(fs, path, args.output, parents=True)
         except OSError as exc:
             raise output_error(args.output, exc) from None
     if to_stdout:
         try:
-            body = memoryview(build_body([(args.key, block.dtype, block.shape, block.data)], metadata))
-            while body:  # a pipe's reader that leaves can cut a write short without an error: the rest raises
-                body = body[sys.stdout.buffer.write(body) :]
+            write_all(sys.stdout.buffer, build_body([(args.key, block.dtype, block.shape, block.data)], metadata))
             sys.stdout.buffer.flush()
         except BrokenPipeError:
             raise

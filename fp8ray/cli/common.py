@@ -184,29 +184,19 @@ def refuse_standard_output(path: str, writes: str, instead: str = "") -> None:
         raise DestinationError(f"{writes}, not standard output ('-'): name the output (./- for one named -){instead}")
 
 
-# The arguments of the commands that name a file or directory they read.
-INPUT_ARGUMENTS = ("source", "archive", "against", "original", "text", "model", "archives")
+# The arguments of the commands that name a file or directory they read, as each is shown
+# (compress's --model is a name, not a file).
+INPUT_ARGUMENTS = {"source": "source", "archive": "archive", "against": "--against", "original": "original", "text": "--text"}
 
 
 def refuse_standard_input(args: argparse.Namespace) -> None:
     """Refuse ``-`` as a file to read: no command reads standard input, and "source -
     does not exist" did not say so."""
-    for name in INPUT_ARGUMENTS:
+    for name, shown in INPUT_ARGUMENTS.items():
         if getattr(args, name, None) == "-":
             from ..errors import SourceError
 
-            raise SourceError(f"'-' as the {name}: fp8ray reads files, not standard input; name a file (./- for one named -)")
-
-
-def size_text(nbytes: int) -> str:
-    """A size as a line shows it, in the binary unit that keeps it readable (an archive of
-    a few KiB read "0.0 MiB")."""
-    value, unit = float(nbytes), "B"
-    for larger in ("KiB", "MiB", "GiB", "TiB"):
-        if value < 1023.95:  # not shown as 1024.0 of the smaller unit
-            break
-        value, unit = value / 1024, larger
-    return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
+            raise SourceError(f"{shown} '-': fp8ray reads files, not standard input; name a file (./- for one named -)")
 
 
 def rate(gbps: float) -> str:

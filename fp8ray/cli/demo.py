@@ -46,7 +46,7 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
     from ..eval.capture import capture
     from ..eval.fidelity import fidelity_report
     from ..eval.models import shipped_model_path
-    from ..io.paths import counted
+    from ..io.paths import counted, size_text
 
     options = options or CodecOptions()
     ray_cpus = max(workers, os.cpu_count() or 1)
@@ -88,7 +88,7 @@ def run_demo(out_dir: Path, tokens: int | None = None, workers: int = 2, options
         [
             captured,
             f"compress ({mode}, {workers} QuantWorkers on {', '.join(compressed.devices)}): "
-            f"{compressed.blocks} blocks, {compressed.raw_bytes / 2**20:.2f} MiB -> {compressed.archive_bytes / 2**20:.2f} MiB "
+            f"{compressed.blocks} blocks, {size_text(compressed.raw_bytes)} -> {size_text(compressed.archive_bytes)} "
             f"({compressed.ratio:.2f}x) in {counted(compressed.parts, 'Parquet part')}, "
             f"{rate(compressed.input_gbps)} of input",
             f"verify against the source: {verified.blocks} blocks, every checksum ok",

@@ -146,6 +146,7 @@ def model_read(model: str | None) -> str | None:
 
 def run_capture(args) -> int:
     from ..eval.capture import capture
+    from ..io.paths import size_text
 
     check_output("--out", args.out, args.text, model_read(args.model))
     report = capture(args.out, args.text, args.tokens, args.model, args.dtype, args.overwrite)
@@ -155,7 +156,7 @@ def run_capture(args) -> int:
         print(
             f"captured {report.tokens} tokens of {report.model}: {2 * report.layers} blocks of "
             f"[{report.kv_heads}, {report.tokens}, {report.head_dim}] {report.dtype} "
-            f"({report.bytes / 2**20:.2f} MiB) in {report.path}"
+            f"({size_text(report.bytes)}) in {report.path}"
         )
     return 0
 

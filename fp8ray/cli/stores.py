@@ -14,7 +14,6 @@ from .common import (
     progress,
     rate,
     refuse_standard_output,
-    size_text,
     warn,
     warn_each,
 )
@@ -67,7 +66,7 @@ def add_commands(commands) -> None:
 def run_store_command(args) -> int:
     from ..codec import CodecOptions
     from ..engine.stores import convert_store
-    from ..io.paths import printable
+    from ..io.paths import printable, size_text
 
     compress = args.command == "lmcache-compress"
     target = args.serde if compress else "raw"

@@ -50,7 +50,6 @@ from ..io.paths import (
     check_apart,
     counted,
     entries,
-    missing_folders,
     move_into_place,
     name_list,
     os_reason,
@@ -562,8 +561,7 @@ def decompress_archive(
         archive.read_metadata_columns(fs, path, manifest, RESTORE_COLUMNS, archive_uri, check=True)
         raise
     # Folders --parents makes, taken away again if the command fails (a damaged archive leaves nothing).
-    made = missing_folders(out_path) if parents and isinstance(out_fs, pafs.LocalFileSystem) else []
-    foreign = check_output(out_fs, out_path, output, plan, overwrite or force_replace, force_replace, parents)
+    foreign, made = check_output(out_fs, out_path, output, plan, overwrite or force_replace, force_replace, parents)
     # What is replaced at the end: only an output there now (one made meanwhile is kept).
     replace = (overwrite or force_replace) and output_exists(out_fs, out_path)
     if foreign and announce:

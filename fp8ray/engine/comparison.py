@@ -26,7 +26,8 @@ from ..codec.bound import CHECK_ELEMENTS, check_within_bound, element_scales
 from ..codec.metrics import error_metrics, row_sums
 from ..errors import MismatchError
 
-# Elements of a run: its bound check in one piece (about ten float64 temporaries each).
+# Elements of the runs pending together: a run's bound check in one piece (about ten
+# float64 temporaries each).
 RUN_ELEMENTS = CHECK_ELEMENTS
 # Blocks of fewer elements only go in runs: torch splits the sum of a longer row across
 # its threads (at::internal::GRAIN_SIZE), not the rows of a run, so a larger block's sums

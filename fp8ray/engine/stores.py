@@ -61,7 +61,6 @@ from ..io.paths import (
     check_apart,
     entries,
     list_tree,
-    missing_folders,
     name_list,
     os_reason,
     prepare_parent,
@@ -117,7 +116,7 @@ def _check_paths(source: str, destination: str, overwrite: bool, parents: bool) 
     if os.path.lexists(dst) or os.path.islink(destination):  # a link to nothing is the user's too
         if not overwrite:
             raise ArchiveExistsError(f"destination {destination} exists (pass --overwrite to replace it)")
-        if not os.path.isdir(dst) or os.path.islink(destination):
+        if not os.path.isdir(dst):  # a file, or a link to nothing (a link to a store is followed: dst is its target)
             raise DestinationError(f"destination {destination} exists and is not a directory; not replacing it")
         # Replacing it deletes the whole directory: never what is not a store's.
         try:
@@ -260,10 +259,10 @@ def convert_store(
     done = []
     cannot_write = f"cannot write destination {printable(destination)}"
     mark = None
-    made = missing_folders(dst) if parents else []  # removed again if the conversion fails
+    made = []  # folders --parents makes: removed again if the conversion fails
     try:
         try:
-            prepare_parent(LocalFileSystem(), dst, destination, parents)
+            made = prepare_parent(LocalFileSystem(), dst, destination, parents)
             os.mkdir(scratch)  # in the try: an interrupt that lands as it is made removes it
             mark = ScratchMark(scratch)
         except OSError as exc:

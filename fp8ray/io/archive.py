@@ -424,8 +424,8 @@ def read_manifest(fs: pafs.FileSystem, directory: str, uri: str | None = None) -
         info = fs.get_file_info(directory)
         if info.type == pafs.FileType.NotFound:
             raise CorruptArchiveError(f"archive {shown} does not exist")
-        if info.type != pafs.FileType.Directory:  # a source given as the archive, say (arguments swapped)
-            raise CorruptArchiveError(f"archive {shown} is a file, not an fp8ray archive (a directory)")
+        if isinstance(fs, pafs.LocalFileSystem) and info.type != pafs.FileType.Directory:  # a source given as the archive, say
+            raise CorruptArchiveError(f"archive {shown} is not a directory: not an fp8ray archive")
         if fs.get_file_info(f"{directory}/{MANIFEST_NAME}").type != pafs.FileType.File:
             raise CorruptArchiveError(f"{shown} has no {MANIFEST_NAME}: not a complete fp8ray archive")
         text = _read_record(fs, f"{directory}/{MANIFEST_NAME}", path)

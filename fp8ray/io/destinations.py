@@ -19,7 +19,6 @@ from .paths import (
     entries,
     is_temporary,
     list_tree,
-    missing_folders,
     name_list,
     os_reason,
     prepare_parent,
@@ -42,6 +41,7 @@ class ArchiveDestination:
     work: str  # where the parts go
     created: bool  # whether this run creates ``work`` (:func:`make_work`), and so may remove it
     made: list[str] = field(default_factory=list)  # folders above it that --parents makes (deepest first)
+    work_made: bool = False  # whether make_work made ``work``: only then is it this run's to remove
 
     @property
     def replacing(self) -> bool:
@@ -87,15 +87,23 @@ def prepare_destination(uri: str, resume: bool, overwrite: bool, parents: bool) 
                 f"destination {redact(uri)} holds an interrupted compress (pass --resume to continue, --overwrite to replace)"
             )
         return ArchiveDestination(fs, path, path, False)
-    made = missing_folders(path) if parents and isinstance(fs, pafs.LocalFileSystem) else []
-    prepare_parent(fs, path, uri, parents)
+    if isinstance(fs, pafs.LocalFileSystem) and os.path.islink(path):  # to nothing: the user's, not a place to write
+        raise DestinationError(f"destination {redact(uri)} is a symbolic link to nothing: point it at a directory, or remove it")
+    made = prepare_parent(fs, path, uri, parents)
     return ArchiveDestination(fs, path, path, True, made)
 
 
 def make_work(dest: ArchiveDestination) -> None:
-    """Make the directory the parts go into, where this run creates it."""
-    if dest.created:
+    """Make the directory the parts go into, where this run creates it: locally by
+    ``mkdir``, which fails where one was made meanwhile (pyarrow's ``create_dir`` takes it
+    as made, and a failed run then removed another's directory)."""
+    if not dest.created:
+        return
+    if isinstance(dest.fs, pafs.LocalFileSystem):
+        os.mkdir(dest.work)
+    else:
         dest.fs.create_dir(dest.work)
+    dest.work_made = True
 
 
 BEING_WRITTEN = "destination {} is being written by another compress right now: not writing it too"
@@ -146,7 +154,8 @@ def hold_destination(dest: ArchiveDestination, uri: str) -> Iterator[None]:
 def remove_created(dest: ArchiveDestination) -> None:
     """Remove, quietly, the directory this run created and the folders --parents made
     for it: a failed run leaves the destination as it found it."""
-    remove_quietly(dest.fs, dest.work)
+    if dest.work_made:
+        remove_quietly(dest.fs, dest.work)
     remove_folders(dest.made)
 
 
@@ -173,10 +182,10 @@ def undo_compress(dest: ArchiveDestination, todo: list[int]) -> None:
 
 def check_output(
     fs: pafs.FileSystem, path: str, uri: str, plan: RestorePlan, overwrite: bool, force_replace: bool, parents: bool
-) -> list[str]:
+) -> tuple[list[str], list[str]]:
     """Refuse, before any work, an output decompress cannot write as asked. Returns what
     an existing output directory holds that the archive does not describe (to be
-    replaced only with ``force_replace``)."""
+    replaced only with ``force_replace``), and the folders ``parents`` made for it."""
     wanted = "directory" if plan.container == "directory" else "file"
     if wanted == "file":
         if uri.endswith("/"):
@@ -193,8 +202,7 @@ def check_output(
     if kind == pafs.FileType.NotFound and isinstance(fs, pafs.LocalFileSystem) and os.path.islink(path):
         kind = pafs.FileType.File  # a symbolic link to nothing: the user's, replaced only with --overwrite
     if kind == pafs.FileType.NotFound:
-        prepare_parent(fs, path, uri, parents)
-        return []
+        return [], prepare_parent(fs, path, uri, parents)
     have = "directory" if kind == pafs.FileType.Directory else "file"
     if have != wanted:  # whatever --overwrite says: name another output
         raise DestinationError(
@@ -203,7 +211,7 @@ def check_output(
     if not overwrite:
         raise ArchiveExistsError(f"output {redact(uri)} exists (pass --overwrite to replace it with the archive's {wanted})")
     if have == "file":
-        return []
+        return [], []
     described = {f.name for f in plan.files}
     try:
         foreign = [e.name for e in list_tree(fs, path) if not (e.kind == "file" and e.name in described)]
@@ -215,7 +223,7 @@ def check_output(
             f"describe ({name_list(foreign)}): --overwrite replaces only the archive's own files; "
             "pass --force-replace to delete them too"
         )
-    return foreign
+    return foreign, []
 
 
 def clean_temporaries(fs: pafs.FileSystem, directory: str) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import pyarrow.fs as pafs
 
-from .paths import counted, is_temporary, name_list, redact, temporary_prefix
+from .paths import counted, is_temporary, name_list, redact, size_text, temporary_prefix
 
 MARK = ".fp8ray-writing"  # starts with ".": an archive's readers leave it alone while it is there
 
@@ -78,7 +78,7 @@ def sweep_leftovers(fs: pafs.FileSystem, path: str, shown: str, announce: Callab
         size = sum(size for _, size in swept)
         announce(
             f"removed {counted(len(swept), 'scratch folder')} left beside {redact(shown)} by killed runs "
-            f"({name_list([name for name, _ in swept])}; {size / 2**20:.1f} MiB)"
+            f"({name_list([name for name, _ in swept])}; {size_text(size)})"
         )
 
 

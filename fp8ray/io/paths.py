@@ -54,6 +54,21 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), path
 
 
+def write_all(stream, data) -> None:
+    """Write all of ``data`` to ``stream``: an unbuffered one (``PYTHONUNBUFFERED``, ``-u``)
+    writes what a pipe has room for and says how much, without an error (a reader that
+    then leaves makes the next write raise); a non-blocking one says None while full."""
+    import select
+
+    view = memoryview(data).cast("B")
+    while view:
+        written = stream.write(view)
+        if written is None:
+            select.select([], [stream], [])
+            continue
+        view = view[written:]
+
+
 def resolve_output(uri: str) -> tuple[pafs.FileSystem, str]:
     """:func:`resolve` of an output, through a symbolic link to something that exists: the
     output is written where the link points, as without ``--overwrite``, whose renames had
@@ -200,7 +215,7 @@ def write_output(uri: str, data: bytes) -> None:
     """Write a command's output file ``uri`` whole (:func:`write_atomic`), never in the
     place of a device or a FIFO (:func:`check_not_special`); a failure raises
     :func:`output_error`."""
-    fs, path = resolve(uri)
+    fs, path = resolve_output(uri)
     check_not_special(fs, path, uri)
     try:
         write_atomic(fs, path, data)
@@ -267,6 +282,17 @@ def counted(count: int, word: str, plural: str | None = None) -> str:
     return f"{count} {word if count == 1 else plural or word + 's'}"
 
 
+def size_text(nbytes: int) -> str:
+    """A size as a line shows it, in the binary unit that keeps it readable (an archive of
+    a few KiB read "0.0 MiB")."""
+    value, unit = float(nbytes), "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1023.95:  # not shown as 1024.0 of the smaller unit
+            break
+        value, unit = value / 1024, larger
+    return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
 def entries(count: int) -> str:
     """``count`` entries, in words: ``1 entry``, ``3 entries``."""
     return counted(count, "entry", "entries")
@@ -279,36 +305,45 @@ def name_list(names: list[str], limit: int = 10) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def prepare_parent(fs: pafs.FileSystem, path: str, uri: str, parents: bool) -> None:
+def prepare_parent(fs: pafs.FileSystem, path: str, uri: str, parents: bool) -> list[str]:
     """Make sure the directory that will hold ``path`` exists: create it (and its own
-    parents) with ``parents``, else refuse naming it. Object stores have no directories
+    parents) with ``parents``, else refuse naming it. Returns the local folders this call
+    made, deepest first (:func:`remove_folders` takes them away after a failure), each
+    made by ``mkdir``, so that one another process makes meanwhile is never counted as
+    ours; if making them fails, those made are removed. Object stores have no directories
     below the bucket, so there only the bucket must exist."""
     if "://" in uri and urlsplit(uri).scheme in ("s3", "gs", "gcs"):
         bucket = path.split("/", 1)[0]
         if fs.get_file_info(bucket).type != pafs.FileType.Directory:
             raise DestinationError(f"bucket {bucket!r} of {redact(uri)} does not exist")
-        return
+        return []
     parent = posixpath.dirname(path.rstrip("/")) or "/"
     kind = fs.get_file_info(parent).type
     if kind == pafs.FileType.Directory:
-        return
+        return []
     if kind != pafs.FileType.NotFound:
         raise DestinationError(f"{redact(uri)}: its parent {parent} is not a directory")
     if not parents:
         raise DestinationError(f"directory {parent} does not exist (create it, or pass --parents) for {redact(uri)}")
-    fs.create_dir(parent, recursive=True)
-
-
-def missing_folders(path: str) -> list[str]:
-    """The folders above the local ``path`` that do not exist, deepest first: what
-    :func:`prepare_parent` with ``parents`` makes, and :func:`remove_folders` takes away
-    after a failure."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        fs.create_dir(parent, recursive=True)
+        return []
     missing = []
-    parent = os.path.dirname(path.rstrip("/"))
     while parent and not os.path.lexists(parent):
         missing.append(parent)
         parent = os.path.dirname(parent)
-    return missing
+    made: list[str] = []
+    try:
+        for folder in reversed(missing):
+            try:
+                os.mkdir(folder)
+            except FileExistsError:  # made meanwhile, by another: not ours to remove
+                continue
+            made.insert(0, folder)
+    except BaseException:
+        remove_folders(made)
+        raise
+    return made
 
 
 def remove_folders(folders: list[str]) -> None:

@@ -31,7 +31,7 @@ from ..codec.formats import DTYPE_NAMES, DTYPES
 from ..codec.fp8codec import Fp8Codec, copy_into
 from ..codec.options import CodecOptions
 from ..errors import BadInputError, CorruptFrameError, InvalidOptionError, MismatchError, block_error
-from .objects import Shape, byte_view, check_dtype, check_group, is_group, kv_tensors, layout_pairs, one_byte
+from .objects import Shape, byte_view, check_dense, check_dtype, check_group, is_group, kv_tensors, layout_pairs, one_byte
 
 FP8_INPUT_POLICIES = ("refuse", "passthrough")  # what the frame pair does with 1-byte sources
 
@@ -129,6 +129,7 @@ class Fp8FrameSerializer(_FramePair):
 
     def _check_source(self, tensors: Sequence[torch.Tensor]) -> None:
         for i, t in enumerate(tensors):
+            check_dense(t, "src")
             if one_byte(t.dtype):
                 if self.fp8_input == "passthrough":
                     continue

@@ -186,11 +186,11 @@ def test_outputs_and_options_that_would_be_misread_are_refused(argv, said, tmp_p
     [
         (["fidelity", "SRC", "SRC", "--plot", "-"], "--plot writes a file, not standard output ('-')"),
         (["capture", "--out", "-", "--text", "SRC"], "--out writes a file, not standard output ('-')"),
-        (["compress", "-", "OUT", "--address", "inline"], "'-' as the source: fp8ray reads files, not standard input"),
-        (["verify", "-", "--address", "inline"], "'-' as the archive: fp8ray reads files, not standard input"),
-        (["verify", "SRC", "--against", "-"], "'-' as the against: fp8ray reads files, not standard input"),
-        (["fidelity", "-", "SRC"], "'-' as the original: fp8ray reads files, not standard input"),
-        (["eval-model", "--text", "-"], "'-' as the text: fp8ray reads files, not standard input"),
+        (["compress", "-", "OUT", "--address", "inline"], "source '-': fp8ray reads files, not standard input"),
+        (["verify", "-", "--address", "inline"], "archive '-': fp8ray reads files, not standard input"),
+        (["verify", "SRC", "--against", "-"], "--against '-': fp8ray reads files, not standard input"),
+        (["fidelity", "-", "SRC"], "original '-': fp8ray reads files, not standard input"),
+        (["eval-model", "--text", "-"], "--text '-': fp8ray reads files, not standard input"),
     ],
 )
 def test_a_dash_for_a_file_is_refused_not_taken_as_a_name(argv, said, tmp_path, capsys, monkeypatch):
@@ -206,7 +206,7 @@ def test_sizes_are_said_in_a_unit_that_shows_them(tmp_path, capsys):
     """A small archive read "0.0 MiB -> 0.0 MiB (1.06x)"."""
     from safetensors.torch import save_file
 
-    from fp8ray.cli.common import size_text
+    from fp8ray.io.paths import size_text
 
     assert [size_text(n) for n in (0, 1023, 1024, 1536, 2**20 - 1, 5 * 2**30)] == [
         "0 B",

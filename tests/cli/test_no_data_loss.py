@@ -314,6 +314,33 @@ def test_overwrite_through_a_symbolic_link_replaces_what_it_points_to(kvdir, tmp
     assert got_link.is_symlink() and got_real.stat().st_size > 5
 
 
+def test_compress_to_a_symbolic_link_to_nothing_keeps_the_link(kvdir, tmp_path, capsys):
+    """The link was taken for no destination: making the directory failed ("File exists")
+    and the clean-up then deleted the user's link."""
+    link = tmp_path / "arch"
+    link.symlink_to(tmp_path / "nowhere")
+    for flags in ((), ("--overwrite",)):
+        code, err = run(capsys, "compress", kvdir, link, "--address", "inline", *flags)
+        assert code == 1 and "is a symbolic link to nothing" in err and link.is_symlink(), err
+
+
+def test_parents_that_cannot_all_be_made_are_taken_away(kvdir, tmp_path, capsys):
+    """A name too long for the filesystem: the folders above it were made, then left."""
+    from fp8ray import open_archive
+
+    arch = tmp_path / "arch"
+    assert run(capsys, "compress", kvdir, arch, "--address", "inline")[0] == 0
+    key = next(iter(open_archive(str(arch)).keys()))
+    long = "x" * 300
+    for argv in (
+        ("compress", kvdir, tmp_path / "made" / long / "arch", "--address", "inline"),
+        ("decompress", arch, tmp_path / "made" / long / "out", "--address", "inline"),
+        ("get", arch, key, "-o", tmp_path / "made" / long / "k.safetensors"),
+    ):
+        code, err = run(capsys, *argv, "--parents")
+        assert code == 1 and "File name too long" in err and not (tmp_path / "made").exists(), (argv[0], err)
+
+
 def test_overwrite_never_puts_a_file_in_place_of_a_fifo_or_a_device(kvdir, tmp_path, capsys):
     """An output that is a FIFO, or a link to a device (/dev/null), is refused even with
     --overwrite: the output's rename would put a plain file in its place."""

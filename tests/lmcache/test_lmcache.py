@@ -163,6 +163,8 @@ def test_tensors_with_no_dense_memory_are_refused_by_name():
         (lambda: ser.serialize(obj(torch.eye(2, dtype=torch.int32).to_sparse()), obj(buf)), "src tensor is a sparse_coo"),
         (lambda: ser.serialize(obj(torch.ones(4)), obj(buf.to("meta"))), "dst tensor is a meta tensor: it has no data"),
         (lambda: de.deserialize(obj(buf), obj(torch.empty(4, device="meta"))), "dst tensor is a meta tensor: it has no data"),
+        # and the frame pair's source: torch's NotImplementedError from as_strided before
+        (lambda: Fp8FrameSerializer().serialize(obj(torch.eye(4).to_sparse()), obj(buf)), "src tensor is a sparse_coo"),
     ):
         with pytest.raises(BadInputError, match=said):
             call()
