@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 
 from ..errors import BadInputError
+from .common import INPUT_ARGUMENTS
 
-# The arguments of the commands that name local files or directories.
-PATH_ARGUMENTS = ("source", "destination", "archive", "output", "against", "original", "out", "plot", "text", "archives")
+# The arguments of the commands that name local files or directories: those read, then
+# the outputs, and the directory serve reads archives from.
+PATH_ARGUMENTS = (*INPUT_ARGUMENTS, "destination", "output", "out", "plot", "archives")
 
 
 def in_a_job() -> bool:
