@@ -99,11 +99,15 @@ def make_work(dest: ArchiveDestination) -> None:
     as made, and a failed run then removed another's directory)."""
     if not dest.created:
         return
-    if isinstance(dest.fs, pafs.LocalFileSystem):
-        os.mkdir(dest.work)
-    else:
-        dest.fs.create_dir(dest.work)
-    dest.work_made = True
+    dest.work_made = True  # before the call: an interrupt that lands as it returns leaves it ours to remove
+    try:
+        if isinstance(dest.fs, pafs.LocalFileSystem):
+            os.mkdir(dest.work)
+        else:
+            dest.fs.create_dir(dest.work)
+    except FileExistsError:  # made meanwhile, by another
+        dest.work_made = False
+        raise
 
 
 BEING_WRITTEN = "destination {} is being written by another compress right now: not writing it too"

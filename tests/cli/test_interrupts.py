@@ -274,16 +274,35 @@ def test_an_interrupt_as_the_output_directory_is_made_leaves_nothing(reference, 
     from fp8ray.cli import main
     from fp8ray.engine import archives as engine_archives
     from fp8ray.io import destinations
-    from fp8ray.io.paths import resolve
+    from fp8ray.io.paths import resolve_output
 
     dest = tmp_path / ("kv.fp8" if command == "compress" else "out")
 
     def resolve_dest(uri):
-        return (InterruptedAfter("create_dir"), resolve(uri)[1]) if uri == str(dest) else resolve(uri)
+        return (InterruptedAfter("create_dir"), resolve_output(uri)[1]) if uri == str(dest) else resolve_output(uri)
 
-    monkeypatch.setattr(destinations if command == "compress" else engine_archives, "resolve", resolve_dest)
+    monkeypatch.setattr(destinations if command == "compress" else engine_archives, "resolve_output", resolve_dest)
     source = reference / ("kv" if command == "compress" else "ref.fp8")
     assert main([command, str(source), str(dest), "--address", "inline"]) == 130
+    assert _interrupted_line(capsys) == f"fp8ray: interrupted: nothing written; {dest} not created"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupt_as_compress_makes_its_local_directory_leaves_nothing(reference, tmp_path, monkeypatch, capsys):
+    """As above, on the local filesystem, where the directory is made by mkdir (which,
+    unlike pyarrow's create_dir, fails on one made meanwhile): still this run's to remove."""
+    from fp8ray.cli import main
+    from fp8ray.io import destinations
+
+    dest, real_mkdir = tmp_path / "kv.fp8", os.mkdir
+
+    def mkdir_then_interrupt(path, *args, **kwargs):
+        real_mkdir(path, *args, **kwargs)
+        if path == str(dest):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(destinations.os, "mkdir", mkdir_then_interrupt)
+    assert main(["compress", str(reference / "kv"), str(dest), "--address", "inline"]) == 130
     assert _interrupted_line(capsys) == f"fp8ray: interrupted: nothing written; {dest} not created"
     assert list(tmp_path.iterdir()) == []
 
