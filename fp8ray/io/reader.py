@@ -235,6 +235,14 @@ class ArchiveReader:
         if out["key"] != key or out.get("file", file) != file:
             held = f"{printable(str(out.get('file', file)))}:{printable(str(out['key']))}"
             raise self._damaged(label, part, f"its row holds block {held!r}")
+        # An archive replaced since (compress --overwrite) whose parts have the old ones' row
+        # groups reads without an error: its blocks were served as this archive's. Locally a
+        # stat after the read tells (the renames swap the manifest and the parts at once); on
+        # an object store that is a request per block, and only a failed read asks.
+        if isinstance(self._fs, pafs.LocalFileSystem):
+            replaced = self._replaced()
+            if replaced is not None:
+                raise replaced
         return label, part, out
 
     @property
