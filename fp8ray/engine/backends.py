@@ -8,6 +8,7 @@ worker object has a thread of its own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Collection
@@ -75,6 +76,17 @@ class InlineBackend:
         self.workers = []
 
 
+@functools.cache
+def _remote_worker():
+    """``QuantWorker`` as a Ray actor class, made once per process: Ray keeps every actor
+    class that made actors until the process ends (about 136 KB in the driver and as much
+    in the GCS), so a class per pool grew a long-lived service with each pool. Ray exports
+    it again to each new session (an embedded Ray started anew)."""
+    import ray
+
+    return ray.remote(QuantWorker)
+
+
 class RayBackend:
     """``QuantWorker`` Ray actors, spread across the cluster's nodes. Ray must be
     connected (:func:`fp8ray.engine.runtime.connect_ray`)."""
@@ -86,7 +98,7 @@ class RayBackend:
         import ray
 
         self._ray = ray
-        self._actor_class = ray.remote(QuantWorker).options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy="SPREAD")
+        self._actor_class = _remote_worker().options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy="SPREAD")
         self._threads = max(1, int(cpus))
         self._needs = (cpus, gpus)
         self._start_timeout = start_timeout
