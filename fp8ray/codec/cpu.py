@@ -94,9 +94,18 @@ def _run(tasks: list, threads: int | None) -> list:
     return results
 
 
+# Helper threads at most, whatever a call asks: threads past the CPUs only wait their
+# turn, and a pool keeps its threads for the process's life (threads=256 once left 37).
+MOST_HELPERS_PER_CPU = 4
+
+
 def _helpers(count: int) -> ThreadPoolExecutor:
-    """The pool, with room for ``count`` helpers."""
+    """The pool, with room for ``count`` helpers (at most MOST_HELPERS_PER_CPU a CPU: a
+    call's tasks are taken by whichever thread is free, so fewer only share them out
+    differently). An outgrown pool's threads end once no call holds it any more (as the
+    executor is collected)."""
     global _pool, _pool_size
+    count = min(count, MOST_HELPERS_PER_CPU * max(num_threads(), os.cpu_count() or 1))
     with _pool_lock:
         if _pool is None or _pool_size < count:
             _pool, _pool_size = ThreadPoolExecutor(max_workers=count, thread_name_prefix="fp8ray-cpu"), count

@@ -9,7 +9,9 @@ import threading
 import time
 
 import pytest
+import torch
 
+from fp8ray import Fp8Codec
 from fp8ray.codec import cpu
 
 
@@ -97,6 +99,19 @@ def test_calls_of_many_thread_counts_keep_only_the_largest_counts_helpers():
         gc.collect()
         time.sleep(0.05)
     assert helpers_alive() <= largest
+
+
+def test_a_call_asking_for_hundreds_of_threads_gets_at_most_four_helpers_a_cpu():
+    """threads=256 on 2 CPUs left 37 idle helper threads for the life of the process."""
+    x = torch.randn(4, 250_000)
+    expected = bytes(Fp8Codec().encode(x, threads=1))
+    assert bytes(Fp8Codec().encode(x, threads=256)) == expected
+    most = cpu.MOST_HELPERS_PER_CPU * max(cpu.num_threads(), os.cpu_count() or 1)
+    deadline = time.monotonic() + 30  # a replaced pool's threads end once it is collected
+    while helpers_alive() > most and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert helpers_alive() <= most
 
 
 def test_an_interrupt_while_the_caller_waits_is_raised_once_the_helpers_task_returns():
