@@ -115,33 +115,23 @@ def large_block(tmp_path_factory):
     return root / "arch"
 
 
+def unbuffered_bash(line: str) -> subprocess.CompletedProcess:
+    """``line`` run by bash with Python unbuffered (PYTHONUNBUFFERED, as container images
+    set it): where one write to standard output can be cut short without an error."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    return subprocess.run(line, shell=True, executable="/bin/bash", stderr=subprocess.PIPE, text=True, timeout=300, env=env)
+
+
 def test_a_reader_that_leaves_early_is_not_a_whole_output(large_block):
-    """Unbuffered (PYTHONUNBUFFERED, as container images set it), one write of the body
-    took what the pipe held and returned its count, without an error: get exited 0 with
-    the rest never written."""
-    piped = subprocess.run(
-        f"set -o pipefail; {FP8RAY} get {large_block} big -o - | head -c 100 > /dev/null",
-        shell=True,
-        executable="/bin/bash",
-        stderr=subprocess.PIPE,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1"),  # where standard output cuts writes short
-    )
+    """One write of the body took what the pipe held and returned its count, without an
+    error: get exited 0 with the rest never written."""
+    piped = unbuffered_bash(f"set -o pipefail; {FP8RAY} get {large_block} big -o - | head -c 100 > /dev/null")
     assert (piped.returncode, piped.stderr) == (141, "")
 
 
 def test_a_file_size_limit_on_standard_output_is_named(large_block, tmp_path):
-    """Under `ulimit -f`, unbuffered, the body was cut at the limit and get exited 0."""
-    limited = subprocess.run(
-        f"ulimit -f 1000; {FP8RAY} get {large_block} big -o - > {tmp_path / 'out.safetensors'}",
-        shell=True,
-        executable="/bin/bash",
-        stderr=subprocess.PIPE,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1"),
-    )
+    """Under `ulimit -f` the body was cut at the limit and get exited 0."""
+    limited = unbuffered_bash(f"ulimit -f 1000; {FP8RAY} get {large_block} big -o - > {tmp_path / 'out.safetensors'}")
     assert (limited.returncode, limited.stderr) == (1, "fp8ray: error: cannot write to standard output (-o -): File too large\n")
 
 
