@@ -55,6 +55,16 @@ def source_array(array) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray would make a 0-d array 1-d
 
 
+def not_dense(tensor) -> str | None:
+    """What a tensor that is not dense and strided is ("nested", "sparse_coo", ...), or
+    None: such a tensor has no memory of its own to encode from or decode into."""
+    import torch
+
+    if tensor.is_nested:
+        return "nested"
+    return None if tensor.layout == torch.strided else str(tensor.layout).removeprefix("torch.")
+
+
 def source_tensor(tensor):
     """What :meth:`Fp8Codec.encode` takes (a dense tensor of a dtype a frame holds, or a
     numpy array or scalar of one) as a torch tensor, or the error naming what is wrong."""
@@ -66,8 +76,8 @@ def source_tensor(tensor):
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor or numpy array, got {type(tensor).__name__}")
-    if tensor.is_nested or tensor.layout != torch.strided:
-        kind = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+    kind = not_dense(tensor)
+    if kind is not None:
         raise BlockError(f"cannot encode a {kind} tensor: give a dense one (tensor.to_dense())")
     dtype_name(tensor.dtype)  # a TypeError naming the dtypes there are
     if tensor.device.type == "meta":

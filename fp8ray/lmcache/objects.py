@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codec.formats import DTYPES
+from ..codec.fp8codec import not_dense
 from ..errors import BadInputError
 
 Shape = tuple[int, ...]
@@ -91,8 +92,8 @@ def byte_view(t: torch.Tensor | None, role: str) -> torch.Tensor:
 def check_dense(t: torch.Tensor, role: str) -> None:
     """Refuse a ``role`` tensor with no dense memory to read or write: a meta one (its
     writes went nowhere and the serde said it had written them), a sparse or nested one."""
-    if t.is_nested or t.layout != torch.strided:
-        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+    kind = not_dense(t)
+    if kind is not None:
         raise BadInputError(f"{role} tensor is a {kind} tensor: the Fp8 serde takes dense ones (tensor.to_dense())")
     if t.device.type == "meta":
         raise BadInputError(f"{role} tensor is a meta tensor: it has no data")
